@@ -1,0 +1,153 @@
+"""Engine checkpoints: every chunk of every list, plus the training state, in one directory.
+
+Layout of a checkpoint directory:
+- `pstar_checkpoint.json`: format version, dtype, chunk size, the tensor map (name, shape,
+  chunk, offset, step), global step, lr scale, loss scaler;
+- `rank{r}-of-{n}.safetensors`: the chunk payloads of that rank, keyed `{list}.{index}`;
+- `rank{r}-of-{n}.extra.pt`: RNG states and excluded parameters' optimizer state.
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so a
+failure while saving leaves the previous checkpoint intact. Chunks are read back one at
+a time, so loading needs no more host memory than one chunk beyond the engine's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from pstar_core.engine import Engine
+
+FORMAT_VERSION = 1
+META = "pstar_checkpoint.json"
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint is missing, corrupt, or was written for a different model/config."""
+
+
+def _rank_file(rank: int, world: int, suffix: str) -> str:
+    return f"rank{rank}-of-{world}{suffix}"
+
+
+def _meta(engine: Engine) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "dtype": engine.config.dtype,
+        "chunk_size": engine.plan.chunk_size,
+        "world_size": 1,
+        "lists": {k.value: len(v) for k, v in engine.manager.lists.items()},
+        "tensors": [
+            {
+                "name": s.name,
+                "shape": list(s.shape),
+                "chunk": s.chunk_index,
+                "offset": s.offset,
+                "trainable": s.trainable,
+                "step": s.step,
+            }
+            for s in engine.manager.slots
+        ],
+        "global_step": engine.global_step,
+        "lr_scale": engine.optimizer.lr_scale,
+        "scaler": engine.scaler.state_dict(),
+    }
+
+
+def save_checkpoint(engine: Engine, directory: Path) -> Path:
+    directory = directory.resolve()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        tensors = {
+            f"{kind.value}.{c.index}": c.payload
+            for kind, lst in engine.manager.lists.items()
+            for c in lst
+        }
+        save_file(tensors, tmp / _rank_file(0, 1, ".safetensors"))
+        extra = {"rng_cpu": torch.get_rng_state(), "excluded": engine.excluded.state_dict()}
+        if torch.cuda.is_available():
+            extra["rng_cuda"] = torch.cuda.get_rng_state_all()  # not exercised without a GPU
+        torch.save(extra, tmp / _rank_file(0, 1, ".extra.pt"))
+        (tmp / META).write_text(json.dumps(_meta(engine), indent=1))
+        _replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(engine: Engine, directory: Path) -> None:
+    meta_path = directory / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{directory} is not a pstar checkpoint (no {META})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
+    _check_compatible(engine, meta, directory)
+    path = directory / _rank_file(0, 1, ".safetensors")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for kind, lst in engine.manager.lists.items():
+                for c in lst:
+                    key = f"{kind.value}.{c.index}"
+                    c.payload.copy_(f.get_tensor(key))
+    except (OSError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
+    extra = torch.load(directory / _rank_file(0, 1, ".extra.pt"), weights_only=False)
+    torch.set_rng_state(extra["rng_cpu"])
+    if "rng_cuda" in extra and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extra["rng_cuda"])
+    engine.excluded.load_state_dict(extra["excluded"])
+    for slot, t in zip(engine.manager.slots, meta["tensors"], strict=True):
+        slot.step = int(t["step"])
+    engine.global_step = int(meta["global_step"])
+    engine.optimizer.lr_scale = float(meta["lr_scale"])
+    engine.scaler.load_state_dict(meta["scaler"])
+
+
+def _check_compatible(engine: Engine, meta: dict[str, Any], directory: Path) -> None:
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory}: format version {meta.get('format_version')}, "
+            f"this engine reads {FORMAT_VERSION}"
+        )
+    ours = _meta(engine)
+    for key in ("dtype", "chunk_size", "world_size", "lists"):
+        if meta.get(key) != ours[key]:
+            raise CheckpointError(
+                f"{directory}: checkpoint has {key}={meta.get(key)}, this engine {ours[key]}; "
+                "load it with the same model and engine config"
+            )
+    for theirs, mine in zip(meta["tensors"], ours["tensors"], strict=False):
+        layout = ("name", "shape", "chunk", "offset", "trainable")
+        if any(theirs[k] != mine[k] for k in layout):
+            raise CheckpointError(
+                f"{directory}: tensor {theirs['name']} {theirs['shape']} does not match "
+                f"{mine['name']} {mine['shape']} of this model"
+            )
+    if len(meta["tensors"]) != len(ours["tensors"]):
+        raise CheckpointError(
+            f"{directory}: {len(meta['tensors'])} tensors in the checkpoint, "
+            f"{len(ours['tensors'])} in this model"
+        )

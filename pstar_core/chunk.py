@@ -1,0 +1,109 @@
+"""Chunks and the tensors that live in them: the paper's tensor states and their transitions.
+
+A `Chunk` is one contiguous buffer of `capacity` elements of one dtype. A `TensorSlot` is
+one parameter's region (offset, numel) in a chunk, with its state. A trainable parameter
+has the same (chunk index, offset) in the four aligned lists; the state lives on the
+param-list slot, because that is the one hooks drive.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ChunkType(enum.Enum):
+    PARAM = "param"  # compute dtype (fp16/bf16/fp32); after backward, slots hold grads
+    PARAM_FP32 = "param_fp32"  # fp32 master weights
+    MOMENTUM = "momentum"
+    VARIANCE = "variance"
+    FROZEN = "frozen"  # compute dtype, parameters with requires_grad=False (no grad, no OS)
+    GRAD_ACCUM = "grad_accum"  # fp32, exists only while gradients accumulate
+
+
+class TensorState(enum.Enum):
+    FREE = "FREE"
+    COMPUTE = "COMPUTE"
+    HOLD = "HOLD"
+    HOLD_AFTER_FWD = "HOLD_AFTER_FWD"
+    HOLD_AFTER_BWD = "HOLD_AFTER_BWD"
+
+
+S = TensorState
+# Allowed transitions. COMPUTE -> COMPUTE is a nested access (tied weights, or a forward
+# re-run by activation checkpointing inside backward). HOLD_AFTER_BWD -> COMPUTE is absent
+# on purpose: the slot then holds a gradient, so computing on it would be silently wrong;
+# the manager first moves the gradient out (HOLD_AFTER_BWD -> HOLD) when accumulating.
+_LEGAL: dict[TensorState, frozenset[TensorState]] = {
+    S.FREE: frozenset({S.HOLD, S.COMPUTE}),
+    S.HOLD: frozenset({S.COMPUTE, S.FREE}),
+    S.COMPUTE: frozenset({S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}),
+    S.HOLD_AFTER_FWD: frozenset({S.COMPUTE, S.HOLD}),
+    S.HOLD_AFTER_BWD: frozenset({S.HOLD, S.FREE}),
+}
+HOLD_LIKE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD})
+
+
+class IllegalTransition(RuntimeError):
+    """A tensor was asked to move between two states the paper's state machine forbids."""
+
+
+@dataclass(eq=False)
+class TensorSlot:
+    """One parameter's place in the chunks and its state in the current iteration."""
+
+    name: str  # first name under which the model registers it
+    aliases: tuple[str, ...]  # every name (tied weights have several)
+    param: torch.nn.Parameter
+    shape: torch.Size
+    chunk_index: int  # index within its list (trainable lists or the frozen list)
+    offset: int
+    numel: int
+    trainable: bool
+    group: int = 0  # index into the engine's optimizer groups
+    state: TensorState = TensorState.FREE
+    compute_refs: int = 0
+    step: int = 0  # optimizer steps taken by this parameter (torch keeps one per param)
+    grad_in_accum: bool = False  # an earlier micro-batch left a grad in the accum chunk
+
+    def set_state(self, new: TensorState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise IllegalTransition(
+                f"parameter {self.name!r}: illegal transition {self.state.value} -> {new.value}"
+            )
+        self.state = new
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(eq=False)
+class Chunk:
+    """A contiguous buffer of `capacity` elements; `payload` is None while it has no memory."""
+
+    kind: ChunkType
+    index: int
+    capacity: int
+    dtype: torch.dtype
+    slots: list[TensorSlot] = field(default_factory=list)
+    payload: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def used_elems(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def view(self, slot: TensorSlot) -> torch.Tensor:
+        """The slot's region of this chunk, shaped like the parameter."""
+        assert self.payload is not None, f"{self.kind.value} chunk {self.index} has no payload"
+        return self.payload[slot.offset : slot.end].view(slot.shape)
+
+    def flat(self, slot: TensorSlot) -> torch.Tensor:
+        assert self.payload is not None, f"{self.kind.value} chunk {self.index} has no payload"
+        return self.payload[slot.offset : slot.end]

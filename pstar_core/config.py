@@ -1,0 +1,198 @@
+"""Engine configuration: one tree of small frozen models, the single source of defaults.
+
+`EngineConfig.parse(obj)` accepts a dict, a YAML path, or an `EngineConfig`, and turns every
+validation problem into a `ConfigError` whose message names the field, what was given and
+what is allowed. The docs quote these classes; nothing else defines a default.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which field and what is allowed."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ParamGroupConfig(_Frozen):
+    """Overrides for the parameters whose name matches `pattern` (a regex, `re.search`)."""
+
+    pattern: str = Field(description="regex matched against the parameter's name")
+    lr: float | None = Field(default=None, gt=0, description="learning rate for this group")
+    weight_decay: float | None = Field(default=None, ge=0, description="decoupled weight decay")
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_regex(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression ({e})") from None
+        return v
+
+
+class OptimizerConfig(_Frozen):
+    """AdamW (decoupled weight decay), run chunk by chunk."""
+
+    lr: float = Field(default=1e-3, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999), description="Adam betas, each in [0, 1)"
+    )
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    no_decay_1d: bool = Field(
+        default=True,
+        description="no weight decay for parameters with fewer than 2 dims (biases, norm weights)",
+    )
+    no_decay_patterns: tuple[str, ...] = Field(
+        default=(), description="regexes of parameter names that get no weight decay"
+    )
+    param_groups: tuple[ParamGroupConfig, ...] = Field(
+        default=(), description="per-name overrides; the first matching group wins"
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for b in v:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class SchedulerConfig(_Frozen):
+    """Learning-rate schedule applied by `engine.step()` (per optimizer step)."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(
+        default=None, gt=0, description="required for linear and cosine decay"
+    )
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+
+
+class LossScaleConfig(_Frozen):
+    """Dynamic loss scaling; only used when dtype is fp16."""
+
+    init_scale: float = Field(default=2.0**16, gt=0)
+    growth_factor: float = Field(default=2.0, gt=1)
+    backoff_factor: float = Field(default=0.5, gt=0, lt=1)
+    growth_interval: int = Field(default=1000, gt=0, description="good steps before growing")
+    min_scale: float = Field(default=1.0, gt=0)
+
+
+class EngineConfig(_Frozen):
+    """Everything `pstar_core.initialize` needs besides the model."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="bf16", description="compute dtype of the param chunks (master weights are fp32)"
+    )
+    chunk_size: int | Literal["auto"] = Field(
+        default="auto", description="elements per chunk, or 'auto' to search for least waste"
+    )
+    device: str = Field(default="cpu", description="compute device: 'cpu' or 'cuda[:N]'")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    gradient_clipping: float | None = Field(
+        default=None, gt=0, description="max global grad norm; null disables clipping"
+    )
+    activation_checkpointing: bool = Field(
+        default=False, description="recompute each block's forward in backward"
+    )
+    exclude_from_chunks: tuple[str, ...] = Field(
+        default=(),
+        description="regexes of parameter names kept as ordinary tensors outside the chunks",
+    )
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk_size_positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1024:
+            raise ValueError(f"must be 'auto' or an integer >= 1024 elements, got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def parse(cls, obj: EngineConfig | dict[str, Any] | str | Path | None) -> EngineConfig:
+        """Build a config from a dict, a YAML file path, or pass one through."""
+        if isinstance(obj, EngineConfig):
+            return obj
+        if obj is None:
+            obj = {}
+        if isinstance(obj, (str, Path)):
+            obj = _load_yaml(Path(obj))
+        if not isinstance(obj, dict):
+            raise ConfigError(f"engine config must be a mapping, got {type(obj).__name__}")
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            raise ConfigError(_explain(e)) from None
+
+
+def _load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(_fields_at(e["loc"][:-1]))
+            lines.append(f"{where}: unknown field; allowed here: {allowed}")
+            continue
+        given = e.get("input")
+        lines.append(f"{where}: {e['msg']} (got {given!r})")
+    return "invalid engine config:\n  " + "\n  ".join(lines)
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the config model at `loc`, to suggest in an unknown-field error."""
+    model: Any = EngineConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        ann = model.model_fields[part].annotation
+        args = getattr(ann, "__args__", ())
+        model = next(
+            (a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None
+        )
+        if model is None:
+            return []
+    return sorted(model.model_fields)

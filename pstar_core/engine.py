@@ -1,0 +1,357 @@
+"""`initialize(model_fn, config) -> Engine`: the one verb of the engine, and the Engine.
+
+The model is built on the `meta` device, so no weight exists before its chunk slot does;
+each parameter is then materialized straight into its slot (the fp32 master slot for a
+trainable parameter, so initialization happens at full precision) and initialized by the
+model's own init code. The param chunks are cast from the masters, and from then on a
+parameter has storage only while an operator uses it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pstar_core.chunk import ChunkType, TensorSlot, TensorState
+from pstar_core.config import ConfigError, EngineConfig
+from pstar_core.excluded import ExcludedParams
+from pstar_core.hooks import install_hooks
+from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
+from pstar_core.mapping import make_plan
+from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
+
+log = logging.getLogger(__name__)
+S = TensorState
+
+
+def initialize(
+    model_fn: Callable[[], nn.Module],
+    config: EngineConfig | dict[str, Any] | str | Path | None = None,
+) -> Engine:
+    """Build the model from `model_fn` on the meta device and put its parameters in chunks.
+
+    `config` is an `EngineConfig`, a dict, or a YAML path (see `pstar_core.config`).
+    `model_fn` may also return a model whose weights already exist (for example one that
+    loads them itself): they are then copied into the chunks and the originals dropped.
+    """
+    cfg = EngineConfig.parse(config)
+    if not callable(model_fn):
+        raise TypeError(f"model_fn must be a callable returning an nn.Module, got {model_fn!r}")
+    with torch.device("meta"):
+        module = model_fn()
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"model_fn returned {type(module).__name__}, expected an nn.Module")
+    return Engine(module, cfg)
+
+
+class Engine:
+    """Trains `module` with its model data in chunks. Use like the module plus an optimizer:
+
+    >>> out = engine(input_ids=x, labels=y); engine.backward(out.loss); engine.step()
+    """
+
+    def __init__(self, module: nn.Module, cfg: EngineConfig) -> None:
+        self.module = module
+        self.config = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.torch_dtype
+        self.global_step = 0
+
+        params = _unique_params(module)
+        exclude = [re.compile(p) for p in cfg.exclude_from_chunks]
+        chunked = [
+            (names, p) for names, p in params if not any(r.search(names[0]) for r in exclude)
+        ]
+        excluded = [(names, p) for names, p in params if any(r.search(names[0]) for r in exclude)]
+
+        self.plan = make_plan(
+            [p.numel() for _, p in chunked],
+            [p.requires_grad for _, p in chunked],
+            [names[0] for names, _ in chunked],
+            cfg.dtype,
+            cfg.chunk_size,
+        )
+        self.manager = ChunkManager(self.plan, self.dtype, self.device)
+        self.manager.allocate_all()
+        groups, group_of = resolve_groups(
+            [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
+        )
+        group_by_id = {id(p): g for (_, p), g in zip(params, group_of, strict=True)}
+        self.slots: dict[int, TensorSlot] = {}
+        tr_place = iter(self.plan.trainable.placements)
+        fr_place = iter(self.plan.frozen.placements)
+        for names, p in chunked:
+            place = next(tr_place if p.requires_grad else fr_place)
+            slot = TensorSlot(
+                names[0],
+                names,
+                p,
+                p.shape,
+                place.chunk_index,
+                place.offset,
+                p.numel(),
+                p.requires_grad,
+                group_by_id[id(p)],
+            )
+            self.manager.add_slot(slot)
+            self.slots[id(p)] = slot
+        self.by_name = {n: s for s in self.slots.values() for n in s.aliases}
+        self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
+        self._materialize()
+        if cfg.activation_checkpointing:
+            _enable_activation_checkpointing(module)
+        self.optimizer = ChunkAdamW(self.manager, cfg, groups)
+        self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
+        self._hooks = install_hooks(module, self.slots, self.manager)
+
+    # -- materialization ----------------------------------------------------------------
+
+    def _materialize(self) -> None:
+        """Point every parameter at its slot, initialize, then cast the masters down."""
+        m = self.manager
+        preloaded = False
+        for slot in self.slots.values():
+            kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
+            view = m.chunk_of(kind, slot).view(slot)
+            if slot.param.is_meta:
+                _rehome(slot.param, self.device)
+            else:
+                view.copy_(slot.param.data)  # model_fn built real weights: keep them
+                preloaded = True
+            slot.param.data = view
+        preloaded |= self.excluded.materialize()
+        for mod in self.module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.is_meta:
+                    mod._buffers[name] = torch.empty_like(buf, device=self.device)
+                elif buf is not None and buf.device != self.device:
+                    mod._buffers[name] = buf.to(self.device)
+        if not preloaded:
+            with torch.no_grad():
+                _run_model_init(self.module)
+        for i in range(self.plan.trainable.num_chunks):
+            m.lists[ChunkType.PARAM][i].payload.copy_(m.lists[ChunkType.PARAM_FP32][i].payload)
+        self.excluded.sync_from_masters()
+        for slot in self.slots.values():
+            slot.set_state(S.HOLD)
+            slot.param.data = m._placeholder
+
+    # -- training -----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        self.manager.reset_after_forward()
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss`; gradients add up over calls until `step()`."""
+        if self.scaler.enabled:
+            loss = loss.float() * self.scaler.scale
+        loss.backward()
+        # Accessed for backward but received no gradient (frozen, or not on the loss path).
+        self.manager.release_all(S.HOLD)
+
+    def step(self) -> bool:
+        """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
+        opt = self.optimizer
+        opt.fold_grads()
+        inv_scale = 1.0 / self.scaler.scale
+        clip = self.config.gradient_clipping
+        coef = 1.0
+        if self.scaler.enabled or clip is not None:
+            norm_sq = opt.grad_norm_sq() + self.excluded.grad_norm_sq()
+            if not math.isfinite(norm_sq):
+                if not self.scaler.enabled:
+                    raise FloatingPointError("gradient norm is not finite (inf/nan in gradients)")
+                opt.drop_grads()
+                self.excluded.zero_grad()
+                self.scaler.update(overflow=True)
+                log.info("fp16 overflow: step skipped, loss scale now %g", self.scaler.scale)
+                return False
+            if clip is not None:
+                norm = math.sqrt(norm_sq) * inv_scale
+                coef = min(1.0, clip / (norm + 1e-6))
+        opt.step(inv_scale * coef)
+        self.excluded.step(inv_scale * coef, opt.lr_scale)
+        self.scaler.update(overflow=False)
+        self.global_step += 1
+        opt.lr_scale = lr_factor(self.config.scheduler, self.global_step)
+        return True
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def lr(self) -> float:
+        """The current learning rate of the base optimizer group."""
+        return self.config.optimizer.lr * self.optimizer.lr_scale
+
+    # -- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict under its own names; trainable weights are fp32 masters."""
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            slot = self.by_name.get(name)
+            if slot is None:
+                out[name] = self.excluded.value(name, value).detach().clone()
+            else:
+                kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
+                out[name] = self.manager.chunk_of(kind, slot).view(slot).clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load weights by name (the masters at full precision; optimizer states kept)."""
+        self._require_no_pending_grads("load_state_dict")
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"state dict does not match the model: missing {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+                f"{' ...' if len(unexpected) > 10 else ''}"
+            )
+        m = self.manager
+        with torch.no_grad():
+            for name, value in state.items():
+                if name not in own:
+                    continue
+                slot = self.by_name.get(name)
+                if slot is None:
+                    self.excluded.load(name, own[name], value)
+                    continue
+                if tuple(value.shape) != tuple(slot.shape):
+                    raise ValueError(
+                        f"{name}: shape {tuple(value.shape)} in the state dict, "
+                        f"{tuple(slot.shape)} in the model"
+                    )
+                if slot.trainable:
+                    m.chunk_of(ChunkType.PARAM_FP32, slot).view(slot).copy_(value)
+                    master = m.chunk_of(ChunkType.PARAM_FP32, slot).view(slot)
+                    m.chunk_of(ChunkType.PARAM, slot).view(slot).copy_(master)
+                else:
+                    m.chunk_of(ChunkType.FROZEN, slot).view(slot).copy_(value)
+
+    def _require_no_pending_grads(self, what: str) -> None:
+        if any(s.state is not S.HOLD for s in self.slots.values()) or self.manager.grad_accum:
+            raise RuntimeError(
+                f"{what}: there are gradients not yet applied; call step() first "
+                "(or load before the first backward)"
+            )
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Write every chunk and the training state to `directory` (atomically replaced)."""
+        from pstar_core.checkpoint import save_checkpoint
+
+        self._require_no_pending_grads("save_checkpoint")
+        return save_checkpoint(self, Path(directory))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore a checkpoint written by `save_checkpoint` for the same model and config."""
+        from pstar_core.checkpoint import load_checkpoint
+
+        self._require_no_pending_grads("load_checkpoint")
+        load_checkpoint(self, Path(directory))
+
+    def stats(self) -> dict[str, Any]:
+        """Measured numbers: chunks per list and tier, bytes, utilization, bytes moved."""
+        m = self.manager
+        chunks: dict[str, dict[str, Any]] = {}
+        model_bytes = 0
+        for kind, lst in m.lists.items():
+            tiers: dict[str, int] = {}
+            for c in lst:
+                if c.payload is not None:
+                    tiers[str(c.payload.device)] = tiers.get(str(c.payload.device), 0) + 1
+            used = sum(c.used_elems for c in lst)
+            esize = torch.empty((), dtype=lst[0].dtype).element_size() if lst else 0
+            model_bytes += used * esize
+            chunks[kind.value] = {
+                "count": len(lst),
+                "bytes": sum(c.nbytes for c in lst if c.payload is not None),
+                "used_bytes": used * esize,
+                "utilization": used / (len(lst) * self.plan.chunk_size) if lst else 1.0,
+                "by_tier": tiers,
+            }
+        model_bytes += m.grad_accum_bytes + self.excluded.model_data_bytes()
+        n_params = self.plan.params + self.excluded.numel
+        return {
+            "dtype": self.config.dtype,
+            "chunk_size": self.plan.chunk_size,
+            "params": n_params,
+            "trainable_params": self.plan.trainable_params + self.excluded.trainable_numel,
+            "chunks": chunks,
+            "chunk_bytes": sum(c["bytes"] for c in chunks.values()) + m.grad_accum_bytes,
+            "utilization": self.plan.utilization,
+            "model_data_bytes": model_bytes,
+            "model_data_bytes_per_param": model_bytes / n_params if n_params else 0.0,
+            "grad_accum_bytes": m.grad_accum_bytes,
+            "peak_grad_accum_bytes": m.peak_grad_accum_bytes,
+            "bytes_moved": dict(m.bytes_moved),
+            "overflow_count": self.scaler.overflows,
+            "loss_scale": self.scaler.scale,
+            "global_step": self.global_step,
+            "lr": self.lr,
+        }
+
+
+def _unique_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
+    """Parameters in registration (= initialization) order, each with all its names."""
+    seen: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), ([], p))[0].append(name)
+    return [(tuple(names), p) for names, p in seen.values()]
+
+
+def _rehome(param: nn.Parameter, device: torch.device) -> None:
+    """Turn a meta parameter into an empty one on `device`, keeping the Python object.
+
+    `param.data = x` cannot cross from meta to a real device, and replacing the object
+    would break tied weights and any reference the user holds; swapping keeps both.
+    """
+    empty = nn.Parameter(torch.empty(0, device=device), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, empty)
+
+
+def _run_model_init(module: nn.Module) -> None:
+    """Run the model's own initializer on the materialized slots."""
+    if hasattr(module, "initialize_weights"):  # transformers PreTrainedModel
+        module.initialize_weights()
+    elif hasattr(module, "init_weights"):
+        module.init_weights()
+    else:
+        for mod in module.modules():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+
+
+def _enable_activation_checkpointing(module: nn.Module) -> None:
+    fn = getattr(module, "activation_checkpointing_enable", None) or getattr(
+        module, "gradient_checkpointing_enable", None
+    )
+    if fn is None:
+        raise ConfigError(
+            f"activation_checkpointing: {type(module).__name__} has no "
+            "gradient_checkpointing_enable(); turn it off or add that method"
+        )
+    if "gradient_checkpointing_kwargs" in inspect.signature(fn).parameters:
+        # Non-reentrant checkpointing re-runs forward through the same hooks and graph.
+        fn(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        fn()
+
+
+__all__ = ["TRAINABLE_LISTS", "Engine", "initialize"]

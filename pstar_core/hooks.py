@@ -1,0 +1,90 @@
+"""Module and tensor hooks that drive Access/Release during forward and backward.
+
+- forward pre-hook: Access every chunked parameter the module owns directly;
+- forward post-hook: Release them to HOLD_AFTER_FWD (to HOLD when the forward is a
+  re-run by activation checkpointing inside backward), and register a multi-grad hook
+  on the outputs: when the first output gradient arrives, backward is about to enter
+  the module, so its parameters are accessed again;
+- post-accumulate-grad hook on each trainable parameter: autograd calls it once per
+  backward with the summed gradient, after every use (tied weights included), so it is
+  the parameter's last use: the gradient overwrites the slot (HOLD_AFTER_BWD).
+
+Whatever backward accessed but produced no gradient for (frozen parameters, unused
+branches) is released by `Engine.backward` when the backward pass returns.
+
+A parameter must be used inside the forward of the module that registers it (as in
+FSDP); one used elsewhere is reported by the access check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from pstar_core.chunk import TensorSlot, TensorState
+from pstar_core.manager import ChunkManager
+
+S = TensorState
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def install_hooks(
+    module: torch.nn.Module, by_param: dict[int, TensorSlot], manager: ChunkManager
+) -> list[Any]:
+    """Hook every module that owns chunked parameters; returns the handles."""
+    handles: list[Any] = []
+    for mod in module.modules():
+        slots = [by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in by_param]
+        if not slots:
+            continue
+        handles.append(mod.register_forward_pre_hook(_pre_forward(slots, manager)))
+        handles.append(mod.register_forward_hook(_post_forward(slots, manager)))
+    for slot in {id(s): s for s in by_param.values()}.values():
+        if slot.trainable:
+            handles.append(slot.param.register_post_accumulate_grad_hook(_grad_hook(slot, manager)))
+    return handles
+
+
+def _pre_forward(slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
+    def hook(_mod: torch.nn.Module, _args: Any) -> None:
+        for s in slots:
+            manager.access(s)
+
+    return hook
+
+
+def _post_forward(slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
+    def pre_backward(_grads: Any) -> None:
+        for s in slots:
+            manager.access(s)
+
+    def hook(_mod: torch.nn.Module, _args: Any, output: Any) -> None:
+        target = S.HOLD if _in_backward() else S.HOLD_AFTER_FWD
+        for s in slots:
+            manager.release(s, target)
+        if torch.is_grad_enabled():
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if tensors:
+                register_multi_grad_hook(tensors, pre_backward, mode="any")
+
+    return hook
+
+
+def _grad_hook(slot: TensorSlot, manager: ChunkManager) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None  # the temporary gradient is freed once it sits in the slot
+        manager.grad_ready(slot, grad)
+
+    return hook

@@ -1,0 +1,171 @@
+"""The tensor-to-chunk schema and the chunk-size search (no memory is allocated here).
+
+Tensors are packed in model-initialization order, each into the current chunk if it
+fits and otherwise into a new one, so tensors used together share a chunk. The same
+placement serves the four aligned lists (param, param fp32, momentum, variance), so a
+parameter has one (chunk, offset) everywhere. Frozen parameters form their own list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pstar_core.config import ConfigError
+
+# Bytes per element of each list, by compute dtype: param, param fp32, momentum, variance.
+BYTES_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES_OPTIMIZER_STATES = 12
+
+
+@dataclass(frozen=True)
+class Placement:
+    chunk_index: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of one list goes, for one chunk size."""
+
+    chunk_size: int
+    placements: tuple[Placement, ...]
+    num_chunks: int
+    used_elems: int
+
+    @property
+    def utilization(self) -> float:
+        return self.used_elems / (self.num_chunks * self.chunk_size) if self.num_chunks else 1.0
+
+
+def pack(numels: Sequence[int], chunk_size: int) -> Layout:
+    """Greedy in-order packing: a tensor that does not fit opens a new chunk."""
+    placements = []
+    chunk, fill = -1, chunk_size  # forces the first tensor to open chunk 0
+    for n in numels:
+        if n > chunk_size:
+            raise ValueError(f"tensor of {n} elements exceeds chunk size {chunk_size}")
+        if fill + n > chunk_size:
+            chunk, fill = chunk + 1, 0
+        placements.append(Placement(chunk, fill))
+        fill += n
+    return Layout(chunk_size, tuple(placements), chunk + 1, sum(numels))
+
+
+def _waste(numels: Sequence[int], chunk_size: int) -> int:
+    """Unused elements for a chunk size; the hot loop of the search, kept allocation-free."""
+    chunks, fill = 0, chunk_size
+    for n in numels:
+        if fill + n > chunk_size:
+            chunks, fill = chunks + 1, 0
+        fill += n
+    return chunks * chunk_size - sum(numels)
+
+
+def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024) -> int:
+    """The chunk size with the least waste over all lists, smallest among near-ties.
+
+    Candidates lie between the largest tensor (a lower bound: every tensor must fit) and
+    about a quarter of the model (so there are several chunks to move around), capped
+    near 512M elements as in the paper's scan. Besides a regular grid, exact sums of
+    runs of consecutive tensors are tried: repeated transformer blocks then pack without
+    gaps.
+    """
+    flat = [n for lst in lists for n in lst]
+    if not flat:
+        return align
+    total, largest = sum(flat), max(flat)
+    lo = max(largest, min(math.ceil(total / 64), 256 * 2**20))
+    hi = max(2 * lo, min(math.ceil(total / 4), 512 * 2**20))
+    cands = {_round_up(lo + (hi - lo) * i // 255, align) for i in range(256)}
+    for lst in lists:
+        for start in _run_starts(lst):
+            acc = 0
+            for n in lst[start:]:
+                acc += n
+                if acc > hi:
+                    break
+                if acc >= lo:
+                    cands.add(_round_up(acc, align))
+    cands = sorted(c for c in cands if c >= largest)
+    wastes = {c: sum(_waste(lst, c) for lst in lists) for c in cands}
+    best = {c: total / (total + w) for c, w in wastes.items()}
+    top = max(best.values())
+    return min(c for c, u in best.items() if u >= top - 0.005)
+
+
+def _run_starts(numels: Sequence[int]) -> list[int]:
+    # Start points for exact-fit candidates: the first tensor and the first few after it
+    # (the embeddings usually precede the repeated blocks).
+    return list(range(min(len(numels), 8)))
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chunk plan of a model: what `pstar plan` prints and `initialize` allocates."""
+
+    chunk_size: int
+    trainable: Layout
+    frozen: Layout
+    dtype: str
+    params: int
+    trainable_params: int
+
+    @property
+    def utilization(self) -> float:
+        used = self.trainable.used_elems + self.frozen.used_elems
+        slots = (self.trainable.num_chunks + self.frozen.num_chunks) * self.chunk_size
+        return used / slots if slots else 1.0
+
+    def list_stats(self) -> dict[str, dict[str, float | int]]:
+        """Chunks, bytes and utilization of each chunk list."""
+        p = BYTES_PARAM[self.dtype]
+        out: dict[str, dict[str, float | int]] = {}
+        rows = [("param", self.trainable, p), ("param_fp32", self.trainable, 4)]
+        rows += [("momentum", self.trainable, 4), ("variance", self.trainable, 4)]
+        rows += [("frozen", self.frozen, p)]
+        for name, layout, nbytes in rows:
+            out[name] = {
+                "chunks": layout.num_chunks,
+                "bytes": layout.num_chunks * self.chunk_size * nbytes,
+                "utilization": layout.utilization,
+            }
+        return out
+
+    @property
+    def model_data_bytes(self) -> int:
+        """Bytes of the tensors themselves (what `stats()` reports per parameter)."""
+        p = BYTES_PARAM[self.dtype]
+        return self.trainable.used_elems * (p + BYTES_OPTIMIZER_STATES) + self.frozen.used_elems * p
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(int(s["bytes"]) for s in self.list_stats().values())
+
+
+def make_plan(
+    numels: Sequence[int],
+    trainable: Sequence[bool],
+    names: Sequence[str],
+    dtype: str,
+    chunk_size: int | str = "auto",
+) -> Plan:
+    """Lay out tensors (in init order) into the trainable and frozen lists."""
+    tr = [n for n, t in zip(numels, trainable, strict=True) if t]
+    fr = [n for n, t in zip(numels, trainable, strict=True) if not t]
+    if chunk_size == "auto":
+        size = search_chunk_size([tr, fr])
+    else:
+        size = int(chunk_size)
+        big = max(range(len(numels)), key=numels.__getitem__, default=None)
+        if big is not None and numels[big] > size:
+            raise ConfigError(
+                f"chunk_size: {size} elements is smaller than parameter {names[big]!r} "
+                f"({numels[big]} elements); use chunk_size >= {numels[big]} or 'auto'"
+            )
+    return Plan(size, pack(tr, size), pack(fr, size), dtype, sum(numels), sum(tr))

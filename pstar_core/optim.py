@@ -1,0 +1,186 @@
+"""Chunked AdamW: parameter groups, learning-rate schedule, loss scaler, clipping, step.
+
+Adam runs once per trainable chunk on whole contiguous buffers: one kernel call reads
+each gradient from the param slot (or the fp32 accum chunk), updates the fp32 master,
+momentum and variance, and writes the new value back into the param slot in the
+compute dtype. Parameters without a gradient this step are left out of the call, so
+they are not updated and their step count does not advance (as in torch.optim.AdamW).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from pstar_core.chunk import ChunkType, TensorSlot, TensorState
+from pstar_core.config import EngineConfig, LossScaleConfig, SchedulerConfig
+from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm
+from pstar_core.manager import ChunkManager
+
+S = TensorState
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    """Resolved hyper-parameters of one optimizer group."""
+
+    lr: float
+    weight_decay: float
+
+
+def resolve_groups(
+    names: list[str], ndims: list[int], cfg: EngineConfig
+) -> tuple[list[GroupHyper], list[int]]:
+    """Group index of each parameter: first matching `param_groups` entry, then decay rules."""
+    opt = cfg.optimizer
+    groups: list[GroupHyper] = []
+    index: dict[GroupHyper, int] = {}
+    no_decay = [re.compile(p) for p in opt.no_decay_patterns]
+    overrides = [(re.compile(g.pattern), g) for g in opt.param_groups]
+    assignment = []
+    for name, ndim in zip(names, ndims, strict=True):
+        lr, wd = opt.lr, opt.weight_decay
+        if (opt.no_decay_1d and ndim < 2) or any(p.search(name) for p in no_decay):
+            wd = 0.0
+        for pat, g in overrides:
+            if pat.search(name):
+                lr = g.lr if g.lr is not None else lr
+                wd = g.weight_decay if g.weight_decay is not None else wd
+                break
+        h = GroupHyper(lr, wd)
+        if h not in index:
+            index[h] = len(groups)
+            groups.append(h)
+        assignment.append(index[h])
+    return groups, assignment
+
+
+def lr_factor(sched: SchedulerConfig, step: int) -> float:
+    """Multiplier of each group's lr at optimizer step `step` (0-based)."""
+    if step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.kind == "constant":
+        return 1.0
+    total = sched.total_steps or 1
+    progress = min(1.0, (step - sched.warmup_steps) / max(1, total - sched.warmup_steps))
+    decay = 1.0 - progress if sched.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * decay
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: back off on overflow, grow after a run of good steps."""
+
+    def __init__(self, cfg: LossScaleConfig, enabled: bool) -> None:
+        self.cfg = cfg
+        self.enabled = enabled
+        self.scale = cfg.init_scale if enabled else 1.0
+        self.good_steps = 0
+        self.overflows = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.overflows += 1
+            self.scale = max(self.cfg.min_scale, self.scale * self.cfg.backoff_factor)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.cfg.growth_interval:
+            self.scale *= self.cfg.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "overflows": self.overflows}
+
+    def load_state_dict(self, sd: dict[str, float | int]) -> None:
+        self.scale = float(sd["scale"])
+        self.good_steps = int(sd["good_steps"])
+        self.overflows = int(sd["overflows"])
+
+
+class ChunkAdamW:
+    """AdamW over the manager's trainable chunks."""
+
+    def __init__(self, manager: ChunkManager, cfg: EngineConfig, groups: list[GroupHyper]):
+        self.manager = manager
+        self.cfg = cfg
+        self.groups = groups
+        self.lr_scale = lr_factor(cfg.scheduler, 0)
+
+    def _grad_source(self, index: int):
+        acc = self.manager.grad_accum.get(index)
+        return acc if acc is not None else self.manager.lists[ChunkType.PARAM][index]
+
+    def fold_grads(self) -> None:
+        """With accumulation, add the grads still in param slots into the accum chunks."""
+        for index, acc in self.manager.grad_accum.items():
+            chunk = self.manager.lists[ChunkType.PARAM][index]
+            for s in chunk.slots:
+                if s.state is S.HOLD_AFTER_BWD:
+                    acc.flat(s).add_(chunk.flat(s))
+                    s.grad_in_accum = True
+
+    @staticmethod
+    def _has_grad(slot: TensorSlot) -> bool:
+        return slot.state is S.HOLD_AFTER_BWD or slot.grad_in_accum
+
+    def grad_norm_sq(self) -> float:
+        """Sum of squared (still scaled) gradients over all trainable chunks."""
+        total = 0.0
+        for chunk in self.manager.lists[ChunkType.PARAM]:
+            segs = [
+                AdamSegment(s.offset, s.numel, 0, 0.0, 0.0)
+                for s in chunk.slots
+                if self._has_grad(s)
+            ]
+            if segs:
+                total += grad_sq_norm(self._grad_source(chunk.index).payload, segs)
+        return total
+
+    def step(self, grad_scale: float) -> None:
+        """Update every slot that has a gradient; `grad_scale` multiplies each gradient."""
+        opt = self.cfg.optimizer
+        lists = self.manager.lists
+        for chunk in lists[ChunkType.PARAM]:
+            segs = []
+            for s in chunk.slots:
+                if self._has_grad(s):
+                    s.step += 1
+                    g = self.groups[s.group]
+                    segs.append(
+                        AdamSegment(s.offset, s.numel, s.step, g.lr * self.lr_scale, g.weight_decay)
+                    )
+            if not segs:
+                continue
+            i = chunk.index
+            adamw_(
+                lists[ChunkType.PARAM_FP32][i].payload,
+                lists[ChunkType.MOMENTUM][i].payload,
+                lists[ChunkType.VARIANCE][i].payload,
+                self._grad_source(i).payload,
+                chunk.payload,
+                segs,
+                beta1=opt.betas[0],
+                beta2=opt.betas[1],
+                eps=opt.eps,
+                grad_scale=grad_scale,
+            )
+        self.end_step()
+
+    def drop_grads(self) -> None:
+        """Skip this step (fp16 overflow): restore params from the master, drop the grads."""
+        lists = self.manager.lists
+        for chunk in lists[ChunkType.PARAM]:
+            master = lists[ChunkType.PARAM_FP32][chunk.index]
+            for s in chunk.slots:
+                if s.state is S.HOLD_AFTER_BWD:
+                    chunk.flat(s).copy_(master.flat(s))
+        self.end_step()
+
+    def end_step(self) -> None:
+        for s in self.manager.slots:
+            if s.state is S.HOLD_AFTER_BWD:
+                s.set_state(S.HOLD)
+        self.manager.free_grad_accum()

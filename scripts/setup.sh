@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up this checkout on a fresh machine: a venv with the pinned CPU torch first (an
+# unpinned torch would pull a multi-GB CUDA build), then the project and its tools,
+# then the offline text the main job trains on. Safe to run again: it skips what is done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
+.venv/bin/pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+
+# Real text for the main job: the King James Bible from Debian's bible-kjv packages,
+# extracted once into .cache/data (not committed).
+mkdir -p .cache/data
+if [ ! -s .cache/data/kjv.txt ]; then
+  if ! command -v bible >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      apt-get update -qq >/dev/null && apt-get install -y -qq bible-kjv bible-kjv-text >/dev/null
+    else
+      echo "setup: install Debian's bible-kjv package (or point a spec's data.path at any text file)" >&2
+    fi
+  fi
+  if command -v bible >/dev/null 2>&1; then
+    bible -f "Ge1:1-Re22:21" | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' > .cache/data/kjv.txt
+  fi
+fi
+echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,1 @@
+"""service: job lifecycle, the training loop around the engine, and the `pstar` CLI."""

@@ -1,0 +1,152 @@
+"""The `pstar` command line: train, plan, models, bench. Progress and tables live here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from pstar_core.config import ConfigError
+
+app = typer.Typer(help="PatrickStar Service: chunk-based training of models larger than memory.")
+bench_app = typer.Typer(help="Measured claims; each prints a table and, last, one JSON line.")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def train(
+    spec_path: Annotated[Path, typer.Argument(help="a job spec YAML (see examples/)")],
+    steps: Annotated[int | None, typer.Option(help="override train.steps")] = None,
+) -> None:
+    """Train a model as the spec says, locally, with a progress bar."""
+    from service.spec import TrainSpec
+    from service.train_local import run_training
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        spec = TrainSpec.load(spec_path)
+    except ConfigError as e:
+        _fail(str(e))
+    if steps is not None:
+        spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task = progress.add_task("training", total=spec.train.steps, info="")
+
+    def on_step(step: int, m: dict) -> None:
+        info = f"loss {m['loss']:.3f}  {m['tokens_per_s']:.0f} tok/s  lr {m['lr']:.2e}"
+        progress.update(task, completed=step, info=info)
+
+    def on_phase(msg: str) -> None:
+        progress.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+
+    try:
+        with progress:
+            summary = run_training(spec, on_step=on_step, on_phase=on_phase)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(
+        f"held-out perplexity {summary['heldout_ppl_before']:.2f} -> "
+        f"{summary['heldout_ppl_after']:.2f}; checkpoint {summary['checkpoint']}"
+    )
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Argument(help="a zoo name, or a HF config.json / model dir")],
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "bf16",
+    chunk_size: Annotated[str, typer.Option(help="elements per chunk, or auto")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Chunk plan of a model, computed on the meta device (no memory is allocated)."""
+    from service.planning import plan_model
+
+    try:
+        result = plan_model(model, dtype, chunk_size)
+    except (ConfigError, ValueError, OSError) as e:
+        _fail(str(e))
+    table = Table(title=f"chunk plan: {model} ({dtype})")
+    for col in ("list", "chunks", "GiB", "utilization"):
+        table.add_column(col, justify="right" if col != "list" else "left")
+    for name, row in result["lists"].items():
+        if row["chunks"]:
+            table.add_row(
+                name, str(row["chunks"]), f"{row['bytes'] / 2**30:.3f}", f"{row['utilization']:.1%}"
+            )
+    console.print(table)
+    console.print(
+        f"params {result['params']:,} ({result['trainable_params']:,} trainable); "
+        f"chunk size {result['chunk_size']:,} elements; utilization {result['utilization']:.1%}; "
+        f"model data {result['model_data_bytes'] / 2**30:.2f} GiB "
+        f"({result['model_data_bytes'] / max(1, result['params']):.1f} B/param); "
+        f"planned in {result['plan_s']:.2f} s"
+    )
+    if json_out:
+        print(json.dumps(result))
+
+
+@app.command()
+def models() -> None:
+    """The model zoo with real parameter counts."""
+    from pstar_core.models import list_models
+
+    table = Table(title="model zoo")
+    for col in ("name", "layers", "hidden", "heads", "vocab", "seq", "params"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for name, cfg, n in list_models():
+        size = f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        cols = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size, cfg.seq_len)
+        table.add_row(name, *map(str, cols), size)
+    console.print(table)
+
+
+@bench_app.command("adam")
+def bench_adam(
+    numel: Annotated[int, typer.Option(help="elements updated per run")] = 100_000_000,
+    repeats: Annotated[int, typer.Option(help="interleaved runs of each variant")] = 7,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Chunk AdamW (bf16 grads in, fp32 states, bf16 params out) vs torch AdamW."""
+    from pstar_core.bench_adam import run
+
+    run(numel=numel, repeats=repeats, json_out=json_out)
+
+
+@bench_app.command("overhead")
+def bench_overhead(
+    model: Annotated[str, typer.Option(help="zoo model")] = "gpt-100m",
+    steps: Annotated[int, typer.Option(help="timed steps per side")] = 5,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Engine step time / plain PyTorch step time, runs interleaved."""
+    from service.bench_overhead import run
+
+    run(model=model, steps=steps, json_out=json_out)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""`pstar plan`: the chunk plan of a zoo model or a Hugging Face config, on `meta`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pstar_core.mapping import make_plan
+
+
+def build_meta(model: str) -> nn.Module:
+    """A zoo name, a HF config.json, or a HF model directory, built on the meta device."""
+    path = Path(model)
+    if path.exists():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    from pstar_core.models import GPT, get_config
+
+    with torch.device("meta"):
+        return GPT(get_config(model))
+
+
+def plan_model(model: str, dtype: str = "bf16", chunk_size: str | int = "auto") -> dict[str, Any]:
+    t0 = time.perf_counter()
+    module = build_meta(model)
+    seen: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, p in module.named_parameters():
+        seen.setdefault(id(p), (name, p))
+    params = list(seen.values())
+    size: str | int = chunk_size if chunk_size == "auto" else int(chunk_size)
+    plan = make_plan(
+        [p.numel() for _, p in params],
+        [p.requires_grad for _, p in params],
+        [n for n, _ in params],
+        dtype,
+        size,
+    )
+    return {
+        "model": model,
+        "dtype": dtype,
+        "chunk_size": plan.chunk_size,
+        "utilization": plan.utilization,
+        "params": plan.params,
+        "trainable_params": plan.trainable_params,
+        "model_data_bytes": plan.model_data_bytes,
+        "chunk_bytes": plan.chunk_bytes,
+        "lists": plan.list_stats(),
+        "plan_s": time.perf_counter() - t0,
+    }

@@ -1,0 +1,132 @@
+"""The training loop of a job in one process: data, engine, steps, evaluation, outputs.
+
+Progress goes to a callback (the CLI draws it); metrics go to `metrics.jsonl` in the run
+directory; a checkpoint is written at the end (and resumed from if present).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pstar_core
+from pstar_core.models import GPT, flops_per_token, get_config
+from service.data import BatchSampler, encode, read_text, split, train_tokenizer
+from service.spec import TrainSpec
+
+StepCallback = Callable[[int, dict[str, Any]], None]
+
+
+@torch.no_grad()
+def evaluate(engine: pstar_core.Engine, seqs: torch.Tensor, batches: int, batch_size: int) -> float:
+    """Held-out perplexity: exp of the mean token loss over the first `batches` batches."""
+    engine.eval()
+    losses = []
+    for i in range(min(batches, math.ceil(seqs.shape[0] / batch_size))):
+        x = seqs[i * batch_size : (i + 1) * batch_size]
+        losses.append(engine(input_ids=x, labels=x).loss.float().item())
+    engine.train()
+    return math.exp(sum(losses) / len(losses))
+
+
+def run_training(
+    spec: TrainSpec,
+    on_step: StepCallback | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    phase = on_phase or (lambda _msg: None)
+    run_dir = spec.output_dir / spec.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    phase(f"reading {spec.data.path}")
+    text = read_text(spec.data.path, spec.data.max_chars)
+    tok_path = run_dir / "tokenizer.json"
+    if tok_path.exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_path))
+    else:
+        phase("training the tokenizer")
+        tok = train_tokenizer(text, spec.data.vocab_size, tok_path)
+    train_seqs, held_seqs = split(encode(tok, text), spec.data.seq_len, spec.data.heldout_fraction)
+
+    cfg = replace(
+        get_config(spec.model),
+        vocab_size=tok.get_vocab_size(),
+        seq_len=spec.data.seq_len,
+        **spec.model_overrides,
+    )
+    torch.manual_seed(spec.train.seed)
+    phase(f"building {spec.model} in chunks")
+    engine_cfg = spec.engine_config()
+    engine = pstar_core.initialize(lambda: GPT(cfg), engine_cfg)
+    ckpt = run_dir / "checkpoint"
+    if (ckpt / "pstar_checkpoint.json").exists():
+        phase(f"resuming from {ckpt}")
+        engine.load_checkpoint(ckpt)
+
+    loop = spec.train
+    phase("held-out perplexity before training")
+    ppl_before = evaluate(engine, held_seqs, loop.eval_batches, loop.batch_size)
+    sampler = BatchSampler(train_seqs, loop.batch_size, loop.seed)
+    tokens_per_step = loop.batch_size * spec.data.seq_len
+    flops_per_step = flops_per_token(cfg) * tokens_per_step
+    if engine_cfg.activation_checkpointing:
+        flops_per_step = flops_per_step * 4 // 3  # one more forward: 8N instead of 6N
+    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    last: dict[str, Any] = {}
+    for step in range(engine.global_step, loop.steps):
+        t0 = time.perf_counter()
+        x = sampler.batch(step)
+        loss_sum = 0.0
+        for mb in x.chunk(loop.micro_batches):
+            loss = engine(input_ids=mb, labels=mb).loss / loop.micro_batches
+            engine.backward(loss)
+            loss_sum += loss.item()
+        applied = engine.step()
+        dt = time.perf_counter() - t0
+        last = {
+            "step": step + 1,
+            "loss": loss_sum,
+            "lr": engine.lr,
+            "step_applied": applied,
+            "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / dt,
+            "tflops": flops_per_step / dt / 1e12,
+        }
+        if (step + 1) % loop.log_every == 0 or step + 1 == loop.steps:
+            stats = engine.stats()
+            last["model_data_bytes"] = stats["model_data_bytes"]
+            last["bytes_moved"] = stats["bytes_moved"]
+            metrics_file.write(json.dumps(last) + "\n")
+            metrics_file.flush()
+        if on_step:
+            on_step(step + 1, last)
+    metrics_file.close()
+    phase("held-out perplexity after training")
+    ppl_after = evaluate(engine, held_seqs, loop.eval_batches, loop.batch_size)
+    phase(f"saving checkpoint to {ckpt}")
+    engine.save_checkpoint(ckpt)
+    summary = {
+        "run_dir": str(run_dir),
+        "model": spec.model,
+        "params": engine.stats()["params"],
+        "steps": loop.steps,
+        "final_loss": last.get("loss"),
+        "heldout_ppl_before": ppl_before,
+        "heldout_ppl_after": ppl_after,
+        "checkpoint": str(ckpt),
+        "model_data_bytes_per_param": engine.stats()["model_data_bytes_per_param"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def summary_path(spec: TrainSpec) -> Path:
+    return spec.output_dir / spec.name / "summary.json"

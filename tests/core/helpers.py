@@ -1,0 +1,159 @@
+"""Tiny models, data and a plain-PyTorch reference loop shared by the engine tests."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pstar_core.models import build as build_gpt
+
+VOCAB = 128
+SEQ = 16
+
+
+def tiny_gpt() -> nn.Module:
+    return build_gpt("gpt-tiny", vocab_size=VOCAB, seq_len=SEQ)
+
+
+def tiny_hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "gpt": tiny_gpt,
+    "hf_gpt2": tiny_hf_gpt2,
+    "hf_llama": tiny_hf_llama,
+}
+
+
+def batches(n: int, batch: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    """Learnable sequences: each row counts up from a random start by a random stride."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, VOCAB, (batch, 1), generator=g)
+        stride = torch.randint(1, 4, (batch, 1), generator=g)
+        out.append((start + stride * torch.arange(SEQ)) % VOCAB)
+    return out
+
+
+def reference_model(model_fn: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model_fn()
+
+
+def torch_adamw(model: nn.Module, lr: float, wd: float, params=None) -> torch.optim.AdamW:
+    """torch AdamW with the engine's default grouping: no decay for 1-D parameters."""
+    params = list(model.parameters()) if params is None else params
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        foreach=False,
+    )
+
+
+def run_reference(model: nn.Module, data: list[torch.Tensor], lr: float, wd: float) -> list[float]:
+    """Plain PyTorch fp32 training: the ground truth."""
+    model = copy.deepcopy(model)
+    opt = torch_adamw(model, lr, wd)
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def run_reference_bf16(model: nn.Module, data: list[torch.Tensor], lr: float, wd: float):
+    """The equivalent PyTorch mixed-precision recipe: bf16 params and compute, fp32 masters."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    masters = [p.detach().clone().float().requires_grad_(True) for p in params]
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+    decay = [m for m, p in zip(masters, params, strict=False) if p.dim() >= 2]
+    no_decay = [m for m, p in zip(masters, params, strict=False) if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        foreach=False,
+    )
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        for m, p in zip(masters, params, strict=False):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params, strict=False):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses
+
+
+def run_engine(engine, data: list[torch.Tensor], micro_batches: int = 1) -> list[float]:
+    losses = []
+    for x in data:
+        total = 0.0
+        for mb in x.chunk(micro_batches):
+            loss = engine(input_ids=mb, labels=mb).loss / micro_batches
+            engine.backward(loss)
+            total += loss.item()
+        engine.step()
+        losses.append(total)
+    return losses
+
+
+def engine_config(dtype: str = "fp32", lr: float = 1e-3, wd: float = 0.1, **extra) -> dict:
+    return {
+        "dtype": dtype,
+        "chunk_size": "auto",
+        "optimizer": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": wd},
+        **extra,
+    }

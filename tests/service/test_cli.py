@@ -1,0 +1,86 @@
+"""The `pstar` CLI: plan prints a JSON line last, train runs a job end to end, bad specs fail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from service.cli import app
+
+runner = CliRunner()
+
+
+def test_plan_prints_one_json_object_last_for_the_68b_model():
+    result = runner.invoke(app, ["plan", "gpt-68b", "--json"])
+    assert result.exit_code == 0, result.output
+    last = json.loads(result.output.strip().splitlines()[-1])
+    assert last["params"] > 60e9
+    assert last["utilization"] >= 0.9
+    assert last["chunk_size"] >= 9126 * 4 * 9126  # the largest tensor fits
+
+
+def test_plan_of_a_hf_config(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    result = runner.invoke(app, ["plan", str(tmp_path / "config.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    last = json.loads(result.output.strip().splitlines()[-1])
+    # untied Llama: 2 embeddings + 3 layers of (4 attn + 3 mlp + 2 norms) + final norm
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    assert last["params"] == 2 * 1000 * 64 + 3 * per_layer + 64
+
+
+def test_unknown_model_lists_the_zoo():
+    result = runner.invoke(app, ["plan", "gpt-3000b"])
+    assert result.exit_code == 2
+    assert "gpt-68b" in result.output
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    who = ("lord", "king", "people", "prophet")
+    where = ("city", "land", "house", "sea")
+    lines = [
+        f"And the {w} said unto the {v}, behold the {w} of the {v}." for w in who for v in where
+    ]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(lines * 40))
+    return path
+
+
+def test_train_runs_a_spec_end_to_end_and_the_loss_goes_down(tmp_path, text_file):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"""
+name: tiny
+model: gpt-tiny
+data: {{path: {text_file}, seq_len: 32, vocab_size: 300}}
+train: {{steps: 12, batch_size: 4, eval_batches: 2, log_every: 4}}
+engine: {{dtype: bf16, optimizer: {{lr: 0.01}}}}
+output_dir: {tmp_path / "runs"}
+"""
+    )
+    result = runner.invoke(app, ["train", str(spec)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
+    assert summary["heldout_ppl_after"] < summary["heldout_ppl_before"]
+    assert (tmp_path / "runs" / "tiny" / "checkpoint" / "pstar_checkpoint.json").exists()
+    metrics = [
+        json.loads(x) for x in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics] == [4, 8, 12]
+
+
+def test_train_with_a_bad_spec_says_what_is_wrong(tmp_path, text_file):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"model: gpt-tiny\ndata: {{path: {text_file}}}\nengine: {{dtype: fp64}}\n")
+    result = runner.invoke(app, ["train", str(spec)])
+    assert result.exit_code == 2
+    assert "dtype" in result.output
+    assert "fp64" in result.output
