@@ -30,6 +30,7 @@ from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 
 log = logging.getLogger(__name__)
 S = TensorState
+WeightSource = Callable[["Engine"], None]
 
 
 def initialize(
@@ -43,6 +44,10 @@ def initialize(
     loads them itself): they are then copied into the chunks and the originals dropped.
     """
     cfg = EngineConfig.parse(config)
+    if isinstance(model_fn, (str, Path)):
+        from pstar_core.hf import initialize_from_hf_dir
+
+        return initialize_from_hf_dir(Path(model_fn), cfg)
     if not callable(model_fn):
         raise TypeError(f"model_fn must be a callable returning an nn.Module, got {model_fn!r}")
     with torch.device("meta"):
@@ -58,8 +63,11 @@ class Engine:
     >>> out = engine(input_ids=x, labels=y); engine.backward(out.loss); engine.step()
     """
 
-    def __init__(self, module: nn.Module, cfg: EngineConfig) -> None:
+    def __init__(
+        self, module: nn.Module, cfg: EngineConfig, weights: WeightSource | None = None
+    ) -> None:
         self.module = module
+        self.source_dir: Path | None = None  # a HF model directory the weights came from
         self.config = cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
@@ -105,7 +113,7 @@ class Engine:
             self.slots[id(p)] = slot
         self.by_name = {n: s for s in self.slots.values() for n in s.aliases}
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
-        self._materialize()
+        self._materialize(weights)
         if cfg.activation_checkpointing:
             _enable_activation_checkpointing(module)
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
@@ -114,8 +122,13 @@ class Engine:
 
     # -- materialization ----------------------------------------------------------------
 
-    def _materialize(self) -> None:
-        """Point every parameter at its slot, initialize, then cast the masters down."""
+    def _materialize(self, weights: WeightSource | None) -> None:
+        """Point every parameter at its slot, initialize or load, then cast the masters down.
+
+        With `weights` (a callable filling the slots, e.g. streaming a HF checkpoint), the
+        model's random init is skipped except on modules without chunked parameters,
+        whose non-persistent buffers (rotary frequencies) only init code can compute.
+        """
         m = self.manager
         preloaded = False
         for slot in self.slots.values():
@@ -134,8 +147,11 @@ class Engine:
                     mod._buffers[name] = torch.empty_like(buf, device=self.device)
                 elif buf is not None and buf.device != self.device:
                     mod._buffers[name] = buf.to(self.device)
-        if not preloaded:
-            with torch.no_grad():
+        with torch.no_grad():
+            if weights is not None:
+                _init_buffer_only_modules(self.module, self.slots)
+                weights(self)
+            elif not preloaded:
                 _run_model_init(self.module)
         for i in range(self.plan.trainable.num_chunks):
             m.lists[ChunkType.PARAM][i].payload.copy_(m.lists[ChunkType.PARAM_FP32][i].payload)
@@ -202,15 +218,18 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict under its own names; trainable weights are fp32 masters."""
-        out: dict[str, torch.Tensor] = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            slot = self.by_name.get(name)
-            if slot is None:
-                out[name] = self.excluded.value(name, value).detach().clone()
-            else:
-                kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-                out[name] = self.manager.chunk_of(kind, slot).view(slot).clone()
-        return out
+        return {
+            name: self.read_tensor(name).clone() for name in self.module.state_dict(keep_vars=True)
+        }
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """A view of one state-dict entry: the fp32 master of a trainable parameter."""
+        slot = self.by_name.get(name)
+        if slot is None:
+            value = self.excluded.value(name)
+            return (value if value is not None else self.module.get_buffer(name)).detach()
+        kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
+        return self.manager.chunk_of(kind, slot).view(slot)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights by name (the masters at full precision; optimizer states kept)."""
@@ -224,26 +243,41 @@ class Engine:
                 f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
                 f"{' ...' if len(unexpected) > 10 else ''}"
             )
+        for name, value in state.items():
+            if name in own:
+                self.load_tensor(name, value, own[name])
+
+    @torch.no_grad()
+    def load_tensor(self, name: str, value: torch.Tensor, own: torch.Tensor) -> None:
+        """Write one state-dict entry (any dtype) into its slot, or into a plain tensor."""
+        slot = self.by_name.get(name)
+        if slot is None:
+            self.excluded.load(name, own, value)
+            return
+        if tuple(value.shape) != tuple(slot.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(value.shape)} in the source, {tuple(slot.shape)} in the model"
+            )
         m = self.manager
-        with torch.no_grad():
-            for name, value in state.items():
-                if name not in own:
-                    continue
-                slot = self.by_name.get(name)
-                if slot is None:
-                    self.excluded.load(name, own[name], value)
-                    continue
-                if tuple(value.shape) != tuple(slot.shape):
-                    raise ValueError(
-                        f"{name}: shape {tuple(value.shape)} in the state dict, "
-                        f"{tuple(slot.shape)} in the model"
-                    )
-                if slot.trainable:
-                    m.chunk_of(ChunkType.PARAM_FP32, slot).view(slot).copy_(value)
-                    master = m.chunk_of(ChunkType.PARAM_FP32, slot).view(slot)
-                    m.chunk_of(ChunkType.PARAM, slot).view(slot).copy_(master)
-                else:
-                    m.chunk_of(ChunkType.FROZEN, slot).view(slot).copy_(value)
+        if slot.trainable:
+            master = m.chunk_of(ChunkType.PARAM_FP32, slot).view(slot)
+            master.copy_(value)
+            m.chunk_of(ChunkType.PARAM, slot).view(slot).copy_(master)
+        else:
+            m.chunk_of(ChunkType.FROZEN, slot).view(slot).copy_(value)
+
+    def export_hf(
+        self,
+        directory: str | Path,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int | None = None,
+    ) -> Path:
+        """Write a directory that `transformers` loads with `from_pretrained` (safetensors,
+        config, and the source's tokenizer files), shard by shard with bounded memory."""
+        from pstar_core.hf import export_hf
+
+        self._require_no_pending_grads("export_hf")
+        return export_hf(self, Path(directory), dtype, max_shard_bytes)
 
     def _require_no_pending_grads(self, what: str) -> None:
         if any(s.state is not S.HOLD for s in self.slots.values()) or self.manager.grad_accum:
@@ -324,6 +358,17 @@ def _rehome(param: nn.Parameter, device: torch.device) -> None:
     """
     empty = nn.Parameter(torch.empty(0, device=device), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, empty)
+
+
+def _init_buffer_only_modules(module: nn.Module, slots: dict[int, TensorSlot]) -> None:
+    hf_init = getattr(module, "_init_weights", None)
+    for mod in module.modules():
+        if any(id(p) in slots for p in mod.parameters(recurse=False)) or not mod._buffers:
+            continue
+        if hf_init is not None:
+            hf_init(mod)
+        elif hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
 
 
 def _run_model_init(module: nn.Module) -> None:

@@ -102,11 +102,12 @@ class ExcludedParams:
                     p.data.copy_(master)
         self.zero_grad()
 
-    def value(self, name: str, own: torch.Tensor) -> torch.Tensor:
+    def value(self, name: str) -> torch.Tensor | None:
+        """The excluded parameter `name` (its fp32 master if trainable), or None."""
         p = self.by_name.get(name)
-        if p is not None and id(p) in self.masters:
-            return self.masters[id(p)]
-        return own
+        if p is None:
+            return None
+        return self.masters.get(id(p), p)
 
     def load(self, name: str, own: torch.Tensor, value: torch.Tensor) -> None:
         """Copy a state-dict entry into a parameter (master too) or a buffer."""

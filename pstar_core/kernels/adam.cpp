@@ -184,14 +184,20 @@ constexpr int64_t kPiece = 1 << 16;
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 15;
 
-std::vector<Piece> make_pieces(const int64_t* seg, int64_t nseg, int64_t* total) {
+// (offset, numel) spans; bounds and overlaps are validated in Python before the call.
+using Span = std::pair<int64_t, int64_t>;
+// (offset, numel, step, lr, weight_decay), i.e. an AdamSegment. Taking the Python tuples
+// directly avoids building tensors per call, which cost more than the kernel for small chunks.
+using Segment = std::tuple<int64_t, int64_t, int64_t, double, double>;
+
+std::vector<Piece> make_pieces(const std::vector<Span>& spans, int64_t* total) {
   std::vector<Piece> pieces;
   *total = 0;
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t off = seg[2 * s], len = seg[2 * s + 1];
+  for (size_t s = 0; s < spans.size(); ++s) {
+    const int64_t off = spans[s].first, len = spans[s].second;
     *total += len;
     for (int64_t b = off; b < off + len; b += kPiece) {
-      pieces.push_back({s, b, std::min(b + kPiece, off + len)});
+      pieces.push_back({static_cast<int64_t>(s), b, std::min(b + kPiece, off + len)});
     }
   }
   return pieces;
@@ -244,11 +250,8 @@ void check_vec(const at::Tensor& t, const char* name, int64_t numel) {
 
 }  // namespace
 
-// seg_i64: [nseg, 2] int64 (offset, numel); seg_f64: [nseg, 3] float64
-// (decay = 1 - lr*wd, step_size = lr/bc1, bc2_sqrt). Bounds and overlaps are validated in
-// Python before the call.
 void adamw(at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor grad,
-           at::Tensor param_out, at::Tensor seg_i64, at::Tensor seg_f64, double beta1,
+           at::Tensor param_out, const std::vector<Segment>& segments, double beta1,
            double beta2, double eps, double grad_scale) {
   const int64_t numel = master.numel();
   check_vec(master, "master", numel);
@@ -259,16 +262,20 @@ void adamw(at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Ten
   TORCH_CHECK(master.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
                   exp_avg_sq.scalar_type() == at::kFloat,
               "pstar adam: master/exp_avg/exp_avg_sq must be float32");
-  const int64_t nseg = seg_i64.size(0);
-  const int64_t* seg = seg_i64.data_ptr<int64_t>();
-  const double* segf = seg_f64.data_ptr<double>();
-
+  const size_t nseg = segments.size();
+  std::vector<Span> spans(nseg);
   std::vector<Hyper> hyper(nseg);
-  for (int64_t s = 0; s < nseg; ++s) {
+  for (size_t s = 0; s < nseg; ++s) {
+    const auto& [offset, count, step, lr, wd] = segments[s];
+    spans[s] = {offset, count};
+    // Same double-precision host math as torch.optim.adam._single_tensor_adam (Python's
+    // float ** is C pow, so these are bit-identical to the Python fallback's constants).
+    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
     Hyper& h = hyper[s];
-    h.decay = static_cast<float>(segf[3 * s]);
-    h.neg_step = static_cast<float>(-segf[3 * s + 1]);
-    h.inv_bc2s = static_cast<float>(1.0 / segf[3 * s + 2]);
+    h.decay = static_cast<float>(1.0 - lr * wd);
+    h.neg_step = static_cast<float>(-(lr / bc1));
+    h.inv_bc2s = static_cast<float>(1.0 / std::pow(bc2, 0.5));
     h.w1 = static_cast<float>(1.0 - beta1);
     h.beta2 = static_cast<float>(beta2);
     h.omb2 = static_cast<float>(1.0 - beta2);
@@ -276,7 +283,7 @@ void adamw(at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Ten
     h.gscale = static_cast<float>(grad_scale);
   }
   int64_t total = 0;
-  const std::vector<Piece> pieces = make_pieces(seg, nseg, &total);
+  const std::vector<Piece> pieces = make_pieces(spans, &total);
   const bool parallel = total >= kParallelMin && pieces.size() > 1;
 
   const int gk = kind_of(grad), pk = kind_of(param_out);
@@ -318,12 +325,16 @@ double run_sq(const void* g_raw, const std::vector<Piece>& pieces, bool parallel
   return acc;
 }
 
-double grad_sq_norm(at::Tensor grad, at::Tensor seg_i64) {
+double grad_sq_norm(at::Tensor grad, const std::vector<Segment>& segments) {
   TORCH_CHECK(grad.device().is_cpu() && grad.dim() == 1 && grad.is_contiguous(),
               "pstar grad_sq_norm: grad must be 1-D contiguous CPU");
+  std::vector<Span> spans;
+  spans.reserve(segments.size());
+  for (const auto& seg : segments) {
+    spans.emplace_back(std::get<0>(seg), std::get<1>(seg));
+  }
   int64_t total = 0;
-  const std::vector<Piece> pieces = make_pieces(seg_i64.data_ptr<int64_t>(), seg_i64.size(0),
-                                                &total);
+  const std::vector<Piece> pieces = make_pieces(spans, &total);
   const bool parallel = total >= kParallelMin && pieces.size() > 1;
   switch (kind_of(grad)) {
     case kF32:

@@ -141,6 +141,7 @@ def _load_ext() -> ModuleType | None:
                 )
         except Exception as exc:  # any build problem means: use the fallback
             _ext_failed = True
+            logger.debug("pstar AdamW C++ kernel build failed", exc_info=True)
             logger.warning(
                 "pstar AdamW C++ kernel unavailable (%s: %s); using the slower torch fallback",
                 type(exc).__name__,
@@ -221,29 +222,33 @@ def _check_buffers(
     return aliased
 
 
-def _check_segments(segments: Sequence[AdamSegment], numel: int) -> None:
-    spans = sorted((int(s.offset), int(s.numel)) for s in segments)
+def _validated_segments(
+    segments: Sequence[AdamSegment], numel: int, *, check_step: bool = True
+) -> list[AdamSegment]:
+    """Segments as AdamSegment tuples, empty ones dropped; raise on out-of-range/overlap."""
+    segs = [s if type(s) is AdamSegment else AdamSegment(*s) for s in segments]
     prev_end = 0
-    for offset, count in spans:
-        if offset < 0 or count < 0 or offset + count > numel:
-            raise ValueError(f"segment ({offset}, {count}) outside a chunk of {numel} elements")
-        if offset < prev_end:
-            raise ValueError(f"segment at offset {offset} overlaps the previous one")
-        prev_end = offset + count
-    for s in segments:
-        if s.step < 1:
+    for s in sorted(segs):  # by offset
+        if s.offset < 0 or s.numel < 0 or s.offset + s.numel > numel:
+            raise ValueError(f"segment ({s.offset}, {s.numel}) outside a chunk of {numel} elements")
+        if s.numel == 0:
+            continue
+        if s.offset < prev_end:
+            raise ValueError(f"segment at offset {s.offset} overlaps the previous one")
+        if check_step and s.step < 1:
             raise ValueError(f"segment at offset {s.offset} has step {s.step}; must be >= 1")
+        prev_end = s.offset + s.numel
+    return [s for s in segs if s.numel > 0]
 
 
 def _seg_constants(s: AdamSegment, beta1: float, beta2: float) -> tuple[float, float, float]:
-    """(decay, step_size, bc2_sqrt) computed in double exactly as torch.optim.AdamW does."""
+    """(decay, step_size, bc2_sqrt) computed in double exactly as torch.optim.AdamW does.
+
+    adam.cpp computes the same constants with the same C pow(), so both backends agree.
+    """
     bias_correction1 = 1 - beta1**s.step
     bias_correction2 = 1 - beta2**s.step
     return 1 - s.lr * s.weight_decay, s.lr / bias_correction1, bias_correction2**0.5
-
-
-def _seg_tensor(segments: Sequence[AdamSegment]) -> torch.Tensor:
-    return torch.tensor([(s.offset, s.numel) for s in segments], dtype=torch.int64).reshape(-1, 2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,26 +276,20 @@ def adamw_(
     ``grad[i] * grad_scale`` in fp32. ``grad`` and ``param_out`` may be the same tensor.
     Elements outside the segments are neither read nor written.
     """
-    segments = [s if isinstance(s, AdamSegment) else AdamSegment(*s) for s in segments]
     _check_buffers(master, exp_avg, exp_avg_sq, grad, param_out)
-    _check_segments(segments, master.numel())
-    segments = [s for s in segments if s.numel > 0]
+    segments = _validated_segments(segments, master.numel())
     if not segments:
         return
     if master.device.type == "cpu" and kernel_backend() == "cpp":
         ext = _load_ext()
         assert ext is not None  # kernel_backend() said cpp
-        seg_f64 = torch.tensor(
-            [_seg_constants(s, beta1, beta2) for s in segments], dtype=torch.float64
-        )
         ext.adamw(
             master,
             exp_avg,
             exp_avg_sq,
             grad,
             param_out,
-            _seg_tensor(segments),
-            seg_f64,
+            segments,
             float(beta1),
             float(beta2),
             float(eps),
@@ -337,17 +336,15 @@ def grad_sq_norm(grad: torch.Tensor, segments: Sequence[AdamSegment]) -> float:
     Returns inf or nan when any element in the segments is inf or nan (callers use this
     for fp16 overflow detection), never a silently finite number.
     """
-    segments = [s if isinstance(s, AdamSegment) else AdamSegment(*s) for s in segments]
     if grad.dim() != 1 or not grad.is_contiguous() or grad.dtype not in _FLOAT_DTYPES:
         raise ValueError("grad must be a 1-D contiguous float32/bfloat16/float16 tensor")
-    _check_segments([s._replace(step=max(s.step, 1)) for s in segments], grad.numel())
-    segments = [s for s in segments if s.numel > 0]
+    segments = _validated_segments(segments, grad.numel(), check_step=False)
     if not segments:
         return 0.0
     if grad.device.type == "cpu" and kernel_backend() == "cpp":
         ext = _load_ext()
         assert ext is not None  # kernel_backend() said cpp
-        return float(ext.grad_sq_norm(grad, _seg_tensor(segments)))
+        return float(ext.grad_sq_norm(grad, segments))
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     for s in segments:
         g = grad[s.offset : s.offset + s.numel].to(torch.float64)

@@ -1,0 +1,211 @@
+"""Hugging Face model directories in and out of the chunks, with bounded host memory.
+
+In: the model is built from `config.json` on `meta`; the safetensors files (one, or the
+shards named by `model.safetensors.index.json`) are read tensor by tensor (safetensors
+maps the file, so only the tensor being copied is in memory) straight into the chunk
+slots, converting dtype on the way. A tensor the model lacks, or a model tensor the
+files lack, is an error that names it.
+
+Out: `export_hf` writes config, safetensors shards and the source's tokenizer files so
+that `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads the result. Shards
+are sized like chunks and written one at a time, so memory stays bounded by one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pstar_core.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pstar_core.engine import Engine
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+# Files a fine-tuned directory should carry over from its source besides the weights.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+class HFLoadError(ValueError):
+    """A model directory is missing, corrupt, or does not match its config."""
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory, in index order."""
+    index = directory / SAFE_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise HFLoadError(f"{index} is corrupt: {e}") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [f for f in files if not (directory / f).is_file()]
+        if missing:
+            raise HFLoadError(f"{index} names shards that are missing: {missing}")
+        return [directory / f for f in files]
+    if (directory / SAFE_SINGLE).is_file():
+        return [directory / SAFE_SINGLE]
+    others = sorted(p.name for p in directory.glob("*.bin"))
+    hint = f" (found {others}: convert them to safetensors first)" if others else ""
+    raise HFLoadError(f"{directory}: no {SAFE_SINGLE} or {SAFE_INDEX}{hint}")
+
+
+def initialize_from_hf_dir(directory: Path, cfg: EngineConfig) -> Engine:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pstar_core.engine import Engine
+
+    if not is_hf_dir(directory):
+        raise HFLoadError(f"{directory} is not a Hugging Face model directory (no config.json)")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(directory))
+    except (ValueError, OSError) as e:
+        raise HFLoadError(f"{directory}/config.json cannot be read: {e}") from None
+    files = weight_files(directory)
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(hf_config)
+    engine = Engine(module, cfg, weights=lambda e: stream_weights(e, files))
+    engine.source_dir = directory
+    return engine
+
+
+def stream_weights(engine: Engine, files: list[Path]) -> None:
+    """Copy every tensor of `files` into its slot (or buffer), one tensor at a time."""
+    module = engine.module
+    own = module.state_dict(keep_vars=True)
+    prefix = getattr(module, "base_model_prefix", "")
+    ignorable = [
+        re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    name = key if key in own else f"{prefix}.{key}" if prefix else key
+                    if name not in own:
+                        if not any(p.search(key) for p in ignorable):
+                            unexpected.append(key)
+                        continue
+                    engine.load_tensor(name, f.get_tensor(key), own[name])
+                    loaded.add(name)
+        except SafetensorError as e:
+            raise HFLoadError(f"{path} is not a readable safetensors file: {e}") from None
+    covered = set(loaded)
+    for name in loaded:
+        slot = engine.by_name.get(name)
+        if slot is not None:
+            covered.update(slot.aliases)  # tied weights: one tensor in the file serves all names
+    missing = [n for n in own if n not in covered]
+    if missing or unexpected:
+        raise HFLoadError(
+            f"weights do not match the model config: missing {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}"
+        )
+
+
+def export_hf(
+    engine: Engine,
+    out: Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write a transformers-loadable model directory from the engine's fp32 masters."""
+    module = engine.module
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise TypeError(
+            f"export_hf needs a transformers model; {type(module).__name__} is not one "
+            "(use save_checkpoint or state_dict instead)"
+        )
+    dtype = dtype or engine.dtype
+    esize = torch.empty((), dtype=dtype).element_size()
+    if max_shard_bytes is None:
+        max_shard_bytes = max(engine.plan.chunk_size * esize, 64 * 2**20)
+    names = _export_names(engine)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, numel in names:
+        if shards[-1] and size + numel * esize > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += numel * esize
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        config.dtype = dtype  # what from_pretrained(torch_dtype="auto") will pick
+        config.save_pretrained(str(tmp))
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            fname = (
+                SAFE_SINGLE
+                if len(shards) == 1
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+            tensors = {n: engine.read_tensor(n).to(dtype).contiguous() for n in shard}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            del tensors
+            weight_map.update(dict.fromkeys(shard, fname))
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=1))
+        if engine.source_dir is not None:
+            for side in SIDE_FILES:
+                if (engine.source_dir / side).is_file():
+                    shutil.copy2(engine.source_dir / side, tmp / side)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _export_names(engine: Engine) -> list[tuple[str, int]]:
+    """State-dict names to write: each tied tensor once, under its first name."""
+    out: list[tuple[str, int]] = []
+    written: set[int] = set()
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        slot = engine.by_name.get(name)
+        if slot is not None:
+            if id(slot) in written:
+                continue
+            written.add(id(slot))
+            out.append((slot.name, slot.numel))
+        else:
+            out.append((name, value.numel()))
+    return out
