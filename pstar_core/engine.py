@@ -256,7 +256,8 @@ class Engine:
             return
         if tuple(value.shape) != tuple(slot.shape):
             raise ValueError(
-                f"{name}: shape {tuple(value.shape)} in the source, {tuple(slot.shape)} in the model"
+                f"{name}: shape {tuple(value.shape)} in the source, "
+                f"{tuple(slot.shape)} in the model"
             )
         m = self.manager
         if slot.trainable:

@@ -66,7 +66,7 @@ def test_export_of_a_non_hf_model_says_what_to_use():
 
 
 def test_directory_without_config_is_rejected(tmp_path):
-    with pytest.raises(HFLoadError, match="no config.json"):
+    with pytest.raises(HFLoadError, match=r"no config\.json"):
         pstar_core.initialize(tmp_path, engine_config())
 
 
@@ -74,7 +74,7 @@ def test_corrupt_safetensors_is_a_clear_error(tmp_path):
     save_hf("hf_llama", tmp_path / "src")
     path = tmp_path / "src" / "model.safetensors"
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(HFLoadError, match="model.safetensors is not a readable safetensors file"):
+    with pytest.raises(HFLoadError, match=r"model\.safetensors is not a readable safetensors file"):
         pstar_core.initialize(tmp_path / "src", engine_config())
 
 
@@ -95,5 +95,5 @@ def test_weights_that_do_not_match_the_config_are_named(tmp_path):
 def test_missing_weight_files_are_named(tmp_path):
     save_hf("hf_llama", tmp_path / "src")
     (tmp_path / "src" / "model.safetensors").unlink()
-    with pytest.raises(HFLoadError, match="no model.safetensors"):
+    with pytest.raises(HFLoadError, match=r"no model\.safetensors"):
         pstar_core.initialize(tmp_path / "src", engine_config())
