@@ -135,7 +135,7 @@ def _median(xs: list[float]) -> float:
 def run(
     model: str = "gpt-100m",
     batch: int = 1,
-    seq: int = 256,
+    seq: int = 320,
     steps: int = 5,
     warmup: int = 2,
     dtype: str = "bf16",

@@ -42,11 +42,11 @@ def train_tokenizer(text: str, vocab_size: int, out: Path):
     return tok
 
 
-def encode(tok, text: str) -> torch.Tensor:
+def encode(tok, text: str, eos: int) -> torch.Tensor:
+    """Token ids of every line, each line followed by `eos` (a `tokenizers.Tokenizer`)."""
     lines = text.splitlines()
     ids: list[int] = []
-    eos = tok.token_to_id("<|endoftext|>")
-    for enc in tok.encode_batch(lines):
+    for enc in tok.encode_batch(lines, add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)

@@ -40,7 +40,9 @@ class TrainLoopSpec(_Spec):
 
 class TrainSpec(_Spec):
     name: str = Field(default="run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    model: str = Field(description="a zoo name (see `pstar models`)")
+    model: str = Field(
+        description="a zoo name (see `pstar models`) or a Hugging Face model directory"
+    )
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     data: DataSpec
     train: TrainLoopSpec = TrainLoopSpec()
@@ -72,7 +74,15 @@ class TrainSpec(_Spec):
         spec.engine_config()  # fail now, not after the data is prepared
         base = path.resolve().parent
         data = spec.data.model_copy(update={"path": _resolve(base, spec.data.path)})
-        return spec.model_copy(update={"data": data, "output_dir": _resolve(base, spec.output_dir)})
+        update = {"data": data, "output_dir": _resolve(base, spec.output_dir)}
+        if spec.is_path_model:
+            update["model"] = str(_resolve(base, Path(spec.model)))
+        return spec.model_copy(update=update)
+
+    @property
+    def is_path_model(self) -> bool:
+        """A model given as a directory (anything with a path separator), not a zoo name."""
+        return "/" in self.model or self.model.startswith(".")
 
 
 def _resolve(base: Path, p: Path) -> Path:

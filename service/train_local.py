@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import pstar_core
+from pstar_core.config import ConfigError
 from pstar_core.models import GPT, flops_per_token, get_config
 from service.data import BatchSampler, encode, read_text, split, train_tokenizer
 from service.spec import TrainSpec
@@ -46,26 +47,14 @@ def run_training(
     run_dir.mkdir(parents=True, exist_ok=True)
     phase(f"reading {spec.data.path}")
     text = read_text(spec.data.path, spec.data.max_chars)
-    tok_path = run_dir / "tokenizer.json"
-    if tok_path.exists():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_path))
-    else:
-        phase("training the tokenizer")
-        tok = train_tokenizer(text, spec.data.vocab_size, tok_path)
-    train_seqs, held_seqs = split(encode(tok, text), spec.data.seq_len, spec.data.heldout_fraction)
-
-    cfg = replace(
-        get_config(spec.model),
-        vocab_size=tok.get_vocab_size(),
-        seq_len=spec.data.seq_len,
-        **spec.model_overrides,
-    )
-    torch.manual_seed(spec.train.seed)
-    phase(f"building {spec.model} in chunks")
     engine_cfg = spec.engine_config()
-    engine = pstar_core.initialize(lambda: GPT(cfg), engine_cfg)
+    if spec.is_path_model:
+        engine, tok, eos, cfg_flops = _pretrained(spec, engine_cfg, phase)
+    else:
+        engine, tok, eos, cfg_flops = _from_zoo(spec, engine_cfg, run_dir, text, phase)
+    train_seqs, held_seqs = split(
+        encode(tok, text, eos), spec.data.seq_len, spec.data.heldout_fraction
+    )
     ckpt = run_dir / "checkpoint"
     if (ckpt / "pstar_checkpoint.json").exists():
         phase(f"resuming from {ckpt}")
@@ -76,7 +65,7 @@ def run_training(
     ppl_before = evaluate(engine, held_seqs, loop.eval_batches, loop.batch_size)
     sampler = BatchSampler(train_seqs, loop.batch_size, loop.seed)
     tokens_per_step = loop.batch_size * spec.data.seq_len
-    flops_per_step = flops_per_token(cfg) * tokens_per_step
+    flops_per_step = cfg_flops * tokens_per_step
     if engine_cfg.activation_checkpointing:
         flops_per_step = flops_per_step * 4 // 3  # one more forward: 8N instead of 6N
     metrics_file = (run_dir / "metrics.jsonl").open("a")
@@ -113,6 +102,11 @@ def run_training(
     ppl_after = evaluate(engine, held_seqs, loop.eval_batches, loop.batch_size)
     phase(f"saving checkpoint to {ckpt}")
     engine.save_checkpoint(ckpt)
+    export = None
+    if spec.is_path_model:
+        export = run_dir / "hf"
+        phase(f"exporting a Hugging Face model directory to {export}")
+        engine.export_hf(export)
     summary = {
         "run_dir": str(run_dir),
         "model": spec.model,
@@ -122,10 +116,59 @@ def run_training(
         "heldout_ppl_before": ppl_before,
         "heldout_ppl_after": ppl_after,
         "checkpoint": str(ckpt),
+        "hf_export": str(export) if export else None,
         "model_data_bytes_per_param": engine.stats()["model_data_bytes_per_param"],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _from_zoo(spec: TrainSpec, engine_cfg, run_dir: Path, text: str, phase):
+    """A zoo GPT trained from scratch with a BPE tokenizer learned on the text."""
+    tok_path = run_dir / "tokenizer.json"
+    if tok_path.exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_path))
+    else:
+        phase("training the tokenizer")
+        tok = train_tokenizer(text, spec.data.vocab_size, tok_path)
+    cfg = replace(
+        get_config(spec.model),
+        vocab_size=tok.get_vocab_size(),
+        seq_len=spec.data.seq_len,
+        **spec.model_overrides,
+    )
+    torch.manual_seed(spec.train.seed)
+    phase(f"building {spec.model} in chunks")
+    engine = pstar_core.initialize(lambda: GPT(cfg), engine_cfg)
+    return engine, tok, tok.token_to_id("<|endoftext|>"), flops_per_token(cfg)
+
+
+def _pretrained(spec: TrainSpec, engine_cfg, phase):
+    """A pretrained HF model directory, streamed into chunks, with its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from pstar_core.hf import HFLoadError, is_hf_dir
+
+    path = Path(spec.model)
+    if not is_hf_dir(path):
+        raise ConfigError(
+            f"model: {path} is not a Hugging Face model directory (no config.json); "
+            "run scripts/setup.sh to prepare SmolLM2, or name a zoo model"
+        )
+    phase(f"loading {path.name} into chunks")
+    try:
+        engine = pstar_core.initialize(path, engine_cfg)
+    except HFLoadError as e:
+        raise ConfigError(f"model: {e}") from None
+    hf_tok = AutoTokenizer.from_pretrained(str(path))
+    n_params = engine.stats()["params"]
+    n_layers = engine.module.config.num_hidden_layers
+    hidden = engine.module.config.hidden_size
+    # 6N per token for the matmuls plus the attention term, as for the zoo models.
+    flops = 6 * n_params + 12 * n_layers * hidden * spec.data.seq_len
+    return engine, hf_tok.backend_tokenizer, hf_tok.eos_token_id, flops
 
 
 def summary_path(spec: TrainSpec) -> Path:

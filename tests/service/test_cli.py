@@ -84,3 +84,44 @@ def test_train_with_a_bad_spec_says_what_is_wrong(tmp_path, text_file):
     assert result.exit_code == 2
     assert "dtype" in result.output
     assert "fp64" in result.output
+
+
+def test_train_fine_tunes_a_hf_dir_and_exports_a_loadable_model(tmp_path, text_file):
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    from service.data import train_tokenizer
+
+    src = tmp_path / "pretrained"
+    tok = train_tokenizer(text_file.read_text(), 300, tmp_path / "tok.json")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(src)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"""
+name: ft
+model: {src}
+data: {{path: {text_file}, seq_len: 32}}
+train: {{steps: 10, batch_size: 4, eval_batches: 2, log_every: 5}}
+engine: {{dtype: bf16, optimizer: {{lr: 0.01}}}}
+output_dir: {tmp_path / "runs"}
+"""
+    )
+    result = runner.invoke(app, ["train", str(spec)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "runs/ft/summary.json").read_text())
+    assert summary["heldout_ppl_after"] < summary["heldout_ppl_before"]
+    export = tmp_path / "runs/ft/hf"
+    assert (export / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
