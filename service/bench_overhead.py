@@ -52,19 +52,21 @@ class _Runner:
     bwd: Callable[[torch.Tensor], None]
     opt: Callable[[], None]
     steps: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # process CPU seconds (all threads)
     phases: list[tuple[float, float, float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
 
     def step(self, x: torch.Tensor, record: bool) -> None:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         loss = self.fwd(x)
         t1 = time.perf_counter()
         self.bwd(loss)
         t2 = time.perf_counter()
         self.opt()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         if record:
             self.steps.append(t3 - t0)
+            self.cpu.append(c3 - c0)
             self.phases.append((t1 - t0, t2 - t1, t3 - t2))
             self.losses.append(float(loss.detach()))
 
@@ -205,6 +207,9 @@ def run(
         "torch_fp32_s": med[FP32],
         "ratio": med[ENGINE] / med[MASTER],
         "ratio_vs_fp32": med[ENGINE] / med[FP32],
+        # CPU time is less sensitive than wall time to other processes on a shared machine.
+        "cpu_s": {r.name: _median(r.cpu) for r in runners},
+        "ratio_cpu": _median(eng.cpu) / _median(mst.cpu),
         "ratio_spread": [min(paired), max(paired)],
         "ratio_vs_fp32_spread": [min(paired32), max(paired32)],
         "tokens_per_s": {r.name: tokens / med[r.name] for r in runners},
@@ -233,6 +238,7 @@ def run(
     for col in (
         "recipe",
         "median s/step",
+        "cpu s/step",
         "fwd s",
         "bwd s",
         "opt s",
@@ -249,6 +255,7 @@ def run(
         table.add_row(
             r.name,
             f"{med[r.name]:.3f}",
+            f"{_median(r.cpu):.3f}",
             f"{ph['fwd']:.3f}",
             f"{ph['bwd']:.3f}",
             f"{ph['opt']:.3f}",

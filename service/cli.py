@@ -144,6 +144,22 @@ def bench_overhead(
     run(model=model, steps=steps, json_out=json_out)
 
 
+@bench_app.command("load")
+def bench_load(
+    model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "bf16",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Peak host memory and time of loading a pretrained directory: ours vs transformers."""
+    from service.bench_load import run
+
+    if not (model_dir / "config.json").is_file():
+        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    run(model_dir, dtype=dtype, json_out=json_out)
+
+
 def main() -> None:
     app()
 

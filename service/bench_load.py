@@ -1,0 +1,93 @@
+"""`pstar bench load DIR`: peak host memory and time of loading a pretrained HF directory.
+
+Each loader runs in a fresh subprocess so peaks do not mix: ours (stream safetensors into
+chunks) and transformers' `from_pretrained`. Reported per loader: time, the process's
+peak RSS above its RSS right before loading, and for ours the part of that peak beyond
+the chunks themselves (what streaming costs on top of the model data it must hold).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+_CHILD = r"""
+import json, resource, sys, time
+import psutil, torch
+import pstar_core, transformers
+path, which, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+# Import what loading will need first, so import time and memory count for neither side.
+_cfg = transformers.AutoConfig.from_pretrained(path)
+transformers.AutoModelForCausalLM._model_mapping[type(_cfg)]
+proc = psutil.Process()
+before = proc.memory_info().rss
+peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t0 = time.perf_counter()
+if which == "engine":
+    engine = pstar_core.initialize(path, {"dtype": dtype})
+    held = engine.stats()["chunk_bytes"]
+else:
+    tdt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=tdt)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+seconds = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"seconds": seconds, "rss_before": before, "peak_before": peak_before,
+                  "peak": peak, "held_bytes": held}))
+"""
+
+
+def _child(path: Path, which: str, dtype: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), which, dtype],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(path: Path, dtype: str = "bf16", repeats: int = 2, json_out: bool = False) -> dict:
+    files = list(path.glob("*.safetensors"))
+    file_bytes = sum(f.stat().st_size for f in files)
+    rows: dict[str, list[dict[str, Any]]] = {"engine": [], "transformers": []}
+    for _ in range(repeats):  # interleaved: engine, transformers, engine, ...
+        for which in rows:
+            rows[which].append(_child(path, which, dtype))
+    result: dict[str, Any] = {"model_dir": str(path), "dtype": dtype, "file_bytes": file_bytes}
+    table = Table(title=f"loading {path.name} ({file_bytes / 2**20:.0f} MiB of safetensors)")
+    for col in ("loader", "median s", "peak RSS above start (MiB)", "held (MiB)", "beyond held"):
+        table.add_column(col, justify="right" if col != "loader" else "left")
+    for which, runs in rows.items():
+        runs.sort(key=lambda r: r["seconds"])
+        mid = runs[len(runs) // 2]
+        grow = max(0, mid["peak"] - max(mid["rss_before"], 0))
+        beyond = grow - mid["held_bytes"]
+        result[which] = {
+            "seconds": mid["seconds"],
+            "peak_rss_growth_bytes": grow,
+            "held_bytes": mid["held_bytes"],
+            "beyond_held_bytes": beyond,
+        }
+        table.add_row(
+            which,
+            f"{mid['seconds']:.2f}",
+            f"{grow / 2**20:.0f}",
+            f"{mid['held_bytes'] / 2**20:.0f}",
+            f"{beyond / 2**20:.0f} MiB",
+        )
+    result["load_avg"] = os.getloadavg()
+    console = Console()
+    console.print(table)
+    console.print(
+        "peak RSS is the process peak (ru_maxrss) minus its RSS just before loading; "
+        f"held = chunks (engine) or parameters (transformers); load avg {result['load_avg']}"
+    )
+    if json_out:
+        print(json.dumps(result))
+    return result
