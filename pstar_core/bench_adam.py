@@ -137,14 +137,14 @@ def run(numel: int = 100_000_000, repeats: int = 7, json_out: bool = False) -> d
     )
     table.add_column("variant")
     table.add_column("G elem/s", justify="right")
-    table.add_column("min..max G elem/s", justify="right")
+    table.add_column("min..max", justify="right")
     table.add_column("GB/s", justify="right")
-    table.add_column("vs torch fused", justify="right")
+    table.add_column("vs fused", justify="right")
     labels = {
-        "ours_bf16": "pstar adamw_ (bf16 grad -> bf16 param)",
-        "ours_fp32": "pstar adamw_ (fp32 grad -> fp32 param)",
-        "torch_fused": "torch AdamW fused=True (fp32)",
-        "torch_foreach": "torch AdamW foreach=True (fp32)",
+        "ours_bf16": "pstar bf16 grad->param",
+        "ours_fp32": "pstar fp32 grad->param",
+        "torch_fused": "torch fused (fp32)",
+        "torch_foreach": "torch foreach (fp32)",
     }
     for name, ts in times.items():
         table.add_row(

@@ -3,14 +3,15 @@
 // Owns the single-pass fused AdamW update over the segments of a flat chunk:
 // reads grad (fp32/bf16/fp16), master/exp_avg/exp_avg_sq (fp32), writes the three fp32
 // buffers back and casts the new master into param_out (fp32/bf16/fp16), which may be the
-// very same buffer as grad. Compiled JIT by pstar_core/kernels/adam.py with
-// -O3 -march=native -fopenmp -ffp-contract=off; the inner loops are plain C++ written so
-// GCC/Clang auto-vectorize them (dtype conversions are branch-free bit manipulation).
+// very same buffer as grad. Compiled JIT by pstar_core/kernels/adam.py (flags and why are
+// listed there: -O3 -march=native -fopenmp -ffp-contract=off -fno-math-errno ...); the inner
+// loops are plain C++ written so GCC/Clang auto-vectorize them (dtype conversions are
+// branch-free bit manipulation), threads come from torch's OpenMP runtime and thread count.
+
 // Narrow headers instead of <torch/extension.h>: halves the JIT compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>

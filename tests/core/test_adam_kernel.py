@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,3 +307,32 @@ def test_ext_cache_name_depends_on_source_and_cpu() -> None:
     src = "int x;"
     assert adam_mod._ext_name(src) == adam_mod._ext_name(src)
     assert adam_mod._ext_name(src) != adam_mod._ext_name(src + " ")
+
+
+def test_failed_build_falls_back_to_torch_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "adam.cpp"
+    broken.write_text("#error deliberately broken\n")
+    monkeypatch.setenv("PSTAR_EXT_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv("PSTAR_ADAM_BACKEND", raising=False)
+    monkeypatch.setattr(adam_mod, "_SOURCE_PATH", broken)
+    monkeypatch.setattr(adam_mod, "_ext_module", None)
+    monkeypatch.setattr(adam_mod, "_ext_failed", False)
+    with caplog.at_level("WARNING", logger=adam_mod.__name__):
+        assert kernel_backend() == "torch"
+        assert kernel_backend() == "torch"
+        g = torch.ones(16, dtype=torch.bfloat16)
+        master = torch.zeros(16)
+        adamw_(master, torch.zeros(16), torch.zeros(16), g, g, [AdamSegment(0, 16, 1, 0.1, 0.0)],
+               beta1=0.9, beta2=0.999, eps=1e-8)  # fmt: skip
+    assert torch.allclose(master, torch.full((16,), -0.1))  # first Adam step moves by lr
+    assert torch.equal(g, master.to(torch.bfloat16))
+    warnings = [
+        r for r in caplog.records if r.levelname == "WARNING" and r.name == adam_mod.__name__
+    ]
+    assert len(warnings) == 1
+    assert "fallback" in warnings[0].getMessage()
+    monkeypatch.setenv("PSTAR_ADAM_BACKEND", "cpp")
+    with pytest.raises(RuntimeError, match="failed to build"):
+        kernel_backend()
