@@ -70,11 +70,8 @@ def save_checkpoint(engine: Engine, directory: Path) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        tensors = {
-            f"{kind.value}.{c.index}": c.payload
-            for kind, lst in engine.manager.lists.items()
-            for c in lst
-        }
+        m = engine.manager
+        tensors = {f"{c.kind.value}.{c.index}": m.in_memory(c).payload for c in m.chunks()}
         save_file(tensors, tmp / _rank_file(0, 1, ".safetensors"))
         extra = {"rng_cpu": torch.get_rng_state(), "excluded": engine.excluded.state_dict()}
         if torch.cuda.is_available():
@@ -111,7 +108,7 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
             for kind, lst in engine.manager.lists.items():
                 for c in lst:
                     key = f"{kind.value}.{c.index}"
-                    c.payload.copy_(f.get_tensor(key))
+                    engine.manager.in_memory(c).payload.copy_(f.get_tensor(key))
     except (OSError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
     extra = torch.load(directory / _rank_file(0, 1, ".extra.pt"), weights_only=False)

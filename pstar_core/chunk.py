@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -90,10 +91,13 @@ class Chunk:
     dtype: torch.dtype
     slots: list[TensorSlot] = field(default_factory=list)
     payload: torch.Tensor | None = None
+    tier: str | None = None  # "device", "host", "disk", or None before allocation
+    pins: int = 0  # > 0 while a collective needs the payload where it is
+    disk_path: Path | None = None
+    nbytes: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * torch.empty((), dtype=self.dtype).element_size()
+    def __post_init__(self) -> None:
+        self.nbytes = self.capacity * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def used_elems(self) -> int:

@@ -96,6 +96,49 @@ class LossScaleConfig(_Frozen):
     min_scale: float = Field(default=1.0, gt=0)
 
 
+Budget = int | float | None
+
+
+class MemoryConfig(_Frozen):
+    """Memory tiers and the chunk eviction policy (the paper's DMM).
+
+    Budgets are bytes (an int) or a fraction of the tier (a float in (0, 1]); null means
+    the whole tier. On a machine without a GPU the compute device is the CPU, and its
+    budget is enforced by the engine the same way a GPU's memory limit would be.
+    """
+
+    device_budget: Budget = Field(
+        default=None, description="bytes or fraction of the compute device for chunks + activations"
+    )
+    host_budget: Budget = Field(
+        default=None,
+        description="bytes or fraction of host memory (default: the cgroup or physical limit, "
+        "shared between the ranks of this host)",
+    )
+    disk_budget: Budget = Field(
+        default=0, description="bytes (or fraction of free space) of spill files; 0 disables"
+    )
+    disk_dir: Path | None = Field(default=None, description="where spill files go")
+    policy: Literal["opt", "lru", "static"] = Field(
+        default="opt", description="eviction: opt (paper), lru, or static partition"
+    )
+    warmup_ratio: float = Field(
+        default=0.2, gt=0, le=1, description="share of the device model data may use in warm-up"
+    )
+    static_model_share: float = Field(
+        default=0.5, gt=0, le=1, description="policy 'static': share of the device for chunks"
+    )
+
+    @field_validator("device_budget", "host_budget", "disk_budget")
+    @classmethod
+    def _budget(cls, v: Budget) -> Budget:
+        if isinstance(v, float) and not 0.0 < v <= 1.0:
+            raise ValueError(f"a fractional budget must be in (0, 1], got {v}")
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"a budget in bytes must be >= 0, got {v}")
+        return v
+
+
 class EngineConfig(_Frozen):
     """Everything `pstar_core.initialize` needs besides the model."""
 
@@ -115,6 +158,7 @@ class EngineConfig(_Frozen):
     activation_checkpointing: bool = Field(
         default=False, description="recompute each block's forward in backward"
     )
+    memory: MemoryConfig = MemoryConfig()
     exclude_from_chunks: tuple[str, ...] = Field(
         default=(),
         description="regexes of parameter names kept as ordinary tensors outside the chunks",

@@ -23,7 +23,7 @@ from torch import nn
 from pstar_core.chunk import ChunkType, TensorSlot, TensorState
 from pstar_core.config import ConfigError, EngineConfig
 from pstar_core.excluded import ExcludedParams
-from pstar_core.hooks import install_hooks
+from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
@@ -87,7 +87,7 @@ class Engine:
             cfg.dtype,
             cfg.chunk_size,
         )
-        self.manager = ChunkManager(self.plan, self.dtype, self.device)
+        self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory)
         self.manager.allocate_all()
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
@@ -114,11 +114,17 @@ class Engine:
         self.by_name = {n: s for s in self.slots.values() for n in s.aliases}
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
         self._materialize(weights)
+        self.manager.enforce_budgets()
+        self.manager.check_working_sets(
+            [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
+        )
+        self._in_iteration = False
         if cfg.activation_checkpointing:
             _enable_activation_checkpointing(module)
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
         self._hooks = install_hooks(module, self.slots, self.manager)
+        self._saved_tensor_hooks = saved_tensor_hooks(self.manager)
 
     # -- materialization ----------------------------------------------------------------
 
@@ -163,7 +169,11 @@ class Engine:
     # -- training -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.module(*args, **kwargs)
+        if not self._in_iteration:
+            self._in_iteration = True
+            self.manager.tracer.start_iteration()
+        with self._saved_tensor_hooks:
+            out = self.module(*args, **kwargs)
         self.manager.reset_after_forward()
         return out
 
@@ -190,6 +200,7 @@ class Engine:
                 opt.drop_grads()
                 self.excluded.zero_grad()
                 self.scaler.update(overflow=True)
+                self._end_iteration()
                 log.info("fp16 overflow: step skipped, loss scale now %g", self.scaler.scale)
                 return False
             if clip is not None:
@@ -200,7 +211,15 @@ class Engine:
         self.scaler.update(overflow=False)
         self.global_step += 1
         opt.lr_scale = lr_factor(self.config.scheduler, self.global_step)
+        self._end_iteration()
         return True
+
+    def _end_iteration(self) -> None:
+        self._in_iteration = False
+        tracer = self.manager.tracer
+        if tracer.tracing:
+            tracer.end_iteration()
+            self.margin_bytes = self.manager.place_optimizer_states()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -229,7 +248,7 @@ class Engine:
             value = self.excluded.value(name)
             return (value if value is not None else self.module.get_buffer(name)).detach()
         kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-        return self.manager.chunk_of(kind, slot).view(slot)
+        return self.manager.in_memory(self.manager.chunk_of(kind, slot)).view(slot)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights by name (the masters at full precision; optimizer states kept)."""
@@ -261,11 +280,13 @@ class Engine:
             )
         m = self.manager
         if slot.trainable:
-            master = m.chunk_of(ChunkType.PARAM_FP32, slot).view(slot)
+            chunks = [m.chunk_of(k, slot) for k in (ChunkType.PARAM_FP32, ChunkType.PARAM)]
+            m.make_resident([c for c in chunks if c.tier == "disk"], "host")
+            master = chunks[0].view(slot)
             master.copy_(value)
-            m.chunk_of(ChunkType.PARAM, slot).view(slot).copy_(master)
+            chunks[1].view(slot).copy_(master)
         else:
-            m.chunk_of(ChunkType.FROZEN, slot).view(slot).copy_(value)
+            m.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
 
     def export_hf(
         self,

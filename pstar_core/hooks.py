@@ -40,30 +40,35 @@ def install_hooks(
 ) -> list[Any]:
     """Hook every module that owns chunked parameters; returns the handles."""
     handles: list[Any] = []
-    for mod in module.modules():
-        slots = [by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in by_param]
+    for name, mod in module.named_modules():
+        slots = operator_slots(mod, by_param)
         if not slots:
             continue
-        handles.append(mod.register_forward_pre_hook(_pre_forward(slots, manager)))
-        handles.append(mod.register_forward_hook(_post_forward(slots, manager)))
+        handles.append(mod.register_forward_pre_hook(_pre_forward(name, slots, manager)))
+        handles.append(mod.register_forward_hook(_post_forward(name, slots, manager)))
     for slot in {id(s): s for s in by_param.values()}.values():
         if slot.trainable:
             handles.append(slot.param.register_post_accumulate_grad_hook(_grad_hook(slot, manager)))
     return handles
 
 
-def _pre_forward(slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
+def operator_slots(mod: torch.nn.Module, by_param: dict[int, TensorSlot]) -> list[TensorSlot]:
+    """The chunked tensors one module (operator) uses: its direct parameters."""
+    return [by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in by_param]
+
+
+def _pre_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
     def hook(_mod: torch.nn.Module, _args: Any) -> None:
-        for s in slots:
-            manager.access(s)
+        manager.begin_operator(f"fwd:{name}")
+        manager.access_slots(slots)
 
     return hook
 
 
-def _post_forward(slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
+def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
     def pre_backward(_grads: Any) -> None:
-        for s in slots:
-            manager.access(s)
+        manager.begin_operator(f"bwd:{name}")
+        manager.access_slots(slots)
 
     def hook(_mod: torch.nn.Module, _args: Any, output: Any) -> None:
         target = S.HOLD if _in_backward() else S.HOLD_AFTER_FWD
@@ -88,3 +93,35 @@ def _grad_hook(slot: TensorSlot, manager: ChunkManager) -> Callable[[torch.Tenso
         manager.grad_ready(slot, grad)
 
     return hook
+
+
+class ChunkRef:
+    """A saved-for-backward view of a chunk, kept as (chunk, geometry) instead of storage.
+
+    Autograd saves views of parameters (e.g. `weight.t()` in a Linear). Holding the view
+    would keep the chunk's old buffer alive after the chunk is evicted, so that memory
+    would never be freed; the reference is re-resolved against the chunk's current
+    payload when backward unpacks it.
+    """
+
+    __slots__ = ("chunk", "offset", "size", "stride")
+
+    def __init__(self, chunk: Any, offset: int, size: torch.Size, stride: tuple[int, ...]):
+        self.chunk, self.offset, self.size, self.stride = chunk, offset, size, stride
+
+
+def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tensors_hooks:
+    def pack(t: torch.Tensor) -> Any:
+        chunk = manager.chunk_for_storage(t.untyped_storage().data_ptr())
+        if chunk is None:
+            return t
+        return ChunkRef(chunk, t.storage_offset(), t.size(), t.stride())
+
+    def unpack(x: Any) -> torch.Tensor:
+        if not isinstance(x, ChunkRef):
+            return x
+        if x.chunk.tier != "device":
+            manager.make_resident([x.chunk], "device")
+        return x.chunk.payload.as_strided(x.size, x.stride, x.offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,8 +1,15 @@
-"""`ChunkManager`: owns the chunk lists and drives the paper's Access and Release.
+"""`ChunkManager`: owns the chunk lists, their tiers, and the paper's Access and Release.
 
-Access(param) makes the param chunk usable, points `param.data` at the slot and sets
-COMPUTE; Release(param, state) sets the HOLD-like state and points `param.data` at an
-empty placeholder, so a parameter has real storage only while an operator needs it.
+Access makes an operator's param chunks resident on the compute device (evicting others
+when the device budget is reached), points `param.data` at the slots and sets COMPUTE;
+Release sets the HOLD-like state and points `param.data` at an empty placeholder, so a
+parameter has real storage only while an operator needs it.
+
+How much chunk memory the device may hold at moment j is A_j = L - max(N_j, N_{j+1})
+once the warm-up trace exists (policy 'opt' or 'lru'); during warm-up it is
+`warmup_ratio * L`, and under the 'static' policy always `static_model_share * L`.
+Victims are chosen by OPT (farthest next use), LRU, or chunk-list order in warm-up.
+When the host tier is over budget, chunks spill to disk by the same policy.
 
 [Note: gradient accumulation] After backward a trainable slot holds its gradient
 (HOLD_AFTER_BWD), which is how the paper avoids a grad list. When the next micro-batch
@@ -17,24 +24,34 @@ parameter of the accessed chunks, only between the first re-access and the step;
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
+from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType, TensorSlot, TensorState
+from pstar_core.config import MemoryConfig
+from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
 from pstar_core.mapping import Plan
+from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
+from pstar_core.tracer import MemoryTracer
 
 log = logging.getLogger(__name__)
 
 S = TensorState
 TRAINABLE_LISTS = (ChunkType.PARAM, ChunkType.PARAM_FP32, ChunkType.MOMENTUM, ChunkType.VARIANCE)
+PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
 
 
 class ChunkManager:
-    def __init__(self, plan: Plan, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, plan: Plan, dtype: torch.dtype, device: torch.device, memory: MemoryConfig
+    ) -> None:
         self.plan = plan
         self.dtype = dtype
         self.device = device
+        self.memory = memory
+        self.tiers: dict[str, Tier] = make_tiers(memory, device)
+        self.tracer = MemoryTracer(device)
         size = plan.chunk_size
         n_tr, n_fr = plan.trainable.num_chunks, plan.frozen.num_chunks
         dtypes = {ChunkType.PARAM: dtype, ChunkType.FROZEN: dtype}
@@ -48,7 +65,12 @@ class ChunkManager:
         # instead of reading stale memory, while dtype and device stay truthful.
         self._placeholder = torch.empty(0, dtype=dtype, device=device)
         self.bytes_moved: dict[str, int] = {}
+        self.moves: dict[str, int] = {}
         self.peak_grad_accum_bytes = 0
+        self.device_adam: set[int] = set()  # trainable chunks whose Adam runs on the device
+        self._last_use: dict[int, int] = {}
+        self._clock = 0
+        self._by_storage: dict[int, Chunk] = {}
 
     # -- layout -------------------------------------------------------------------------
 
@@ -66,22 +88,84 @@ class ChunkManager:
             for kind in TRAINABLE_LISTS[1:]:
                 self.lists[kind][slot.chunk_index].slots.append(slot)
 
-    def allocate_all(self) -> None:
-        """Give every chunk memory on the compute device (zeros: FREE tensors read as 0)."""
-        for chunks in self.lists.values():
-            for c in chunks:
-                if c.payload is None:
-                    c.payload = torch.zeros(c.capacity, dtype=c.dtype, device=self.device)
-
     def chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
         for kind, chunks in self.lists.items():
             if kinds is None or kind in kinds:
                 yield from chunks
 
+    def allocate_all(self) -> None:
+        """Every chunk starts in host memory, zeroed (FREE tensors read as 0).
+
+        Budgets are enforced right after the weights are materialized
+        (`enforce_budgets`), which may spill chunks to disk.
+        """
+        self._check_total_fits()
+        host = self.tiers["host"]
+        for c in self.chunks():
+            with self.tracer.chunk_memory():
+                c.payload = host.allocate(c.capacity, c.dtype).zero_()
+            c.tier = "host"
+            host.add(c.nbytes)
+            self._by_storage[c.payload.untyped_storage().data_ptr()] = c
+
+    def _check_total_fits(self) -> None:
+        need = sum(c.nbytes for c in self.chunks())
+        t = self.tiers
+        have = t["device"].budget_bytes + t["host"].budget_bytes + t["disk"].budget_bytes
+        if need > have:
+            raise MemoryBudgetError(
+                f"the model needs {gib(need)} of chunks (model data), the budgets give "
+                f"{gib(have)} (device {gib(t['device'].budget_bytes)}, host "
+                f"{gib(t['host'].budget_bytes)}, disk {gib(t['disk'].budget_bytes)}); raise "
+                "memory.host_budget or memory.disk_budget (with memory.disk_dir), or use a "
+                "smaller model / fewer trainable parameters"
+            )
+
+    def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:
+        """Fail before training if one operator's chunks cannot fit on the device at all."""
+        budget = self.tiers["device"].budget_bytes
+        if self.memory.policy == "static":
+            budget = int(self.memory.static_model_share * budget)
+        for slots in operators:
+            chunks = {id(c): c for c in (self.param_chunk(s) for s in slots)}
+            need = sum(c.nbytes for c in chunks.values())
+            if need > budget:
+                raise MemoryBudgetError(
+                    f"operator using {slots[0].name} needs {gib(need)} of param chunks at once, "
+                    f"the device budget for chunks is {gib(budget)}; raise "
+                    "memory.device_budget or use a smaller chunk_size"
+                )
+
+    def enforce_budgets(self) -> None:
+        """After materialization: spill what the host budget cannot hold."""
+        host = self.tiers["host"]
+        order = [
+            *self.lists[ChunkType.VARIANCE],
+            *self.lists[ChunkType.MOMENTUM],
+            *self.lists[ChunkType.PARAM_FP32],
+            *self.lists[ChunkType.FROZEN],
+            *self.lists[ChunkType.PARAM],
+        ]
+        for c in reversed(order):  # the last chunks of the optimizer lists are needed last
+            if host.used_bytes <= host.budget_bytes:
+                break
+            self._move(c, "disk")
+
     # -- Access / Release (Algorithms 1 and 2) ------------------------------------------
 
-    def access(self, slot: TensorSlot) -> None:
-        chunk = self.param_chunk(slot)
+    def begin_operator(self, name: str) -> None:
+        """A new moment: an operator is about to start."""
+        self.tracer.new_moment(name, self.tiers["device"].used_bytes)
+        self._clock += 1
+
+    def access_slots(self, slots: Sequence[TensorSlot]) -> None:
+        """Algorithm 1 for every tensor one operator needs."""
+        chunks = list({id(c): c for c in (self.param_chunk(s) for s in slots)}.values())
+        self.make_resident(chunks, "device")
+        for s in slots:
+            self._access(s, self.param_chunk(s))
+
+    def _access(self, slot: TensorSlot, chunk: Chunk) -> None:
         if slot.state is S.HOLD_AFTER_BWD:
             self._stash_grads(chunk)
         if slot.state is S.FREE:
@@ -111,8 +195,9 @@ class ChunkManager:
         """Backward is done with `slot`: its gradient overwrites the param slot."""
         chunk = self.param_chunk(slot)
         if slot.state is not S.COMPUTE:
-            # Only reachable when a gradient arrives for a tensor not accessed in backward
-            # (e.g. used outside its module's forward); its slot still holds the value.
+            # A gradient for a tensor not accessed in backward (used outside its module's
+            # forward): bring its chunk back first; the slot still holds the value.
+            self.make_resident([chunk], "device")
             slot.set_state(S.COMPUTE)
         chunk.view(slot).copy_(grad)
         slot.compute_refs = 0
@@ -124,17 +209,171 @@ class ChunkManager:
             if slot.state is S.HOLD_AFTER_FWD:
                 slot.set_state(S.HOLD)
 
+    # -- residency and moves ----------------------------------------------------------------
+
+    def make_resident(self, chunks: Sequence[Chunk], tier: str) -> None:
+        """Bring `chunks` to `tier`, evicting others (never these) to make room."""
+        for c in chunks:
+            self.tracer.note_use((c.kind.value, c.index))
+            self._last_use[id(c)] = self._clock
+        need = sum(c.nbytes for c in chunks if c.tier != tier)
+        if need:
+            self._make_room(tier, need, protect={id(c) for c in chunks})
+            for c in chunks:
+                self._move(c, tier)
+
+    def _allowed(self, tier: str) -> int:
+        t = self.tiers[tier]
+        if tier != "device":
+            return t.budget_bytes
+        if self.memory.policy == "static":
+            return int(self.memory.static_model_share * t.budget_bytes)
+        trace = self.tracer.trace
+        if trace is None:
+            return int(self.memory.warmup_ratio * t.budget_bytes)
+        return t.budget_bytes - trace.non_model_around(self.tracer.moment)
+
+    def _evictable(self, c: Chunk, protect: set[int]) -> bool:
+        if id(c) in protect or c.pins:
+            return False
+        # COMPUTE tensors pin their param chunk; optimizer-state chunks are protected
+        # explicitly while Adam runs on them.
+        return c.kind not in PARAM_LISTS or all(s.state in HOLD_LIKE for s in c.slots)
+
+    def _choose(self, candidates: list[Chunk]) -> Chunk:
+        trace = self.tracer.trace
+        if self.memory.policy in ("lru", "static"):
+            return choose_lru(candidates, self._last_use)
+        if trace is None:
+            return choose_in_list_order(candidates)
+        return choose_opt(
+            candidates,
+            lambda c: self.tracer.uses_of((c.kind.value, c.index)),
+            self.tracer.moment,
+            trace.moments,
+        )
+
+    def _make_room(self, tier: str, need: int, protect: set[int]) -> None:
+        t = self.tiers[tier]
+        allowed = self._allowed(tier)
+        if tier == "device" and self.tracer.tracing:
+            # warm-up: the operator's own chunks may exceed the warm-up share
+            allowed = max(allowed, need)
+        while t.used_bytes + need > allowed:
+            candidates = [
+                c for c in self.chunks() if c.tier == tier and self._evictable(c, protect)
+            ]
+            candidates += [
+                c for c in self.grad_accum.values() if c.tier == tier and id(c) not in protect
+            ]
+            if not candidates:
+                raise MemoryBudgetError(
+                    f"cannot fit {gib(need)} more chunk memory on the {tier} tier at moment "
+                    f"{self.tracer.moment}: {gib(t.used_bytes)} in use by chunks that are "
+                    f"needed now, {gib(allowed)} allowed (budget {gib(t.budget_bytes)}); "
+                    f"raise memory.{tier}_budget"
+                )
+            victim = self._choose(candidates)
+            self._move(victim, "host" if tier == "device" else "disk", protect)
+
+    def _move(self, c: Chunk, tier: str, protect: set[int] | None = None) -> None:
+        src = c.tier
+        if src == tier:
+            return
+        dst = self.tiers[tier]
+        if tier == "host" and dst.used_bytes + c.nbytes > dst.budget_bytes:
+            self._make_room("host", c.nbytes, (protect or set()) | {id(c)})
+        if tier == "disk" and dst.used_bytes + c.nbytes > dst.budget_bytes:
+            raise MemoryBudgetError(
+                f"the disk tier is full ({gib(dst.used_bytes)} of {gib(dst.budget_bytes)}); "
+                "raise memory.disk_budget"
+            )
+        with self.tracer.chunk_memory():
+            if tier == "disk":
+                path = dst.directory / f"pstar-{id(self):x}-{c.kind.value}-{c.index}.bin"
+                with open(path, "wb") as f:
+                    f.write(c.payload.view(torch.uint8).numpy().data)
+                dst.files.add(path)
+                c.disk_path = path
+                self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+                c.payload = None
+            else:
+                new = dst.allocate(c.capacity, c.dtype)
+                if src == "disk":
+                    with open(c.disk_path, "rb") as f:
+                        f.readinto(new.view(torch.uint8).numpy().data)
+                    c.disk_path.unlink()
+                    self.tiers["disk"].files.discard(c.disk_path)
+                    c.disk_path = None
+                else:
+                    new.copy_(c.payload)
+                    self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+                c.payload = new
+                self._by_storage[new.untyped_storage().data_ptr()] = c
+        if src is not None:
+            self.tiers[src].remove(c.nbytes)
+        dst.add(c.nbytes)
+        c.tier = tier
+        key = f"{src}->{tier}"
+        self.bytes_moved[key] = self.bytes_moved.get(key, 0) + c.nbytes
+        self.moves[key] = self.moves.get(key, 0) + 1
+
+    def chunk_for_storage(self, data_ptr: int) -> Chunk | None:
+        return self._by_storage.get(data_ptr)
+
+    def in_memory(self, c: Chunk) -> Chunk:
+        """Make sure `c` has a payload (bring it from disk to host if spilled)."""
+        if c.tier == "disk":
+            self.make_resident([c], "host")
+        return c
+
+    # -- placement ------------------------------------------------------------------------
+
+    def place_optimizer_states(self) -> int:
+        """Device-aware placement after warm-up: OS chunks that fit the margin go to the device.
+
+        margin = device budget - peak non-model - all param chunks. Returns the margin.
+        """
+        trace = self.tracer.trace
+        if trace is None or self.memory.policy == "static":
+            return 0
+        params = sum(c.nbytes for c in self.chunks(PARAM_LISTS))
+        margin = self.tiers["device"].budget_bytes - trace.peak_non_model - params
+        left = margin
+        for i in range(self.plan.trainable.num_chunks):
+            triple = sum(self.lists[k][i].nbytes for k in TRAINABLE_LISTS[1:])
+            if triple > left:
+                break
+            self.device_adam.add(i)
+            left -= triple
+        return margin
+
+    def prepare_adam(self, index: int) -> None:
+        """Adam on chunk `index` is next: a moment, and its four chunks on one tier."""
+        self.begin_operator(f"adam.{index}")
+        tier = "device" if index in self.device_adam else "host"
+        chunks = [self.lists[k][index] for k in TRAINABLE_LISTS]
+        acc = self.grad_accum.get(index)
+        if acc is not None:
+            chunks.append(acc)
+        self.make_resident(chunks, tier)
+
     # -- gradient accumulation ----------------------------------------------------------
 
     def _stash_grads(self, chunk: Chunk) -> None:
         """Move the chunk's gradients into its fp32 accum chunk and restore the params."""
         acc = self.grad_accum.get(chunk.index)
+        master = self.lists[ChunkType.PARAM_FP32][chunk.index]
         if acc is None:
             acc = Chunk(ChunkType.GRAD_ACCUM, chunk.index, chunk.capacity, torch.float32)
-            acc.payload = torch.zeros(chunk.capacity, dtype=torch.float32, device=self.device)
+            self._make_room(chunk.tier, acc.nbytes, {id(chunk), id(master)})
+            with self.tracer.chunk_memory():
+                acc.payload = self.tiers[chunk.tier].allocate(acc.capacity, acc.dtype).zero_()
+            acc.tier = chunk.tier
+            self.tiers[chunk.tier].add(acc.nbytes)
             self.grad_accum[chunk.index] = acc
             self.peak_grad_accum_bytes = max(self.peak_grad_accum_bytes, self.grad_accum_bytes)
-        master = self.lists[ChunkType.PARAM_FP32][chunk.index]
+        self.make_resident([chunk, acc, master], chunk.tier)
         for s in chunk.slots:
             if s.state is S.HOLD_AFTER_BWD:
                 acc.flat(s).add_(chunk.flat(s))
@@ -147,11 +386,24 @@ class ChunkManager:
         return sum(c.nbytes for c in self.grad_accum.values())
 
     def free_grad_accum(self) -> None:
+        for acc in self.grad_accum.values():
+            if acc.disk_path is not None:
+                acc.disk_path.unlink(missing_ok=True)
+                self.tiers["disk"].files.discard(acc.disk_path)
+            self.tiers[acc.tier].remove(acc.nbytes)
+            with self.tracer.chunk_memory():
+                acc.payload = None
         self.grad_accum.clear()
         for s in self.slots:
             s.grad_in_accum = False
 
     # -- accounting ----------------------------------------------------------------------
 
-    def count_move(self, direction: str, nbytes: int) -> None:
-        self.bytes_moved[direction] = self.bytes_moved.get(direction, 0) + nbytes
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        return {
+            name: {"budget": t.budget_bytes, "used": t.used_bytes, "peak": t.peak_bytes}
+            for name, t in self.tiers.items()
+        }
+
+    def close(self) -> None:
+        self.tiers["disk"].cleanup()

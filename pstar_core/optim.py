@@ -117,6 +117,7 @@ class ChunkAdamW:
         """With accumulation, add the grads still in param slots into the accum chunks."""
         for index, acc in self.manager.grad_accum.items():
             chunk = self.manager.lists[ChunkType.PARAM][index]
+            self.manager.make_resident([chunk, acc], "host" if chunk.tier == "disk" else chunk.tier)
             for s in chunk.slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     acc.flat(s).add_(chunk.flat(s))
@@ -136,7 +137,8 @@ class ChunkAdamW:
                 if self._has_grad(s)
             ]
             if segs:
-                total += grad_sq_norm(self._grad_source(chunk.index).payload, segs)
+                source = self.manager.in_memory(self._grad_source(chunk.index))
+                total += grad_sq_norm(source.payload, segs)
         return total
 
     def step(self, grad_scale: float) -> None:
@@ -155,6 +157,7 @@ class ChunkAdamW:
             if not segs:
                 continue
             i = chunk.index
+            self.manager.prepare_adam(i)
             adamw_(
                 lists[ChunkType.PARAM_FP32][i].payload,
                 lists[ChunkType.MOMENTUM][i].payload,
@@ -173,7 +176,12 @@ class ChunkAdamW:
         """Skip this step (fp16 overflow): restore params from the master, drop the grads."""
         lists = self.manager.lists
         for chunk in lists[ChunkType.PARAM]:
+            if not any(s.state is S.HOLD_AFTER_BWD for s in chunk.slots):
+                continue
             master = lists[ChunkType.PARAM_FP32][chunk.index]
+            self.manager.make_resident(
+                [chunk, master], "host" if chunk.tier == "disk" else chunk.tier
+            )
             for s in chunk.slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     chunk.flat(s).copy_(master.flat(s))

@@ -1,0 +1,38 @@
+"""Victim choice when a tier is full: OPT (the paper), LRU and chunk-list order.
+
+OPT evicts the chunk whose next use is farthest in the future, looked up by binary
+search in the chunk's traced moment list; iterations repeat, so a chunk not used again
+in this iteration is next used at its first moment of the next one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from pstar_core.chunk import Chunk
+
+NEVER = float("inf")
+
+
+def next_use(moments: Sequence[int], now: int, period: int) -> float:
+    """The first traced use strictly after `now`, wrapping into the next iteration."""
+    if not moments:
+        return NEVER
+    i = bisect.bisect_right(moments, now)
+    if i < len(moments):
+        return moments[i]
+    return moments[0] + period
+
+
+def choose_opt(candidates: list[Chunk], moments_of, now: int, period: int) -> Chunk:
+    return max(candidates, key=lambda c: (next_use(moments_of(c), now, period), -c.index))
+
+
+def choose_lru(candidates: list[Chunk], last_use: dict[int, int]) -> Chunk:
+    return min(candidates, key=lambda c: (last_use.get(id(c), -1), c.index))
+
+
+def choose_in_list_order(candidates: list[Chunk]) -> Chunk:
+    """Warm-up: nothing is known yet, so evict in chunk-list order."""
+    return min(candidates, key=lambda c: (c.kind.value, c.index))
