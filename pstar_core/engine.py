@@ -119,6 +119,7 @@ class Engine:
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
         self._in_iteration = False
+        self.margin_bytes = 0
         if cfg.activation_checkpointing:
             _enable_activation_checkpointing(module)
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
@@ -322,6 +323,9 @@ class Engine:
         self._require_no_pending_grads("load_checkpoint")
         load_checkpoint(self, Path(directory))
 
+    def _tracer_stats(self) -> dict[str, Any]:
+        return _tracer_stats_of(self.manager.tracer.trace)
+
     def stats(self) -> dict[str, Any]:
         """Measured numbers: chunks per list and tier, bytes, utilization, bytes moved."""
         m = self.manager
@@ -330,14 +334,14 @@ class Engine:
         for kind, lst in m.lists.items():
             tiers: dict[str, int] = {}
             for c in lst:
-                if c.payload is not None:
-                    tiers[str(c.payload.device)] = tiers.get(str(c.payload.device), 0) + 1
+                if c.tier is not None:
+                    tiers[c.tier] = tiers.get(c.tier, 0) + 1
             used = sum(c.used_elems for c in lst)
             esize = torch.empty((), dtype=lst[0].dtype).element_size() if lst else 0
             model_bytes += used * esize
             chunks[kind.value] = {
                 "count": len(lst),
-                "bytes": sum(c.nbytes for c in lst if c.payload is not None),
+                "bytes": sum(c.nbytes for c in lst),
                 "used_bytes": used * esize,
                 "utilization": used / (len(lst) * self.plan.chunk_size) if lst else 1.0,
                 "by_tier": tiers,
@@ -357,11 +361,28 @@ class Engine:
             "grad_accum_bytes": m.grad_accum_bytes,
             "peak_grad_accum_bytes": m.peak_grad_accum_bytes,
             "bytes_moved": dict(m.bytes_moved),
+            "moves": dict(m.moves),
+            "tiers": m.tier_bytes(),
+            "tracer": self._tracer_stats(),
+            "margin_bytes": self.margin_bytes,
+            "device_adam_chunks": len(m.device_adam),
             "overflow_count": self.scaler.overflows,
             "loss_scale": self.scaler.scale,
             "global_step": self.global_step,
             "lr": self.lr,
         }
+
+
+def _tracer_stats_of(trace: Any) -> dict[str, Any]:
+    if trace is None:
+        return {"moments": 0, "peak_non_model_bytes": 0, "non_model_bytes": []}
+    return {
+        "moments": trace.moments,
+        "peak_non_model_bytes": trace.peak_non_model,
+        "non_model_bytes": list(trace.non_model),
+        "chunk_bytes": list(trace.chunk_bytes),
+        "names": list(trace.names),
+    }
 
 
 def _unique_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:

@@ -150,6 +150,10 @@ class ChunkManager:
             if host.used_bytes <= host.budget_bytes:
                 break
             self._move(c, "disk")
+        # Known limit: materialization holds every chunk in host memory before this
+        # spill, so peaks are counted from here on (from the start of training).
+        for t in self.tiers.values():
+            t.peak_bytes = t.used_bytes
 
     # -- Access / Release (Algorithms 1 and 2) ------------------------------------------
 

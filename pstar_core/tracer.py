@@ -147,11 +147,14 @@ def _cpu_non_model(prof: torch.profiler.profile, moments: int) -> list[int]:
     marks = [e.start_ns() for e in events if e.name() == MOMENT]
     mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
     out = [0] * moments
-    live, peak, m, r = 0, 0, -1, 0
+    if not moments:
+        return out
+    # Memory used between the start of the iteration and the first moment counts for
+    # moment 0 (the model's own forward may allocate before its first hooked operator).
+    live, peak, m, r = 0, 0, 0, 0
     for t, nbytes in mem:
         while m + 1 < len(marks) and marks[m + 1] <= t:
-            if m >= 0:
-                out[m] = max(out[m], peak)
+            out[m] = max(out[m], peak)
             m += 1
             peak = live
         while r < len(chunk_ranges) and chunk_ranges[r][1] < t:
@@ -160,9 +163,8 @@ def _cpu_non_model(prof: torch.profiler.profile, moments: int) -> list[int]:
             continue
         live += nbytes
         peak = max(peak, live)
-    while m < len(marks):
-        if 0 <= m < moments:
-            out[m] = max(out[m], peak)
+    while m < min(len(marks), moments):
+        out[m] = max(out[m], peak)
         m += 1
         peak = live
     return [max(0, x) for x in out]

@@ -1,0 +1,156 @@
+"""Dynamic memory management: budgets change where chunks live, never the math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pstar_core
+from pstar_core.tiers import MemoryBudgetError
+from tests.core.helpers import MODELS, batches, engine_config, reference_model, run_engine
+
+CHUNK = 16384  # small chunks so the tiny GPT has a dozen param chunks to move around
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference_model(MODELS["gpt"])
+
+
+def make(ref, memory=None, name="gpt", **kw):
+    engine = pstar_core.initialize(
+        MODELS[name], engine_config(chunk_size=CHUNK, memory=memory or {}, **kw)
+    )
+    engine.load_state_dict(ref.state_dict())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def unconstrained(ref):
+    """Losses and trace without memory pressure: the ground truth for every policy."""
+    engine = make(ref)
+    losses = run_engine(engine, batches(4))
+    stats = engine.stats()
+    return losses, stats["tracer"]["peak_non_model_bytes"], stats["chunks"]["param"]["bytes"]
+
+
+@pytest.mark.parametrize("policy", ["opt", "lru", "static"])
+def test_device_budget_of_40_percent_of_param_chunks_gives_bitwise_same_losses(
+    ref, unconstrained, policy
+):
+    losses, peak_non_model, param_bytes = unconstrained
+    # 40% of the param chunks for model data, beside the measured activations; the static
+    # partition has no tracer, so it gets the same bytes as a fixed share of the device.
+    budget = int(peak_non_model + 0.4 * param_bytes)
+    memory = {"device_budget": budget, "policy": policy}
+    if policy == "static":
+        memory["static_model_share"] = 0.4 * param_bytes / budget
+    engine = make(ref, memory)
+    assert run_engine(engine, batches(4)) == losses
+    moved = engine.stats()["bytes_moved"]
+    assert moved["device->host"] > 0  # the budget really forced evictions
+    assert engine.manager.tiers["device"].peak_bytes <= budget
+
+
+def test_disk_tier_keeps_training_when_model_data_exceeds_device_plus_host(
+    ref, unconstrained, tmp_path
+):
+    losses, peak_non_model, param_bytes = unconstrained
+    engine0 = make(ref)
+    chunk_bytes = engine0.stats()["chunk_bytes"]
+    device = int(peak_non_model + 0.4 * param_bytes)
+    host = chunk_bytes // 3
+    assert device + host < chunk_bytes  # model data exceeds device + host budgets
+    memory = {
+        "device_budget": device, "host_budget": host, "disk_budget": 10 * chunk_bytes,
+        "disk_dir": str(tmp_path),
+    }  # fmt: skip
+    engine = make(ref, memory)
+    assert run_engine(engine, batches(4)) == losses
+    moved = engine.stats()["bytes_moved"]
+    assert moved["host->disk"] > 0
+    assert moved["disk->host"] + moved.get("disk->device", 0) > 0
+    assert engine.manager.tiers["host"].peak_bytes <= host
+
+
+def test_moments_repeat_and_steady_state_moves_nothing_with_enough_memory(ref):
+    engine = make(ref)
+    data = batches(5)
+    run_engine(engine, data[:2])  # warm-up, then the iteration that applies placement
+    trace = engine.manager.tracer.trace
+    moved_before = dict(engine.stats()["bytes_moved"])
+    run_engine(engine, data[2:4])
+    assert engine.stats()["bytes_moved"] == moved_before  # nothing moved at all
+    # the moment sequence of a later iteration is the traced one
+    tracer = engine.manager.tracer
+    tracer.trace = None  # trace one more iteration and compare
+    run_engine(engine, data[4:])
+    again = tracer.trace
+    assert again.moments == trace.moments
+    assert again.names == trace.names
+    assert again.uses == trace.uses
+
+
+def test_placement_puts_optimizer_states_on_the_device_when_the_margin_allows(ref, unconstrained):
+    losses, peak_non_model, param_bytes = unconstrained
+    engine = make(ref)
+    run_engine(engine, batches(2))
+    assert engine.manager.device_adam == set(range(engine.plan.trainable.num_chunks))
+    chunks = engine.stats()["chunks"]
+    assert chunks["momentum"]["by_tier"] == {"device": chunks["momentum"]["count"]}
+    # a margin for only part of the optimizer states: some Adam on device, the rest on
+    # host, and the same numbers either way
+    triple = 3 * CHUNK * 4
+    budget = int(peak_non_model + param_bytes + 2.5 * triple)
+    partial = make(ref, {"device_budget": budget})
+    assert run_engine(partial, batches(4)) == losses
+    assert 0 < len(partial.manager.device_adam) < partial.plan.trainable.num_chunks
+
+
+def test_traced_non_model_peak_grows_with_batch_and_shrinks_with_checkpointing(ref):
+    def peak(batch, ckpt=False):
+        engine = make(ref, activation_checkpointing=ckpt)
+        run_engine(engine, batches(1, batch=batch))
+        return engine.stats()["tracer"]["peak_non_model_bytes"]
+
+    small, large = peak(4), peak(16)
+    assert large > 2 * small
+    assert peak(16, ckpt=True) < large
+
+
+def test_tracer_counts_a_temporary_allocated_and_freed_inside_forward():
+    class Scratch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            tmp = torch.empty(4 * 2**20, dtype=torch.uint8)  # 4 MiB, gone before returning
+            tmp.fill_(1)
+            del tmp
+            return self.lin(x).sum()
+
+    engine = pstar_core.initialize(Scratch, engine_config(chunk_size=1024))
+    engine.backward(engine(torch.randn(2, 8)))
+    engine.step()
+    assert engine.stats()["tracer"]["peak_non_model_bytes"] >= 4 * 2**20
+
+
+def test_model_larger_than_all_budgets_fails_before_training_with_numbers(ref):
+    with pytest.raises(MemoryBudgetError, match=r"needs 0\.\d+ GiB of chunks.*budgets give"):
+        make(ref, {"device_budget": 100_000, "host_budget": 100_000})
+
+
+def test_operator_larger_than_the_device_fails_before_training(ref):
+    with pytest.raises(MemoryBudgetError, match=r"needs .* of param chunks at once"):
+        make(ref, {"device_budget": CHUNK})
+
+
+def test_stats_report_tiers_moves_and_the_trace(ref):
+    engine = make(ref)
+    run_engine(engine, batches(1))
+    stats = engine.stats()
+    assert stats["tracer"]["moments"] == len(engine.manager.tracer.trace.names)
+    assert stats["tracer"]["moments"] > 0
+    assert set(stats["tiers"]) == {"device", "host", "disk"}
+    assert stats["bytes_moved"]["host->device"] > 0
