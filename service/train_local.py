@@ -120,6 +120,8 @@ def run_training(
         "model_data_bytes_per_param": engine.stats()["model_data_bytes_per_param"],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    # The engine's measured stats (tiers, moves, tracer moments) for `pstar plot-trace`.
+    (run_dir / "trace.json").write_text(json.dumps(engine.stats()))
     return summary
 
 
