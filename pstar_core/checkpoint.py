@@ -1,10 +1,11 @@
 """Engine checkpoints: every chunk of every list, plus the training state, in one directory.
 
 Layout of a checkpoint directory:
-- `pstar_checkpoint.json`: format version, dtype, chunk size, the tensor map (name, shape,
-  chunk, offset, step), global step, lr scale, loss scaler;
+- `pstar_checkpoint.json`: format version, dtype, chunk size, world size, the tensor map
+  (name, shape, chunk, offset), global step, lr scale, loss scaler;
 - `rank{r}-of-{n}.safetensors`: the chunk payloads of that rank, keyed `{list}.{index}`;
-- `rank{r}-of-{n}.extra.pt`: RNG states and excluded parameters' optimizer state.
+- `rank{r}-of-{n}.extra.pt`: RNG states, per-tensor step counts, and the excluded
+  parameters' optimizer state.
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so a
 failure while saving leaves the previous checkpoint intact. Chunks are read back one at
@@ -43,7 +44,7 @@ def _meta(engine: Engine) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "dtype": engine.config.dtype,
         "chunk_size": engine.plan.chunk_size,
-        "world_size": 1,
+        "world_size": engine.zero.nproc,
         "lists": {k.value: len(v) for k, v in engine.manager.lists.items()},
         "tensors": [
             {
@@ -52,7 +53,6 @@ def _meta(engine: Engine) -> dict[str, Any]:
                 "chunk": s.chunk_index,
                 "offset": s.offset,
                 "trainable": s.trainable,
-                "step": s.step,
             }
             for s in engine.manager.slots
         ],
@@ -62,27 +62,59 @@ def _meta(engine: Engine) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(engine: Engine, directory: Path) -> Path:
+def save_checkpoint(engine: Engine, directory: Path, shared: bool = True) -> Path:
+    """Every rank writes its own shard; rank 0 writes the metadata.
+
+    `shared=True`: all ranks see `directory` (one filesystem); the checkpoint is built in
+    a temporary sibling and renamed into place once every rank has written, so an old
+    checkpoint survives a failure. `shared=False`: each rank writes its files straight
+    into its own (fresh) `directory`, for frameworks that collect per-rank directories
+    (Ray Train); file names never collide across ranks.
+    """
+    zero = engine.zero
     directory = directory.resolve()
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        m = engine.manager
-        tensors = {f"{c.kind.value}.{c.index}": m.in_memory(c).payload for c in m.chunks()}
-        save_file(tensors, tmp / _rank_file(0, 1, ".safetensors"))
-        extra = {"rng_cpu": torch.get_rng_state(), "excluded": engine.excluded.state_dict()}
-        if torch.cuda.is_available():
-            extra["rng_cuda"] = torch.cuda.get_rng_state_all()  # not exercised without a GPU
-        torch.save(extra, tmp / _rank_file(0, 1, ".extra.pt"))
-        (tmp / META).write_text(json.dumps(_meta(engine), indent=1))
-        _replace_dir(tmp, directory)
-    except BaseException:
+    if not shared:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_rank_files(engine, directory)
+        return directory
+    tmp = directory.parent / f".{directory.name}.tmp"
+    if zero.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(zero)
+    try:
+        _write_rank_files(engine, tmp)
+        _barrier(zero)
+        if zero.rank == 0:
+            _replace_dir(tmp, directory)
+    except BaseException:
+        if zero.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _barrier(zero)
     return directory
+
+
+def _barrier(zero) -> None:
+    if zero.enabled:
+        zero.barrier()
+
+
+def _write_rank_files(engine: Engine, directory: Path) -> None:
+    m, zero = engine.manager, engine.zero
+    tensors = {f"{c.kind.value}.{c.index}": m.in_memory(c).payload for c in m.own_chunks()}
+    save_file(tensors, directory / _rank_file(zero.rank, zero.nproc, ".safetensors"))
+    extra = {
+        "rng_cpu": torch.get_rng_state(),
+        "excluded": engine.excluded.state_dict(),
+        "steps": [s.step for s in m.slots],
+    }
+    if torch.cuda.is_available():
+        extra["rng_cuda"] = torch.cuda.get_rng_state_all()  # not exercised without a GPU
+    torch.save(extra, directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"))
+    if zero.rank == 0:
+        (directory / META).write_text(json.dumps(_meta(engine), indent=1))
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -102,22 +134,24 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
     _check_compatible(engine, meta, directory)
-    path = directory / _rank_file(0, 1, ".safetensors")
+    zero = engine.zero
+    path = directory / _rank_file(zero.rank, zero.nproc, ".safetensors")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for kind, lst in engine.manager.lists.items():
-                for c in lst:
-                    key = f"{kind.value}.{c.index}"
-                    engine.manager.in_memory(c).payload.copy_(f.get_tensor(key))
+            for c in engine.manager.own_chunks():
+                key = f"{c.kind.value}.{c.index}"
+                engine.manager.in_memory(c).payload.copy_(f.get_tensor(key))
     except (OSError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
-    extra = torch.load(directory / _rank_file(0, 1, ".extra.pt"), weights_only=False)
+    extra = torch.load(
+        directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"), weights_only=False
+    )
     torch.set_rng_state(extra["rng_cpu"])
     if "rng_cuda" in extra and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(extra["rng_cuda"])
     engine.excluded.load_state_dict(extra["excluded"])
-    for slot, t in zip(engine.manager.slots, meta["tensors"], strict=True):
-        slot.step = int(t["step"])
+    for slot, step in zip(engine.manager.slots, extra["steps"], strict=True):
+        slot.step = int(step)
     engine.global_step = int(meta["global_step"])
     engine.optimizer.lr_scale = float(meta["lr_scale"])
     engine.scaler.load_state_dict(meta["scaler"])

@@ -139,6 +139,16 @@ class MemoryConfig(_Frozen):
         return v
 
 
+class ZeroConfig(_Frozen):
+    """Chunk ZeRO-DP across the ranks of the process group (when torch.distributed is up)."""
+
+    variant: Literal["collective", "serial"] = Field(
+        default="collective",
+        description="collective: all-gather / reduce-scatter per group; serial: nproc "
+        "broadcasts / reductions (the paper's memory-saving variant)",
+    )
+
+
 class EngineConfig(_Frozen):
     """Everything `pstar_core.initialize` needs besides the model."""
 
@@ -159,6 +169,7 @@ class EngineConfig(_Frozen):
         default=False, description="recompute each block's forward in backward"
     )
     memory: MemoryConfig = MemoryConfig()
+    zero: ZeroConfig = ZeroConfig()
     exclude_from_chunks: tuple[str, ...] = Field(
         default=(),
         description="regexes of parameter names kept as ordinary tensors outside the chunks",

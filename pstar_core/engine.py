@@ -27,6 +27,7 @@ from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
+from pstar_core.zero import ZeroGroup
 
 log = logging.getLogger(__name__)
 S = TensorState
@@ -34,10 +35,16 @@ WeightSource = Callable[["Engine"], None]
 
 
 def initialize(
-    model_fn: Callable[[], nn.Module],
+    model_fn: Callable[[], nn.Module] | str | Path,
     config: EngineConfig | dict[str, Any] | str | Path | None = None,
+    process_group: Any = None,
 ) -> Engine:
     """Build the model from `model_fn` on the meta device and put its parameters in chunks.
+
+    `model_fn` may instead be a Hugging Face model directory (config.json + safetensors,
+    sharded or not): the weights then stream from the files into the chunk slots.
+    When torch.distributed is initialized, the chunks are sharded over `process_group`
+    (default: the default group) with chunk-based ZeRO; nothing else changes.
 
     `config` is an `EngineConfig`, a dict, or a YAML path (see `pstar_core.config`).
     `model_fn` may also return a model whose weights already exist (for example one that
@@ -47,14 +54,14 @@ def initialize(
     if isinstance(model_fn, (str, Path)):
         from pstar_core.hf import initialize_from_hf_dir
 
-        return initialize_from_hf_dir(Path(model_fn), cfg)
+        return initialize_from_hf_dir(Path(model_fn), cfg, process_group)
     if not callable(model_fn):
         raise TypeError(f"model_fn must be a callable returning an nn.Module, got {model_fn!r}")
     with torch.device("meta"):
         module = model_fn()
     if not isinstance(module, nn.Module):
         raise TypeError(f"model_fn returned {type(module).__name__}, expected an nn.Module")
-    return Engine(module, cfg)
+    return Engine(module, cfg, process_group=process_group)
 
 
 class Engine:
@@ -64,7 +71,11 @@ class Engine:
     """
 
     def __init__(
-        self, module: nn.Module, cfg: EngineConfig, weights: WeightSource | None = None
+        self,
+        module: nn.Module,
+        cfg: EngineConfig,
+        weights: WeightSource | None = None,
+        process_group: Any = None,
     ) -> None:
         self.module = module
         self.source_dir: Path | None = None  # a HF model directory the weights came from
@@ -87,7 +98,8 @@ class Engine:
             cfg.dtype,
             cfg.chunk_size,
         )
-        self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory)
+        self.zero = ZeroGroup.from_default(process_group, cfg.zero.variant)
+        self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
         self.manager.allocate_all()
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
@@ -114,12 +126,14 @@ class Engine:
         self.by_name = {n: s for s in self.slots.values() for n in s.aliases}
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
         self._materialize(weights)
+        self.manager.drop_remote()
         self.manager.enforce_budgets()
         self.manager.check_working_sets(
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
         self._in_iteration = False
         self.margin_bytes = 0
+        self._gather_cache: tuple[Any, torch.Tensor] | None = None
         if cfg.activation_checkpointing:
             _enable_activation_checkpointing(module)
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
@@ -160,8 +174,10 @@ class Engine:
                 weights(self)
             elif not preloaded:
                 _run_model_init(self.module)
-        for i in range(self.plan.trainable.num_chunks):
-            m.lists[ChunkType.PARAM][i].payload.copy_(m.lists[ChunkType.PARAM_FP32][i].payload)
+        for param, master in zip(
+            m.lists[ChunkType.PARAM], m.lists[ChunkType.PARAM_FP32], strict=True
+        ):
+            param.payload.copy_(master.payload)
         self.excluded.sync_from_masters()
         for slot in self.slots.values():
             slot.set_state(S.HOLD)
@@ -175,6 +191,7 @@ class Engine:
             self.manager.tracer.start_iteration()
         with self._saved_tensor_hooks:
             out = self.module(*args, **kwargs)
+        self.manager.finish_forward()
         self.manager.reset_after_forward()
         return out
 
@@ -185,16 +202,22 @@ class Engine:
         loss.backward()
         # Accessed for backward but received no gradient (frozen, or not on the loss path).
         self.manager.release_all(S.HOLD)
+        self.manager.finish_backward()
 
     def step(self) -> bool:
         """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
         opt = self.optimizer
         opt.fold_grads()
+        if self.zero.enabled:
+            self.excluded.average_grads(self.zero)
         inv_scale = 1.0 / self.scaler.scale
         clip = self.config.gradient_clipping
         coef = 1.0
         if self.scaler.enabled or clip is not None:
-            norm_sq = opt.grad_norm_sq() + self.excluded.grad_norm_sq()
+            norm_sq = opt.grad_norm_sq()
+            if self.zero.enabled:
+                norm_sq = self.zero.all_reduce_sum(norm_sq)
+            norm_sq += self.excluded.grad_norm_sq()
             if not math.isfinite(norm_sq):
                 if not self.scaler.enabled:
                     raise FloatingPointError("gradient norm is not finite (inf/nan in gradients)")
@@ -238,9 +261,14 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict under its own names; trainable weights are fp32 masters."""
-        return {
-            name: self.read_tensor(name).clone() for name in self.module.state_dict(keep_vars=True)
-        }
+        names = self.module.state_dict(keep_vars=True)
+        out = {name: self.read_tensor(name).clone() for name in names}
+        self.forget_gathered()
+        return out
+
+    def forget_gathered(self) -> None:
+        """Drop the chunk cached by `read_tensor` under ZeRO."""
+        self._gather_cache = None
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """A view of one state-dict entry: the fp32 master of a trainable parameter."""
@@ -249,7 +277,26 @@ class Engine:
             value = self.excluded.value(name)
             return (value if value is not None else self.module.get_buffer(name)).detach()
         kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-        return self.manager.in_memory(self.manager.chunk_of(kind, slot)).view(slot)
+        chunk = self.manager.chunk_of(kind, slot)
+        if self.zero.enabled:
+            return self._gathered(chunk)[slot.offset : slot.end].view(slot.shape)
+        return self.manager.in_memory(chunk).view(slot)
+
+    def _gathered(self, chunk: Any) -> torch.Tensor:
+        """A copy of any rank's chunk, broadcast by its owner (every rank must ask too).
+
+        One chunk is cached, so reading a chunk's tensors in order costs one broadcast
+        and host memory stays bounded by a chunk.
+        """
+        key = (chunk.kind, chunk.index)
+        if self._gather_cache is None or self._gather_cache[0] != key:
+            if self.manager.owned(chunk):
+                buf = self.manager.in_memory(chunk).payload
+            else:
+                buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
+            self.zero.broadcast(buf, src=self.zero.owner(chunk.index))
+            self._gather_cache = (key, buf)
+        return self._gather_cache[1]
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights by name (the masters at full precision; optimizer states kept)."""
@@ -280,6 +327,8 @@ class Engine:
                 f"{tuple(slot.shape)} in the model"
             )
         m = self.manager
+        if not m.owned(m.param_chunk(slot)):
+            return  # another rank owns this tensor and loads it there
         if slot.trainable:
             chunks = [m.chunk_of(k, slot) for k in (ChunkType.PARAM_FP32, ChunkType.PARAM)]
             m.make_resident([c for c in chunks if c.tier == "disk"], "host")
@@ -309,12 +358,16 @@ class Engine:
                 "(or load before the first backward)"
             )
 
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        """Write every chunk and the training state to `directory` (atomically replaced)."""
+    def save_checkpoint(self, directory: str | Path, shared: bool = True) -> Path:
+        """Write this rank's chunks and the training state to `directory`.
+
+        With `shared` (one filesystem for all ranks) the directory is replaced atomically;
+        otherwise each rank fills its own directory (see `pstar_core.checkpoint`).
+        """
         from pstar_core.checkpoint import save_checkpoint
 
         self._require_no_pending_grads("save_checkpoint")
-        return save_checkpoint(self, Path(directory))
+        return save_checkpoint(self, Path(directory), shared)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore a checkpoint written by `save_checkpoint` for the same model and config."""
@@ -333,6 +386,7 @@ class Engine:
         model_bytes = 0
         for kind, lst in m.lists.items():
             tiers: dict[str, int] = {}
+            lst = [c for c in lst if m.owned(c)]
             for c in lst:
                 if c.tier is not None:
                     tiers[c.tier] = tiers.get(c.tier, 0) + 1
@@ -347,7 +401,7 @@ class Engine:
                 "by_tier": tiers,
             }
         model_bytes += m.grad_accum_bytes + self.excluded.model_data_bytes()
-        n_params = self.plan.params + self.excluded.numel
+        n_params = self.plan.params + self.excluded.numel  # of the whole model
         return {
             "dtype": self.config.dtype,
             "chunk_size": self.plan.chunk_size,
@@ -366,6 +420,9 @@ class Engine:
             "tracer": self._tracer_stats(),
             "margin_bytes": self.margin_bytes,
             "device_adam_chunks": len(m.device_adam),
+            "world_size": self.zero.nproc,
+            "rank": self.zero.rank,
+            "comm_bytes_sent": self.zero.bytes_sent,
             "overflow_count": self.scaler.overflows,
             "loss_scale": self.scaler.scale,
             "global_step": self.global_step,

@@ -81,6 +81,14 @@ class ExcludedParams:
     def grad_norm_sq(self) -> float:
         return sum(float(p.grad.double().square().sum()) for p in self.params if p.grad is not None)
 
+    def average_grads(self, zero: Any) -> None:
+        """Data parallel: plain tensors are replicated, so their grads are all-reduced."""
+        for p in self.params:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                zero.all_reduce_mean_(p.grad)
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

@@ -73,7 +73,7 @@ def weight_files(directory: Path) -> list[Path]:
     raise HFLoadError(f"{directory}: no {SAFE_SINGLE} or {SAFE_INDEX}{hint}")
 
 
-def initialize_from_hf_dir(directory: Path, cfg: EngineConfig) -> Engine:
+def initialize_from_hf_dir(directory: Path, cfg: EngineConfig, process_group=None) -> Engine:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pstar_core.engine import Engine
@@ -87,7 +87,9 @@ def initialize_from_hf_dir(directory: Path, cfg: EngineConfig) -> Engine:
     files = weight_files(directory)
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(hf_config)
-    engine = Engine(module, cfg, weights=lambda e: stream_weights(e, files))
+    engine = Engine(
+        module, cfg, weights=lambda e: stream_weights(e, files), process_group=process_group
+    )
     engine.source_dir = directory
     return engine
 
@@ -157,13 +159,16 @@ def export_hf(
         shards[-1].append(name)
         size += numel * esize
     out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    writer = engine.zero.rank == 0  # with ZeRO every rank takes part, rank 0 writes
+    tmp = out.parent / f".{out.name}.tmp-export"
+    if writer:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     try:
-        config.dtype = dtype  # what from_pretrained(torch_dtype="auto") will pick
-        config.save_pretrained(str(tmp))
+        if writer:
+            config.dtype = dtype  # what from_pretrained(dtype="auto") will pick
+            config.save_pretrained(str(tmp))
         weight_map: dict[str, str] = {}
         total = 0
         for i, shard in enumerate(shards):
@@ -174,25 +179,35 @@ def export_hf(
             )
             tensors = {n: engine.read_tensor(n).to(dtype).contiguous() for n in shard}
             total += sum(t.numel() * t.element_size() for t in tensors.values())
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            if writer:
+                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
             weight_map.update(dict.fromkeys(shard, fname))
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=1))
-        if engine.source_dir is not None:
-            for side in SIDE_FILES:
-                if (engine.source_dir / side).is_file():
-                    shutil.copy2(engine.source_dir / side, tmp / side)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        engine.forget_gathered()
+        if writer:
+            _finish_export(engine, tmp, out, shards, weight_map, total)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if engine.zero.enabled:
+        engine.zero.barrier()
     return out
+
+
+def _finish_export(engine, tmp: Path, out: Path, shards, weight_map, total: int) -> None:
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=1))
+    if engine.source_dir is not None:
+        for side in SIDE_FILES:
+            if (engine.source_dir / side).is_file():
+                shutil.copy2(engine.source_dir / side, tmp / side)
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _export_names(engine: Engine) -> list[tuple[str, int]]:

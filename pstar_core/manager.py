@@ -34,6 +34,7 @@ from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
 from pstar_core.mapping import Plan
 from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
+from pstar_core.zero import ZeroGroup
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,25 @@ PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
 
 class ChunkManager:
     def __init__(
-        self, plan: Plan, dtype: torch.dtype, device: torch.device, memory: MemoryConfig
+        self,
+        plan: Plan,
+        dtype: torch.dtype,
+        device: torch.device,
+        memory: MemoryConfig,
+        zero: ZeroGroup | None = None,
     ) -> None:
         self.plan = plan
+        self.zero = zero or ZeroGroup.single()
         self.dtype = dtype
         self.device = device
         self.memory = memory
         self.tiers: dict[str, Tier] = make_tiers(memory, device)
         self.tracer = MemoryTracer(device)
         size = plan.chunk_size
-        n_tr, n_fr = plan.trainable.num_chunks, plan.frozen.num_chunks
+        # Lists are padded to whole communication groups (nproc chunks each).
+        n = self.zero.nproc
+        n_tr = -(-plan.trainable.num_chunks // n) * n
+        n_fr = -(-plan.frozen.num_chunks // n) * n
         dtypes = {ChunkType.PARAM: dtype, ChunkType.FROZEN: dtype}
         self.lists: dict[ChunkType, list[Chunk]] = {
             kind: [Chunk(kind, i, size, dtypes.get(kind, torch.float32)) for i in range(n)]
@@ -71,6 +81,7 @@ class ChunkManager:
         self._last_use: dict[int, int] = {}
         self._clock = 0
         self._by_storage: dict[int, Chunk] = {}
+        self._live_groups: dict[tuple[ChunkType, int], list[Chunk]] = {}
 
     # -- layout -------------------------------------------------------------------------
 
@@ -93,11 +104,18 @@ class ChunkManager:
             if kinds is None or kind in kinds:
                 yield from chunks
 
+    def owned(self, c: Chunk) -> bool:
+        return self.zero.owner(c.index) == self.zero.rank
+
+    def own_chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
+        return (c for c in self.chunks(kinds) if self.owned(c))
+
     def allocate_all(self) -> None:
         """Every chunk starts in host memory, zeroed (FREE tensors read as 0).
 
         Budgets are enforced right after the weights are materialized
-        (`enforce_budgets`), which may spill chunks to disk.
+        (`enforce_budgets`), which may spill chunks to disk. With ZeRO, other ranks'
+        chunks exist here only until then (`drop_remote`).
         """
         self._check_total_fits()
         host = self.tiers["host"]
@@ -108,8 +126,21 @@ class ChunkManager:
             host.add(c.nbytes)
             self._by_storage[c.payload.untyped_storage().data_ptr()] = c
 
+    def drop_remote(self) -> None:
+        """Free the chunks other ranks own (all lists): this rank keeps 1/nproc."""
+        for c in self.chunks():
+            if not self.owned(c) and c.payload is not None:
+                self._forget(c)
+
+    def _forget(self, c: Chunk) -> None:
+        self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+        self.tiers[c.tier].remove(c.nbytes)
+        with self.tracer.chunk_memory():
+            c.payload = None
+        c.tier = None
+
     def _check_total_fits(self) -> None:
-        need = sum(c.nbytes for c in self.chunks())
+        need = sum(c.nbytes for c in self.own_chunks())
         t = self.tiers
         have = t["device"].budget_bytes + t["host"].budget_bytes + t["disk"].budget_bytes
         if need > have:
@@ -128,7 +159,7 @@ class ChunkManager:
             budget = int(self.memory.static_model_share * budget)
         for slots in operators:
             chunks = {id(c): c for c in (self.param_chunk(s) for s in slots)}
-            need = sum(c.nbytes for c in chunks.values())
+            need = sum(c.nbytes for c in chunks.values()) * self.zero.nproc
             if need > budget:
                 raise MemoryBudgetError(
                     f"operator using {slots[0].name} needs {gib(need)} of param chunks at once, "
@@ -140,11 +171,15 @@ class ChunkManager:
         """After materialization: spill what the host budget cannot hold."""
         host = self.tiers["host"]
         order = [
-            *self.lists[ChunkType.VARIANCE],
-            *self.lists[ChunkType.MOMENTUM],
-            *self.lists[ChunkType.PARAM_FP32],
-            *self.lists[ChunkType.FROZEN],
-            *self.lists[ChunkType.PARAM],
+            c
+            for kind in (
+                ChunkType.VARIANCE,
+                ChunkType.MOMENTUM,
+                ChunkType.PARAM_FP32,
+                *PARAM_LISTS[::-1],
+            )
+            for c in self.lists[kind]
+            if c.tier is not None
         ]
         for c in reversed(order):  # the last chunks of the optimizer lists are needed last
             if host.used_bytes <= host.budget_bytes:
@@ -165,13 +200,20 @@ class ChunkManager:
     def access_slots(self, slots: Sequence[TensorSlot]) -> None:
         """Algorithm 1 for every tensor one operator needs."""
         chunks = list({id(c): c for c in (self.param_chunk(s) for s in slots)}.values())
+        if self.zero.enabled:
+            for c in chunks:
+                if (
+                    c.payload is None
+                    or (c.kind, c.index // self.zero.nproc) not in self._live_groups
+                ):
+                    self._gather_group(c)
         self.make_resident(chunks, "device")
         for s in slots:
             self._access(s, self.param_chunk(s))
 
     def _access(self, slot: TensorSlot, chunk: Chunk) -> None:
         if slot.state is S.HOLD_AFTER_BWD:
-            self._stash_grads(chunk)
+            self._stash_grads(chunk)  # (with ZeRO, already done before the gather)
         if slot.state is S.FREE:
             chunk.flat(slot).zero_()
         slot.set_state(S.COMPUTE)
@@ -187,6 +229,8 @@ class ChunkManager:
             return
         slot.set_state(target)
         slot.param.data = self._placeholder
+        if self.zero.enabled and target is S.HOLD_AFTER_FWD:
+            self._maybe_release_group(self.param_chunk(slot), done={S.HOLD_AFTER_FWD})
 
     def release_all(self, target: TensorState) -> None:
         """Force every COMPUTE tensor to `target` (end of forward/backward clean-up)."""
@@ -207,6 +251,8 @@ class ChunkManager:
         slot.compute_refs = 0
         slot.set_state(S.HOLD_AFTER_BWD)
         slot.param.data = self._placeholder
+        if self.zero.enabled:
+            self._maybe_release_group(chunk, done={S.HOLD_AFTER_BWD})
 
     def reset_after_forward(self) -> None:
         for slot in self.slots:
@@ -261,8 +307,10 @@ class ChunkManager:
         t = self.tiers[tier]
         allowed = self._allowed(tier)
         if tier == "device" and self.tracer.tracing:
-            # warm-up: the operator's own chunks may exceed the warm-up share
-            allowed = max(allowed, need)
+            # warm-up: what the operator needs now, and gathered groups still in use,
+            # may exceed the warm-up share
+            pinned = sum(c.nbytes for c in self.chunks() if c.tier == tier and c.pins)
+            allowed = max(allowed, pinned + need)
         while t.used_bytes + need > allowed:
             candidates = [
                 c for c in self.chunks() if c.tier == tier and self._evictable(c, protect)
@@ -331,6 +379,90 @@ class ChunkManager:
             self.make_resident([c], "host")
         return c
 
+    # -- ZeRO communication groups ----------------------------------------------------------
+
+    def _group(self, c: Chunk) -> list[Chunk]:
+        return [self.lists[c.kind][i] for i in self.zero.members(c.index)]
+
+    def _gather_group(self, c: Chunk) -> None:
+        """All-gather the group of `c`: remote chunks arrive on the device, in HOLD."""
+        members = self._group(c)
+        key = (c.kind, c.index // self.zero.nproc)
+        if key in self._live_groups:
+            return
+        own = next(m for m in members if self.owned(m))
+        for m in members:
+            if any(s.state is S.HOLD_AFTER_BWD for s in m.slots):
+                if self.owned(m):
+                    self._stash_grads(m)
+                else:  # its owner moves those grads out of the way in its own stash
+                    for s in m.slots:
+                        if s.state is S.HOLD_AFTER_BWD:
+                            s.set_state(S.HOLD)
+        remote = [m for m in members if m is not own]
+        self.make_resident([own], "device")
+        own.pins += 1
+        need = sum(m.nbytes for m in remote)
+        self._make_room("device", need, protect={id(m) for m in members})
+        device = self.tiers["device"]
+        with self.tracer.chunk_memory():
+            for m in remote:
+                m.payload = device.allocate(m.capacity, m.dtype)
+                m.tier = "device"
+                device.add(m.nbytes)
+                m.pins += 1
+                self._by_storage[m.payload.untyped_storage().data_ptr()] = m
+            self.zero.gather(own.payload, [m.payload for m in members])
+        self._live_groups[key] = members
+        for m in remote:
+            self.tracer.note_use((m.kind.value, m.index))
+
+    def _maybe_release_group(self, c: Chunk, done: set[TensorState]) -> None:
+        key = (c.kind, c.index // self.zero.nproc)
+        members = self._live_groups.get(key)
+        if members is None:
+            return
+        if all(s.state in done for m in members for s in m.slots):
+            self._release_group(key, reduce=S.HOLD_AFTER_BWD in done)
+
+    def _release_group(self, key: tuple[ChunkType, int], reduce: bool) -> None:
+        """Reduce-scatter the group's grads (after backward), then drop remote chunks."""
+        members = self._live_groups.pop(key)
+        own = next(m for m in members if self.owned(m))
+        if reduce and key[0] is ChunkType.PARAM:
+            self._reduce_group(members, own)
+        for m in members:
+            m.pins -= 1
+            if m is not own:
+                self._forget(m)
+
+    def _reduce_group(self, members: list[Chunk], own: Chunk) -> None:
+        # Slots without a gradient hold parameter values: send zeros for them, and
+        # restore the owner's values from its fp32 master afterwards.
+        for m in members:
+            for s in m.slots:
+                if s.state is not S.HOLD_AFTER_BWD:
+                    m.flat(s).zero_()
+        with self.tracer.chunk_memory():
+            out = self.tiers["device"].allocate(own.capacity, own.dtype)
+        self.zero.reduce_scatter_mean([m.payload for m in members], out)
+        own.payload.copy_(out)
+        master = self.lists[ChunkType.PARAM_FP32][own.index]
+        for s in own.slots:
+            if s.state is not S.HOLD_AFTER_BWD:
+                self.in_memory(master)
+                own.flat(s).copy_(master.flat(s))
+
+    def finish_forward(self) -> None:
+        """End of forward: drop every group still gathered (same order on every rank)."""
+        for key in sorted(self._live_groups, key=lambda k: (k[0].value, k[1])):
+            self._release_group(key, reduce=False)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce and drop the groups that some unused tensor kept open."""
+        for key in sorted(self._live_groups, key=lambda k: (k[0].value, k[1])):
+            self._release_group(key, reduce=True)
+
     # -- placement ------------------------------------------------------------------------
 
     def place_optimizer_states(self) -> int:
@@ -341,10 +473,14 @@ class ChunkManager:
         trace = self.tracer.trace
         if trace is None or self.memory.policy == "static":
             return 0
-        params = sum(c.nbytes for c in self.chunks(PARAM_LISTS))
+        params = sum(c.nbytes for c in self.own_chunks(PARAM_LISTS))
+        if self.zero.enabled:  # two gathered groups may be in flight at once
+            params += 2 * (self.zero.nproc - 1) * self.lists[ChunkType.PARAM][0].nbytes
         margin = self.tiers["device"].budget_bytes - trace.peak_non_model - params
         left = margin
-        for i in range(self.plan.trainable.num_chunks):
+        for i in range(len(self.lists[ChunkType.PARAM])):
+            if not self.owned(self.lists[ChunkType.PARAM][i]):
+                continue
             triple = sum(self.lists[k][i].nbytes for k in TRAINABLE_LISTS[1:])
             if triple > left:
                 break

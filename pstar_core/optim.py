@@ -130,7 +130,7 @@ class ChunkAdamW:
     def grad_norm_sq(self) -> float:
         """Sum of squared (still scaled) gradients over all trainable chunks."""
         total = 0.0
-        for chunk in self.manager.lists[ChunkType.PARAM]:
+        for chunk in self.manager.own_chunks([ChunkType.PARAM]):
             segs = [
                 AdamSegment(s.offset, s.numel, 0, 0.0, 0.0)
                 for s in chunk.slots
@@ -145,7 +145,7 @@ class ChunkAdamW:
         """Update every slot that has a gradient; `grad_scale` multiplies each gradient."""
         opt = self.cfg.optimizer
         lists = self.manager.lists
-        for chunk in lists[ChunkType.PARAM]:
+        for chunk in self.manager.own_chunks([ChunkType.PARAM]):
             segs = []
             for s in chunk.slots:
                 if self._has_grad(s):
@@ -175,7 +175,7 @@ class ChunkAdamW:
     def drop_grads(self) -> None:
         """Skip this step (fp16 overflow): restore params from the master, drop the grads."""
         lists = self.manager.lists
-        for chunk in lists[ChunkType.PARAM]:
+        for chunk in self.manager.own_chunks([ChunkType.PARAM]):
             if not any(s.state is S.HOLD_AFTER_BWD for s in chunk.slots):
                 continue
             master = lists[ChunkType.PARAM_FP32][chunk.index]

@@ -28,7 +28,11 @@ class MemoryBudgetError(MemoryError):
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes for people: GiB for big numbers, MiB or KiB for small budgets (tests, toys)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale or unit == "KiB":
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""Chunk ZeRO-DP over 2 gloo ranks equals 1 rank with the global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(name: str, world: int, tmp: Path, **env) -> list[dict]:
+    """Run the scenario in `world` fresh processes (rank r gets its half of each batch)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.core.zero_worker", str(r), str(world), name, str(tmp)],
+            cwd=ROOT,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text[-3000:]
+    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return launch("train", 1, tmp_path_factory.mktemp("single"))[0]
+
+
+def test_two_ranks_match_one_rank_with_the_global_batch(single, tmp_path):
+    ranks = launch("train", 2, tmp_path)
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0
+    )
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    # each rank holds half of the model data (within one chunk of each list)
+    chunk = single["stats_before"]["chunk_size"]
+    half = single["stats_before"]["model_data_bytes"] / 2
+    for r in ranks:
+        assert abs(r["stats_before"]["model_data_bytes"] - half) <= chunk * 14
+        assert r["comm_bytes"] > 0
+
+
+def test_two_ranks_under_a_device_budget_that_forces_eviction(single, tmp_path):
+    # about the measured activations of a rank plus 40% of the param chunks
+    memory = json.dumps({"device_budget": 750_000})
+    ranks = launch("train", 2, tmp_path, PSTAR_TEST_MEMORY=memory)
+    assert ranks[0]["moved"].get("device->host", 0) > 0
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0
+    )
+
+
+def test_serial_broadcast_variant_equals_the_collective_one(tmp_path):
+    collective = launch("train", 2, tmp_path / "c")
+    serial = launch("train", 2, tmp_path / "s", PSTAR_TEST_VARIANT="serial")
+    torch.testing.assert_close(
+        torch.tensor(serial[0]["losses"]), torch.tensor(collective[0]["losses"]), rtol=1e-6, atol=0
+    )
+
+
+def test_sharded_save_load_continue_equals_uninterrupted(tmp_path):
+    ranks = launch("resume", 2, tmp_path)
+    assert ranks[0]["resumed"] == ranks[0]["straight"]
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "rank0-of-2.safetensors" in files
+    assert "rank1-of-2.safetensors" in files
+
+
+def test_hf_export_of_a_two_rank_run_loads_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ranks = launch("export", 2, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    from tests.core.helpers import batches
+
+    with torch.no_grad():
+        logits = model(input_ids=batches(1, seed=9)[0]).logits
+    torch.testing.assert_close(logits, torch.tensor(ranks[0]["logits"]), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,77 @@
+"""Worker processes for the ZeRO tests (a module of its own so spawn can import it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pstar_core
+from tests.core.helpers import MODELS, batches, engine_config, reference_model
+
+STEPS = 20
+
+
+def run_steps(engine, data, rank, world):
+    losses = []
+    for x in data:
+        part = x.chunk(world)[rank]
+        loss = engine(input_ids=part, labels=part).loss
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
+    ref = reference_model(MODELS["hf_gpt2"])
+    data = batches(STEPS, batch=8)
+    memory = json.loads(os.environ.get("PSTAR_TEST_MEMORY", "{}"))
+    variant = os.environ.get("PSTAR_TEST_VARIANT", "collective")
+    cfg = engine_config(chunk_size=8192, memory=memory, zero={"variant": variant})
+    engine = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
+    engine.load_state_dict(ref.state_dict())
+    out: dict = {"stats_before": {k: engine.stats()[k] for k in ("model_data_bytes", "chunk_size")}}
+    if name == "train":
+        out["losses"] = run_steps(engine, data, rank, world)
+        out["moved"] = engine.stats()["bytes_moved"]
+        out["comm_bytes"] = engine.stats()["comm_bytes_sent"]
+    elif name == "resume":
+        run_steps(engine, data[:8], rank, world)
+        engine.save_checkpoint(tmp / "ckpt")
+        fresh = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
+        fresh.load_checkpoint(tmp / "ckpt")
+        out["resumed"] = run_steps(fresh, data[8:12], rank, world)
+        out["straight"] = run_steps(engine, data[8:12], rank, world)
+    elif name == "export":
+        run_steps(engine, data[:3], rank, world)
+        engine.export_hf(tmp / "hf", max_shard_bytes=64 * 1024)
+        x = batches(1, seed=9)[0]
+        with torch.no_grad():
+            out["logits"] = engine(input_ids=x).logits.tolist()
+        out["state_dict_keys"] = len(engine.state_dict())
+    return out
+
+
+def main(rank: int, world: int, name: str, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'pg'}", rank=rank, world_size=world
+        )
+    torch.set_num_threads(1)
+    result = scenario(name, rank, world, tmp_path)
+    (tmp_path / f"result-{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
