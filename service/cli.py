@@ -30,8 +30,12 @@ def _fail(msg: str) -> None:
 def train(
     spec_path: Annotated[Path, typer.Argument(help="a job spec YAML (see examples/)")],
     steps: Annotated[int | None, typer.Option(help="override train.steps")] = None,
+    workers: Annotated[
+        int, typer.Option(help="Ray Train workers (chunk ZeRO across them); 0: in this process")
+    ] = 0,
+    max_failures: Annotated[int, typer.Option(help="worker-group restarts Ray may do")] = 2,
 ) -> None:
-    """Train a model as the spec says, locally, with a progress bar."""
+    """Train a model as the spec says, locally or on Ray Train workers."""
     from service.spec import TrainSpec
     from service.train_local import run_training
 
@@ -42,6 +46,18 @@ def train(
         _fail(str(e))
     if steps is not None:
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
+    if workers > 0:
+        from service.ray_train import run_ray
+
+        result = run_ray(spec, workers, max_failures, phase=console.print)
+        if result["error"]:
+            _fail(f"training failed: {result['error']}")
+        m = result["metrics"]
+        console.print(
+            f"step {m.get('step')}: loss {m.get('loss', float('nan')):.3f}, "
+            f"{m.get('tokens_per_s', 0):.0f} tok/s; checkpoint {result['checkpoint']}"
+        )
+        return
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -158,6 +174,68 @@ def bench_load(
     if not (model_dir / "config.json").is_file():
         _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
     run(model_dir, dtype=dtype, json_out=json_out)
+
+
+@bench_app.command("eviction")
+def bench_eviction(
+    model: Annotated[str, typer.Option(help="zoo model")] = "gpt-small",
+    layers: Annotated[int, typer.Option(help="override the model's layer count")] = 8,
+    vocab: Annotated[
+        int, typer.Option(help="vocabulary override (0 keeps the model's), so chunks can be small")
+    ] = 1024,
+    batch: Annotated[int, typer.Option(help="sequences per iteration")] = 4,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    chunk_size: Annotated[
+        int | None, typer.Option(help="elements per chunk (default: ~12-20 param chunks)")
+    ] = None,
+    iters: Annotated[int, typer.Option(help="iterations per run (>= 3; 3+ are measured)")] = 4,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Bytes moved host<->device per iteration: eviction policies opt/lru/static vs budgets."""
+    from service.bench_dmm import run_eviction
+
+    try:
+        run_eviction(
+            model=model, layers=layers, batch=batch, seq=seq, chunk_size=chunk_size,
+            iters=iters, json_out=json_out, vocab=vocab or None,
+        )  # fmt: skip
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+
+
+@bench_app.command("scale")
+def bench_scale(
+    device_gib: Annotated[float, typer.Option(help="device budget, GiB")] = 1.5,
+    host_gib: Annotated[float, typer.Option(help="host budget, GiB")] = 6.0,
+    hidden: Annotated[int, typer.Option(help="hidden size (fixed; layers are grown)")] = 1024,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
+    steps: Annotated[int, typer.Option(help="training steps per trial")] = 3,
+    max_trials: Annotated[int, typer.Option(help="cap on trials (each a subprocess)")] = 8,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Largest GPT our DMM trains within the budgets vs a ZeRO-Offload-style static layout."""
+    from service.bench_dmm import run_scale
+
+    run_scale(
+        device_gib=device_gib, host_gib=host_gib, hidden=hidden, seq=seq, batch=batch,
+        steps=steps, json_out=json_out, max_trials=max_trials,
+    )  # fmt: skip
+
+
+@app.command("plot-trace")
+def plot_trace_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory written by pstar train")],
+    out: Annotated[Path | None, typer.Option(help="PNG path (default RUN_DIR/trace.png)")] = None,
+) -> None:
+    """Plot the warm-up memory trace of a run (non-model, chunk bytes, budget per moment)."""
+    from service.plot_trace import plot_run_dir
+
+    try:
+        path = plot_run_dir(run_dir, out)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    console.print(f"wrote {path}")
 
 
 def main() -> None:

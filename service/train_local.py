@@ -48,10 +48,7 @@ def run_training(
     phase(f"reading {spec.data.path}")
     text = read_text(spec.data.path, spec.data.max_chars)
     engine_cfg = spec.engine_config()
-    if spec.is_path_model:
-        engine, tok, eos, cfg_flops = _pretrained(spec, engine_cfg, phase)
-    else:
-        engine, tok, eos, cfg_flops = _from_zoo(spec, engine_cfg, run_dir, text, phase)
+    engine, tok, eos, cfg_flops = build_engine(spec, run_dir, text, phase)
     train_seqs, held_seqs = split(
         encode(tok, text, eos), spec.data.seq_len, spec.data.heldout_fraction
     )
@@ -125,16 +122,28 @@ def run_training(
     return summary
 
 
-def _from_zoo(spec: TrainSpec, engine_cfg, run_dir: Path, text: str, phase):
-    """A zoo GPT trained from scratch with a BPE tokenizer learned on the text."""
+def ensure_tokenizer(spec: TrainSpec, run_dir: Path, text: str, phase=lambda _m: None):
+    """The run's BPE tokenizer for a zoo model: trained on the text once, then reused."""
     tok_path = run_dir / "tokenizer.json"
     if tok_path.exists():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(tok_path))
-    else:
-        phase("training the tokenizer")
-        tok = train_tokenizer(text, spec.data.vocab_size, tok_path)
+        return Tokenizer.from_file(str(tok_path))
+    phase("training the tokenizer")
+    return train_tokenizer(text, spec.data.vocab_size, tok_path)
+
+
+def build_engine(spec: TrainSpec, run_dir: Path, text: str, phase=lambda _m: None):
+    """(engine, tokenizer, eos id, FLOPs per token) for a spec; ZeRO if distributed is up."""
+    engine_cfg = spec.engine_config()
+    if spec.is_path_model:
+        return _pretrained(spec, engine_cfg, phase)
+    return _from_zoo(spec, engine_cfg, run_dir, text, phase)
+
+
+def _from_zoo(spec: TrainSpec, engine_cfg, run_dir: Path, text: str, phase):
+    """A zoo GPT trained from scratch with a BPE tokenizer learned on the text."""
+    tok = ensure_tokenizer(spec, run_dir, text, phase)
     cfg = replace(
         get_config(spec.model),
         vocab_size=tok.get_vocab_size(),
