@@ -240,6 +240,7 @@ class Engine:
 
     def _end_iteration(self) -> None:
         self._in_iteration = False
+        self.manager.end_iteration()
         tracer = self.manager.tracer
         if tracer.tracing:
             tracer.end_iteration()
@@ -416,6 +417,8 @@ class Engine:
             "peak_grad_accum_bytes": m.peak_grad_accum_bytes,
             "bytes_moved": dict(m.bytes_moved),
             "moves": dict(m.moves),
+            "bytes_moved_last_iteration": dict(m.last_iteration_bytes_moved),
+            "moves_last_iteration": dict(m.last_iteration_moves),
             "tiers": m.tier_bytes(),
             "tracer": self._tracer_stats(),
             "margin_bytes": self.margin_bytes,

@@ -74,8 +74,12 @@ class ChunkManager:
         # Released parameters point here: zero elements, so a stray use fails loudly
         # instead of reading stale memory, while dtype and device stay truthful.
         self._placeholder = torch.empty(0, dtype=dtype, device=device)
-        self.bytes_moved: dict[str, int] = {}
+        self.bytes_moved: dict[str, int] = {}  # in total
         self.moves: dict[str, int] = {}
+        self.iteration_bytes_moved: dict[str, int] = {}  # in the iteration under way
+        self.iteration_moves: dict[str, int] = {}
+        self.last_iteration_bytes_moved: dict[str, int] = {}  # in the last complete one
+        self.last_iteration_moves: dict[str, int] = {}
         self.peak_grad_accum_bytes = 0
         self.device_adam: set[int] = set()  # trainable chunks whose Adam runs on the device
         self._last_use: dict[int, int] = {}
@@ -367,8 +371,19 @@ class ChunkManager:
         dst.add(c.nbytes)
         c.tier = tier
         key = f"{src}->{tier}"
-        self.bytes_moved[key] = self.bytes_moved.get(key, 0) + c.nbytes
-        self.moves[key] = self.moves.get(key, 0) + 1
+        for counter, n in (
+            (self.bytes_moved, c.nbytes),
+            (self.moves, 1),
+            (self.iteration_bytes_moved, c.nbytes),
+            (self.iteration_moves, 1),
+        ):
+            counter[key] = counter.get(key, 0) + n
+
+    def end_iteration(self) -> None:
+        """Close the per-iteration move counters (called at the end of `step()`)."""
+        self.last_iteration_bytes_moved = self.iteration_bytes_moved
+        self.last_iteration_moves = self.iteration_moves
+        self.iteration_bytes_moved, self.iteration_moves = {}, {}
 
     def chunk_for_storage(self, data_ptr: int) -> Chunk | None:
         return self._by_storage.get(data_ptr)

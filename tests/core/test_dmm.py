@@ -81,6 +81,7 @@ def test_moments_repeat_and_steady_state_moves_nothing_with_enough_memory(ref):
     moved_before = dict(engine.stats()["bytes_moved"])
     run_engine(engine, data[2:4])
     assert engine.stats()["bytes_moved"] == moved_before  # nothing moved at all
+    assert engine.stats()["bytes_moved_last_iteration"] == {}
     # the moment sequence of a later iteration is the traced one
     tracer = engine.manager.tracer
     tracer.trace = None  # trace one more iteration and compare
@@ -154,3 +155,6 @@ def test_stats_report_tiers_moves_and_the_trace(ref):
     assert stats["tracer"]["moments"] > 0
     assert set(stats["tiers"]) == {"device", "host", "disk"}
     assert stats["bytes_moved"]["host->device"] > 0
+    # the warm-up iteration moved chunks, and said so per iteration too
+    assert stats["bytes_moved_last_iteration"] == stats["bytes_moved"]
+    assert stats["moves_last_iteration"]["host->device"] > 0
