@@ -186,7 +186,9 @@ class Engine:
     # -- training -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._in_iteration:
+        if not self._in_iteration and torch.is_grad_enabled() and self.module.training:
+            # an iteration (and the warm-up trace) starts with a training forward, so an
+            # evaluation before training does not become the traced iteration
             self._in_iteration = True
             self.manager.tracer.start_iteration()
         with self._saved_tensor_hooks:

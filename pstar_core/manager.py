@@ -143,17 +143,28 @@ class ChunkManager:
             c.payload = None
         c.tier = None
 
+    def _device_share(self) -> int:
+        """Chunk bytes the device may hold before the trace exists (warm-up or static)."""
+        ratio = (
+            self.memory.static_model_share
+            if self.memory.policy == "static"
+            else (self.memory.warmup_ratio)
+        )
+        return int(ratio * self.tiers["device"].budget_bytes)
+
     def _check_total_fits(self) -> None:
         need = sum(c.nbytes for c in self.own_chunks())
         t = self.tiers
-        have = t["device"].budget_bytes + t["host"].budget_bytes + t["disk"].budget_bytes
+        device = self._device_share()
+        have = device + t["host"].budget_bytes + t["disk"].budget_bytes
         if need > have:
             raise MemoryBudgetError(
                 f"the model needs {gib(need)} of chunks (model data), the budgets give "
-                f"{gib(have)} (device {gib(t['device'].budget_bytes)}, host "
-                f"{gib(t['host'].budget_bytes)}, disk {gib(t['disk'].budget_bytes)}); raise "
-                "memory.host_budget or memory.disk_budget (with memory.disk_dir), or use a "
-                "smaller model / fewer trainable parameters"
+                f"{gib(have)} (device {gib(device)} during warm-up, of "
+                f"{gib(t['device'].budget_bytes)}; host {gib(t['host'].budget_bytes)}; disk "
+                f"{gib(t['disk'].budget_bytes)}); raise memory.host_budget or "
+                "memory.disk_budget (with memory.disk_dir), or use a smaller model / fewer "
+                "trainable parameters"
             )
 
     def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:
@@ -172,8 +183,15 @@ class ChunkManager:
                 )
 
     def enforce_budgets(self) -> None:
-        """After materialization: spill what the host budget cannot hold."""
-        host = self.tiers["host"]
+        """After materialization: what the host budget cannot hold goes to the device (up
+        to the share model data may use in warm-up), then to disk."""
+        host, device = self.tiers["host"], self.tiers["device"]
+        share = self._device_share()
+        for c in self.chunks(PARAM_LISTS):
+            if host.used_bytes <= host.budget_bytes:
+                break
+            if c.tier == "host" and device.used_bytes + c.nbytes <= share:
+                self._move(c, "device")
         order = [
             c
             for kind in (
@@ -271,7 +289,9 @@ class ChunkManager:
             self.tracer.note_use((c.kind.value, c.index))
             self._last_use[id(c)] = self._clock
         need = sum(c.nbytes for c in chunks if c.tier != tier)
-        if need:
+        if need or tier == "device":
+            # On the device the limit changes per moment (A_j shrinks when activations
+            # grow), so it is enforced at every operator start, not only on a fetch.
             self._make_room(tier, need, protect={id(c) for c in chunks})
             for c in chunks:
                 self._move(c, tier)
@@ -311,10 +331,14 @@ class ChunkManager:
         t = self.tiers[tier]
         allowed = self._allowed(tier)
         if tier == "device" and self.tracer.tracing:
-            # warm-up: what the operator needs now, and gathered groups still in use,
-            # may exceed the warm-up share
-            pinned = sum(c.nbytes for c in self.chunks() if c.tier == tier and c.pins)
-            allowed = max(allowed, pinned + need)
+            # warm-up: the operator's whole working set, and gathered groups still in
+            # use, may exceed the warm-up share
+            held = sum(
+                c.nbytes
+                for c in self.chunks()
+                if c.tier == tier and (c.pins or id(c) in protect or not self._evictable(c, set()))
+            )
+            allowed = max(allowed, held + need)
         while t.used_bytes + need > allowed:
             candidates = [
                 c for c in self.chunks() if c.tier == tier and self._evictable(c, protect)

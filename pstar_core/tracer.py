@@ -139,32 +139,46 @@ class MemoryTracer:
 
 
 def _cpu_non_model(prof: torch.profiler.profile, moments: int) -> list[int]:
-    """Per moment, the peak of live non-chunk bytes until the next moment."""
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    chunk_ranges = [
-        (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == CHUNK_MEM
-    ]
-    marks = [e.start_ns() for e in events if e.name() == MOMENT]
-    mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    """Per moment, the peak of live non-chunk bytes allocated in this iteration.
+
+    Only blocks allocated inside the traced iteration count, tracked by address: a free
+    of a block allocated earlier (or of a chunk payload, allocated under CHUNK_MEM) is
+    ignored, so the running total cannot drift below what is really live.
+    """
+    marks: list[int] = []
+    allocs: list[tuple[int, int, int, bool]] = []  # (time, ptr, +/- bytes, chunk memory)
+    stack = [(root, False) for root in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, in_chunk = stack.pop()
+        if node.name == MOMENT:
+            marks.append(node.start_time_ns)
+        inside = in_chunk or node.name == CHUNK_MEM
+        fields = node.extra_fields
+        if hasattr(fields, "alloc_size"):
+            allocs.append((node.start_time_ns, fields.ptr, fields.alloc_size, inside))
+        stack.extend((child, inside) for child in node.children)
+    marks.sort()
+    allocs.sort(key=lambda a: a[0])
     out = [0] * moments
     if not moments:
         return out
     # Memory used between the start of the iteration and the first moment counts for
     # moment 0 (the model's own forward may allocate before its first hooked operator).
-    live, peak, m, r = 0, 0, 0, 0
-    for t, nbytes in mem:
+    live: dict[int, int] = {}
+    total, peak, m = 0, 0, 0
+    for t, ptr, nbytes, chunk_mem in allocs:
         while m + 1 < len(marks) and marks[m + 1] <= t:
             out[m] = max(out[m], peak)
             m += 1
-            peak = live
-        while r < len(chunk_ranges) and chunk_ranges[r][1] < t:
-            r += 1
-        if r < len(chunk_ranges) and chunk_ranges[r][0] <= t <= chunk_ranges[r][1]:
-            continue
-        live += nbytes
-        peak = max(peak, live)
+            peak = total
+        if nbytes > 0 and not chunk_mem:
+            live[ptr] = nbytes
+            total += nbytes
+            peak = max(peak, total)
+        elif nbytes < 0 and ptr in live:
+            total -= live.pop(ptr)
     while m < min(len(marks), moments):
         out[m] = max(out[m], peak)
         m += 1
-        peak = live
-    return [max(0, x) for x in out]
+        peak = total
+    return out

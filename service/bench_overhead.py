@@ -22,6 +22,7 @@ ratios (spread), the load average before/after and torch's thread count.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
 import time
@@ -272,7 +273,7 @@ def run(
         f"torch threads {threads}; cpus {os.cpu_count()}"
     )
     if json_out:
-        pass
+        print(json.dumps(result))
     return result
 
 

@@ -215,12 +215,49 @@ def bench_scale(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Largest GPT our DMM trains within the budgets vs a ZeRO-Offload-style static layout."""
-    from service.bench_dmm import run_scale
+    from service.bench_scale import run_scale
 
     run_scale(
         device_gib=device_gib, host_gib=host_gib, hidden=hidden, seq=seq, batch=batch,
         steps=steps, json_out=json_out, max_trials=max_trials,
     )  # fmt: skip
+
+
+@bench_app.command("zero")
+def bench_zero(
+    model: Annotated[str, typer.Option(help="zoo model")] = "gpt-45m",
+    global_batch: Annotated[int, typer.Option(help="sequences per step over all ranks")] = 4,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 256,
+    steps: Annotated[int, typer.Option(help="timed steps per run")] = 4,
+    warmup: Annotated[int, typer.Option(help="untimed steps first")] = 1,
+    peers: Annotated[bool, typer.Option(help="also run FSDP2 and DeepSpeed ZeRO-3")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Chunk ZeRO-DP step time and bytes sent: ours 1/2 ranks vs FSDP2, DeepSpeed (CPU, gloo)."""
+    from service.bench_zero import run_zero
+
+    try:
+        run_zero(
+            model=model, global_batch=global_batch, seq=seq, steps=steps, warmup=warmup,
+            json_out=json_out, peers=peers,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
+@bench_app.command("collectives")
+def bench_collectives(
+    model: Annotated[str, typer.Option(help="zoo model whose params are gathered")] = "gpt-45m",
+    repeats: Annotated[int, typer.Option(help="interleaved rounds of each pattern")] = 5,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """All-gather throughput: engine-sized chunks vs one all-gather per parameter tensor."""
+    from service.bench_zero import run_collectives
+
+    try:
+        run_collectives(model=model, repeats=repeats, json_out=json_out)
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
 
 
 @app.command("plot-trace")

@@ -44,7 +44,9 @@ output_dir: {tmp_path / "runs"}
     assert marker.exists()  # rank 1 really died at step 7 of the first attempt
     assert result["error"] is None
     assert result["metrics"]["step"] == 12
-    lines = [json.loads(x) for x in (tmp_path / "runs/ray-job/metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(x) for x in (tmp_path / "runs/ray-job/metrics.jsonl").read_text().splitlines()
+    ]
     first = [m for m in lines if m["attempt_resumed"] == 0]
     resumed = [m for m in lines if m["attempt_resumed"] == 1]
     assert [m["step"] for m in first][:3] == [2, 4, 6]

@@ -1,0 +1,432 @@
+"""Dynamic memory management (DMM) benchmarks: eviction traffic and the largest trainable model.
+
+This module owns two measured claims about the engine's memory tiers:
+
+- `run_eviction`: bytes moved between host and device per steady-state iteration under the
+  eviction policies opt / lru / static, at device budgets of "measured peak non-model memory
+  + a percentage of the param chunk bytes", next to lower bounds on the fetches;
+- `service.bench_scale.run_scale` (its own module): the largest trainable GPT.
+
+Each prints a rich table and, with ``json_out``, one JSON line last.
+
+    python -c "from service.bench_dmm import run_eviction; run_eviction(json_out=True)"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import pstar_core
+from pstar_core.mapping import pack
+from pstar_core.models import GPT, build, get_config, num_params
+from pstar_core.tiers import MemoryBudgetError
+
+__all__ = ["choose_chunk_size", "run_eviction"]
+
+POLICIES = ("opt", "lru", "static")
+BUDGET_PCTS = (100, 60, 40, 25)
+MIB = 2**20
+GIB = 2**30
+# Model data per parameter of our engine: bf16 param + fp32 master + fp32 momentum and variance
+# (gradients overwrite the param chunk, so there is no gradient list).
+OURS_BYTES_PER_PARAM = 14
+# ZeRO-Offload-style static layout: fp16 params on the device; fp16 grads + fp32 master,
+# momentum and variance (plus bookkeeping) on the host, as the paper counts them.
+STATIC_DEVICE_BYTES_PER_PARAM = 2
+STATIC_HOST_BYTES_PER_PARAM = 16
+
+
+def _console() -> Console:
+    return Console(width=max(Console().width, 150))
+
+
+def _load_avg() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+# -- chunk size ---------------------------------------------------------------------------
+
+
+def _param_numels(model_fn: Callable[[], torch.nn.Module]) -> list[int]:
+    """Parameter sizes in registration order (= chunk packing order), tied weights once."""
+    with torch.device("meta"):
+        module = model_fn()
+    return [p.numel() for p in module.parameters()]
+
+
+def choose_chunk_size(numels: list[int], lo: int = 12, hi: int = 20, target: int = 16) -> int:
+    """A chunk size (elements, multiple of 1024) giving `lo`..`hi` param chunks if possible.
+
+    Eviction only has choices when there are many chunks; among sizes in range the one with
+    the least padding wins, ties going to the count nearest `target`. Falls back to the
+    largest tensor's size (the fewest elements a chunk may hold) when no size lands in range.
+    """
+    biggest, total = max(numels), sum(numels)
+    floor_size = max(1024, -(-biggest // 1024) * 1024)
+    best: tuple[float, int, int] | None = None
+    for k in range(hi, lo - 1, -1):
+        for slack in (1.0, 1.05, 1.1, 1.2, 1.3):
+            size = max(floor_size, -(-int(total * slack / k) // 1024) * 1024)
+            n = pack(numels, size).num_chunks
+            if lo <= n <= hi:
+                waste = n * size - total
+                key = (waste / total, abs(n - target), size)
+                if best is None or key < best:
+                    best = key
+    return best[2] if best is not None else floor_size
+
+
+# -- one engine run -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one engine run measured; `cum[i]` is cumulative bytes moved after iteration i+1."""
+
+    stats: dict[str, Any]
+    cum: list[dict[str, int]]
+    seconds: list[float]
+    losses: list[float]
+    # Max over steady iterations of the chunk bytes on the device during each moment.
+    resident: dict[int, int]
+    param_uses: dict[int, list[int]]  # param chunk index -> traced fwd/bwd moments
+
+
+def _run_engine(
+    model_fn: Callable[[], torch.nn.Module],
+    config: dict[str, Any],
+    batches: list[torch.Tensor],
+) -> _Run:
+    """Initialize and train one iteration per batch; may raise MemoryBudgetError."""
+    gc.collect()  # the previous run's chunks go back before this one allocates its own
+    engine = pstar_core.initialize(model_fn, config)
+    m = engine.manager
+    resident: dict[int, int] = {}
+    steady = False
+    orig_begin = m.begin_operator
+
+    # Observation only: the engine evicts when an operator needs a fetch, so the chunk bytes on
+    # the device while moment j runs are what is resident when moment j+1 begins. Recording
+    # them shows whether chunks + traced non-model memory stay within the device budget.
+    def begin_operator(name: str) -> None:
+        if steady and m.tracer.moment >= 0:
+            j = m.tracer.moment
+            resident[j] = max(resident.get(j, 0), m.tiers["device"].used_bytes)
+        orig_begin(name)
+
+    m.begin_operator = begin_operator  # type: ignore[method-assign]
+    cum: list[dict[str, int]] = []
+    seconds: list[float] = []
+    losses: list[float] = []
+    try:
+        for i, x in enumerate(batches):
+            steady = i >= 2  # iteration 1 traces, iteration 2 places the optimizer states
+            t0 = time.perf_counter()
+            out = engine(input_ids=x, labels=x)
+            engine.backward(out.loss)
+            engine.step()
+            seconds.append(time.perf_counter() - t0)
+            losses.append(float(out.loss.detach()))
+            if steady:
+                j = m.tracer.moment
+                resident[j] = max(resident.get(j, 0), m.tiers["device"].used_bytes)
+            cum.append(dict(m.bytes_moved))
+        stats = engine.stats()
+        trace = m.tracer.trace
+        names = trace.names if trace is not None else []
+        uses: dict[int, list[int]] = {}
+        if trace is not None:
+            for (kind, index), moments in trace.uses.items():
+                if kind == "param":
+                    uses[index] = [t for t in moments if not names[t].startswith("adam")]
+    finally:
+        # Dropping the wrapper breaks the manager <-> closure cycle, so the engine's memory
+        # is freed by reference counting when this function returns.
+        del m.begin_operator
+        m.close()
+    return _Run(stats, cum, seconds, losses, resident, uses)
+
+
+def _per_iter(run: _Run, key: str | None) -> float:
+    """Bytes moved per steady iteration (after iteration 2 up to the last one)."""
+    first, last = run.cum[1], run.cum[-1]
+    n = len(run.cum) - 2
+
+    def total(d: dict[str, int]) -> int:
+        return sum(d.values()) if key is None else d.get(key, 0)
+
+    return (total(last) - total(first)) / n
+
+
+def _over_budget(run: _Run, budget: int) -> int:
+    """Max over moments of (resident chunk bytes + traced non-model bytes) - device budget."""
+    nm = run.stats["tracer"]["non_model_bytes"]
+    worst = -budget
+    for j, r in run.resident.items():
+        if 0 <= j < len(nm):
+            worst = max(worst, r + nm[j] - budget)
+    return worst
+
+
+# -- lower bounds -------------------------------------------------------------------------
+
+
+def _simple_bound(n_chunks: int, chunk_bytes: int, max_allowed: int) -> int:
+    """Compulsory fetches: every param chunk is used each iteration, at most
+    floor(max_allowed / chunk_bytes) of them can stay on the device across the tightest moment."""
+    return max(0, n_chunks - max(0, max_allowed) // chunk_bytes) * chunk_bytes
+
+
+def _trace_bound(
+    uses: dict[int, list[int]],
+    non_model: list[int],
+    budget: int,
+    chunk_bytes: int,
+    host_adam: set[int],
+) -> int:
+    """A tighter bound from the traced use lists, for a split moment s of the iteration:
+
+    - a chunk whose Adam runs on the host ends the iteration on the host, so it is fetched at
+      least once before or at s if it is used by then;
+    - of the chunks used after s, at most K_s = floor(A_s / chunk_bytes) are on the device
+      during s (A_s = budget - max(N_s, N_{s+1})), the others are fetched after s.
+    The two sets of fetches are disjoint in time, so their sum bounds the iteration's fetches;
+    the best s gives the bound. It holds if the device budget is respected at s.
+    """
+    best = 0
+    for s in range(len(non_model)):
+        around = max(non_model[s], non_model[min(s + 1, len(non_model) - 1)])
+        k = max(0, budget - around) // chunk_bytes
+        before = sum(1 for i, m in uses.items() if i in host_adam and m and m[0] <= s)
+        after = sum(1 for m in uses.values() if m and m[-1] > s)
+        best = max(best, before + max(0, after - k))
+    return best * chunk_bytes
+
+
+# -- eviction benchmark -------------------------------------------------------------------
+
+
+def run_eviction(
+    model: str = "gpt-small",
+    layers: int = 8,
+    batch: int = 4,
+    seq: int = 128,
+    chunk_size: int | None = None,
+    iters: int = 4,
+    json_out: bool = False,
+    vocab: int | None = 1024,
+    budgets: tuple[int, ...] = BUDGET_PCTS,
+    policies: tuple[str, ...] = POLICIES,
+) -> dict[str, Any]:
+    """Host<->device bytes per steady iteration for each eviction policy and device budget.
+
+    Device budget = measured peak non-model bytes N (activations etc., from an unconstrained
+    run's tracer) + pct% of the param chunk bytes P. Under 'static' the chunks get the same
+    pct% x P, fixed (static_model_share = pct% x P / budget). `vocab` overrides the model's
+    vocabulary (None keeps it): a chunk must hold the largest tensor, and gpt-small's
+    8192 x 256 embedding would otherwise allow at most 4 param chunks at 8 layers, leaving
+    eviction no choices. `chunk_size` None picks one giving ~12-20 param chunks.
+    """
+    if iters < 3:
+        raise ValueError("iters must be >= 3: iteration 1 traces, 2 places, 3+ are steady")
+    overrides: dict[str, Any] = {"num_layers": layers}
+    if vocab is not None:
+        overrides["vocab_size"] = vocab
+    cfg = dataclasses.replace(get_config(model), **overrides)
+    if seq > cfg.seq_len:
+        raise ValueError(f"seq {seq} exceeds {model}'s seq_len {cfg.seq_len}")
+
+    def model_fn() -> GPT:
+        return build(cfg)
+
+    if chunk_size is None:
+        chunk_size = choose_chunk_size(_param_numels(model_fn))
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen) for _ in range(iters)]
+
+    def engine_cfg(memory: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "dtype": "bf16",
+            "chunk_size": chunk_size,
+            "optimizer": {"lr": 1e-4},
+            "memory": {"disk_budget": 0, **memory},
+        }
+
+    console = _console()
+    load_before = _load_avg()
+    t_start = time.perf_counter()
+    console.print(f"[dim]unconstrained run of {model} ({layers} layers) to measure P and N ...")
+    base = _run_engine(model_fn, engine_cfg({}), batches)
+    st = base.stats
+    n_chunks = st["chunks"]["param"]["count"]
+    P = st["chunks"]["param"]["bytes"]
+    c = P // n_chunks
+    N = st["tracer"]["peak_non_model_bytes"]
+    non_model = st["tracer"]["non_model_bytes"]
+    unused = [i for i in range(n_chunks) if not base.param_uses.get(i)]
+    if unused:  # the bounds assume every param chunk is used in each iteration
+        console.print(f"[yellow]param chunks never used in an iteration: {unused}")
+
+    runs: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in policies}
+    budget_bytes: dict[str, int] = {}
+    for pct in budgets:
+        budget = int(N + pct / 100 * P)
+        budget_bytes[str(pct)] = budget
+        for policy in policies:
+            memory: dict[str, Any] = {"device_budget": budget, "policy": policy}
+            if policy == "static":
+                memory["static_model_share"] = min(1.0, pct / 100 * P / budget)
+            row: dict[str, Any] = {"budget": budget}
+            try:
+                r = _run_engine(model_fn, engine_cfg(memory), batches)
+            except MemoryBudgetError as e:
+                row.update(status="infeasible", error=str(e).splitlines()[0])
+                console.print(f"[dim]{policy:>6} @ {pct:>3}%: infeasible ({row['error']})")
+            else:
+                row.update(
+                    status="ok",
+                    h2d=_per_iter(r, "host->device"),
+                    d2h=_per_iter(r, "device->host"),
+                    total=_per_iter(r, None),
+                    over_budget=_over_budget(r, budget),
+                    s_per_iter=sum(r.seconds[2:]) / len(r.seconds[2:]),
+                    device_adam_chunks=r.stats["device_adam_chunks"],
+                    peak_non_model=r.stats["tracer"]["peak_non_model_bytes"],
+                    final_loss=r.losses[-1],
+                )
+                console.print(
+                    f"[dim]{policy:>6} @ {pct:>3}%: {row['h2d'] / MIB:.2f} MiB/iter host->device"
+                )
+            runs[policy][str(pct)] = row
+
+    lower_bound: dict[str, int] = {}
+    lower_bound_trace: dict[str, int] = {}
+    for pct in budgets:
+        budget = budget_bytes[str(pct)]
+        # The chunk room at the tightest moment: budget - peak N = pct% x P (the static share).
+        lower_bound[str(pct)] = _simple_bound(n_chunks, c, budget - N)
+        # Chunks whose Adam runs on the device need not come back from the host; take the
+        # most any run placed there, so the bound holds for every policy.
+        dev_adam = max(
+            (runs[p][str(pct)].get("device_adam_chunks", 0) for p in policies), default=0
+        )
+        host_adam = set(range(dev_adam, n_chunks))
+        lower_bound_trace[str(pct)] = _trace_bound(base.param_uses, non_model, budget, c, host_adam)
+    load_after = _load_avg()
+
+    def by_policy(key: str) -> dict[str, dict[str, float | str]]:
+        return {
+            p: {
+                pct: (row[key] if row["status"] == "ok" else "infeasible")
+                for pct, row in runs[p].items()
+            }
+            for p in policies
+        }
+
+    result: dict[str, Any] = {
+        "model": model,
+        "layers": layers,
+        "vocab": cfg.vocab_size,
+        "hidden": cfg.hidden_size,
+        "batch": batch,
+        "seq": seq,
+        "iters": iters,
+        "params": num_params(cfg),
+        "chunk_size": chunk_size,
+        "chunk_bytes": c,
+        "param_chunks": n_chunks,
+        "param_chunk_bytes_total": P,
+        "peak_non_model_bytes": N,
+        "budgets": budget_bytes,
+        "bytes_moved": by_policy("h2d"),
+        "total_moved": by_policy("total"),
+        "over_budget": by_policy("over_budget"),
+        "lower_bound": lower_bound,
+        "lower_bound_trace": lower_bound_trace,
+        "runs": runs,
+        "seconds": time.perf_counter() - t_start,
+        "load_avg": {"before": load_before, "after": load_after},
+    }
+    _print_eviction(console, result)
+    if json_out:
+        print(json.dumps(result))
+    return result
+
+
+def _mib(x: float) -> str:
+    return f"{x / MIB:.2f}"
+
+
+def _print_eviction(console: Console, r: dict[str, Any]) -> None:
+    table = Table(
+        title=(
+            f"eviction traffic per steady iteration: {r['model']} ({r['layers']} layers, "
+            f"vocab {r['vocab']}, {r['params'] / 1e6:.1f}M params), bf16, batch {r['batch']} x "
+            f"seq {r['seq']}, {r['param_chunks']} param chunks of {_mib(r['chunk_bytes'])} MiB"
+        )
+    )
+    cols = (
+        "policy",
+        "budget",
+        "device MiB",
+        "host->device MiB/iter",
+        "total moved MiB/iter",
+        "bound MiB",
+        "trace bound MiB",
+        "h2d ÷ trace bound",
+        "over budget MiB",
+        "s/iter",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for policy, rows in r["runs"].items():
+        for pct, row in rows.items():
+            lb, tb = r["lower_bound"][pct], r["lower_bound_trace"][pct]
+            if row["status"] != "ok":
+                table.add_row(policy, f"{pct}%", _mib(row["budget"]), "infeasible", *[""] * 6)
+                continue
+            table.add_row(
+                policy,
+                f"{pct}%",
+                _mib(row["budget"]),
+                _mib(row["h2d"]),
+                _mib(row["total"]),
+                _mib(lb),
+                _mib(tb),
+                f"{row['h2d'] / tb:.2f}" if tb else "-",
+                _mib(max(0, row["over_budget"])),
+                f"{row['s_per_iter']:.2f}",
+            )
+        table.add_section()
+    console.print(table)
+    console.print(
+        f"Budget = peak non-model N {_mib(r['peak_non_model_bytes'])} MiB (measured by the tracer, "
+        f"unconstrained run) + pct% of the param chunk bytes P {_mib(r['param_chunk_bytes_total'])}"
+        " MiB. Bytes moved: (cumulative after the last iteration - after iteration 2) / "
+        f"{r['iters'] - 2}.\n"
+        "bound: (param chunks - floor((budget - N) / chunk bytes)) x chunk bytes, a lower bound "
+        "on fetches (every param chunk is used each iteration; at most that many stay resident "
+        "across the peak moment).\ntrace bound: also counts that a chunk whose Adam runs on the "
+        "host must be fetched again before its next use (see _trace_bound); both assume the "
+        "budget is respected.\nover budget: max over moments of chunk bytes on the device + "
+        "traced non-model bytes - budget (0 = within budget).\n"
+        f"load avg before {r['load_avg']['before']}, after {r['load_avg']['after']}; "
+        f"{r['seconds']:.0f} s in all"
+    )
+
+
+# -- scale benchmark ----------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    run_eviction(json_out=True)

@@ -1,0 +1,695 @@
+"""Chunk-based ZeRO-DP on CPU: our engine vs. FSDP2 (and DeepSpeed ZeRO-3), and chunked comm.
+
+`run_zero` trains the same zoo GPT with a global batch split over ranks and times the
+steps of
+
+- ours, 1 rank with the global batch (2 torch threads: the whole machine);
+- ours, 2 gloo ranks, "collective" variant (1 thread each);
+- FSDP2 (`fully_shard` on every block, then the root; bf16 params, fp32 gradient
+  reduction; foreach AdamW), 2 gloo ranks x 1 thread;
+- DeepSpeed ZeRO-3 with parameter and optimizer CPU offload, bf16, 2 gloo ranks x 1
+  thread, when `import deepspeed` works (it is not a project dependency).
+
+Every configuration runs in fresh worker processes started here, torchrun-style
+(MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE in the environment). Ranks meet at a barrier
+before each step, so a step's time is the slowest rank's; the median over the timed
+steps after warm-up is reported.
+
+Communication volume. Per rank and step our engine counts (N-1) x chunk bytes for each
+all-gather and each reduce-scatter it joins. Each param chunk is all-gathered once in
+forward and once in backward and its gradient reduce-scattered once, so with P the bytes
+of the whole padded param chunk list (`manager.lists[PARAM]`, nproc chunks per group) and
+F that of the frozen list (gathered twice, never reduced):
+
+    theory_bytes = (2 + 1) x (N - 1) / N x P  +  2 x (N - 1) / N x F
+
+`comm_bytes` is the engine's own counter over the timed steps ÷ steps;
+`comm_bytes_wire` counts the same thing independently by wrapping torch.distributed's
+collectives in the worker (the same wrapper gives the FSDP2/DeepSpeed byte columns).
+
+`run_collectives` isolates the communication pattern: the bytes of a GPT's bf16
+parameters are all-gathered over 2 gloo ranks either as chunk-sized all-gathers (the
+engine's chunk size from `make_plan`, each rank contributing one chunk per group) or as
+one all-gather per parameter tensor (each rank contributing 1/N of it), runs interleaved.
+
+    python -m service.bench_zero              # run_zero(json_out=True)
+    pstar bench zero --json; pstar bench collectives --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["run_collectives", "run_zero"]
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS_1, OURS_2, FSDP2, DEEPSPEED = (
+    "ours 1 rank",
+    "ours 2 ranks",
+    "FSDP2 2 ranks",
+    "DeepSpeed 2 ranks",
+)
+_LR = 1e-4
+_TIMEOUT_S = 1800  # a DeepSpeed first run JIT-compiles its CPU Adam (a minute or more)
+
+
+# -- launching ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_available() -> bool:
+    """Whether workers can `import deepspeed` (looked up without importing it here)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _launch(kind: str, world: int, threads: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run `kind` in `world` fresh worker processes; returns each rank's result dict.
+
+    Output goes to files, not pipes: DeepSpeed logs a lot, and a full pipe of one rank
+    would block it inside a collective while we wait on the other.
+    """
+    with tempfile.TemporaryDirectory(prefix="pstar-bench-zero-") as tmp:
+        out = Path(tmp)
+        path = os.environ.get("PYTHONPATH", "")
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": str(threads),
+        }
+        if kind == "deepspeed":
+            env["DS_ACCELERATOR"] = "cpu"
+            env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+        spec = {**spec, "threads": threads}
+        procs, logs = [], []
+        for r in range(world):
+            log = (out / f"log-{r}.txt").open("w")
+            logs.append(log)
+            cmd = [sys.executable, "-m", "service.bench_zero", "--worker", kind]
+            cmd += ["--spec", json.dumps(spec), "--out", str(out)]
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
+            )
+        deadline = time.monotonic() + _TIMEOUT_S
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise RuntimeError(f"{kind} workers timed out after {_TIMEOUT_S} s") from None
+        finally:
+            for log in logs:
+                log.close()
+        for r, p in enumerate(procs):
+            if p.returncode != 0:
+                # one rank's crash makes the other fail too; show the first failing rank
+                text = (out / f"log-{r}.txt").read_text(errors="replace")
+                raise RuntimeError(f"{kind} rank {r} exited with {p.returncode}:\n{text[-3000:]}")
+        return [json.loads((out / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+# -- worker side --------------------------------------------------------------------------
+
+
+class _WireCounter:
+    """Bytes this rank sends, counted by wrapping torch.distributed's collectives.
+
+    Counting follows the engine's convention: all-gather (N-1) x input, reduce-scatter
+    (N-1) x output shard, all-reduce 2 (N-1)/N x tensor (ring), broadcast (N-1) x tensor
+    on the source. Only the outermost call counts, as some wrap others internally.
+    """
+
+    # name -> (kind, positional index of the tensor that sizes it, its keyword names)
+    SPECS: ClassVar[dict[str, tuple[str, int, tuple[str, ...]]]] = {
+        "all_gather_into_tensor": ("gather", 1, ("input_tensor",)),
+        "all_gather_single": ("gather", 1, ("input_tensor",)),
+        "_all_gather_base": ("gather", 1, ("input_tensor", "input")),
+        "all_gather": ("gather", 1, ("tensor",)),
+        "reduce_scatter_tensor": ("scatter", 0, ("output",)),
+        "reduce_scatter_single": ("scatter", 0, ("output",)),
+        "_reduce_scatter_base": ("scatter", 0, ("output",)),
+        "reduce_scatter": ("scatter", 0, ("output",)),
+        "all_reduce": ("all_reduce", 0, ("tensor",)),
+        "broadcast": ("broadcast", 0, ("tensor",)),
+    }
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._depth = threading.local()
+
+    def install(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        # Both names: DeepSpeed calls some collectives through distributed_c10d directly.
+        for mod in (dist, c10d):
+            for name, spec in self.SPECS.items():
+                fn = getattr(mod, name, None)
+                if fn is not None and not getattr(fn, "_pstar_wrapped", False):
+                    setattr(mod, name, self._wrap(fn, *spec))
+
+    def _wrap(self, fn: Callable[..., Any], kind: str, pos: int, keys: tuple[str, ...]) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                t = args[pos] if len(args) > pos else next(kwargs[k] for k in keys if k in kwargs)
+                self.bytes += self._sent(kind, t, args, kwargs)
+            self._depth.n = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+
+        wrapper._pstar_wrapped = True  # type: ignore[attr-defined]
+        return wrapper
+
+    @staticmethod
+    def _sent(kind: str, t: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        import torch.distributed as dist
+
+        group = kwargs.get("group")
+        n = dist.get_world_size(group)
+        nbytes = t.numel() * t.element_size()
+        if kind in ("gather", "scatter"):
+            return nbytes * (n - 1)
+        if kind == "all_reduce":
+            return 2 * (n - 1) * nbytes // n
+        src = args[1] if len(args) > 1 else kwargs.get("src", kwargs.get("group_src", 0))
+        return nbytes * (n - 1) if dist.get_rank() == src else 0
+
+
+def _init_dist(world: int) -> None:
+    import torch.distributed as dist
+
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")
+
+
+def _barrier(world: int) -> None:
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.barrier()
+
+
+def _batches(spec: dict[str, Any], rank: int, world: int) -> list[Any]:
+    """Every rank draws the same global batches and keeps its part (rank r: chunk r)."""
+    import torch
+
+    from pstar_core.models import get_config
+
+    vocab = get_config(spec["model"]).vocab_size
+    gen = torch.Generator().manual_seed(1234)
+    shape = (spec["global_batch"], spec["seq"])
+    n = spec["warmup"] + spec["steps"]
+    return [torch.randint(0, vocab, shape, generator=gen).chunk(world)[rank] for _ in range(n)]
+
+
+def _timed_loop(
+    spec: dict[str, Any],
+    world: int,
+    batches: list[Any],
+    step: Callable[[Any], float],
+    on_warm: Callable[[], None],
+) -> tuple[list[float], list[float]]:
+    """Warm-up steps, `on_warm()`, then timed steps; returns (step times, losses)."""
+    times, losses = [], []
+    for i, x in enumerate(batches):
+        if i == spec["warmup"]:
+            on_warm()  # counters are read here, so only the timed steps count
+        _barrier(world)  # ranks start each step together: its time is the slowest rank's
+        t0 = time.perf_counter()
+        loss = step(x)
+        dt = time.perf_counter() - t0
+        if i >= spec["warmup"]:
+            times.append(dt)
+            losses.append(loss)
+    return times, losses
+
+
+def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter) -> dict:
+    import torch
+
+    import pstar_core
+    from pstar_core.chunk import ChunkType
+    from pstar_core.models import build
+
+    torch.manual_seed(0)
+    engine = pstar_core.initialize(
+        lambda: build(spec["model"]),
+        {
+            "dtype": spec["dtype"],
+            "chunk_size": spec.get("chunk_size") or "auto",
+            "optimizer": {"lr": _LR},
+            "zero": {"variant": spec.get("variant", "collective")},
+        },
+    )
+
+    def step(x: torch.Tensor) -> float:
+        out = engine(input_ids=x, labels=x)
+        engine.backward(out.loss)
+        engine.step()
+        return float(out.loss.detach())
+
+    marks: dict[str, int] = {}
+
+    def on_warm() -> None:
+        marks["engine"] = engine.stats()["comm_bytes_sent"]
+        marks["wire"] = wire.bytes
+
+    times, losses = _timed_loop(spec, world, _batches(spec, rank, world), step, on_warm)
+    stats = engine.stats()
+    nproc = engine.zero.nproc
+    param_bytes = sum(c.nbytes for c in engine.manager.lists[ChunkType.PARAM])
+    frozen_bytes = sum(c.nbytes for c in engine.manager.lists[ChunkType.FROZEN])
+    share = (nproc - 1) / nproc
+    return {
+        "times": times,
+        "losses": losses,
+        "comm_bytes": (stats["comm_bytes_sent"] - marks["engine"]) / spec["steps"],
+        "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
+        "theory_bytes": 3 * share * param_bytes + 2 * share * frozen_bytes,
+        "param_list_bytes": param_bytes,
+        "chunk_size": stats["chunk_size"],
+        "param_chunks": len(engine.manager.lists[ChunkType.PARAM]),
+        "own_param_chunks": stats["chunks"]["param"]["count"],
+        "own_param_used_bytes": stats["chunks"]["param"]["used_bytes"],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _worker_fsdp2(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from pstar_core.models import build
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    net = build(spec["model"])
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(net, mesh=mesh, mp_policy=mp)  # the root: wte (= lm_head), wpe, ln_f
+    opt = torch.optim.AdamW(net.parameters(), lr=_LR, foreach=True)
+
+    def step(x: torch.Tensor) -> float:
+        loss = net(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return _peer_result(spec, rank, world, wire, step)
+
+
+def _worker_deepspeed(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter) -> dict:
+    import deepspeed
+    import torch
+
+    from pstar_core.models import build
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = build(spec["model"])
+    offload = {"device": "cpu", "pin_memory": False}
+    config = {
+        "train_batch_size": spec["global_batch"],
+        "train_micro_batch_size_per_gpu": spec["global_batch"] // world,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": _LR, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": offload,
+            "offload_optimizer": offload,
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+
+    def step(x: torch.Tensor) -> float:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach())
+
+    return _peer_result(spec, rank, world, wire, step)
+
+
+def _peer_result(
+    spec: dict[str, Any], rank: int, world: int, wire: _WireCounter, step: Callable[[Any], float]
+) -> dict:
+    import torch
+
+    marks: dict[str, int] = {}
+
+    def on_warm() -> None:
+        marks["wire"] = wire.bytes
+
+    times, losses = _timed_loop(spec, world, _batches(spec, rank, world), step, on_warm)
+    return {
+        "times": times,
+        "losses": losses,
+        "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _worker_collectives(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from pstar_core.mapping import make_plan
+    from pstar_core.models import build
+
+    with torch.device("meta"):
+        params = list(build(spec["model"]).parameters())  # tied weights once
+    numels = [p.numel() for p in params]
+    names = [str(i) for i in range(len(params))]
+    plan = make_plan(numels, [True] * len(params), names, "bf16", spec.get("chunk_size") or "auto")
+    size, total = plan.chunk_size, sum(numels)
+    # Chunked: a communication group per all-gather, each rank giving one chunk (the last
+    # group trimmed to what is left), so both variants gather the model's bytes.
+    chunked, left = [], total
+    while left > 0:
+        shard = min(size, math.ceil(left / world))
+        chunked.append(shard)
+        left -= shard * world
+    per_tensor = [math.ceil(n / world) for n in numels]
+
+    def buffers(shards: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        out = []
+        for n in shards:
+            own = torch.full((n,), float(rank), dtype=torch.bfloat16)
+            out.append((own, [torch.empty(n, dtype=torch.bfloat16) for _ in range(world)]))
+        return out
+
+    variants = {"chunked": buffers(chunked), "per_tensor": buffers(per_tensor)}
+
+    def run(name: str) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for own, outs in variants[name]:
+            dist.all_gather(outs, own)  # the engine's call (list form)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time
+        return float(dt.item())
+
+    times: dict[str, list[float]] = {"chunked": [], "per_tensor": []}
+    for i in range(spec["repeats"] + 1):  # round 0 warms up buffers and connections
+        for name in ("chunked", "per_tensor"):
+            dt = run(name)
+            if i > 0:
+                times[name].append(dt)
+    ok = all(float(t[0]) == r for r, t in enumerate(variants["chunked"][0][1]))
+    return {
+        "times": times,
+        "chunk_size": size,
+        "calls": {"chunked": len(chunked), "per_tensor": len(per_tensor)},
+        "bytes": {
+            k: 2 * world * sum(v) for k, v in (("chunked", chunked), ("per_tensor", per_tensor))
+        },
+        "model_bytes": 2 * total,
+        "gathered_ok": ok,
+    }
+
+
+_WORKERS = {
+    "ours": _worker_ours,
+    "fsdp2": _worker_fsdp2,
+    "deepspeed": _worker_deepspeed,
+    "collectives": _worker_collectives,
+}
+
+
+def _worker_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", choices=sorted(_WORKERS), required=True)
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(a.spec)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(spec["threads"])
+    wire = _WireCounter()
+    wire.install()  # before DeepSpeed or FSDP2 look the collectives up
+    if a.worker != "deepspeed":  # DeepSpeed initializes the group itself
+        _init_dist(world)
+    result = _WORKERS[a.worker](spec, rank, world, wire)
+    Path(a.out, f"result-{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -- parent side --------------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _step_median(ranks: list[dict[str, Any]]) -> float:
+    """Median over steps of the slowest rank's time (ranks start each step together)."""
+    return _median([max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)])
+
+
+def _fmt_bytes(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def run_zero(
+    model: str = "gpt-45m",
+    global_batch: int = 4,
+    seq: int = 256,
+    steps: int = 4,
+    warmup: int = 1,
+    dtype: str = "bf16",
+    json_out: bool = False,
+    peers: bool = True,
+) -> dict[str, Any]:
+    """Time ours (1 and 2 ranks) vs FSDP2 and DeepSpeed ZeRO-3; print a table, return a dict.
+
+    ``ratio_vs_fsdp2`` = ours 2-rank s/step ÷ FSDP2 s/step (< 1: we are faster), likewise
+    ``ratio_vs_deepspeed``. ``comm_bytes`` is what one of our ranks sends per step and
+    ``theory_bytes`` = 3 x (N-1)/N x (bytes of the padded param chunk list), see the
+    module docstring. ``peers=False`` skips FSDP2 and DeepSpeed (for tests).
+    """
+    from pstar_core.models import get_config, num_params
+
+    cfg = get_config(model)
+    if seq > cfg.seq_len or seq < 2:
+        raise ValueError(f"seq must be in [2, {cfg.seq_len}] for {model}, got {seq}")
+    if global_batch < 2 or global_batch % 2:
+        raise ValueError(f"global_batch must be even (2 ranks share it), got {global_batch}")
+    if steps < 1 or warmup < 0:
+        raise ValueError("need steps >= 1 and warmup >= 0")
+    spec = {
+        "model": model, "global_batch": global_batch, "seq": seq, "steps": steps,
+        "warmup": warmup, "dtype": dtype,
+    }  # fmt: skip
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict[str, Any]] | str] = {}
+    runs[OURS_1] = _launch("ours", 1, 2, spec)
+    runs[OURS_2] = _launch("ours", 2, 1, {**spec, "variant": "collective"})
+    if peers:
+        for name, kind in ((FSDP2, "fsdp2"), (DEEPSPEED, "deepspeed")):
+            if kind == "deepspeed" and not deepspeed_available():
+                runs[name] = "not installed"
+                continue
+            try:
+                runs[name] = _launch(kind, 2, 1, spec)
+            except RuntimeError as e:  # a peer failing should not hide our numbers
+                runs[name] = f"failed: {str(e).strip().splitlines()[-1][:200]}"
+    load_after = os.getloadavg()
+
+    secs = {k: _step_median(v) if isinstance(v, list) else None for k, v in runs.items()}
+    ours2 = runs[OURS_2]
+    assert isinstance(ours2, list)
+    fs, ds = secs.get(FSDP2), secs.get(DEEPSPEED)
+    result: dict[str, Any] = {
+        "model": model,
+        "params": num_params(cfg),
+        "dtype": dtype,
+        "global_batch": global_batch,
+        "seq": seq,
+        "steps": steps,
+        "warmup": warmup,
+        "ours_1rank_s": secs[OURS_1],
+        "ours_2rank_s": secs[OURS_2],
+        "fsdp2_s": fs,
+        "deepspeed_s": ds,
+        "ratio_vs_fsdp2": secs[OURS_2] / fs if fs else None,
+        "ratio_vs_deepspeed": secs[OURS_2] / ds if ds else None,
+        "comm_bytes": ours2[0]["comm_bytes"],
+        "comm_bytes_per_rank": [r["comm_bytes"] for r in ours2],
+        "comm_bytes_wire": ours2[0]["comm_bytes_wire"],
+        "theory_bytes": ours2[0]["theory_bytes"],
+        "param_list_bytes": ours2[0]["param_list_bytes"],
+        "comm_vs_theory": ours2[0]["comm_bytes"] / ours2[0]["theory_bytes"],
+        "chunk_size": ours2[0]["chunk_size"],
+        "param_chunks": ours2[0]["param_chunks"],
+        "own_param_chunks": [r["own_param_chunks"] for r in ours2],
+        "own_param_used_bytes": [r["own_param_used_bytes"] for r in ours2],
+        "peer_bytes": {
+            k: v[0]["comm_bytes_wire"] for k, v in runs.items() if k in (FSDP2, DEEPSPEED)
+            if isinstance(v, list)
+        },
+        "status": {k: v if isinstance(v, str) else "ok" for k, v in runs.items()},
+        "step_times_s": {k: [max(ts) for ts in zip(*(r["times"] for r in v), strict=True)]
+                         for k, v in runs.items() if isinstance(v, list)},
+        "final_loss": {k: v[0]["losses"][-1] for k, v in runs.items() if isinstance(v, list)},
+        "load_avg": {"before": list(load_before), "after": list(load_after)},
+    }  # fmt: skip
+
+    table = Table(
+        title=(
+            f"chunk ZeRO-DP on CPU (gloo): {model} ({result['params'] / 1e6:.1f}M params), "
+            f"{dtype}, global batch {global_batch} x seq {seq}, median of {steps} steps "
+            f"after {warmup} warm-up"
+        )
+    )
+    for col in ("run", "threads/rank", "s/step", "ours-2 ÷ row", "bytes sent/step/rank"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    rows = [OURS_1, OURS_2, FSDP2, DEEPSPEED]
+    for name in rows:
+        v = runs.get(name, "skipped")
+        if isinstance(v, str):
+            table.add_row(name, "-", v, "-", "-")
+            continue
+        s = secs[name]
+        sent = v[0]["comm_bytes"] if name.startswith("ours") else v[0]["comm_bytes_wire"]
+        table.add_row(
+            name, str(v[0]["threads"]), f"{s:.3f}", f"{secs[OURS_2] / s:.3f}", _fmt_bytes(sent)
+        )
+    console = Console(width=max(Console().width, 130))
+    console.print(table)
+    console.print(
+        f"ours 2 ranks: chunk size {result['chunk_size']:,} elements, "
+        f"{result['param_chunks']} param chunks (padded), own per rank "
+        f"{result['own_param_chunks']} holding "
+        f"{[_fmt_bytes(b) for b in result['own_param_used_bytes']]} of params; comm "
+        f"{_fmt_bytes(result['comm_bytes'])}/step (wire count "
+        f"{_fmt_bytes(result['comm_bytes_wire'])}) vs theory 3 x (N-1)/N x list = "
+        f"{_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}"
+    )
+    console.print(
+        f"load avg (1/5/15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after {', '.join(f'{x:.2f}' for x in load_after)}; cpus {os.cpu_count()}"
+    )
+    if json_out:
+        print(json.dumps(result))
+    return result
+
+
+def run_collectives(
+    model: str = "gpt-45m",
+    repeats: int = 5,
+    json_out: bool = False,
+    chunk_size: int | None = None,
+) -> dict[str, Any]:
+    """Chunk-sized all-gathers vs one per parameter tensor, same bytes, 2 gloo ranks.
+
+    ``ratio`` = chunked throughput ÷ per-tensor throughput (> 1: chunks move faster).
+    Rounds are interleaved (chunked, per-tensor, chunked, ...) after one warm-up round;
+    each time is the slower rank's, medians are reported.
+    """
+    from pstar_core.models import get_config, num_params
+
+    cfg = get_config(model)
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    load_before = os.getloadavg()
+    spec = {"model": model, "repeats": repeats, "chunk_size": chunk_size}
+    r0 = _launch("collectives", 2, 1, spec)[0]
+    load_after = os.getloadavg()
+    med = {k: _median(v) for k, v in r0["times"].items()}
+    gbps = {k: r0["bytes"][k] / med[k] / 1e9 for k in med}
+    result: dict[str, Any] = {
+        "model": model,
+        "params": num_params(cfg),
+        "chunk_size": r0["chunk_size"],
+        "calls": r0["calls"],
+        "bytes": r0["model_bytes"],
+        "bytes_gathered": r0["bytes"],
+        "chunked_s": med["chunked"],
+        "per_tensor_s": med["per_tensor"],
+        "chunked_gbps": gbps["chunked"],
+        "per_tensor_gbps": gbps["per_tensor"],
+        "ratio": gbps["chunked"] / gbps["per_tensor"],
+        "times_s": r0["times"],
+        "gathered_ok": r0["gathered_ok"],
+        "repeats": repeats,
+        "load_avg": {"before": list(load_before), "after": list(load_after)},
+    }
+    table = Table(
+        title=(
+            f"all-gather of {model}'s bf16 params ({_fmt_bytes(r0['model_bytes'])}), 2 gloo "
+            f"ranks x 1 thread, median of {repeats} interleaved rounds"
+        )
+    )
+    for col in ("pattern", "calls", "bytes gathered", "s", "GB/s", "÷ per-tensor"):
+        table.add_column(col, justify="left" if col == "pattern" else "right")
+    labels = {
+        "chunked": f"chunks of {r0['chunk_size']:,} elements",
+        "per_tensor": "one per parameter tensor",
+    }
+    for k, label in labels.items():
+        table.add_row(
+            label,
+            str(r0["calls"][k]),
+            _fmt_bytes(r0["bytes"][k]),
+            f"{med[k]:.4f}",
+            f"{gbps[k]:.3f}",
+            f"{gbps[k] / gbps['per_tensor']:.3f}",
+        )
+    console = Console(width=max(Console().width, 110))
+    console.print(table)
+    console.print(
+        f"load avg (1/5/15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after {', '.join(f'{x:.2f}' for x in load_after)}; cpus {os.cpu_count()}"
+    )
+    if json_out:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        _worker_main(sys.argv[1:])
+    else:
+        run_zero(json_out=True)

@@ -1,0 +1,105 @@
+"""DMM benchmarks and the trace plot on tiny models: keys, policy order, PNG, CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import pstar_core
+from pstar_core.models import build
+from service.bench_dmm import choose_chunk_size, run_eviction
+from service.cli import app
+from service.plot_trace import plot_run_dir, plot_trace
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def eviction() -> dict:
+    # 4 layers and vocab 256 give 12 chunks of a tiny model, so eviction has choices and the
+    # static share at the tight budget still holds an operator's chunks.
+    return run_eviction(
+        model="gpt-tiny", layers=4, vocab=256, batch=2, seq=32, iters=3, budgets=(100, 40)
+    )
+
+
+def test_run_eviction_returns_the_documented_keys(eviction):
+    for key in (
+        "bytes_moved", "total_moved", "lower_bound", "model", "params", "chunk_bytes",
+        "peak_non_model_bytes", "load_avg",
+    ):  # fmt: skip
+        assert key in eviction, key
+    assert set(eviction["bytes_moved"]) == {"opt", "lru", "static"}
+    assert set(eviction["lower_bound"]) == {"100", "40"}
+    assert eviction["model"] == "gpt-tiny"
+    assert eviction["peak_non_model_bytes"] > 0
+    assert 12 <= eviction["param_chunks"] <= 20
+
+
+def test_opt_moves_no_more_than_static_at_the_tight_budget(eviction):
+    opt, static = eviction["bytes_moved"]["opt"]["40"], eviction["bytes_moved"]["static"]["40"]
+    assert opt != "infeasible"
+    assert static != "infeasible"
+    assert opt <= static
+    # Every param chunk makes the Adam round trip through the host at these budgets.
+    assert opt >= eviction["param_chunk_bytes_total"]
+    for policy in ("opt", "lru", "static"):
+        moved = eviction["total_moved"][policy]["40"]
+        assert moved >= eviction["bytes_moved"][policy]["40"]
+
+
+def test_an_impossible_budget_is_reported_infeasible_not_raised():
+    result = run_eviction(
+        model="gpt-tiny", layers=2, vocab=None, batch=2, seq=32, iters=3, budgets=(1,),
+        policies=("static",), chunk_size=32768,
+    )  # fmt: skip
+    assert result["bytes_moved"]["static"]["1"] == "infeasible"
+
+
+def test_choose_chunk_size_lands_in_range_and_holds_the_largest_tensor():
+    numels = [50_000] + [10_000] * 100
+    size = choose_chunk_size(numels)
+    assert size >= 50_000
+    assert size % 1024 == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_stats() -> dict:
+    engine = pstar_core.initialize(
+        lambda: build("gpt-tiny"), {"memory": {"device_budget": 2_000_000}}
+    )
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = engine(input_ids=x, labels=x)
+    engine.backward(out.loss)
+    engine.step()
+    return json.loads(json.dumps(engine.stats()))  # as the training loop writes it
+
+
+def test_plot_trace_writes_a_png_from_real_stats(tmp_path, tiny_stats):
+    out = plot_trace(tiny_stats, tmp_path / "sub" / "trace.png", title="gpt-tiny")
+    assert out.is_file()
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 10_000
+
+
+def test_plot_run_dir_and_cli_read_trace_json(tmp_path, tiny_stats):
+    (tmp_path / "trace.json").write_text(json.dumps(tiny_stats))
+    assert plot_run_dir(tmp_path).name == "trace.png"
+    result = runner.invoke(app, ["plot-trace", str(tmp_path), "--out", str(tmp_path / "x.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_cli_plot_trace_without_trace_json_fails_clearly(tmp_path):
+    result = runner.invoke(app, ["plot-trace", str(tmp_path)])
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())  # rich wraps long lines
+    assert f"no trace.json in {tmp_path}; run pstar train first" in text
+
+
+def test_plot_trace_rejects_stats_without_a_trace(tmp_path):
+    with pytest.raises(ValueError, match="no memory trace"):
+        plot_trace({"tracer": {"moments": 0}}, tmp_path / "x.png")
