@@ -109,6 +109,7 @@ def _run_engine(
 ) -> _Run:
     """Initialize and train one iteration per batch; may raise MemoryBudgetError."""
     gc.collect()  # the previous run's chunks go back before this one allocates its own
+    torch.manual_seed(0)  # same init in every run, so final losses must agree too
     engine = pstar_core.initialize(model_fn, config)
     m = engine.manager
     resident: dict[int, int] = {}
