@@ -91,14 +91,15 @@ class Engine:
         ]
         excluded = [(names, p) for names, p in params if any(r.search(names[0]) for r in exclude)]
 
+        self.zero = ZeroGroup.from_default(process_group, cfg.zero.variant)
         self.plan = make_plan(
             [p.numel() for _, p in chunked],
             [p.requires_grad for _, p in chunked],
             [names[0] for names, _ in chunked],
             cfg.dtype,
             cfg.chunk_size,
+            self.zero.nproc,
         )
-        self.zero = ZeroGroup.from_default(process_group, cfg.zero.variant)
         self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
         self.manager.allocate_all()
         groups, group_of = resolve_groups(

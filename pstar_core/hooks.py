@@ -60,7 +60,7 @@ def operator_slots(mod: torch.nn.Module, by_param: dict[int, TensorSlot]) -> lis
 def _pre_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
     def hook(_mod: torch.nn.Module, _args: Any) -> None:
         manager.begin_operator(f"fwd:{name}")
-        manager.access_slots(slots)
+        manager.access_slots(slots, forward=not _in_backward())
 
     return hook
 

@@ -219,7 +219,7 @@ class ChunkManager:
         self.tracer.new_moment(name, self.tiers["device"].used_bytes)
         self._clock += 1
 
-    def access_slots(self, slots: Sequence[TensorSlot]) -> None:
+    def access_slots(self, slots: Sequence[TensorSlot], forward: bool = False) -> None:
         """Algorithm 1 for every tensor one operator needs."""
         chunks = list({id(c): c for c in (self.param_chunk(s) for s in slots)}.values())
         if self.zero.enabled:
@@ -232,6 +232,7 @@ class ChunkManager:
         self.make_resident(chunks, "device")
         for s in slots:
             self._access(s, self.param_chunk(s))
+            s.forward_uses += forward
 
     def _access(self, slot: TensorSlot, chunk: Chunk) -> None:
         if slot.state is S.HOLD_AFTER_BWD:
@@ -253,6 +254,12 @@ class ChunkManager:
         slot.param.data = self._placeholder
         if self.zero.enabled and target is S.HOLD_AFTER_FWD:
             self._maybe_release_group(self.param_chunk(slot), done={S.HOLD_AFTER_FWD})
+
+    @staticmethod
+    def _forward_done(s: TensorSlot) -> bool:
+        # A tied weight is registered by several modules and used by each in forward:
+        # its group stays gathered until the last of them has run.
+        return s.state is S.HOLD_AFTER_FWD and s.forward_uses >= len(s.aliases)
 
     def release_all(self, target: TensorState) -> None:
         """Force every COMPUTE tensor to `target` (end of forward/backward clean-up)."""
@@ -278,6 +285,7 @@ class ChunkManager:
 
     def reset_after_forward(self) -> None:
         for slot in self.slots:
+            slot.forward_uses = 0
             if slot.state is S.HOLD_AFTER_FWD:
                 slot.set_state(S.HOLD)
 
@@ -461,8 +469,10 @@ class ChunkManager:
         members = self._live_groups.get(key)
         if members is None:
             return
-        if all(s.state in done for m in members for s in m.slots):
-            self._release_group(key, reduce=S.HOLD_AFTER_BWD in done)
+        backward = S.HOLD_AFTER_BWD in done
+        finished = (lambda s: s.state in done) if backward else self._forward_done
+        if all(finished(s) for m in members for s in m.slots):
+            self._release_group(key, reduce=backward)
 
     def _release_group(self, key: tuple[ChunkType, int], reduce: bool) -> None:
         """Reduce-scatter the group's grads (after backward), then drop remote chunks."""

@@ -53,17 +53,21 @@ def pack(numels: Sequence[int], chunk_size: int) -> Layout:
     return Layout(chunk_size, tuple(placements), chunk + 1, sum(numels))
 
 
-def _waste(numels: Sequence[int], chunk_size: int) -> int:
-    """Unused elements for a chunk size; the hot loop of the search, kept allocation-free."""
+def _waste(numels: Sequence[int], chunk_size: int, nproc: int = 1) -> int:
+    """Unused elements for a chunk size, counting the empty chunks that pad the list to
+    whole communication groups; the hot loop of the search, kept allocation-free."""
     chunks, fill = 0, chunk_size
     for n in numels:
         if fill + n > chunk_size:
             chunks, fill = chunks + 1, 0
         fill += n
+    if not numels:
+        return 0
+    chunks = -(-chunks // nproc) * nproc
     return chunks * chunk_size - sum(numels)
 
 
-def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024) -> int:
+def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024, nproc: int = 1) -> int:
     """The chunk size with the least waste over all lists, smallest among near-ties.
 
     Candidates lie between the largest tensor (a lower bound: every tensor must fit) and
@@ -88,8 +92,12 @@ def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024) -> int:
                     break
                 if acc >= lo:
                     cands.add(_round_up(acc, align))
+    if nproc > 1:
+        # with ZeRO, a list shorter than one group per rank is not sharded at all: also
+        # try sizes that split the model into at least nproc chunks
+        cands |= {_round_up(max(largest, -(-total // (nproc * k))), align) for k in range(1, 9)}
     cands = sorted(c for c in cands if c >= largest)
-    wastes = {c: sum(_waste(lst, c) for lst in lists) for c in cands}
+    wastes = {c: sum(_waste(lst, c, nproc) for lst in lists) for c in cands}
     best = {c: total / (total + w) for c, w in wastes.items()}
     top = max(best.values())
     return min(c for c, u in best.items() if u >= top - 0.005)
@@ -154,12 +162,17 @@ def make_plan(
     names: Sequence[str],
     dtype: str,
     chunk_size: int | str = "auto",
+    nproc: int = 1,
 ) -> Plan:
-    """Lay out tensors (in init order) into the trainable and frozen lists."""
+    """Lay out tensors (in init order) into the trainable and frozen lists.
+
+    `nproc` (ZeRO ranks) makes the search count the padding of each list to whole
+    communication groups, so a model is not left in one chunk that one rank owns.
+    """
     tr = [n for n, t in zip(numels, trainable, strict=True) if t]
     fr = [n for n, t in zip(numels, trainable, strict=True) if not t]
     if chunk_size == "auto":
-        size = search_chunk_size([tr, fr])
+        size = search_chunk_size([tr, fr], nproc=nproc)
     else:
         size = int(chunk_size)
         big = max(range(len(numels)), key=numels.__getitem__, default=None)

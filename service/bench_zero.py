@@ -163,6 +163,7 @@ class _WireCounter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.by_call: dict[str, list[int]] = {}  # name -> [calls, bytes], to see the path
         self._depth = threading.local()
 
     def install(self) -> None:
@@ -174,14 +175,20 @@ class _WireCounter:
             for name, spec in self.SPECS.items():
                 fn = getattr(mod, name, None)
                 if fn is not None and not getattr(fn, "_pstar_wrapped", False):
-                    setattr(mod, name, self._wrap(fn, *spec))
+                    setattr(mod, name, self._wrap(fn, name, *spec))
 
-    def _wrap(self, fn: Callable[..., Any], kind: str, pos: int, keys: tuple[str, ...]) -> Any:
+    def _wrap(
+        self, fn: Callable[..., Any], name: str, kind: str, pos: int, keys: tuple[str, ...]
+    ) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._depth, "n", 0)
             if depth == 0:
                 t = args[pos] if len(args) > pos else next(kwargs[k] for k in keys if k in kwargs)
-                self.bytes += self._sent(kind, t, args, kwargs)
+                sent = self._sent(kind, t, args, kwargs)
+                self.bytes += sent
+                entry = self.by_call.setdefault(name, [0, 0])
+                entry[0] += 1
+                entry[1] += sent
             self._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)
@@ -382,6 +389,7 @@ def _peer_result(
         "times": times,
         "losses": losses,
         "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
+        "wire_by_call": wire.by_call,  # whole run, warm-up and set-up included
         "threads": torch.get_num_threads(),
     }
 
@@ -501,13 +509,15 @@ def run_zero(
     dtype: str = "bf16",
     json_out: bool = False,
     peers: bool = True,
+    chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """Time ours (1 and 2 ranks) vs FSDP2 and DeepSpeed ZeRO-3; print a table, return a dict.
 
     ``ratio_vs_fsdp2`` = ours 2-rank s/step ÷ FSDP2 s/step (< 1: we are faster), likewise
     ``ratio_vs_deepspeed``. ``comm_bytes`` is what one of our ranks sends per step and
     ``theory_bytes`` = 3 x (N-1)/N x (bytes of the padded param chunk list), see the
-    module docstring. ``peers=False`` skips FSDP2 and DeepSpeed (for tests).
+    module docstring. ``peers=False`` skips FSDP2 and DeepSpeed (for tests);
+    ``chunk_size`` overrides the engine's "auto" choice (elements per chunk).
     """
     from pstar_core.models import get_config, num_params
 
@@ -520,7 +530,7 @@ def run_zero(
         raise ValueError("need steps >= 1 and warmup >= 0")
     spec = {
         "model": model, "global_batch": global_batch, "seq": seq, "steps": steps,
-        "warmup": warmup, "dtype": dtype,
+        "warmup": warmup, "dtype": dtype, "chunk_size": chunk_size,
     }  # fmt: skip
     load_before = os.getloadavg()
     runs: dict[str, list[dict[str, Any]] | str] = {}
@@ -567,6 +577,11 @@ def run_zero(
         "own_param_used_bytes": [r["own_param_used_bytes"] for r in ours2],
         "peer_bytes": {
             k: v[0]["comm_bytes_wire"] for k, v in runs.items() if k in (FSDP2, DEEPSPEED)
+            if isinstance(v, list)
+        },
+        # per collective [calls, bytes] over the whole run (set-up and warm-up included)
+        "peer_wire_by_call": {
+            k: v[0]["wire_by_call"] for k, v in runs.items() if k in (FSDP2, DEEPSPEED)
             if isinstance(v, list)
         },
         "status": {k: v if isinstance(v, str) else "ok" for k, v in runs.items()},

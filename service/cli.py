@@ -92,13 +92,14 @@ def plan(
     model: Annotated[str, typer.Argument(help="a zoo name, or a HF config.json / model dir")],
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "bf16",
     chunk_size: Annotated[str, typer.Option(help="elements per chunk, or auto")] = "auto",
+    nproc: Annotated[int, typer.Option(help="ZeRO ranks the chunks are sharded over")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Chunk plan of a model, computed on the meta device (no memory is allocated)."""
     from service.planning import plan_model
 
     try:
-        result = plan_model(model, dtype, chunk_size)
+        result = plan_model(model, dtype, chunk_size, nproc)
     except (ConfigError, ValueError, OSError) as e:
         _fail(str(e))
     table = Table(title=f"chunk plan: {model} ({dtype})")
@@ -231,6 +232,9 @@ def bench_zero(
     steps: Annotated[int, typer.Option(help="timed steps per run")] = 4,
     warmup: Annotated[int, typer.Option(help="untimed steps first")] = 1,
     peers: Annotated[bool, typer.Option(help="also run FSDP2 and DeepSpeed ZeRO-3")] = True,
+    chunk_size: Annotated[
+        int | None, typer.Option(help="elements per chunk for ours (default: auto)")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Chunk ZeRO-DP step time and bytes sent: ours 1/2 ranks vs FSDP2, DeepSpeed (CPU, gloo)."""
@@ -239,7 +243,7 @@ def bench_zero(
     try:
         run_zero(
             model=model, global_batch=global_batch, seq=seq, steps=steps, warmup=warmup,
-            json_out=json_out, peers=peers,
+            json_out=json_out, peers=peers, chunk_size=chunk_size,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         _fail(str(e))

@@ -27,7 +27,9 @@ def build_meta(model: str) -> nn.Module:
         return GPT(get_config(model))
 
 
-def plan_model(model: str, dtype: str = "bf16", chunk_size: str | int = "auto") -> dict[str, Any]:
+def plan_model(
+    model: str, dtype: str = "bf16", chunk_size: str | int = "auto", nproc: int = 1
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     module = build_meta(model)
     seen: dict[int, tuple[str, nn.Parameter]] = {}
@@ -41,10 +43,12 @@ def plan_model(model: str, dtype: str = "bf16", chunk_size: str | int = "auto") 
         [n for n, _ in params],
         dtype,
         size,
+        nproc,
     )
     return {
         "model": model,
         "dtype": dtype,
+        "nproc": nproc,
         "chunk_size": plan.chunk_size,
         "utilization": plan.utilization,
         "params": plan.params,
