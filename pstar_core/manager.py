@@ -418,7 +418,12 @@ class ChunkManager:
         self.iteration_bytes_moved, self.iteration_moves = {}, {}
 
     def chunk_for_storage(self, data_ptr: int) -> Chunk | None:
-        return self._by_storage.get(data_ptr)
+        """The chunk whose current payload is this storage (a freed chunk's old address
+        may be reused by any tensor, so the entry is checked against the payload)."""
+        c = self._by_storage.get(data_ptr)
+        if c is None or c.payload is None or c.payload.untyped_storage().data_ptr() != data_ptr:
+            return None
+        return c
 
     def in_memory(self, c: Chunk) -> Chunk:
         """Make sure `c` has a payload (bring it from disk to host if spilled)."""
@@ -579,9 +584,12 @@ class ChunkManager:
             if acc.disk_path is not None:
                 acc.disk_path.unlink(missing_ok=True)
                 self.tiers["disk"].files.discard(acc.disk_path)
+            elif acc.payload is not None:
+                self._by_storage.pop(acc.payload.untyped_storage().data_ptr(), None)
             self.tiers[acc.tier].remove(acc.nbytes)
             with self.tracer.chunk_memory():
                 acc.payload = None
+            acc.tier = None
         self.grad_accum.clear()
         for s in self.slots:
             s.grad_in_accum = False

@@ -158,3 +158,16 @@ def test_stats_report_tiers_moves_and_the_trace(ref):
     # the warm-up iteration moved chunks, and said so per iteration too
     assert stats["bytes_moved_last_iteration"] == stats["bytes_moved"]
     assert stats["moves_last_iteration"]["host->device"] > 0
+
+
+def test_storage_map_never_points_at_freed_chunks_after_accumulation(ref):
+    # A freed chunk's address can be reused by any activation; a stale entry would make
+    # the saved-tensor hook treat that activation as a chunk view.
+    engine = make(ref)
+    for x in batches(3):
+        for mb in x.chunk(2):
+            engine.backward(engine(input_ids=mb, labels=mb).loss)
+        engine.step()
+        for ptr, chunk in engine.manager._by_storage.items():
+            assert chunk.payload is not None, chunk.kind
+            assert chunk.payload.untyped_storage().data_ptr() == ptr
