@@ -153,18 +153,23 @@ class ChunkManager:
         return int(ratio * self.tiers["device"].budget_bytes)
 
     def _check_total_fits(self) -> None:
+        """Fail before training when the chunks cannot all pass through host and disk.
+
+        The warm-up step runs Adam on the host for every chunk (placement is decided
+        from its trace), so at its end every chunk is in host memory or on disk; the
+        device budget cannot count here without risking a failure mid-run.
+        """
         need = sum(c.nbytes for c in self.own_chunks())
         t = self.tiers
-        device = self._device_share()
-        have = device + t["host"].budget_bytes + t["disk"].budget_bytes
+        have = t["host"].budget_bytes + t["disk"].budget_bytes
         if need > have:
             raise MemoryBudgetError(
                 f"the model needs {gib(need)} of chunks (model data), the budgets give "
-                f"{gib(have)} (device {gib(device)} during warm-up, of "
-                f"{gib(t['device'].budget_bytes)}; host {gib(t['host'].budget_bytes)}; disk "
-                f"{gib(t['disk'].budget_bytes)}); raise memory.host_budget or "
-                "memory.disk_budget (with memory.disk_dir), or use a smaller model / fewer "
-                "trainable parameters"
+                f"{gib(have)} (host {gib(t['host'].budget_bytes)}, disk "
+                f"{gib(t['disk'].budget_bytes)}; the warm-up step updates every chunk on the "
+                "host, so the device budget does not count here); raise memory.host_budget "
+                "or memory.disk_budget (with memory.disk_dir), or use a smaller model / "
+                "fewer trainable parameters"
             )
 
     def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:

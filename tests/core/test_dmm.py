@@ -171,3 +171,12 @@ def test_storage_map_never_points_at_freed_chunks_after_accumulation(ref):
         for ptr, chunk in engine.manager._by_storage.items():
             assert chunk.payload is not None, chunk.kind
             assert chunk.payload.untyped_storage().data_ptr() == ptr
+
+
+def test_host_too_small_for_the_warmup_step_fails_at_initialize_not_mid_run(ref):
+    # The device could hold the rest, but the warm-up step updates every chunk on the
+    # host; refusing up front is what keeps the run from failing in its first step.
+    chunk_bytes = make(ref).stats()["chunk_bytes"]
+    memory = {"device_budget": 10 * chunk_bytes, "host_budget": int(0.7 * chunk_bytes)}
+    with pytest.raises(MemoryBudgetError, match="warm-up step updates every chunk on the host"):
+        make(ref, memory)
