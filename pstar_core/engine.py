@@ -380,9 +380,6 @@ class Engine:
         self._require_no_pending_grads("load_checkpoint")
         load_checkpoint(self, Path(directory))
 
-    def _tracer_stats(self) -> dict[str, Any]:
-        return _tracer_stats_of(self.manager.tracer.trace)
-
     def stats(self) -> dict[str, Any]:
         """Measured numbers: chunks per list and tier, bytes, utilization, bytes moved."""
         m = self.manager
@@ -423,7 +420,7 @@ class Engine:
             "bytes_moved_last_iteration": dict(m.last_iteration_bytes_moved),
             "moves_last_iteration": dict(m.last_iteration_moves),
             "tiers": m.tier_bytes(),
-            "tracer": self._tracer_stats(),
+            "tracer": _tracer_stats(self.manager.tracer.trace),
             "margin_bytes": self.margin_bytes,
             "device_adam_chunks": len(m.device_adam),
             "world_size": self.zero.nproc,
@@ -436,7 +433,7 @@ class Engine:
         }
 
 
-def _tracer_stats_of(trace: Any) -> dict[str, Any]:
+def _tracer_stats(trace: Any) -> dict[str, Any]:
     if trace is None:
         return {"moments": 0, "peak_non_model_bytes": 0, "non_model_bytes": []}
     return {

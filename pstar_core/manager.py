@@ -229,11 +229,7 @@ class ChunkManager:
         chunks = list({id(c): c for c in (self.param_chunk(s) for s in slots)}.values())
         if self.zero.enabled:
             for c in chunks:
-                if (
-                    c.payload is None
-                    or (c.kind, c.index // self.zero.nproc) not in self._live_groups
-                ):
-                    self._gather_group(c)
+                self._gather_group(c)  # a no-op while its group is gathered
         self.make_resident(chunks, "device")
         for s in slots:
             self._access(s, self.param_chunk(s))
@@ -436,6 +432,12 @@ class ChunkManager:
             self.make_resident([c], "host")
         return c
 
+    def colocate(self, chunks: Sequence[Chunk]) -> None:
+        """Bring `chunks` into memory on the first one's tier (host if it is spilled), so
+        an operation can read them together."""
+        tier = chunks[0].tier
+        self.make_resident(chunks, "host" if tier == "disk" else tier)
+
     # -- ZeRO communication groups ----------------------------------------------------------
 
     def _group(self, c: Chunk) -> list[Chunk]:
@@ -443,10 +445,10 @@ class ChunkManager:
 
     def _gather_group(self, c: Chunk) -> None:
         """All-gather the group of `c`: remote chunks arrive on the device, in HOLD."""
-        members = self._group(c)
         key = (c.kind, c.index // self.zero.nproc)
         if key in self._live_groups:
             return
+        members = self._group(c)
         own = next(m for m in members if self.owned(m))
         for m in members:
             if any(s.state is S.HOLD_AFTER_BWD for s in m.slots):
@@ -572,7 +574,7 @@ class ChunkManager:
             self.tiers[chunk.tier].add(acc.nbytes)
             self.grad_accum[chunk.index] = acc
             self.peak_grad_accum_bytes = max(self.peak_grad_accum_bytes, self.grad_accum_bytes)
-        self.make_resident([chunk, acc, master], chunk.tier)
+        self.colocate([chunk, acc, master])
         for s in chunk.slots:
             if s.state is S.HOLD_AFTER_BWD:
                 acc.flat(s).add_(chunk.flat(s))

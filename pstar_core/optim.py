@@ -117,7 +117,7 @@ class ChunkAdamW:
         """With accumulation, add the grads still in param slots into the accum chunks."""
         for index, acc in self.manager.grad_accum.items():
             chunk = self.manager.lists[ChunkType.PARAM][index]
-            self.manager.make_resident([chunk, acc], "host" if chunk.tier == "disk" else chunk.tier)
+            self.manager.colocate([chunk, acc])
             for s in chunk.slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     acc.flat(s).add_(chunk.flat(s))
@@ -179,9 +179,7 @@ class ChunkAdamW:
             if not any(s.state is S.HOLD_AFTER_BWD for s in chunk.slots):
                 continue
             master = lists[ChunkType.PARAM_FP32][chunk.index]
-            self.manager.make_resident(
-                [chunk, master], "host" if chunk.tier == "disk" else chunk.tier
-            )
+            self.manager.colocate([chunk, master])
             for s in chunk.slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     chunk.flat(s).copy_(master.flat(s))

@@ -22,7 +22,6 @@ ratios (spread), the load average before/after and torch's thread count.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import time
@@ -36,6 +35,7 @@ from rich.table import Table
 
 import pstar_core
 from pstar_core.models import build, get_config, num_params
+from service.bench_report import finish
 
 __all__ = ["run"]
 
@@ -267,14 +267,7 @@ def run(
         )
     console = Console(width=max(Console().width, 150))
     console.print(table)
-    console.print(
-        f"load avg (1/5/15 min) before {', '.join(f'{v:.2f}' for v in load_before)}; "
-        f"after {', '.join(f'{v:.2f}' for v in load_after)}; "
-        f"torch threads {threads}; cpus {os.cpu_count()}"
-    )
-    if json_out:
-        print(json.dumps(result))
-    return result
+    return finish(console, result, load_before, load_after, json_out, f"torch threads {threads}; ")
 
 
 if __name__ == "__main__":

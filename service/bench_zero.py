@@ -57,6 +57,8 @@ from typing import Any, ClassVar
 from rich.console import Console
 from rich.table import Table
 
+from service.bench_report import finish
+
 __all__ = ["run_collectives", "run_zero"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -622,13 +624,7 @@ def run_zero(
         f"{_fmt_bytes(result['comm_bytes_wire'])}) vs theory 3 x (N-1)/N x list = "
         f"{_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}"
     )
-    console.print(
-        f"load avg (1/5/15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; "
-        f"after {', '.join(f'{x:.2f}' for x in load_after)}; cpus {os.cpu_count()}"
-    )
-    if json_out:
-        print(json.dumps(result))
-    return result
+    return finish(console, result, load_before, load_after, json_out)
 
 
 def run_collectives(
@@ -694,13 +690,7 @@ def run_collectives(
         )
     console = Console(width=max(Console().width, 110))
     console.print(table)
-    console.print(
-        f"load avg (1/5/15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; "
-        f"after {', '.join(f'{x:.2f}' for x in load_after)}; cpus {os.cpu_count()}"
-    )
-    if json_out:
-        print(json.dumps(result))
-    return result
+    return finish(console, result, load_before, load_after, json_out)
 
 
 if __name__ == "__main__":
