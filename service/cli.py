@@ -1,4 +1,5 @@
-"""The `pstar` command line: train, plan, models, bench. Progress and tables live here."""
+"""The `pstar` command line: train, plan, models, bench, and the service's serve, run,
+files and jobs (`service/cli_service.py`). Progress and tables live here."""
 
 from __future__ import annotations
 
@@ -281,6 +282,15 @@ def plot_trace_cmd(
 
 def main() -> None:
     app()
+
+
+def _register_service_commands() -> None:
+    from service.cli_service import register
+
+    register(app)
+
+
+_register_service_commands()
 
 
 if __name__ == "__main__":

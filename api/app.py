@@ -1,0 +1,98 @@
+"""`create_app(...)`: the FastAPI app of the control plane.
+
+One router per resource (files, models, fine-tuning jobs, system); the store, the job
+service and the launcher hang off `app.state.ctx`. With `reconcile=True` the app runs the
+reconciler in a background thread for its lifetime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from api import errors
+from service.jobs import JobService
+from service.settings import Settings
+from service.store import Store
+
+
+@dataclass
+class Context:
+    settings: Settings
+    store: Store
+    launcher: Any
+    jobs: JobService
+    reconciler: Any = None
+    metrics: Any = None
+
+
+def create_app(
+    settings: Settings,
+    store: Store,
+    launcher: Any,
+    *,
+    reconcile: bool = False,
+    reconcile_interval_s: float = 1.0,
+    ray_supervisor: Any = None,
+) -> FastAPI:
+    from api.metrics import ApiMetrics
+    from api.routes import files, jobs, models, system
+
+    ctx = Context(settings, store, launcher, JobService(settings, store, launcher))
+    ctx.metrics = ApiMetrics(store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if reconcile:
+            from service.reconciler import Reconciler
+
+            ctx.reconciler = Reconciler(
+                settings,
+                store,
+                launcher,
+                interval_s=reconcile_interval_s,
+                on_ray_down=ray_supervisor,
+            )
+            ctx.reconciler.start()
+        try:
+            yield
+        finally:
+            if ctx.reconciler is not None:
+                ctx.reconciler.stop()
+
+    app = FastAPI(
+        title="PatrickStar Service",
+        version="0.1.0",
+        description=(
+            "Fine-tuning with the PatrickStar chunk engine on Ray. OpenAI-compatible under "
+            "/v1 (files, models, fine_tuning.jobs, events, checkpoints), plus a dry-run "
+            "validate, metric series, the memory tracer timeline and logs."
+        ),
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    errors.install(app)
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next):  # request counts and latency
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        # the route's template, not the URL: ids must not become label values
+        template = getattr(request.scope.get("route"), "path", None) or "unmatched"
+        if request.url.path.startswith("/v1/") and not template.startswith("/v1"):
+            template = "/v1" + template  # routers included under /v1 report their own path
+        ctx.metrics.observe(
+            request.method, template, response.status_code, time.perf_counter() - t0
+        )
+        return response
+
+    app.include_router(system.router)
+    app.include_router(files.router, prefix="/v1")
+    app.include_router(models.router, prefix="/v1")
+    app.include_router(jobs.router, prefix="/v1")
+    return app

@@ -1,0 +1,51 @@
+"""The control plane's own Prometheus metrics (`GET /metrics`): requests by route and
+status, their latency, and jobs by status read from the store at scrape time. Training
+metrics come from the workers through Ray's metrics (`ray_pstar_*`), tagged by job."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from service.store import Store
+
+
+class _JobsCollector:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self):
+        g = GaugeMetricFamily("pstar_jobs", "fine-tuning jobs by status", labels=["status"])
+        try:
+            counts = self.store.count_jobs_by_status()
+        except Exception:  # a scrape must not fail because the store is down; /readyz says so
+            counts = {}
+        for status in ("validating_files", "queued", "running", "succeeded", "failed", "cancelled"):
+            g.add_metric([status], counts.get(status, 0))
+        yield g
+
+
+class ApiMetrics:
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pstar_http_requests",
+            "HTTP requests by method, route and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "pstar_http_request_seconds",
+            "HTTP request latency",
+            ["method", "route"],
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=self.registry,
+        )
+        self.registry.register(_JobsCollector(store))
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(method, route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""`/v1/fine_tuning/jobs`: OpenAI's create, list, retrieve, cancel, events, checkpoints;
+ours: validate (dry run), metrics (series), memory (the tracer timeline), logs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from api.errors import responses
+from api.routes import Tenant, ctx
+from api.schemas import (
+    CheckpointList,
+    EventList,
+    FineTuningJob,
+    JobCheckpoint,
+    JobEvent,
+    JobList,
+    MemoryResponse,
+    MetricsResponse,
+    Series,
+)
+from service.errors import InvalidRequest
+from service.jobs import JobRequest
+from service.registry import fine_tuned_name
+
+router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning"], responses=responses(401))
+JobId = Annotated[str, "fine_tuning_job_id"]
+STATUSES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
+
+
+@router.post("", response_model=FineTuningJob, responses=responses(400, 409))
+def jobs_create(
+    req: JobRequest,
+    request: Request,
+    tenant: Tenant,
+    idempotency_key: Annotated[
+        str | None,
+        Header(description="a retried create with the same key returns the same job"),
+    ] = None,
+) -> FineTuningJob:
+    """Create a fine-tuning job (OpenAI's body; extensions: engine, resources,
+    checkpoint_every, max_attempts, hyperparameters.max_steps/seq_len/eval_every)."""
+    job, _created = ctx(request).jobs.create(tenant, req, idempotency_key)
+    return FineTuningJob.of(job)
+
+
+@router.post("/validate", responses=responses(400))
+def jobs_validate(req: JobRequest, request: Request, tenant: Tenant) -> dict[str, Any]:
+    """Dry run, nothing stored: the data report (examples, tokens, truncation) and the
+    estimate (steps, chunk plan, model data per tier per rank, whether it fits)."""
+    from service.estimate import validate_job
+
+    c = ctx(request)
+    return validate_job(c.settings, c.store, c.jobs, tenant, req)
+
+
+@router.get("", response_model=JobList, responses=responses(400))
+def jobs_list(
+    request: Request,
+    tenant: Tenant,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    status: Annotated[str | None, Query(description="one of " + ", ".join(STATUSES))] = None,
+) -> JobList:
+    if status is not None and status not in STATUSES:
+        raise InvalidRequest(
+            f"status must be one of {', '.join(STATUSES)}", param="status", code="invalid_value"
+        )
+    metadata = {
+        k[len("metadata[") : -1]: v
+        for k, v in request.query_params.items()
+        if k.startswith("metadata[") and k.endswith("]")
+    }
+    rows, more = ctx(request).store.list_jobs(tenant, after, limit, status, metadata or None)
+    return JobList(data=[FineTuningJob.of(j) for j in rows], has_more=more)
+
+
+@router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, responses=responses(404))
+def jobs_get(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> FineTuningJob:
+    return FineTuningJob.of(ctx(request).jobs.get(tenant, fine_tuning_job_id))
+
+
+@router.post(
+    "/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=responses(404, 409)
+)
+def jobs_cancel(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> FineTuningJob:
+    """Stop the job's Ray job (and its workers); the job ends `cancelled`. 409 if it has
+    already ended."""
+    return FineTuningJob.of(ctx(request).jobs.cancel(tenant, fine_tuning_job_id))
+
+
+def _event_cursor(after: str | None) -> int | None:
+    if after is None:
+        return None
+    head, _, num = after.partition("-")
+    if head != "ftevent" or not num.isdigit() or len(num) > 18:
+        raise InvalidRequest(
+            "after: an event id such as 'ftevent-42' from a previous page",
+            param="after",
+            code="invalid_value",
+        )
+    return int(num)
+
+
+@router.get("/{fine_tuning_job_id}/events", response_model=EventList, responses=responses(400, 404))
+def jobs_events(
+    fine_tuning_job_id: str,
+    request: Request,
+    tenant: Tenant,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    type: Annotated[str | None, Query(description="message or metrics")] = None,
+) -> EventList:
+    """Events newest first (as OpenAI); `after` pages to older ones."""
+    c = ctx(request)
+    c.jobs.get(tenant, fine_tuning_job_id)
+    if type is not None and type not in ("message", "metrics"):
+        raise InvalidRequest(
+            "type must be 'message' or 'metrics'", param="type", code="invalid_value"
+        )
+    rows, more = c.store.list_events(fine_tuning_job_id, _event_cursor(after), limit, type)
+    return EventList(data=[JobEvent.of(e) for e in rows], has_more=more)
+
+
+@router.get(
+    "/{fine_tuning_job_id}/checkpoints",
+    response_model=CheckpointList,
+    responses=responses(400, 404),
+)
+def jobs_checkpoints(
+    fine_tuning_job_id: str,
+    request: Request,
+    tenant: Tenant,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 10,
+) -> CheckpointList:
+    """The job's newest checkpoints (as many as Ray Train keeps) and the final one."""
+    c = ctx(request)
+    job = c.jobs.get(tenant, fine_tuning_job_id)
+    name = job.fine_tuned_model or fine_tuned_name(
+        (job.plan or {}).get("base_model", job.model), job.suffix, job.id
+    )
+    rows, more = c.store.list_checkpoints(job.id, after, limit)
+    data = [JobCheckpoint.of(ck, name) for ck in rows]
+    return CheckpointList(
+        data=data,
+        has_more=more,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+    )
+
+
+@router.get(
+    "/{fine_tuning_job_id}/metrics", response_model=MetricsResponse, responses=responses(400, 404)
+)
+def jobs_metrics(
+    fine_tuning_job_id: str,
+    request: Request,
+    tenant: Tenant,
+    names: Annotated[
+        str | None,
+        Query(max_length=2000, description="comma-separated series names; all if absent"),
+    ] = None,
+    step_from: Annotated[int | None, Query(ge=0, le=2**31)] = None,
+    step_to: Annotated[int | None, Query(ge=0, le=2**31)] = None,
+) -> MetricsResponse:
+    """Series by name over steps: train_loss, valid_loss, lr, tokens_per_second,
+    step_time_s, tflops, model_data_bytes_<tier>, bytes_moved_<a>_to_<b>,
+    peak_non_model_bytes, comm_bytes_sent, ..."""
+    c = ctx(request)
+    c.jobs.get(tenant, fine_tuning_job_id)
+    wanted = {n.strip() for n in names.split(",") if n.strip()} if names else None
+    series: dict[str, Series] = {}
+    for p in c.store.metric_points(fine_tuning_job_id, step_from, step_to):
+        for k, v in p.values.items():
+            if (wanted is not None and k not in wanted) or not isinstance(v, (int, float)):
+                continue
+            s = series.setdefault(k, Series(name=k, steps=[], values=[]))
+            s.steps.append(p.step)
+            s.values.append(float(v))
+    return MetricsResponse(
+        job_id=fine_tuning_job_id, step_from=step_from, step_to=step_to, series=series
+    )
+
+
+@router.get("/{fine_tuning_job_id}/memory", response_model=MemoryResponse, responses=responses(404))
+def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> MemoryResponse:
+    """The warm-up tracer's timeline (rank 0): per moment the operator, non-model bytes
+    N_i, chunk bytes on the device, the device budget and A_j; tier budgets and peaks."""
+    c = ctx(request)
+    c.jobs.get(tenant, fine_tuning_job_id)
+    st = c.store.get_stats(fine_tuning_job_id)
+    trace = (st.trace if st else None) or {}
+    tiers = (st.tiers if st else None) or {}
+    nm = [int(x) for x in trace.get("non_model_bytes", [])]
+    budget = (tiers.get("device") or {}).get("budget")
+    allowance = (
+        [max(0, int(budget) - max(nm[j], nm[min(j + 1, len(nm) - 1)])) for j in range(len(nm))]
+        if budget is not None
+        else []
+    )
+    return MemoryResponse(
+        job_id=fine_tuning_job_id,
+        available=bool(nm),
+        moments=len(nm),
+        names=list(trace.get("names", [])),
+        non_model_bytes=nm,
+        chunk_bytes=[int(x) for x in trace.get("chunk_bytes", [])],
+        device_budget_bytes=int(budget) if budget is not None else None,
+        chunk_allowance_bytes=allowance,
+        peak_non_model_bytes=int(trace.get("peak_non_model_bytes", 0)),
+        tiers=tiers,
+    )
+
+
+@router.get(
+    "/{fine_tuning_job_id}/logs",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}}, **responses(400, 404, 503)},
+)
+async def jobs_logs(
+    fine_tuning_job_id: str,
+    request: Request,
+    tenant: Tenant,
+    follow: bool = False,
+    attempt: Annotated[int | None, Query(ge=1, le=1000)] = None,
+):
+    """Driver and worker logs of each attempt (Ray's job logs, kept in the job's directory
+    once an attempt ends); `follow=true` streams the current attempt until the job ends."""
+    from service.logs import attempt_logs, follow_logs
+
+    c = ctx(request)
+    job = await run_in_threadpool(c.jobs.get, tenant, fine_tuning_job_id)
+    if attempt is not None and attempt > max(job.attempt, 0):
+        raise InvalidRequest(
+            f"attempt {attempt} does not exist; the job has had {job.attempt}",
+            param="attempt",
+            code="invalid_value",
+        )
+    if not follow:
+        text = await run_in_threadpool(attempt_logs, c.settings, c.store, c.launcher, job, attempt)
+        return PlainTextResponse(text)
+    stream = follow_logs(c.settings, c.store, c.launcher, job, asyncio.sleep)
+    return StreamingResponse(stream, media_type="text/plain")

@@ -1,0 +1,28 @@
+"""`/v1/models`: base models (HF directories), zoo models, this tenant's fine-tuned ones."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from api.errors import responses
+from api.routes import Tenant, ctx
+from api.schemas import ModelList, ModelObject
+from service.errors import NotFound
+from service.registry import list_models, resolve_model
+
+router = APIRouter(prefix="/models", tags=["models"], responses=responses(401))
+
+
+@router.get("", response_model=ModelList)
+def models_list(request: Request, tenant: Tenant) -> ModelList:
+    c = ctx(request)
+    return ModelList(data=[ModelObject.of(m) for m in list_models(c.settings, c.store, tenant)])
+
+
+@router.get("/{model}", response_model=ModelObject, responses=responses(404))
+def models_get(model: str, request: Request, tenant: Tenant) -> ModelObject:
+    c = ctx(request)
+    found = resolve_model(c.settings, c.store, tenant, model)
+    if found is None:
+        raise NotFound("model", model, param="model")
+    return ModelObject.of(found)

@@ -1,0 +1,292 @@
+"""Response objects, in OpenAI's shapes (`object`, `id`, `created_at`, cursor lists), and
+ours beside them. Built from store rows here, so routes stay short."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from service.registry import ModelRef
+from service.store import Checkpoint as CheckpointRow
+from service.store import Event as EventRow
+from service.store import File as FileRow
+from service.store import Job as JobRow
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"]
+    status_details: str | None = None
+    expires_at: int | None = None
+    # ours: what the per-line validation found
+    sha256: str
+    format: str = Field(description="chat, completion or text")
+    examples: int
+
+    @classmethod
+    def of(cls, f: FileRow) -> FileObject:
+        return cls(
+            id=f.id,
+            bytes=f.bytes,
+            created_at=f.created_at,
+            filename=f.filename,
+            purpose=f.purpose,
+            status=f.status,  # type: ignore[arg-type]
+            status_details=f.status_details,
+            sha256=f.sha256,
+            format=f.format,
+            examples=f.examples,
+        )
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    kind: str = Field(description="base (a HF directory), zoo (from scratch) or fine-tuned")
+    base: str
+
+    @classmethod
+    def of(cls, m: ModelRef) -> ModelObject:
+        return cls(id=m.id, created=m.created, owned_by=m.owned_by, kind=m.kind, base=m.base)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class JobHyperparameters(BaseModel):
+    batch_size: int | Literal["auto"]
+    learning_rate_multiplier: float | Literal["auto"]
+    n_epochs: int | Literal["auto"]
+
+
+class Progress(BaseModel):
+    step: int
+    total: int
+
+
+class FineTuningJob(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: JobError | None = None
+    fine_tuned_model: str | None = None
+    finished_at: int | None = None
+    hyperparameters: JobHyperparameters
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    trained_tokens: int | None = None
+    training_file: str
+    validation_file: str | None = None
+    estimated_finish: int | None = None
+    integrations: list[Any] | None = None
+    metadata: dict[str, str] | None = None
+    method: dict[str, Any]
+    user_provided_suffix: str | None = None
+    # ours
+    status_detail: str | None = Field(
+        default=None,
+        description="phase: loading model, preparing data, training, evaluating, "
+        "checkpointing, exporting, recovering",
+    )
+    progress: Progress
+    attempt: int
+    max_attempts: int
+    ray_submission_id: str | None = None
+    hyperparameters_resolved: dict[str, Any] = Field(
+        description="every hyperparameter the job runs with, 'auto' decided"
+    )
+    resources: dict[str, Any]
+
+    @classmethod
+    def of(cls, j: JobRow) -> FineTuningJob:
+        hp = (j.plan or {}).get("hyperparameters", {})
+        openai_hp = {
+            k: hp.get(k, "auto") for k in ("batch_size", "learning_rate_multiplier", "n_epochs")
+        }
+        return cls(
+            id=j.id,
+            created_at=j.created_at,
+            error=JobError(**j.error) if j.error else None,
+            fine_tuned_model=j.fine_tuned_model,
+            finished_at=j.finished_at,
+            hyperparameters=JobHyperparameters(**openai_hp),
+            model=j.model,
+            organization_id=j.tenant,
+            result_files=list(j.result_files or []),
+            seed=j.seed,
+            status=j.status,  # type: ignore[arg-type]
+            trained_tokens=j.trained_tokens,
+            training_file=j.training_file,
+            validation_file=j.validation_file,
+            estimated_finish=j.estimated_finish,
+            metadata=j.metadata_,
+            method={"type": "supervised", "supervised": {"hyperparameters": openai_hp}},
+            user_provided_suffix=j.suffix,
+            status_detail=j.status_detail,
+            progress=Progress(step=j.progress_step, total=j.progress_total),
+            attempt=j.attempt,
+            max_attempts=j.max_attempts,
+            ray_submission_id=f"{j.id}-a{j.attempt}" if j.attempt else None,
+            hyperparameters_resolved=hp,
+            resources=(j.plan or {}).get("resources", {}),
+        )
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningJob]
+    has_more: bool
+
+
+class JobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    data: dict[str, Any] | None = None
+    type: Literal["message", "metrics"]
+
+    @classmethod
+    def of(cls, e: EventRow) -> JobEvent:
+        return cls(
+            id=f"ftevent-{e.seq}",
+            created_at=int(e.created_at),
+            level=e.level,  # type: ignore[arg-type]
+            message=e.message,
+            data=e.data,
+            type=e.type,  # type: ignore[arg-type]
+        )
+
+
+class EventList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobEvent]
+    has_more: bool
+
+
+class CheckpointMetrics(BaseModel):
+    step: float | None = None
+    train_loss: float | None = None
+    train_mean_token_accuracy: float | None = None
+    valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
+    full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
+
+
+class JobCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+    # ours
+    final: bool
+    path: str = Field(description="the checkpoint directory on the service's storage")
+
+    @classmethod
+    def of(cls, c: CheckpointRow, model_name: str) -> JobCheckpoint:
+        known = set(CheckpointMetrics.model_fields)
+        return cls(
+            id=c.id,
+            created_at=c.created_at,
+            fine_tuned_model_checkpoint=f"{model_name}:ckpt-step-{c.step}",
+            fine_tuning_job_id=c.job_id,
+            metrics=CheckpointMetrics(
+                step=c.step, **{k: v for k, v in c.metrics.items() if k in known and k != "step"}
+            ),
+            step_number=c.step,
+            final=c.final,
+            path=c.path,
+        )
+
+
+class CheckpointList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobCheckpoint]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class Series(BaseModel):
+    name: str
+    steps: list[int]
+    values: list[float | None]
+
+
+class MetricsResponse(BaseModel):
+    object: Literal["fine_tuning.job.metrics"] = "fine_tuning.job.metrics"
+    job_id: str
+    step_from: int | None
+    step_to: int | None
+    series: dict[str, Series]
+
+
+class MemoryResponse(BaseModel):
+    object: Literal["fine_tuning.job.memory"] = "fine_tuning.job.memory"
+    job_id: str
+    available: bool = Field(description="false until the warm-up step has been traced")
+    moments: int
+    names: list[str]
+    non_model_bytes: list[int]
+    chunk_bytes: list[int]
+    device_budget_bytes: int | None
+    chunk_allowance_bytes: list[int] = Field(
+        description="A_j = budget - max(N_j, N_{j+1}): chunk bytes the device may hold at j"
+    )
+    peak_non_model_bytes: int
+    tiers: dict[str, Any]
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, str] = {}
+    ray_dashboard_url: str | None = None

@@ -1,0 +1,428 @@
+"""The service's commands: `pstar serve`, `pstar files ...`, `pstar jobs ...`, `pstar run`.
+
+All but `serve` talk HTTP to `--url` (default the local server) with the token from
+`PSTAR_API_TOKEN` or the one `pstar serve` keeps in its data dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from service.client import DEFAULT_URL, ApiError, Client, find_token
+
+console = Console()
+files_app = typer.Typer(help="Training files on the service.")
+jobs_app = typer.Typer(help="Fine-tuning jobs on the service.")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+Url = Annotated[str, typer.Option(envvar="PSTAR_URL", help="the service's base URL")]
+DataDir = Annotated[
+    Path | None,
+    typer.Option(envvar="PSTAR_DATA_DIR", help="where `pstar serve` keeps its token (and data)"),
+]
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(code)
+
+
+def _client(url: str, data_dir: Path | None) -> Client:
+    c = Client(url, find_token(data_dir))
+    if not c.healthy():
+        _fail(f"no service answers at {url}; start one with `pstar serve` (or set --url)")
+    return c
+
+
+def _call(fn, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except ApiError as e:
+        _fail(e.message)
+
+
+# -- serve ------------------------------------------------------------------------------
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    ray_cpus: Annotated[
+        int | None, typer.Option(help="CPUs of the local Ray head (default: all)")
+    ] = None,
+    dashboard_port: Annotated[
+        int | None, typer.Option(help="port of the local Ray dashboard (default: a free one)")
+    ] = None,
+    keep_ray: Annotated[
+        bool, typer.Option(help="leave the local Ray head (and its jobs) running on exit")
+    ] = False,
+) -> None:
+    """Run the control plane: the API, the store, the reconciler, and (with no RAY_ADDRESS)
+    a local Ray head with its dashboard."""
+    import logging
+
+    from service.server import serve as run_server
+    from service.server import token_file
+    from service.settings import Settings, SettingsError
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("httpx", "alembic", "ray"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        settings = Settings.from_env()
+    except SettingsError as e:
+        _fail(str(e))
+
+    def ready(s, launcher, head) -> None:
+        console.print(f"[bold]PatrickStar Service[/bold] on http://{host}:{port}/v1 (docs: /docs)")
+        console.print(f"data dir {s.data_dir}; store {_redact(s.db_url)}")
+        if not os.environ.get("PSTAR_API_TOKENS"):
+            console.print(f"API token for tenant 'default' in {token_file(s)}")
+        where = "local head" if head is not None else "cluster"
+        console.print(f"Ray {where}: dashboard {launcher.dashboard_url}")
+
+    run_server(settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready)
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+# -- files ------------------------------------------------------------------------------
+
+
+@files_app.command("upload")
+def files_upload(path: Path, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """Upload a training file (JSONL chat, prompt/completion, text; or plain text)."""
+    if not path.is_file():
+        _fail(f"{path} is not a file")
+    f = _call(_client(url, data_dir).upload, path)
+    console.print(
+        f"{f['id']}: {f['filename']}, {f['examples']} {f['format']} examples, {f['bytes']:,} bytes"
+    )
+
+
+@files_app.command("list")
+def files_list(url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """Your files."""
+    page = _call(_client(url, data_dir).get, "/v1/files")
+    t = Table()
+    for col in ("id", "filename", "purpose", "format", "examples", "bytes", "created"):
+        t.add_column(col)
+    for f in page["data"]:
+        t.add_row(
+            f["id"],
+            f["filename"],
+            f["purpose"],
+            f["format"],
+            str(f["examples"]),
+            f"{f['bytes']:,}",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(f["created_at"])),
+        )
+    console.print(t)
+
+
+# -- jobs -------------------------------------------------------------------------------
+
+
+def load_spec(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        _fail(f"spec file {path} does not exist")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        _fail(f"{path} is not valid YAML: {e}")
+    if not isinstance(spec, dict):
+        _fail(f"{path} must hold a mapping (the body of POST /v1/fine_tuning/jobs)")
+    return spec
+
+
+def upload_spec_files(c: Client, spec: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Replace `training_file`/`validation_file` paths by the ids of their uploads."""
+    body = dict(spec)
+    for key in ("training_file", "validation_file"):
+        val = body.get(key)
+        if not isinstance(val, str):
+            continue
+        p = Path(val) if Path(val).is_absolute() else base / val
+        if p.is_file():
+            f = _call(c.upload, p)
+            console.print(f"uploaded {p.name}: {f['id']} ({f['examples']} {f['format']} examples)")
+            body[key] = f["id"]
+        elif not val.startswith("file-"):
+            _fail(f"{key}: {p} is not a file (give a path or an uploaded file id)")
+    return body
+
+
+@jobs_app.command("submit")
+def jobs_submit(
+    spec: Annotated[Path, typer.Argument(help="YAML: the job body; file fields may be paths")],
+    url: Url = DEFAULT_URL,
+    data_dir: DataDir = None,
+    follow: Annotated[bool, typer.Option(help="follow the job to its end")] = False,
+) -> None:
+    """Submit a fine-tuning job (file paths in the spec are uploaded first)."""
+    c = _client(url, data_dir)
+    body = upload_spec_files(c, load_spec(spec), spec.resolve().parent)
+    job = _call(c.post, "/v1/fine_tuning/jobs", body)
+    console.print(f"{job['id']}: {job['status']} ({job['model']})")
+    if follow:
+        follow_job(c, job["id"])
+
+
+@jobs_app.command("validate")
+def jobs_validate(spec: Path, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """Dry run: data report and memory estimate, nothing stored."""
+    c = _client(url, data_dir)
+    body = upload_spec_files(c, load_spec(spec), spec.resolve().parent)
+    console.print_json(json.dumps(_call(c.post, "/v1/fine_tuning/jobs/validate", body)))
+
+
+@jobs_app.command("list")
+def jobs_list(
+    url: Url = DEFAULT_URL,
+    data_dir: DataDir = None,
+    status: Annotated[str | None, typer.Option(help="only jobs in this status")] = None,
+    limit: int = 20,
+) -> None:
+    """Your jobs, newest first."""
+    page = _call(_client(url, data_dir).get, "/v1/fine_tuning/jobs", status=status, limit=limit)
+    t = Table()
+    for col in ("id", "model", "status", "detail", "progress", "created", "fine-tuned model"):
+        t.add_column(col)
+    for j in page["data"]:
+        p = j["progress"]
+        t.add_row(
+            j["id"],
+            j["model"],
+            j["status"],
+            j.get("status_detail") or "",
+            f"{p['step']}/{p['total']}",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(j["created_at"])),
+            j.get("fine_tuned_model") or "",
+        )
+    console.print(t)
+
+
+@jobs_app.command("get")
+def jobs_get(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """One job, as JSON."""
+    console.print_json(
+        json.dumps(_call(_client(url, data_dir).get, f"/v1/fine_tuning/jobs/{job_id}"))
+    )
+
+
+@jobs_app.command("events")
+def jobs_events(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """A job's events, oldest first."""
+    for e in _call(_client(url, data_dir).events, job_id):
+        ts = time.strftime("%H:%M:%S", time.localtime(e["created_at"]))
+        style = {"error": "red", "warn": "yellow"}.get(e["level"], "")
+        console.print(
+            f"[dim]{ts}[/dim] [{style}]{e['message']}[/{style}]"
+            if style
+            else f"[dim]{ts}[/dim] {e['message']}"
+        )
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: str,
+    url: Url = DEFAULT_URL,
+    data_dir: DataDir = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="stream until the job ends")
+    ] = False,
+) -> None:
+    """Driver and worker logs of the job's attempts."""
+    c = _client(url, data_dir)
+    if follow:
+        try:
+            for chunk in c.stream_logs(job_id):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        except ApiError as e:
+            _fail(e.message)
+        return
+    sys.stdout.write(_call(c.get, f"/v1/fine_tuning/jobs/{job_id}/logs"))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """Cancel a job (its Ray job and workers stop)."""
+    job = _call(_client(url, data_dir).post, f"/v1/fine_tuning/jobs/{job_id}/cancel")
+    console.print(f"{job['id']}: {job['status']}")
+
+
+def follow_job(c: Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
+    """A progress bar until the job ends; events are printed as they come."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    seen: set[str] = set()
+    with progress:
+        task = progress.add_task("queued", total=None, info="")
+        while True:
+            job = _call(c.get, f"/v1/fine_tuning/jobs/{job_id}")
+            for e in _call(c.events, job_id):
+                if e["id"] in seen:
+                    continue
+                seen.add(e["id"])
+                if e["type"] == "message":
+                    ts = time.strftime("%H:%M:%S", time.localtime(e["created_at"]))
+                    progress.console.print(f"[dim]{ts}[/dim] {e['message']}")
+                elif e.get("data", {}).get("train_loss") is not None:
+                    d = e["data"]
+                    tps = d.get("tokens_per_second", 0)
+                    progress.update(task, info=f"loss {d['train_loss']:.3f}  {tps:.0f} tok/s")
+            p = job["progress"]
+            desc = job["status"] + (
+                f" ({job['status_detail']})" if job.get("status_detail") else ""
+            )
+            progress.update(task, description=desc, completed=p["step"], total=p["total"] or None)
+            if job["status"] in TERMINAL:
+                return job
+            time.sleep(poll_s)
+
+
+# -- run: the whole thing on one machine ------------------------------------------------
+
+
+def run(
+    spec: Annotated[Path, typer.Argument(help="a job spec YAML (see examples/)")],
+    data_dir: Annotated[
+        Path, typer.Option(envvar="PSTAR_DATA_DIR", help="the service's data dir")
+    ] = Path(".cache/pstar"),
+    port: Annotated[int, typer.Option(help="API port of the service it starts")] = 8000,
+    keep_serving: Annotated[
+        bool, typer.Option(help="leave the service (and local Ray) running afterwards")
+    ] = False,
+) -> None:
+    """Start the control plane (SQLite, local Ray) unless one runs on the port, submit the
+    spec through the REST API, follow it to its end, and shut the service down."""
+    url = f"http://127.0.0.1:{port}"
+    c = Client(url, None)
+    proc = None
+    job: dict[str, Any] = {"status": "not submitted"}
+    if not c.healthy():
+        proc = start_server(data_dir, port)
+    t0 = time.time()
+    try:
+        c = Client(url, find_token(data_dir))
+        _wait_ready(c, proc, data_dir)
+        body = upload_spec_files(c, load_spec(spec), spec.resolve().parent)
+        job = _call(c.post, "/v1/fine_tuning/jobs", body)
+        workers = job["resources"]["num_workers"]
+        console.print(f"submitted {job['id']} ({job['model']} on {workers} Ray workers)")
+        job = follow_job(c, job["id"])
+        summarize(c, job, url, time.time() - t0)
+    finally:
+        if proc is not None and not keep_serving:
+            console.print("shutting the service down (and its local Ray head)")
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+            if proc.poll() is None:
+                proc.kill()
+        elif proc is not None:
+            console.print(f"the service keeps running (pid {proc.pid}) at {url}/v1")
+    if job["status"] != "succeeded":
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(run)
+    app.add_typer(files_app, name="files")
+    app.add_typer(jobs_app, name="jobs")
+
+
+def start_server(data_dir: Path, port: int) -> subprocess.Popen:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = (data_dir / "serve.log").open("ab")
+    env = {**os.environ, "PSTAR_DATA_DIR": str(data_dir.resolve())}
+    console.print(f"starting the control plane (SQLite, local Ray); log {data_dir / 'serve.log'}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def _wait_ready(
+    c: Client, proc: subprocess.Popen | None, data_dir: Path, timeout_s: float = 180
+) -> None:
+    deadline = time.time() + timeout_s
+    with console.status("waiting for the control plane and Ray"):
+        while time.time() < deadline:
+            if proc is not None and proc.poll() is not None:
+                _fail(f"the control plane exited with code {proc.returncode}; see its serve.log")
+            try:
+                r = c.http.get("/readyz", timeout=2)
+                if r.status_code == 200:
+                    if c.http.headers.get("Authorization") is None:
+                        tok = find_token(data_dir)
+                        if tok:
+                            c.http.headers["Authorization"] = f"Bearer {tok}"
+                    return
+            except Exception:
+                pass
+            time.sleep(1)
+    _fail(f"the control plane was not ready within {timeout_s:.0f} s")
+
+
+def summarize(c: Client, job: dict[str, Any], url: str, elapsed_s: float) -> None:
+    events = _call(c.events, job["id"])
+    before = next(
+        (
+            e["data"].get("full_valid_loss")
+            for e in events
+            if e["type"] == "metrics" and e["data"].get("step") == 0
+        ),
+        None,
+    )
+    final = [
+        c_
+        for c_ in _call(c.get, f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]
+        if c_["final"]
+    ]
+    after = final[0]["metrics"].get("full_valid_loss") if final else None
+    health = c.http.get("/readyz").json()
+    t = Table(title=f"{job['id']}: {job['status']} in {elapsed_s:.0f} s")
+    t.add_column("")
+    t.add_column("")
+    if before is not None and after is not None:
+        t.add_row("held-out loss", f"{before:.4f} -> {after:.4f}")
+    t.add_row("fine-tuned model", job.get("fine_tuned_model") or "-")
+    t.add_row("trained tokens", f"{job.get('trained_tokens') or 0:,}")
+    if job.get("error"):
+        t.add_row("error", job["error"]["message"])
+    t.add_row("API", f"{url}/v1 (docs {url}/docs)")
+    t.add_row("Ray dashboard", str(health.get("ray_dashboard_url")))
+    console.print(t)

@@ -1,0 +1,359 @@
+"""Training data of a fine-tuning job: per-line validation, tokenization, loss masks.
+
+Three formats, decided by the first line of a file (every other line must match it):
+
+- `chat`: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}`;
+  the loss is on assistant messages (their content and end-of-turn token);
+- `completion`: `{"prompt": ..., "completion": ...}`; the loss is on the completion and EOS;
+- `text`: `{"text": ...}` lines, or a plain UTF-8 text file (one document per line); the
+  loss is on every token.
+
+Chat examples are rendered with the base model's own chat template (a ChatML template
+when the tokenizer has none); an assistant message with `"weight": 0` is shown to the
+model but not trained on, as in OpenAI's format. Which tokens count is decided on
+characters: each assistant message spans from the end of the prompt that asks for it
+(`add_generation_prompt=True`) to the end of the conversation rendered through it, and a
+token is trained on when its first character lies in such a span.
+
+Batches: one example per row, right-padded to `seq_len` (longer examples are truncated
+and counted); padded and untrained positions get label -100, which the loss ignores. With
+right padding and causal attention, real tokens never attend to pads, so no attention mask
+is needed and every batch has the same shape (the warm-up trace stays valid). Text data
+is instead concatenated (EOS between documents) and cut into full `seq_len` rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IGNORE = -100
+FORMATS = ("chat", "completion", "text")
+ROLES = ("system", "developer", "user", "assistant")
+MAX_LINE_BYTES = 16 << 20
+MAX_REPORTED_ERRORS = 20
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class DataError(ValueError):
+    """A training or validation file cannot be used; the message says which line and why."""
+
+
+@dataclass
+class LineError:
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+@dataclass
+class FileCheck:
+    """What validating a file found: its format, counts and the bad lines."""
+
+    format: str | None = None
+    lines: int = 0
+    examples: int = 0
+    errors: list[LineError] = field(default_factory=list)
+    error_count: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_count == 0 and self.examples > 0
+
+    def summary(self) -> str:
+        if self.examples == 0 and self.error_count == 0:
+            return "the file holds no examples"
+        shown = "; ".join(str(e) for e in self.errors)
+        more = self.error_count - len(self.errors)
+        return f"{self.error_count} bad line(s): {shown}" + (f"; and {more} more" if more else "")
+
+
+class LineValidator:
+    """Checks a JSONL (or plain text) file line by line as it streams in."""
+
+    def __init__(self) -> None:
+        self.check = FileCheck()
+        self._plain = False
+
+    def feed(self, raw: bytes) -> None:
+        c = self.check
+        c.lines += 1
+        n = c.lines
+        if len(raw) > MAX_LINE_BYTES:
+            self._error(n, f"longer than {MAX_LINE_BYTES >> 20} MiB")
+            return
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self._error(n, f"not UTF-8 (byte {e.start})")
+            return
+        if not line.strip():
+            return
+        if c.format is None and not self._plain and not line.lstrip().startswith("{"):
+            self._plain = True  # a plain text file: every non-empty line is a document
+            c.format = "text"
+        if self._plain:
+            c.examples += 1
+            return
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            self._error(n, f"not valid JSON ({e.msg} at column {e.colno})")
+            return
+        fmt, reason = classify(obj)
+        if reason:
+            self._error(n, reason)
+            return
+        if c.format is None:
+            c.format = fmt
+        elif fmt != c.format:
+            self._error(
+                n, f"a {fmt} example in a file of {c.format} examples (from the first line)"
+            )
+            return
+        c.examples += 1
+
+    def _error(self, line: int, reason: str) -> None:
+        self.check.error_count += 1
+        if len(self.check.errors) < MAX_REPORTED_ERRORS:
+            self.check.errors.append(LineError(line, reason))
+
+
+def classify(obj: Any) -> tuple[str | None, str | None]:
+    """(format, None) for a valid example, (None, reason) otherwise."""
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    if "messages" in obj:
+        return "chat", _check_chat(obj)
+    if "prompt" in obj or "completion" in obj:
+        return "completion", _check_completion(obj)
+    if "text" in obj:
+        extra = set(obj) - {"text"}
+        if extra:
+            return None, f"unknown key(s) {sorted(extra)} beside 'text'"
+        if not isinstance(obj["text"], str) or not obj["text"].strip():
+            return None, "'text' must be a non-empty string"
+        return "text", None
+    return None, "expected 'messages' (chat), 'prompt' and 'completion', or 'text'"
+
+
+def _check_chat(obj: dict[str, Any]) -> str | None:
+    extra = set(obj) - {"messages"}
+    if extra:
+        return f"unknown key(s) {sorted(extra)} beside 'messages' (tools are not supported)"
+    msgs = obj["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        return "'messages' must be a non-empty list"
+    trained = 0
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object"
+        role = m.get("role")
+        if role not in ROLES:
+            return f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
+        if not isinstance(m.get("content"), str):
+            return f"messages[{i}].content must be a string"
+        extra = set(m) - {"role", "content", "weight", "name"}
+        if extra:
+            return f"messages[{i}] has unknown key(s) {sorted(extra)}"
+        if "weight" in m and (
+            role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)
+        ):
+            return f"messages[{i}].weight must be 0 or 1, on assistant messages only"
+        if role == "assistant" and m.get("weight", 1) == 1:
+            if not m["content"]:
+                return f"messages[{i}]: an assistant message to train on needs content"
+            trained += 1
+    if trained == 0:
+        return "no assistant message to train on (need one with weight 1)"
+    return None
+
+
+def _check_completion(obj: dict[str, Any]) -> str | None:
+    extra = set(obj) - {"prompt", "completion"}
+    if extra:
+        return f"unknown key(s) {sorted(extra)} beside 'prompt' and 'completion'"
+    if not isinstance(obj.get("prompt"), str):
+        return "'prompt' must be a string"
+    if not isinstance(obj.get("completion"), str) or not obj["completion"]:
+        return "'completion' must be a non-empty string"
+    return None
+
+
+def check_file(path: Path) -> FileCheck:
+    v = LineValidator()
+    for raw in iter_lines(path):
+        v.feed(raw)
+    return v.check
+
+
+def iter_lines(path: Path) -> Iterator[bytes]:
+    """Lines without their newline; a line longer than the limit is cut, not kept whole."""
+    with path.open("rb") as f:
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    pass
+            yield raw.rstrip(b"\r\n")
+
+
+def read_examples(path: Path) -> tuple[str, list[Any]]:
+    """(format, examples) of a valid file; raises `DataError` on the first bad line."""
+    check = check_file(path)
+    if not check.ok:
+        raise DataError(f"{path.name}: {check.summary()}")
+    fmt = check.format or "text"
+    out: list[Any] = []
+    plain = None
+    for raw in iter_lines(path):
+        line = raw.decode("utf-8")
+        if not line.strip():
+            continue
+        if plain is None:
+            plain = not line.lstrip().startswith("{")
+        out.append({"text": line} if plain else json.loads(line))
+    return fmt, out
+
+
+# -- tokenization --------------------------------------------------------------------------
+
+
+@dataclass
+class Encoded:
+    """Rows ready for the model, and what encoding them found."""
+
+    input_ids: torch.Tensor  # (N, seq_len) long
+    labels: torch.Tensor  # (N, seq_len) long, IGNORE where no loss
+    lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    examples: int = 0  # examples read
+    tokens: int = 0  # real tokens in the rows (not padding)
+    loss_tokens: int = 0  # tokens the loss is taken on
+    truncated: int = 0  # examples cut at seq_len
+    dropped: int = 0  # examples with nothing left to train on after the cut
+    longest: int = 0  # tokens of the longest example before the cut
+
+    def report(self) -> dict[str, int]:
+        return {
+            "examples": self.examples,
+            "rows": int(self.input_ids.shape[0]),
+            "seq_len": int(self.input_ids.shape[1]) if self.input_ids.dim() == 2 else 0,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "truncated_examples": self.truncated,
+            "dropped_examples": self.dropped,
+            "longest_example_tokens": self.longest,
+        }
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template the ChatML one (documented above)."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+
+def example_tokens(tokenizer: Any, fmt: str, ex: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask 0/1) of one chat or completion example, uncut."""
+    if fmt == "completion":
+        p = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+        c = tokenizer(ex["completion"], add_special_tokens=False)["input_ids"]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        return p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
+    msgs = [{"role": m["role"], "content": m["content"]} for m in ex["messages"]]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    spans = []
+    for i, m in enumerate(ex["messages"]):
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
+            continue
+        start = len(
+            tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+        )
+        end = len(tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False))
+        spans.append((start, end))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= a < e for s, e in spans)) for a, _b in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
+def tokenize(
+    tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]]
+) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) of every chat or completion example, uncut."""
+    ensure_chat_template(tokenizer)
+    return [example_tokens(tokenizer, fmt, ex) for ex in examples]
+
+
+def to_rows(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> Encoded:
+    """Right-padded rows of `seq_len` with labels; cut and dropped examples counted."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = 0 if pad is None else pad
+    rows, labels, lengths = [], [], []
+    out = Encoded(torch.empty(0), torch.empty(0))
+    for ids, mask in tokenized:
+        out.examples += 1
+        out.longest = max(out.longest, len(ids))
+        if len(ids) > seq_len:
+            out.truncated += 1
+            ids, mask = ids[:seq_len], mask[:seq_len]
+        # the first position predicts nothing (labels shift by one inside the model)
+        if not any(mask[1:]):
+            out.dropped += 1
+            continue
+        out.tokens += len(ids)
+        out.loss_tokens += sum(mask[1:])
+        n_pad = seq_len - len(ids)
+        lengths.append(len(ids))
+        rows.append(ids + [pad] * n_pad)
+        labels.append(
+            [t if m else IGNORE for t, m in zip(ids, mask, strict=True)] + [IGNORE] * n_pad
+        )
+    out.input_ids = torch.tensor(rows, dtype=torch.long).view(-1, seq_len)
+    out.labels = torch.tensor(labels, dtype=torch.long).view(-1, seq_len)
+    out.lengths = torch.tensor(lengths, dtype=torch.long)
+    return out
+
+
+def encode(tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]], seq_len: int) -> Encoded:
+    """Rows of `seq_len` tokens with labels (see the module docstring for the layout)."""
+    if fmt == "text":
+        return _encode_text(tokenizer, [ex["text"] for ex in examples], seq_len)
+    return to_rows(tokenizer, tokenize(tokenizer, fmt, examples), seq_len)
+
+
+def _encode_text(tokenizer: Any, docs: list[str], seq_len: int) -> Encoded:
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        if eos is not None:
+            ids.append(eos)
+    n = len(ids) // seq_len
+    rows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return Encoded(
+        rows,
+        rows.clone(),
+        torch.full((n,), seq_len, dtype=torch.long),
+        examples=len(docs),
+        tokens=n * seq_len,
+        loss_tokens=n * (seq_len - 1),
+        longest=max((len(d) for d in docs), default=0),
+    )
+
+
+def auto_seq_len(longest: int, max_positions: int, cap: int = 512) -> int:
+    """The shortest multiple of 16 that holds the longest example, within the model's
+    positions and `cap` (longer examples are then truncated, and the report says so)."""
+    want = max(16, -(-longest // 16) * 16)
+    return max(16, min(want, cap, max_positions))

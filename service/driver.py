@@ -1,0 +1,261 @@
+"""The Ray job driver of one attempt: `python -m service.driver JOB_ID ATTEMPT`.
+
+Ray runs it as the entrypoint of Ray job `<job-id>-a<attempt>`, with the store's URL and
+the data dir in its environment. It prepares the data (once per job: the encoded rows
+are cached in the job's directory), runs `TorchTrainer` with the fine-tuning worker loop
+(`service.finetune.train_func`), and reports the end: `succeeded` with the fine-tuned
+model, trained tokens and a metrics CSV, or `failed` with the reason. A driver that dies
+before reporting leaves the job active; the reconciler then starts the next attempt,
+which resumes from the run's last checkpoint (same run name and storage path).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.datasets import DataError
+from service.files import file_path
+from service.prepare import prepare
+from service.registry import fine_tuned_name
+from service.settings import Settings
+from service.store import TERMINAL, File, Job, Store, new_id
+
+log = logging.getLogger("pstar.driver")
+CHECKPOINTS_TO_KEEP = 3
+
+
+def _data_file(settings: Settings, job: Job, train: File, valid: File | None) -> Path:
+    key = hashlib.sha256(
+        json.dumps(
+            [train.sha256, valid.sha256 if valid else None, job.plan], sort_keys=True
+        ).encode()
+    ).hexdigest()[:16]
+    return settings.job_dir(job.id) / "data" / f"rows-{key}.pt"
+
+
+def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dict[str, Any]:
+    """Tokenize (or reuse the cached rows) and decide everything the workers need."""
+    job_dir = settings.job_dir(job.id)
+    train = store.get_file(job.tenant, job.training_file)
+    valid = store.get_file(job.tenant, job.validation_file) if job.validation_file else None
+    if train is None or (job.validation_file and valid is None):
+        raise DataError("a file of this job was deleted")
+    data_file = _data_file(settings, job, train, valid)
+    meta_file = data_file.with_suffix(".json")
+    if not meta_file.is_file():
+        store.update_job(job.id, status_detail="preparing data")
+        prep = prepare(
+            job.plan,
+            file_path(settings, train),
+            file_path(settings, valid) if valid else None,
+            tokenizer_cache=job_dir / "tokenizer",
+        )
+        data_file.parent.mkdir(parents=True, exist_ok=True)
+        rows = {
+            "train_ids": prep.train.input_ids,
+            "train_labels": prep.train.labels,
+            "train_lengths": prep.train.lengths,
+        }
+        if prep.valid is not None:
+            rows.update(valid_ids=prep.valid.input_ids, valid_labels=prep.valid.labels)
+        tmp = data_file.with_suffix(".tmp")
+        torch.save(rows, tmp)
+        os.replace(tmp, data_file)
+        meta = {
+            **prep.report(),
+            "vocab_size": len(prep.tokenizer),
+        }
+        meta_file.write_text(json.dumps(meta))
+        tr = prep.train
+        store.add_event(
+            job.id,
+            f"Data: {tr.examples} training examples -> {tr.input_ids.shape[0]} rows of "
+            f"{prep.seq_len} tokens ({tr.loss_tokens} trained on; {tr.truncated} truncated, "
+            f"{tr.dropped} dropped); {prep.total_steps} steps",
+            data=meta,
+        )
+    meta = json.loads(meta_file.read_text())
+    plan = job.plan
+    total = meta["total_steps"]
+    hp = dict(plan["hyperparameters"], seq_len=meta["seq_len"])
+    engine = dict(plan["engine"])
+    engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
+    flops = _flops_per_token(plan["model"], meta["seq_len"], meta["vocab_size"])
+    store.update_job(job.id, progress_total=total)
+    return {
+        "model": plan["model"],
+        "engine": engine,
+        "hyperparameters": hp,
+        "seq_len": meta["seq_len"],
+        "vocab_size": meta["vocab_size"],
+        "total_steps": total,
+        "steps_per_epoch": meta["steps_per_epoch"],
+        "checkpoint_every": plan.get("checkpoint_every") or max(1, -(-total // 4)),
+        "checkpoints_to_keep": CHECKPOINTS_TO_KEEP,
+        "seed": job.seed,
+        "data_file": str(data_file),
+        "tokenizer_dir": str(job_dir / "tokenizer"),
+        "export_dir": str(settings.finetuned_dir(job.id)),
+        "storage_path": str(job_dir / "ray"),
+        "flops_per_token": flops,
+    }
+
+
+def _flops_per_token(model: dict[str, Any], seq_len: int, vocab: int) -> float:
+    """6N per token for the matmuls plus the attention term 12 * layers * hidden * seq."""
+    from service.estimate import _meta_model
+
+    m = _meta_model(model, seq_len, vocab)
+    n = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+    cfg = m.config
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    return 6 * n + 12 * layers * hidden * seq_len
+
+
+def run_trainer(run: dict[str, Any], job: Job, attempt: int, db_url: str) -> Any:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from service.finetune import train_func
+
+    res = job.plan["resources"]
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"job_id": job.id, "attempt": attempt, "db_url": db_url, "run": run},
+        torch_config=TorchConfig(backend="nccl" if res["use_gpu"] else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=res["num_workers"],
+            use_gpu=res["use_gpu"],
+            resources_per_worker={"CPU": res["cpus_per_worker"]},
+        ),
+        run_config=RunConfig(
+            name=job.id,
+            storage_path=run["storage_path"],
+            failure_config=FailureConfig(max_failures=2),
+            checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP),
+        ),
+    )
+    return trainer.fit()
+
+
+def metrics_csv(store: Store, job_id: str) -> bytes:
+    """OpenAI's result file: one row per step."""
+    cols = [
+        "step",
+        "train_loss",
+        "train_accuracy",
+        "valid_loss",
+        "valid_mean_token_accuracy",
+        "tokens_per_second",
+        "lr",
+    ]
+    src = {"train_accuracy": "train_mean_token_accuracy"}
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(cols)
+    for p in store.metric_points(job_id):
+        w.writerow(["" if (v := p.values.get(src.get(c, c))) is None else v for c in cols])
+    return buf.getvalue().encode()
+
+
+def finish_success(settings: Settings, store: Store, job: Job) -> None:
+    data = metrics_csv(store, job.id)
+    fid = new_id("file")
+    settings.files_dir.mkdir(parents=True, exist_ok=True)
+    (settings.files_dir / fid).write_bytes(data)
+    store.add_file(
+        File(
+            id=fid,
+            tenant=job.tenant,
+            filename=f"{job.id}-metrics.csv",
+            purpose="fine-tune-results",
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            created_at=int(time.time()),
+            status="processed",
+            format="csv",
+            examples=0,
+            storage_name=fid,
+        )
+    )
+    points = store.metric_points(job.id)
+    trained = int(points[-1].values.get("trained_tokens", 0)) if points else 0
+    name = fine_tuned_name(job.plan.get("base_model", job.model), job.suffix, job.id)
+    store.update_job(
+        job.id,
+        event=f"The job has successfully completed; fine-tuned model {name}",
+        status="succeeded",
+        status_detail=None,
+        fine_tuned_model=name,
+        trained_tokens=trained,
+        result_files=[fid],
+        progress_step=job.progress_total or (points[-1].step if points else 0),
+    )
+
+
+def fail(store: Store, job_id: str, code: str, message: str) -> None:
+    store.update_job(
+        job_id,
+        event=f"The job failed: {message}",
+        status="failed",
+        status_detail=None,
+        error={"code": code, "message": message, "param": None},
+    )
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    job_id, attempt = argv[0], int(argv[1])
+    settings = Settings.from_env()
+    store = Store(settings.db_url, pool_size=2)
+    job = store.get_job(job_id)
+    if job is None or job.status in TERMINAL or job.attempt != attempt:
+        log.info("job %s attempt %s is not current; nothing to do", job_id, attempt)
+        return 0
+    log.info("job %s attempt %d: preparing", job_id, attempt)
+    try:
+        run = prepare_run(settings, store, job, attempt)
+    except DataError as e:
+        fail(store, job_id, "invalid_training_data", str(e))
+        return 1
+    log.info(
+        "job %s attempt %d: %d steps on %s worker(s)",
+        job_id,
+        attempt,
+        run["total_steps"],
+        job.plan["resources"]["num_workers"],
+    )
+    try:
+        result = run_trainer(run, job, attempt, settings.db_url)
+        error = getattr(result, "error", None)
+    except Exception as e:  # Ray Train raises when the worker group fails for good
+        error = e
+    if error is not None:
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        log.error("job %s attempt %d failed: %s", job_id, attempt, text)
+        fail(store, job_id, "training_failed", _short(text))
+        return 1
+    finish_success(settings, store, store.get_job(job_id) or job)
+    log.info("job %s attempt %d: succeeded", job_id, attempt)
+    return 0
+
+
+def _short(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + " ... (see the logs)"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,184 @@
+"""The dry run (`POST /v1/fine_tuning/jobs/validate`): what a job would do, storing nothing.
+
+It runs the same checks as create, tokenizes the files as the driver would (so `seq_len`,
+truncation and the step count are the real ones), builds the chunk plan on the meta device
+(no weight is allocated) for the requested number of workers, and places each rank's
+chunks into the tier budgets the way `initialize` does at start: host memory first, then
+the device up to its warm-up share, then disk. If that does not fit, it says which tier
+overflows and by how much.
+
+Budgets given in bytes are exact. A fraction or a default is resolved on the control
+plane's host (the machine the embedded local Ray runs on); on a remote cluster give
+budgets in bytes for an exact answer. Non-model memory (activations) is measured by the
+tracer in the first step, not estimated here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pstar_core.config import EngineConfig
+from pstar_core.mapping import BYTES_PARAM, make_plan
+from pstar_core.tiers import host_memory_limit
+from service.datasets import DataError
+from service.errors import InvalidRequest
+from service.files import file_path
+from service.jobs import JobRequest, JobService
+from service.prepare import prepare
+from service.settings import Settings
+from service.store import Store
+
+
+def validate_job(
+    settings: Settings, store: Store, jobs: JobService, tenant: str, req: JobRequest
+) -> dict[str, Any]:
+    _model, plan = jobs.resolve(tenant, req)
+    train = store.get_file(tenant, req.training_file)
+    valid = store.get_file(tenant, req.validation_file) if req.validation_file else None
+    try:
+        prep = prepare(
+            plan,
+            file_path(settings, train),
+            file_path(settings, valid) if valid is not None else None,
+        )
+    except DataError as e:
+        raise InvalidRequest(str(e), param="training_file", code="invalid_training_data") from None
+    hp = dict(plan["hyperparameters"], seq_len=prep.seq_len)
+    memory = estimate_memory(plan, prep.seq_len, len(prep.tokenizer))
+    tokens_per_step = hp["batch_size"] * prep.seq_len
+    problems = list(memory.pop("problems"))
+    if prep.train.truncated:
+        problems.append(
+            f"{prep.train.truncated} training example(s) are longer than seq_len {prep.seq_len} "
+            "and will be cut (raise hyperparameters.seq_len to keep them whole)"
+        )
+    fits = memory["fits"]
+    return {
+        "object": "fine_tuning.job.validation",
+        "fits": fits,
+        "problems": problems,
+        "hyperparameters": hp,
+        "data": prep.report(),
+        "estimate": {
+            "steps": prep.total_steps,
+            "steps_per_epoch": prep.steps_per_epoch,
+            "tokens_per_step": tokens_per_step,
+            "trained_tokens": prep.total_steps * tokens_per_step,
+            **memory,
+        },
+    }
+
+
+def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str, Any]:
+    """The chunk plan for the job's workers and each rank's model data per tier."""
+    import torch
+
+    cfg = EngineConfig.parse(plan["engine"])
+    workers = plan["resources"]["num_workers"]
+    module = _meta_model(plan["model"], seq_len, vocab)
+    seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for name, p in module.named_parameters():
+        seen.setdefault(id(p), (name, p))
+    params = list(seen.values())
+    chunk_plan = make_plan(
+        [p.numel() for _, p in params],
+        [p.requires_grad for _, p in params],
+        [n for n, _ in params],
+        cfg.dtype,
+        cfg.chunk_size,
+        workers,
+    )
+    per_rank_chunks = chunk_plan.chunk_bytes // workers
+    per_rank_data = chunk_plan.model_data_bytes // workers
+    p_bytes = BYTES_PARAM[cfg.dtype]
+    param_chunk_bytes = chunk_plan.chunk_size * p_bytes
+    # the ranks of one host share it (local Ray: every worker is on this host)
+    host_whole = host_memory_limit() // workers
+    gpu = plan["resources"].get("use_gpu")
+    dev_whole = None if gpu else host_whole
+    mem = cfg.memory
+    device = _resolve(mem.device_budget, dev_whole)
+    host = _resolve(mem.host_budget, host_whole)
+    disk = _resolve(mem.disk_budget, None) if mem.disk_budget else 0
+    problems = []
+    if disk is None:
+        problems.append("memory.disk_budget as a fraction is resolved on the worker: not checked")
+        disk = 0
+    # at start: host first, then the device up to its warm-up share (param lists only),
+    # then disk; the warm-up step must pass every chunk through host and disk
+    need = per_rank_chunks
+    on_host = min(need, host)
+    param_lists = sum(
+        int(s["bytes"]) for k, s in chunk_plan.list_stats().items() if k in ("param", "frozen")
+    )
+    share = int(mem.warmup_ratio * device) if device is not None else 0
+    on_device = min(need - on_host, share, param_lists // workers)
+    on_disk = min(need - on_host - on_device, disk)
+    overflow = None
+    if need > host + disk:
+        overflow = {"tier": "host", "bytes": need - host - disk}
+        problems.append(
+            f"each rank needs {_gib(need)} of chunks; host {_gib(host)} + disk {_gib(disk)} "
+            f"budgets hold {_gib(host + disk)} (the warm-up step updates every chunk on the host): "
+            f"short by {_gib(need - host - disk)}; raise memory.host_budget or "
+            "memory.disk_budget, or add workers"
+        )
+    working_set = param_chunk_bytes * workers  # an operator's chunk, gathered from all ranks
+    if device is not None and working_set > device:
+        overflow = overflow or {"tier": "device", "bytes": working_set - device}
+        problems.append(
+            f"an operator needs at least {_gib(working_set)} of gathered param chunks on the "
+            f"device, whose budget is {_gib(device)}; raise memory.device_budget or use a "
+            "smaller chunk_size"
+        )
+    return {
+        "fits": overflow is None,
+        "overflow": overflow,
+        "problems": problems,
+        "chunk_plan": {
+            "chunk_size": chunk_plan.chunk_size,
+            "utilization": chunk_plan.utilization,
+            "params": chunk_plan.params,
+            "trainable_params": chunk_plan.trainable_params,
+            "model_data_bytes": chunk_plan.model_data_bytes,
+            "chunk_bytes": chunk_plan.chunk_bytes,
+            "lists": chunk_plan.list_stats(),
+        },
+        "per_rank": {
+            "workers": workers,
+            "model_data_bytes": per_rank_data,
+            "chunk_bytes": need,
+            "tiers_at_start": {
+                "device": {"budget": device, "chunk_bytes": on_device},
+                "host": {"budget": host, "chunk_bytes": on_host},
+                "disk": {"budget": disk, "chunk_bytes": on_disk},
+            },
+            "gathered_working_set_bytes": working_set,
+        },
+        "non_model_bytes": "measured by the tracer in the first step",
+    }
+
+
+def _meta_model(model: dict[str, Any], seq_len: int, vocab: int):
+    import torch
+
+    if model["kind"] == "zoo":
+        from service.prepare import model_fn
+
+        with torch.device("meta"):
+            return model_fn(model, seq_len, vocab)()
+    from service.planning import build_meta
+
+    return build_meta(model["path"])
+
+
+def _resolve(budget: int | float | None, whole: int | None) -> int | None:
+    if budget is None:
+        return whole
+    if isinstance(budget, float):
+        return None if whole is None else int(budget * whole)
+    return int(budget)
+
+
+def _gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,269 @@
+"""Uploads: a multipart body streamed to disk, size-limited, checksummed and validated line
+by line as it arrives, so a file is never held whole in memory and a bad one is never
+stored.
+
+The stored name is the file id the service chose; the client's filename is kept only as
+a label (its last path component, cleaned), never used as a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from service.datasets import MAX_LINE_BYTES, LineValidator
+from service.errors import InvalidRequest, TooLarge
+from service.settings import Settings
+from service.store import File, Store, new_id
+
+PURPOSES = ("fine-tune",)
+MAX_FIELD_BYTES = 1024
+DRAIN_AFTER_LIMIT = 64 << 20  # read (and drop) this much past the limit so the client sees the 413
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def clean_filename(raw: str) -> str:
+    """A label for display: the last path component, no control characters, at most 255."""
+    name = _CONTROL.sub("", raw.replace("\\", "/").rsplit("/", 1)[-1]).strip()
+    return (name or "upload")[:255]
+
+
+@dataclass
+class _Part:
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    name: str = ""
+    filename: str | None = None
+    value: bytearray = field(default_factory=bytearray)
+
+
+class _Upload:
+    """Multipart callbacks: the `file` part goes to disk and through the line validator."""
+
+    def __init__(self, tmp: Path, limit: int) -> None:
+        self.tmp, self.limit = tmp, limit
+        self.out = None
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.validator = LineValidator()
+        self._pending = bytearray()  # the unfinished last line
+        self._overlong = False  # inside a line over MAX_LINE_BYTES: dropped until its end
+        self.fields: dict[str, str] = {}
+        self.file_parts = 0
+        self.filename = "upload"
+        self.too_large = False
+        self._part = _Part()
+        self._hname = bytearray()
+        self._hvalue = bytearray()
+
+    # header parsing
+    def on_part_begin(self) -> None:
+        self._part = _Part()
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._hname += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._hvalue += data[start:end]
+
+    def on_header_end(self) -> None:
+        self._part.headers[bytes(self._hname).lower()] = bytes(self._hvalue)
+        self._hname.clear()
+        self._hvalue.clear()
+
+    def on_headers_finished(self) -> None:
+        disp = self._part.headers.get(b"content-disposition", b"")
+        _kind, params = parse_options_header(disp)
+        self._part.name = params.get(b"name", b"").decode("utf-8", "replace")
+        if b"filename" in params:
+            self._part.filename = params[b"filename"].decode("utf-8", "replace")
+        if self._part.name == "file":
+            self.file_parts += 1
+            self.filename = clean_filename(self._part.filename or "upload")
+            if self.out is None:
+                self.out = self.tmp.open("wb")
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        chunk = data[start:end]
+        if self._part.name != "file":
+            if len(self._part.value) + len(chunk) > MAX_FIELD_BYTES:
+                raise InvalidRequest(
+                    f"form field '{self._part.name}' is longer than {MAX_FIELD_BYTES} bytes",
+                    param=self._part.name or None,
+                )
+            self._part.value += chunk
+            return
+        if self.file_parts > 1 or self.too_large:
+            return
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.too_large = True
+            return
+        self.out.write(chunk)
+        self.sha.update(chunk)
+        self._lines(chunk)
+
+    def on_part_end(self) -> None:
+        if self._part.name == "file":
+            if self._pending and not self.too_large and not self._overlong:
+                self.validator.feed(bytes(self._pending))
+                self._pending.clear()
+        elif self._part.name:
+            self.fields[self._part.name] = self._part.value.decode("utf-8", "replace")
+
+    def _lines(self, chunk: bytes) -> None:
+        start = 0
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            if not self._overlong:
+                self._pending += chunk[start:nl]
+                self.validator.feed(bytes(self._pending).rstrip(b"\r"))
+            self._overlong = False
+            self._pending.clear()
+            start = nl + 1
+        if not self._overlong:
+            self._pending += chunk[start:]
+            if len(self._pending) > MAX_LINE_BYTES:  # reported once, the rest of it dropped
+                self.validator.feed(bytes(self._pending))
+                self._pending.clear()
+                self._overlong = True
+
+    def callbacks(self) -> dict:
+        return {
+            "on_part_begin": self.on_part_begin,
+            "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end,
+            "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value,
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+        }
+
+
+async def receive_upload(
+    settings: Settings,
+    store: Store,
+    tenant: str,
+    content_type: str | None,
+    content_length: str | None,
+    body: AsyncIterator[bytes],
+) -> File:
+    """Stream a `POST /v1/files` body to disk; the stored `File`, or a `ServiceError`."""
+    kind, params = parse_options_header(content_type or "")
+    boundary = params.get(b"boundary")
+    if kind != b"multipart/form-data" or not boundary:
+        raise InvalidRequest(
+            "send the file as multipart/form-data with fields 'file' and 'purpose'",
+            param="file",
+            code="invalid_content_type",
+        )
+    limit = settings.max_upload_bytes
+    if (
+        content_length
+        and content_length.isdigit()
+        and int(content_length) > limit + DRAIN_AFTER_LIMIT
+    ):
+        raise _too_large(limit)
+    settings.files_dir.mkdir(parents=True, exist_ok=True)
+    file_id = new_id("file")
+    tmp = settings.files_dir / f".{file_id}.part"
+    up = _Upload(tmp, limit)
+    try:
+        parser = MultipartParser(boundary, up.callbacks())
+        async for chunk in body:
+            parser.write(chunk)
+            if up.too_large and up.size > limit + DRAIN_AFTER_LIMIT:
+                break
+        parser.finalize()
+    except ValueError as e:  # the multipart parser's own errors
+        _discard(up, tmp)
+        raise InvalidRequest(f"malformed multipart body: {e}", param="file") from None
+    except BaseException:
+        _discard(up, tmp)
+        raise
+    if up.out is not None:
+        up.out.close()
+    try:
+        return _store(settings, store, tenant, file_id, tmp, up)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _store(
+    settings: Settings, store: Store, tenant: str, file_id: str, tmp: Path, up: _Upload
+) -> File:
+    if up.too_large:
+        raise _too_large(settings.max_upload_bytes)
+    if up.file_parts != 1:
+        raise InvalidRequest(
+            "send exactly one form field 'file' holding the data"
+            + (f" (got {up.file_parts})" if up.file_parts else ""),
+            param="file",
+            code="missing_file" if not up.file_parts else "invalid_value",
+        )
+    purpose = up.fields.get("purpose")
+    if purpose not in PURPOSES:
+        raise InvalidRequest(
+            f"purpose {purpose!r} is not supported; use 'fine-tune'"
+            if purpose
+            else "form field 'purpose' is required; use 'fine-tune'",
+            param="purpose",
+            code="invalid_value",
+        )
+    check = up.validator.check
+    if not check.ok:
+        raise InvalidRequest(
+            f"{up.filename}: {check.summary()}", param="file", code="invalid_file_format"
+        )
+    os.replace(tmp, settings.files_dir / file_id)
+    f = File(
+        id=file_id,
+        tenant=tenant,
+        filename=up.filename,
+        purpose=purpose,
+        bytes=up.size,
+        sha256=up.sha.hexdigest(),
+        created_at=int(time.time()),
+        status="processed",
+        status_details=None,
+        format=check.format or "text",
+        examples=check.examples,
+        storage_name=file_id,
+    )
+    try:
+        return store.add_file(f)
+    except BaseException:
+        (settings.files_dir / file_id).unlink(missing_ok=True)
+        raise
+
+
+def _discard(up: _Upload, tmp: Path) -> None:
+    if up.out is not None:
+        up.out.close()
+    tmp.unlink(missing_ok=True)
+
+
+def _too_large(limit: int) -> TooLarge:
+    return TooLarge(
+        f"the file is larger than this server's upload limit of {limit:,} bytes "
+        "(PSTAR_MAX_UPLOAD_BYTES); split it or ask the operator to raise the limit",
+        param="file",
+        code="file_too_large",
+    )
+
+
+def file_path(settings: Settings, f: File) -> Path:
+    return settings.files_dir / f.storage_name
+
+
+def delete_file(settings: Settings, store: Store, tenant: str, file_id: str) -> File | None:
+    f = store.delete_file(tenant, file_id)
+    if f is not None:
+        (settings.files_dir / f.storage_name).unlink(missing_ok=True)
+    return f

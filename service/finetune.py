@@ -1,0 +1,239 @@
+"""The Ray Train worker loop of a fine-tuning job (`train_func`), run by `TorchTrainer`.
+
+Every worker builds the engine on the process group Ray made (gloo on CPU, NCCL on GPU),
+so the chunks are sharded with chunk ZeRO, and takes an equal share of each global batch.
+Rank 0 writes what happens to the store as it happens: status and phase, one metrics
+point and event per step, the tracer timeline after the warm-up step, checkpoints. Every
+rank exports its measurements as Ray metrics (`ray_pstar_*`, tagged job, attempt, rank).
+
+Batches are drawn from a seeded permutation per epoch, so step s of a run always sees the
+same rows, also after a resume. Checkpoints go through `ray.train.report`, so a lost
+worker (Ray restarts the group) and a new attempt (same run name and storage) both resume
+from the last one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+RAY_GAUGES = (
+    "train_loss",
+    "valid_loss",
+    "tokens_per_second",
+    "step_time_s",
+    "tflops",
+    "model_data_bytes_device",
+    "model_data_bytes_host",
+    "model_data_bytes_disk",
+    "peak_non_model_bytes",
+    "memory_utilization",
+)
+
+
+class Batches:
+    """Rows of step s: a seeded permutation per epoch, wrapped to fill the last batch."""
+
+    def __init__(self, rows: int, batch_size: int, steps_per_epoch: int, seed: int) -> None:
+        self.rows, self.batch, self.per_epoch, self.seed = rows, batch_size, steps_per_epoch, seed
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, i = divmod(step, self.per_epoch)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(self.rows, generator=g)
+        pos = torch.arange(i * self.batch, (i + 1) * self.batch) % self.rows
+        return perm[pos]
+
+
+def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """(correct next-token predictions, tokens counted) where labels are not ignored."""
+    pred = logits[:, :-1].argmax(-1)
+    tgt = labels[:, 1:].to(pred.device)
+    mask = tgt != -100
+    return float((pred == tgt)[mask].sum()), int(mask.sum())
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum across ranks (on the engine's device: NCCL takes no CPU tensors)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(
+    engine: Any, ids: torch.Tensor, labels: torch.Tensor, rank: int, world: int, batch: int
+):
+    """(mean loss per token, token accuracy) over the rows, split evenly over the ranks
+    (every rank runs the same number of forwards: ZeRO gathers are collective)."""
+    n = ids.shape[0]
+    per_rank = math.ceil(n / world)
+    rounds = math.ceil(per_rank / batch)
+    loss_sum = correct = count = 0.0
+    engine.eval()
+    for r in range(rounds):
+        idx = (torch.arange(batch) + r * batch) * world + rank
+        real = idx < n
+        idx = idx % n
+        x, y = ids[idx].to(engine.device), labels[idx].clone()
+        y[~real] = -100  # wrapped rows keep the shapes equal but count nothing
+        out = engine(input_ids=x, labels=y.to(engine.device))
+        c, k = token_stats(out.logits, y)
+        if k:
+            loss_sum += float(out.loss) * k
+        correct += c
+        count += k
+    engine.train()
+    loss_sum, correct, count = all_sum([loss_sum, correct, count], engine.device)
+    return (loss_sum / count, correct / count) if count else (float("nan"), float("nan"))
+
+
+def train_func(config: dict[str, Any]) -> None:
+    import ray.train
+
+    from service.reporting import Reporter
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    attempt = config["attempt"]
+    run = config["run"]
+    rep = Reporter.for_rank(config, rank, world)
+    data = torch.load(run["data_file"], weights_only=True)
+    train_ids, train_labels = data["train_ids"], data["train_labels"]
+    lengths = data["train_lengths"]
+    valid_ids, valid_labels = data.get("valid_ids"), data.get("valid_labels")
+    hp = run["hyperparameters"]
+    batch, total, per_epoch = hp["batch_size"], run["total_steps"], run["steps_per_epoch"]
+    local = batch // world
+
+    rep.phase("loading model")
+    torch.manual_seed(run["seed"])
+    engine = _build_engine(run)
+    checkpoint = ray.train.get_checkpoint()
+    resumed = checkpoint is not None
+    if resumed:
+        rep.phase("recovering")
+        with checkpoint.as_directory() as d:
+            engine.load_checkpoint(Path(d))
+        rep.event(f"Attempt {attempt} resumed from the checkpoint at step {engine.global_step}")
+    rep.running()
+    eval_every = hp.get("eval_every") or max(1, total // 10)
+    ckpt_every = run["checkpoint_every"]
+    if valid_ids is not None and engine.global_step == 0:
+        rep.phase("evaluating")
+        vl, va = evaluate(engine, valid_ids, valid_labels, rank, world, local)
+        before = {"full_valid_loss": vl, "full_valid_mean_token_accuracy": va}
+        rep.metrics(
+            0, {"valid_loss": vl, "valid_mean_token_accuracy": va, **before}, "before training"
+        )
+    sampler = Batches(train_ids.shape[0], batch, per_epoch, run["seed"])
+    flops_tok = run["flops_per_token"]
+    trained_tokens = int(rep.values_at(engine.global_step).get("trained_tokens", 0))
+    comm_before = engine.stats()["comm_bytes_sent"]
+    rep.phase("training")
+    first = engine.global_step
+    for step in range(first, total):
+        t0 = time.perf_counter()
+        idx = sampler.indices(step)
+        mine = idx[rank * local : (rank + 1) * local]
+        x, y = train_ids[mine].to(engine.device), train_labels[mine].to(engine.device)
+        out = engine(input_ids=x, labels=y)
+        engine.backward(out.loss)
+        engine.step()
+        c, k = token_stats(out.logits.detach(), y)
+        real = int(lengths[mine].sum())  # tokens that are not padding
+        loss_sum, correct, count, real_sum = all_sum(
+            [float(out.loss.detach()) * k, c, k, float(real)], engine.device
+        )
+        dt = time.perf_counter() - t0
+        trained_tokens += int(real_sum)
+        stats = engine.stats()
+        values = {
+            "train_loss": loss_sum / max(count, 1),
+            "train_mean_token_accuracy": correct / max(count, 1),
+            "lr": engine.lr,
+            "step_time_s": dt,
+            "tokens_per_second": batch * x.shape[1] / dt,
+            "tflops": flops_tok * batch * x.shape[1] / dt / 1e12,
+            "trained_tokens": trained_tokens,
+            **_memory_values(stats),
+            "comm_bytes_sent": stats["comm_bytes_sent"] - comm_before,
+        }
+        comm_before = stats["comm_bytes_sent"]
+        done = step + 1
+        if valid_ids is not None and (done % eval_every == 0) and done < total:
+            rep.phase("evaluating")
+            values["valid_loss"], values["valid_mean_token_accuracy"] = evaluate(
+                engine, valid_ids, valid_labels, rank, world, local
+            )
+            rep.phase("training")
+        rep.metrics(done, values, total=total)
+        if step == first:  # the warm-up step of this attempt: the trace exists now
+            rep.stats(stats)
+        if done % ckpt_every == 0 and done < total:
+            rep.phase("checkpointing")
+            _report_checkpoint(engine, values, rep, done, final=False)
+            rep.phase("training")
+    # the end: full validation, the final checkpoint, the export
+    final: dict[str, Any] = {"trained_tokens": trained_tokens}
+    if valid_ids is not None:
+        rep.phase("evaluating")
+        final["full_valid_loss"], final["full_valid_mean_token_accuracy"] = evaluate(
+            engine, valid_ids, valid_labels, rank, world, local
+        )
+    last = rep.last_values()
+    rep.phase("checkpointing")
+    _report_checkpoint(engine, {**last, **final}, rep, engine.global_step, final=True)
+    rep.phase("exporting")
+    out_dir = Path(run["export_dir"])
+    engine.export_hf(out_dir)
+    if rank == 0 and run["model"]["kind"] == "zoo":
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast.from_pretrained(run["tokenizer_dir"]).save_pretrained(str(out_dir))
+    rep.stats(engine.stats())
+    rep.finished(final)
+
+
+def _memory_values(stats: dict[str, Any]) -> dict[str, Any]:
+    device = stats["tiers"]["device"]
+    moved = stats.get("bytes_moved_last_iteration") or {}
+    return {
+        **{f"model_data_bytes_{t}": v["used"] for t, v in stats["tiers"].items()},
+        **{f"bytes_moved_{k.replace('->', '_to_')}": v for k, v in moved.items()},
+        "peak_non_model_bytes": stats["tracer"]["peak_non_model_bytes"],
+        "memory_utilization": (device["peak"] + stats["tracer"]["peak_non_model_bytes"])
+        / max(1, device["budget"]),
+    }
+
+
+def _report_checkpoint(
+    engine: Any, values: dict[str, Any], rep: Any, step: int, final: bool
+) -> None:
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as d:
+        engine.save_checkpoint(Path(d) / "ckpt", shared=False)
+        ray.train.report(
+            {**values, "step": step},
+            checkpoint=ray.train.Checkpoint.from_directory(Path(d) / "ckpt"),
+        )
+    rep.checkpoint(step, values, final)
+
+
+def _build_engine(run: dict[str, Any]):
+    import pstar_core
+    from service.prepare import model_fn
+
+    fn = model_fn(run["model"], run["seq_len"], run["vocab_size"])
+    return pstar_core.initialize(fn, run["engine"])

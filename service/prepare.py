@@ -1,0 +1,178 @@
+"""Data preparation for a job's plan: the tokenizer, the encoded rows, the step count.
+
+Used by the dry run (`validate`) and by the Ray job driver, so both decide the same
+`seq_len` and the same number of steps. A HF base model brings its own tokenizer (and
+chat template); a zoo model gets a byte-level BPE tokenizer trained on the training file,
+with ChatML's turn markers as single tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.datasets import (
+    CHATML_TEMPLATE,
+    DataError,
+    Encoded,
+    auto_seq_len,
+    encode,
+    read_examples,
+    to_rows,
+    tokenize,
+)
+
+ZOO_VOCAB = 4096
+ZOO_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass
+class Prepared:
+    tokenizer: Any
+    train: Encoded
+    valid: Encoded | None
+    seq_len: int
+    format: str
+    steps_per_epoch: int
+    total_steps: int
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "seq_len": self.seq_len,
+            "training_file": self.train.report(),
+            "validation_file": self.valid.report() if self.valid is not None else None,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
+        }
+
+
+def load_tokenizer(model: dict[str, Any], fmt: str, examples: list[Any], cache: Path | None):
+    """The model's tokenizer (HF dirs), or one trained on the examples (zoo models)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if model["kind"] != "zoo":
+        return AutoTokenizer.from_pretrained(model["path"])
+    if cache is not None and (cache / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(cache))
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=ZOO_VOCAB,
+        special_tokens=ZOO_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_texts(fmt, examples), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    if cache is not None:
+        fast.save_pretrained(str(cache))
+    return fast
+
+
+def _texts(fmt: str, examples: list[Any]):
+    for ex in examples:
+        if fmt == "chat":
+            yield from (m["content"] for m in ex["messages"])
+        elif fmt == "completion":
+            yield ex["prompt"]
+            yield ex["completion"]
+        else:
+            yield ex["text"]
+
+
+def max_positions(model: dict[str, Any]) -> int:
+    if model["kind"] == "zoo":
+        return 1 << 15  # the zoo model is built with the chosen seq_len
+    import json
+
+    cfg = json.loads((Path(model["path"]) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+
+def prepare(
+    plan: dict[str, Any],
+    train_path: Path,
+    valid_path: Path | None,
+    tokenizer_cache: Path | None = None,
+) -> Prepared:
+    """Tokenize the files as the plan says; raises `DataError` for unusable data."""
+    fmt, train_ex = read_examples(train_path)
+    tok = load_tokenizer(plan["model"], fmt, train_ex, tokenizer_cache)
+    hp = plan["hyperparameters"]
+    seq_len = hp["seq_len"]
+    limit = max_positions(plan["model"])
+    tokenized = tokenize(tok, fmt, train_ex) if fmt != "text" else None
+    if seq_len == "auto":
+        longest = max((len(ids) for ids, _ in tokenized), default=16) if tokenized else 256
+        seq_len = auto_seq_len(longest, limit)
+    if seq_len > limit:
+        raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
+    train = (
+        to_rows(tok, tokenized, seq_len)
+        if tokenized is not None
+        else encode(tok, fmt, train_ex, seq_len)
+    )
+    if train.input_ids.shape[0] == 0:
+        raise DataError(
+            f"no training rows: {train.dropped} example(s) had nothing left to train on "
+            f"within seq_len {seq_len}; raise hyperparameters.seq_len"
+        )
+    valid = None
+    if valid_path is not None:
+        vfmt, valid_ex = read_examples(valid_path)
+        valid = encode(tok, vfmt, valid_ex, seq_len)
+        if valid.input_ids.shape[0] == 0:
+            raise DataError("the validation file has no rows to evaluate at this seq_len")
+    batch = hp["batch_size"]
+    per_epoch = math.ceil(train.input_ids.shape[0] / batch)
+    total = per_epoch * hp["n_epochs"]
+    if hp.get("max_steps"):
+        total = min(total, hp["max_steps"])
+    return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total)
+
+
+def zoo_hf_config(name: str, vocab: int, seq_len: int):
+    """A zoo GPT as a transformers GPT-2 config (same shape: learned positions, pre-LN,
+    tanh GELU, tied embeddings), so a from-scratch job exports like any other."""
+    from transformers import GPT2Config
+
+    from pstar_core.models import get_config
+
+    z = get_config(name)
+    return GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq_len,
+        n_embd=z.hidden_size,
+        n_layer=z.num_layers,
+        n_head=z.num_heads,
+        n_inner=z.hidden_size * z.ffn_mult,
+        activation_function="gelu_new",
+        resid_pdrop=z.dropout,
+        embd_pdrop=z.dropout,
+        attn_pdrop=z.dropout,
+        layer_norm_epsilon=z.layer_norm_eps,
+        initializer_range=z.init_std,
+        tie_word_embeddings=z.tie_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def model_fn(model: dict[str, Any], seq_len: int, vocab: int):
+    """What `pstar_core.initialize` takes for the plan's model: a HF directory, or a
+    callable building the zoo model (on the meta device, inside `initialize`)."""
+    if model["kind"] != "zoo":
+        return Path(model["path"])
+    from transformers import GPT2LMHeadModel
+
+    cfg = zoo_hf_config(model["id"], vocab, seq_len)
+    return lambda: GPT2LMHeadModel(cfg)

@@ -1,0 +1,179 @@
+"""What the workers of a job tell the world while it runs.
+
+Rank 0 writes to the store (status and phase, a metrics point and an OpenAI-style metrics
+event per step, the tracer timeline, checkpoints); every rank sets Ray metrics gauges
+(`ray_pstar_<name>` on the node's metrics port, tagged job id, attempt and rank) for
+Prometheus. A store that cannot be written is logged and training goes on: metrics are
+worth less than the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GAUGES = (
+    "train_loss",
+    "valid_loss",
+    "tokens_per_second",
+    "step_time_s",
+    "tflops",
+    "lr",
+    "model_data_bytes_device",
+    "model_data_bytes_host",
+    "model_data_bytes_disk",
+    "peak_non_model_bytes",
+    "memory_utilization",
+    "comm_bytes_sent",
+)
+
+
+def metrics_message(step: int, total: int | None, v: dict[str, Any]) -> str:
+    parts = []
+    if "train_loss" in v:
+        parts.append(f"training loss={v['train_loss']:.4f}")
+    if v.get("valid_loss") is not None:
+        parts.append(f"validation loss={v['valid_loss']:.4f}")
+    if "tokens_per_second" in v:
+        parts.append(f"{v['tokens_per_second']:.0f} tokens/s")
+    where = f"Step {step}/{total}" if total else f"Step {step}"
+    return f"{where}: " + ", ".join(parts)
+
+
+class Reporter:
+    def __init__(self, config: dict[str, Any], rank: int, store: Any = None) -> None:
+        self.job_id, self.attempt, self.rank = config["job_id"], config["attempt"], rank
+        self.run = config["run"]
+        self.store = store
+        self._phase: str | None = None
+        self._last: dict[str, Any] = {}
+        self._gauges: dict[str, Any] = {}
+        try:
+            from ray.util.metrics import Gauge
+
+            tags = {"job_id": self.job_id, "attempt": str(self.attempt), "rank": str(rank)}
+            for name in GAUGES:
+                g = Gauge(f"pstar_{name}", f"pstar {name}", tag_keys=tuple(tags))
+                g.set_default_tags(tags)
+                self._gauges[name] = g
+        except Exception as e:  # outside Ray (tests of the loop) there are no Ray metrics
+            log.debug("no Ray metrics: %s", e)
+
+    @classmethod
+    def for_rank(cls, config: dict[str, Any], rank: int, world: int) -> Reporter:
+        store = None
+        if rank == 0:
+            from service.store import Store
+
+            store = Store(config["db_url"], pool_size=2)
+        return cls(config, rank, store)
+
+    def _write(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
+        if self.store is None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            log.warning("could not write %s of %s to the store: %s", what, self.job_id, e)
+            return None
+
+    def phase(self, detail: str) -> None:
+        if detail != self._phase:
+            self._phase = detail
+            self._write(
+                "the phase", self.store and self.store.update_job, self.job_id, status_detail=detail
+            )
+
+    def event(self, message: str, **data: Any) -> None:
+        self._write(
+            "an event", self.store and self.store.add_event, self.job_id, message, data=data or None
+        )
+
+    def running(self) -> None:
+        self._write("the status", self.store and self.store.mark_running, self.job_id, self.attempt)
+
+    def metrics(
+        self, step: int, values: dict[str, Any], note: str = "", total: int | None = None
+    ) -> None:
+        for k, v in values.items():
+            if k in self._gauges and isinstance(v, (int, float)):
+                self._gauges[k].set(float(v))
+        if self.store is None:
+            return
+        self._last = dict(values)
+        msg = metrics_message(step, total, values) + (f" ({note})" if note else "")
+        self._write(
+            "metrics",
+            self.store.record_metrics,
+            self.job_id,
+            self.attempt,
+            step,
+            {**values, "step": step},
+            msg,
+        )
+        if total:
+            per_step = values.get("step_time_s")
+            eta = int(time.time() + per_step * (total - step)) if per_step else None
+            self._write(
+                "progress",
+                self.store.update_job,
+                self.job_id,
+                progress_step=step,
+                progress_total=total,
+                estimated_finish=eta,
+            )
+
+    def last_values(self) -> dict[str, Any]:
+        if self._last or self.store is None:
+            return dict(self._last)
+        points = self._write("", self.store.metric_points, self.job_id) or []
+        return dict(points[-1].values) if points else {}
+
+    def values_at(self, step: int) -> dict[str, Any]:
+        """The numbers recorded for `step` (what a resumed attempt continues from)."""
+        if self.store is None or step == 0:
+            return {}
+        points = self._write("", self.store.metric_points, self.job_id, step, step) or []
+        return dict(points[0].values) if points else {}
+
+    def stats(self, stats: dict[str, Any]) -> None:
+        if self.store is None:
+            return
+        self._write(
+            "tracer stats",
+            self.store.set_stats,
+            self.job_id,
+            trace=stats["tracer"],
+            tiers=stats["tiers"],
+        )
+
+    def checkpoint(self, step: int, values: dict[str, Any], final: bool) -> None:
+        if self.store is None:
+            return
+        self._write(
+            "a checkpoint",
+            self.store.add_checkpoint,
+            self.job_id,
+            step,
+            {k: v for k, v in values.items() if isinstance(v, (int, float))},
+            str(_newest_checkpoint(Path(self.run["storage_path"]) / self.job_id)),
+            keep=self.run["checkpoints_to_keep"],
+            final=final,
+        )
+
+    def finished(self, final: dict[str, Any]) -> None:
+        if "full_valid_loss" in final:
+            self.event(
+                f"Full validation loss {final['full_valid_loss']:.4f}, token accuracy "
+                f"{final['full_valid_mean_token_accuracy']:.3f}",
+                **final,
+            )
+
+
+def _newest_checkpoint(run_dir: Path) -> Path:
+    found = sorted(run_dir.glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else run_dir

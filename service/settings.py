@@ -1,0 +1,112 @@
+"""`Settings`: how the control plane is configured, read once from the environment.
+
+- `PSTAR_DATA_DIR` (default `./pstar-data`): files, models (`models/<id>/`), runs, and
+  the SQLite store;
+- `PSTAR_DB_URL` (default SQLite `store.db` in the data dir): any SQLAlchemy URL, e.g.
+  `postgresql+psycopg://user@host/db`;
+- `PSTAR_API_TOKENS`: comma-separated `tenant:token` pairs; a bare token is tenant
+  `default`;
+- `PSTAR_MAX_UPLOAD_BYTES` (default 1 GiB): larger uploads get 413;
+- `RAY_ADDRESS`: a Ray cluster's dashboard URL (`http://head:8265`); without it
+  `pstar serve` starts a local head.
+
+Paths a client sends are never used as paths: every file the service writes is under the
+data dir, with names the service chose.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DEFAULT_MAX_UPLOAD = 1 << 30
+
+
+class SettingsError(ValueError):
+    """The environment configures the service wrongly; the message says which variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path
+    db_url: str
+    tokens: dict[str, str] = field(repr=False)  # token -> tenant
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD
+    ray_address: str | None = None
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.data_dir / "runs"
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.runs_dir / job_id
+
+    def finetuned_dir(self, job_id: str) -> Path:
+        """Where a job's exported model goes (hidden from the base-model scan by the dot)."""
+        return self.models_dir / ".ft" / job_id
+
+    def ensure_dirs(self) -> None:
+        for d in (self.files_dir, self.models_dir, self.runs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if env is None else env)
+        data_dir = Path(env.get("PSTAR_DATA_DIR") or "pstar-data").resolve()
+        db_url = env.get("PSTAR_DB_URL") or f"sqlite:///{data_dir / 'store.db'}"
+        raw_max = env.get("PSTAR_MAX_UPLOAD_BYTES", "")
+        try:
+            max_upload = int(raw_max) if raw_max else DEFAULT_MAX_UPLOAD
+        except ValueError:
+            raise SettingsError(
+                f"PSTAR_MAX_UPLOAD_BYTES must be a whole number of bytes, got {raw_max!r}"
+            ) from None
+        if max_upload <= 0:
+            raise SettingsError(f"PSTAR_MAX_UPLOAD_BYTES must be positive, got {max_upload}")
+        return cls(
+            data_dir=data_dir,
+            db_url=db_url,
+            tokens=parse_tokens(env.get("PSTAR_API_TOKENS", "")),
+            max_upload_bytes=max_upload,
+            ray_address=env.get("RAY_ADDRESS") or None,
+        )
+
+
+def parse_tokens(raw: str) -> dict[str, str]:
+    """`tenant:token,token2` -> {token: tenant}; a bare token belongs to tenant `default`."""
+    out: dict[str, str] = {}
+    for i, item in enumerate(x.strip() for x in raw.split(",")):
+        if not item:
+            continue
+        tenant, sep, token = item.rpartition(":")
+        tenant = tenant if sep else "default"
+        if not TENANT_RE.match(tenant):
+            raise SettingsError(
+                f"PSTAR_API_TOKENS entry {i + 1}: tenant {tenant!r} must be 1-64 letters, digits, "
+                "'.', '_' or '-'"
+            )
+        if len(token) < 8:
+            raise SettingsError(
+                f"PSTAR_API_TOKENS entry {i + 1} (tenant {tenant}): a token needs at least 8 "
+                "characters"
+            )
+        if token in out and out[token] != tenant:
+            raise SettingsError(f"PSTAR_API_TOKENS: one token is given to two tenants ({tenant})")
+        out[token] = tenant
+    return out
+
+
+def new_token() -> str:
+    return "pstar-" + secrets.token_urlsafe(24)

@@ -1,0 +1,558 @@
+"""The store: the record of files, jobs, attempts, events, metrics and checkpoints.
+
+`Store(url)` opens SQLite (WAL, a busy timeout, one in-process writer at a time so the
+control plane's threads never spin in SQLite's busy handler) or PostgreSQL, and
+`migrate()` brings the schema to Alembic's head. Methods open a short session each and
+return detached rows; every read a client can cause filters on the tenant.
+
+Terminal job states never change: every status write is a conditional UPDATE that
+matches only non-terminal rows, so a late report from a driver cannot revive a
+cancelled job, and two writers cannot both finish one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, delete, event, func, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.store.models import (
+    Attempt,
+    Base,
+    Checkpoint,
+    Event,
+    File,
+    Job,
+    JobStats,
+    MetricPoint,
+)
+
+__all__ = [
+    "ACTIVE",
+    "TERMINAL",
+    "Attempt",
+    "Base",
+    "Checkpoint",
+    "Event",
+    "File",
+    "IdempotencyConflict",
+    "Job",
+    "JobStats",
+    "MetricPoint",
+    "Store",
+    "new_id",
+]
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+ACTIVE = ("validating_files", "queued", "running")
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+class IdempotencyConflict(Exception):
+    """The same Idempotency-Key came with a different request body."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__(job.id)
+        self.job = job
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    import json
+
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Store:
+    def __init__(self, url: str, *, pool_size: int = 20) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        kwargs: dict[str, Any] = {}
+        if self.is_sqlite:
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        if self.is_sqlite and (path := url.split("///", 1)[-1]) and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.engine: Engine = create_engine(url, **kwargs)
+        write_bind = self.engine
+        if self.is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_connect)
+            event.listen(self.engine, "begin", _sqlite_begin)
+            # writers take SQLite's write lock at BEGIN: a deferred transaction that reads
+            # and then writes fails at once when another process (a job driver) writes
+            write_bind = self.engine.execution_options(sqlite_immediate=True)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(write_bind, expire_on_commit=False)
+        # SQLite takes one writer at a time; serializing ours in-process keeps the
+        # control plane's threads out of its sleeping busy handler (a latency cliff).
+        self._write_lock = threading.Lock() if self.is_sqlite else contextlib.nullcontext()
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest Alembic revision (idempotent)."""
+        from alembic import command
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        with self._write_lock, self.engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Session]:
+        with self._sessions() as s:
+            yield s
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Session]:
+        with self._write_lock, self._write_sessions() as s, s.begin():
+            yield s
+
+    def ping(self) -> None:
+        with self.read() as s:
+            s.execute(select(1))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- files --------------------------------------------------------------------------
+
+    def add_file(self, f: File) -> File:
+        with self.write() as s:
+            s.add(f)
+        return f
+
+    def get_file(self, tenant: str, file_id: str) -> File | None:
+        with self.read() as s:
+            return s.scalar(select(File).where(File.id == file_id, File.tenant == tenant))
+
+    def list_files(
+        self, tenant: str, after: str | None, limit: int, purpose: str | None, order: str = "desc"
+    ) -> tuple[list[File], bool]:
+        q = select(File).where(File.tenant == tenant)
+        if purpose:
+            q = q.where(File.purpose == purpose)
+        desc = order == "desc"
+        if after:
+            with self.read() as s:
+                cursor = s.scalar(select(File.seq).where(File.id == after, File.tenant == tenant))
+            if cursor is not None:
+                q = q.where(File.seq < cursor if desc else File.seq > cursor)
+        q = q.order_by(File.seq.desc() if desc else File.seq.asc()).limit(limit + 1)
+        with self.read() as s:
+            rows = list(s.scalars(q))
+        return rows[:limit], len(rows) > limit
+
+    def delete_file(self, tenant: str, file_id: str) -> File | None:
+        with self.write() as s:
+            f = s.scalar(select(File).where(File.id == file_id, File.tenant == tenant))
+            if f is not None:
+                s.delete(f)
+            return f
+
+    def file_in_use(self, tenant: str, file_id: str) -> str | None:
+        """The id of an unfinished job that trains on this file, if any."""
+        with self.read() as s:
+            return s.scalar(
+                select(Job.id)
+                .where(Job.tenant == tenant, Job.status.in_(ACTIVE))
+                .where((Job.training_file == file_id) | (Job.validation_file == file_id))
+                .limit(1)
+            )
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def create_job(self, job: Job, first_event: str) -> tuple[Job, bool]:
+        """Insert `job` (and its first event); with an idempotency key already used by
+        this tenant, return that job instead: (job, created). A different body under the
+        same key raises `IdempotencyConflict`."""
+        if job.idempotency_key:
+            existing = self.job_by_idempotency_key(job.tenant, job.idempotency_key)
+            if existing is not None:
+                return self._same_or_conflict(existing, job), False
+        try:
+            with self.write() as s:
+                s.add(job)
+                s.flush()
+                s.add(_event(job.id, first_event))
+        except IntegrityError:
+            existing = (
+                self.job_by_idempotency_key(job.tenant, job.idempotency_key)
+                if job.idempotency_key
+                else None
+            )
+            if existing is None:
+                raise
+            return self._same_or_conflict(existing, job), False
+        return job, True
+
+    def job_by_idempotency_key(self, tenant: str, key: str) -> Job | None:
+        with self.read() as s:
+            return s.scalar(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key))
+
+    @staticmethod
+    def _same_or_conflict(existing: Job, new: Job) -> Job:
+        if existing.request_hash != new.request_hash:
+            raise IdempotencyConflict(existing)
+        return existing
+
+    def get_job(self, job_id: str, tenant: str | None = None) -> Job | None:
+        q = select(Job).where(Job.id == job_id)
+        if tenant is not None:
+            q = q.where(Job.tenant == tenant)
+        with self.read() as s:
+            return s.scalar(q)
+
+    def list_jobs(
+        self,
+        tenant: str,
+        after: str | None,
+        limit: int,
+        status: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> tuple[list[Job], bool]:
+        q = select(Job).where(Job.tenant == tenant)
+        if status:
+            q = q.where(Job.status == status)
+        if after:
+            with self.read() as s:
+                cursor = s.scalar(select(Job.seq).where(Job.id == after, Job.tenant == tenant))
+            if cursor is not None:
+                q = q.where(Job.seq < cursor)
+        if metadata:
+            # metadata is a small JSON object: filter after the query (portable across
+            # SQLite and PostgreSQL JSON operators), reading in pages until `limit` match
+            rows: list[Job] = []
+            with self.read() as s:
+                for job in s.scalars(q.order_by(Job.seq.desc())):
+                    if all((job.metadata_ or {}).get(k) == v for k, v in metadata.items()):
+                        rows.append(job)
+                        if len(rows) > limit:
+                            break
+            return rows[:limit], len(rows) > limit
+        with self.read() as s:
+            rows = list(s.scalars(q.order_by(Job.seq.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+    def active_jobs(self) -> list[Job]:
+        with self.read() as s:
+            return list(s.scalars(select(Job).where(Job.status.in_(ACTIVE)).order_by(Job.seq)))
+
+    def count_jobs_by_status(self) -> dict[str, int]:
+        with self.read() as s:
+            return dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+    def update_job(self, job_id: str, event: str | None = None, **values: Any) -> bool:
+        """Set fields of a job that is not terminal yet (a `status` among them may make it
+        terminal); False when it already was. `event` is logged in the same transaction."""
+        if values.get("status") in TERMINAL:
+            values.setdefault("finished_at", int(time.time()))
+        with self.write() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.not_in(TERMINAL))
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+            changed = res.rowcount == 1
+            if changed and event:
+                level = "error" if values.get("status") == "failed" else "info"
+                s.add(_event(job_id, event, level=level))
+            return changed
+
+    def mark_running(self, job_id: str, attempt: int) -> bool:
+        """queued -> running, by the attempt that owns the job; logged once per job."""
+        now = int(time.time())
+        with self.write() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.in_(("validating_files", "queued")))
+                .where(Job.attempt == attempt)
+                .values(status="running", started_at=func.coalesce(Job.started_at, now))
+                .execution_options(synchronize_session=False)
+            )
+            if res.rowcount == 1:
+                s.add(_event(job_id, "Fine-tuning job started", data={"attempt": attempt}))
+                return True
+            return False
+
+    def fine_tuned_models(self, tenant: str) -> list[Job]:
+        with self.read() as s:
+            return list(
+                s.scalars(
+                    select(Job)
+                    .where(Job.tenant == tenant, Job.fine_tuned_model.is_not(None))
+                    .order_by(Job.seq)
+                )
+            )
+
+    def job_by_model(self, tenant: str, model_id: str) -> Job | None:
+        with self.read() as s:
+            return s.scalar(
+                select(Job).where(Job.tenant == tenant, Job.fine_tuned_model == model_id)
+            )
+
+    # -- attempts -----------------------------------------------------------------------
+
+    def start_attempt(self, job_id: str, number: int, reason: str) -> Attempt | None:
+        """Record attempt `number` before it is submitted (state `submitting`); None if the
+        job is terminal or the attempt exists (another reconciler got there first)."""
+        att = Attempt(
+            job_id=job_id,
+            number=number,
+            submission_id=f"{job_id}-a{number}",
+            state="submitting",
+            reason=reason,
+            created_at=time.time(),
+        )
+        try:
+            with self.write() as s:
+                res = s.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.status.not_in(TERMINAL), Job.attempt == number - 1)
+                    .values(attempt=number)
+                    .execution_options(synchronize_session=False)
+                )
+                if res.rowcount != 1:
+                    return None
+                s.add(att)
+                s.add(_event(job_id, reason, data={"attempt": number}))
+        except IntegrityError:
+            return None
+        return att
+
+    def get_attempt(self, job_id: str, number: int) -> Attempt | None:
+        with self.read() as s:
+            return s.get(Attempt, (job_id, number))
+
+    def attempts(self, job_id: str) -> list[Attempt]:
+        with self.read() as s:
+            return list(
+                s.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
+            )
+
+    def open_attempts(self) -> list[Attempt]:
+        with self.read() as s:
+            return list(s.scalars(select(Attempt).where(Attempt.state != "ended")))
+
+    def update_attempt(self, job_id: str, number: int, **values: Any) -> None:
+        with self.write() as s:
+            s.execute(
+                update(Attempt)
+                .where(Attempt.job_id == job_id, Attempt.number == number)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+
+    # -- events, metrics, checkpoints, stats --------------------------------------------
+
+    def add_event(
+        self,
+        job_id: str,
+        message: str,
+        *,
+        level: str = "info",
+        type: str = "message",
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        with self.write() as s:
+            s.add(_event(job_id, message, level=level, type=type, data=data))
+
+    def list_events(
+        self,
+        job_id: str,
+        after: int | None,
+        limit: int,
+        type: str | None = None,
+        order: str = "desc",
+    ) -> tuple[list[Event], bool]:
+        """Events newest first (OpenAI's order); `after` is the seq of the last one seen,
+        so the next page holds older events. `order="asc"` reads forward instead."""
+        q = select(Event).where(Event.job_id == job_id)
+        if type:
+            q = q.where(Event.type == type)
+        desc = order == "desc"
+        if after is not None:
+            q = q.where(Event.seq < after if desc else Event.seq > after)
+        q = q.order_by(Event.seq.desc() if desc else Event.seq.asc()).limit(limit + 1)
+        with self.read() as s:
+            rows = list(s.scalars(q))
+        return rows[:limit], len(rows) > limit
+
+    def record_metrics(
+        self, job_id: str, attempt: int, step: int, values: dict[str, Any], message: str
+    ) -> None:
+        """A step's numbers (replacing a row for the same step from an earlier attempt) and
+        the OpenAI-style metrics event, in one transaction."""
+        with self.write() as s:
+            s.execute(
+                delete(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step == step)
+            )
+            now = time.time()
+            s.add(
+                MetricPoint(
+                    job_id=job_id, step=step, attempt=attempt, created_at=now, values=values
+                )
+            )
+            s.add(
+                _event(
+                    job_id, message, type="metrics", data={"step": step, **_openai_metrics(values)}
+                )
+            )
+
+    def metric_points(
+        self, job_id: str, step_from: int | None = None, step_to: int | None = None
+    ) -> list[MetricPoint]:
+        q = select(MetricPoint).where(MetricPoint.job_id == job_id)
+        if step_from is not None:
+            q = q.where(MetricPoint.step >= step_from)
+        if step_to is not None:
+            q = q.where(MetricPoint.step <= step_to)
+        with self.read() as s:
+            return list(s.scalars(q.order_by(MetricPoint.step)))
+
+    def add_checkpoint(
+        self,
+        job_id: str,
+        step: int,
+        metrics: dict[str, Any],
+        path: str,
+        keep: int,
+        final: bool = False,
+    ) -> Checkpoint:
+        """Record a checkpoint; keep the newest `keep` non-final ones (as Ray Train keeps
+        them on disk) plus the final one."""
+        ck = Checkpoint(
+            id=new_id("ftckpt"),
+            job_id=job_id,
+            step=step,
+            metrics=metrics,
+            path=path,
+            final=final,
+            created_at=int(time.time()),
+        )
+        with self.write() as s:
+            s.execute(
+                delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+            )
+            s.add(ck)
+            s.flush()
+            old = list(
+                s.scalars(
+                    select(Checkpoint.seq)
+                    .where(Checkpoint.job_id == job_id, Checkpoint.final.is_(False))
+                    .order_by(Checkpoint.step.desc())
+                    .offset(keep)
+                )
+            )
+            if old:
+                s.execute(delete(Checkpoint).where(Checkpoint.seq.in_(old)))
+            s.add(
+                _event(
+                    job_id,
+                    f"{'Final checkpoint' if final else 'Checkpoint'} at step {step}",
+                    data={"step": step, "checkpoint": ck.id},
+                )
+            )
+        return ck
+
+    def list_checkpoints(
+        self, job_id: str, after: str | None, limit: int
+    ) -> tuple[list[Checkpoint], bool]:
+        q = select(Checkpoint).where(Checkpoint.job_id == job_id)
+        if after:
+            with self.read() as s:
+                cursor = s.scalar(
+                    select(Checkpoint.seq).where(
+                        Checkpoint.id == after, Checkpoint.job_id == job_id
+                    )
+                )
+            if cursor is not None:
+                q = q.where(Checkpoint.seq < cursor)
+        with self.read() as s:
+            rows = list(s.scalars(q.order_by(Checkpoint.seq.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+    def set_stats(
+        self, job_id: str, trace: dict[str, Any] | None = None, tiers: dict[str, Any] | None = None
+    ) -> None:
+        with self.write() as s:
+            row = s.get(JobStats, job_id)
+            if row is None:
+                row = JobStats(job_id=job_id, updated_at=time.time())
+                s.add(row)
+            row.updated_at = time.time()
+            if trace is not None:
+                row.trace = trace
+            if tiers is not None:
+                row.tiers = tiers
+
+    def get_stats(self, job_id: str) -> JobStats | None:
+        with self.read() as s:
+            return s.get(JobStats, job_id)
+
+    def files_by_ids(self, tenant: str, ids: Sequence[str]) -> dict[str, File]:
+        with self.read() as s:
+            rows = s.scalars(select(File).where(File.tenant == tenant, File.id.in_(list(ids))))
+            return {f.id: f for f in rows}
+
+
+def _event(
+    job_id: str,
+    message: str,
+    *,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> Event:
+    return Event(
+        job_id=job_id, created_at=time.time(), level=level, type=type, message=message, data=data
+    )
+
+
+# the names OpenAI's metrics events and checkpoints use, from ours
+OPENAI_METRIC_NAMES = {
+    "train_loss": "train_loss",
+    "train_mean_token_accuracy": "train_mean_token_accuracy",
+    "valid_loss": "valid_loss",
+    "valid_mean_token_accuracy": "valid_mean_token_accuracy",
+    "full_valid_loss": "full_valid_loss",
+    "full_valid_mean_token_accuracy": "full_valid_mean_token_accuracy",
+    "tokens_per_second": "tokens_per_second",
+}
+
+
+def _openai_metrics(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: values[k] for k in OPENAI_METRIC_NAMES if values.get(k) is not None}
+
+
+def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    # SQLAlchemy emits BEGIN itself (below), so pysqlite must not open transactions
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    immediate = conn.get_execution_options().get("sqlite_immediate", False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")

@@ -1,0 +1,92 @@
+"""An API server for the tests: the real app on uvicorn in a thread, on loopback, with
+a dry launcher (jobs are submitted but nothing runs) and two tenants, on SQLite and on
+PostgreSQL. Tests call it the way users do: the `openai` SDK and plain HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import fresh_database
+
+TOKENS = {"acme": "tok-acme-0123456789", "rival": "tok-rival-0123456789"}
+
+
+@dataclass
+class ApiServer:
+    url: str
+    settings: object
+    store: object
+    launcher: object
+    backend: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.url}/v1"
+
+    def client(self, tenant: str = "acme"):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base, api_key=TOKENS[tenant], max_retries=0)
+
+    def headers(self, tenant: str = "acme") -> dict[str, str]:
+        return {"Authorization": f"Bearer {TOKENS[tenant]}"}
+
+
+def start_api(data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 20):
+    import uvicorn
+
+    from api.app import create_app
+    from service.launcher import DryLauncher
+    from service.settings import Settings
+    from service.store import Store
+    from tests.tiny import make_tiny_llama
+
+    settings = Settings(
+        data_dir=data_dir,
+        db_url=db_url,
+        tokens={tok: tenant for tenant, tok in TOKENS.items()},
+        max_upload_bytes=max_upload,
+    )
+    settings.ensure_dirs()
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    store = Store(db_url)
+    store.migrate()
+    launcher = DryLauncher()
+    app = create_app(settings, store, launcher, reconcile=True, reconcile_interval_s=0.1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline:
+            raise RuntimeError("the API server did not start")
+        time.sleep(0.02)
+    api = ApiServer(f"http://127.0.0.1:{port}", settings, store, launcher, backend)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=30)
+        store.close()
+
+    return api, stop
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def api(request, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("api")
+    if request.param == "sqlite":
+        url = f"sqlite:///{data_dir / 'store.db'}"
+    else:
+        url = fresh_database(request.getfixturevalue("pg_server"))
+    server, stop = start_api(data_dir, url, request.param, max_upload=64 * 1024)
+    yield server
+    stop()

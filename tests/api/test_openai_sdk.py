@@ -1,0 +1,267 @@
+"""The API through the unmodified `openai` SDK, on SQLite and PostgreSQL: files, models,
+job create/list/retrieve/cancel/events/checkpoints, idempotency, tenants, tokens.
+(The launcher here is dry: jobs are submitted as Ray jobs that never run; the Ray tests
+run them for real.)"""
+
+from __future__ import annotations
+
+import io
+import time
+
+import httpx
+import pytest
+
+from tests.tiny import chat_lines
+
+openai = pytest.importorskip("openai")
+
+
+def upload(client, lines: list[str], name: str = "train.jsonl"):
+    data = ("\n".join(lines) + "\n").encode()
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="fine-tune")
+
+
+def wait_submitted(client, job_id: str, timeout: float = 10.0):
+    """The job once the reconciler has queued it and submitted attempt 1."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status == "queued" and job.model_extra["attempt"] == 1:
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} stayed {job.status}, attempt {job.model_extra['attempt']}")
+
+
+def test_upload_is_validated_counted_and_checksummed(api):
+    import hashlib
+
+    c = api.client()
+    lines = chat_lines(12)
+    f = upload(c, lines)
+    body = ("\n".join(lines) + "\n").encode()
+    assert f.id.startswith("file-")
+    assert (f.bytes, f.purpose, f.status, f.filename) == (
+        len(body),
+        "fine-tune",
+        "processed",
+        "train.jsonl",
+    )
+    assert f.model_extra["examples"] == 12
+    assert f.model_extra["format"] == "chat"
+    assert f.model_extra["sha256"] == hashlib.sha256(body).hexdigest()
+    assert c.files.retrieve(f.id).id == f.id
+    assert f.id in [x.id for x in c.files.list()]
+    # stored under the id the server chose, byte for byte
+    assert (api.settings.files_dir / f.id).read_bytes() == body
+    assert httpx.get(f"{api.base}/files/{f.id}/content", headers=api.headers()).content == body
+
+
+def test_models_lists_base_zoo_and_retrieves_one(api):
+    c = api.client()
+    ids = {m.id: m for m in c.models.list()}
+    assert ids["tiny-llama"].model_extra["kind"] == "base"
+    assert ids["gpt-tiny"].model_extra["kind"] == "zoo"
+    assert c.models.retrieve("tiny-llama").id == "tiny-llama"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("no-such-model")
+
+
+def test_create_resolves_auto_and_the_job_is_queued_and_submitted_to_ray(api):
+    c = api.client()
+    f = upload(c, chat_lines(20))
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=f.id,
+        suffix="mine",
+        seed=7,
+        metadata={"team": "blue"},
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2}}},
+        extra_body={"resources": {"num_workers": 2}, "hyperparameters": None, "max_attempts": 2},
+    )
+    assert job.status == "validating_files"
+    assert job.hyperparameters.n_epochs == 2
+    assert job.hyperparameters.batch_size == 8  # auto: 8, a multiple of the 2 workers
+    assert job.hyperparameters.learning_rate_multiplier == 1.0
+    assert (job.seed, job.metadata, job.model) == (7, {"team": "blue"}, "tiny-llama")
+    job = wait_submitted(c, job.id)
+    assert f"{job.id}-a1" in api.launcher.submitted  # the deterministic submission id
+    messages = [e.message for e in c.fine_tuning.jobs.list_events(job.id)]
+    assert messages[-1].startswith("Created fine-tuning job")  # newest first
+    assert any("Attempt 1 submitted" in m for m in messages)
+
+
+def test_list_pages_with_after_and_limit_and_filters_by_status(api):
+    c = api.client()
+    f = upload(c, chat_lines(8))
+    made = [c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id).id for _ in range(3)]
+    page = c.fine_tuning.jobs.list(limit=2)
+    assert [j.id for j in page.data] == made[::-1][:2]
+    assert page.has_more
+    rest = c.fine_tuning.jobs.list(limit=2, after=page.data[-1].id)
+    assert rest.data[0].id == made[0]
+    every = [j.id for j in c.fine_tuning.jobs.list(limit=2)]  # iterating pages on
+    assert every[:3] == made[::-1]
+    c.fine_tuning.jobs.cancel(made[1])
+    cancelled = c.fine_tuning.jobs.list(extra_query={"status": "cancelled"}).data
+    assert made[1] in [j.id for j in cancelled]
+    assert all(j.status == "cancelled" for j in cancelled)
+
+
+def test_cancel_stops_the_ray_job_and_a_second_cancel_is_a_conflict(api):
+    c = api.client()
+    f = upload(c, chat_lines(8))
+    job = c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
+    wait_submitted(c, job.id)
+    done = c.fine_tuning.jobs.cancel(job.id)
+    assert done.status == "cancelled"
+    assert done.finished_at is not None
+    assert f"{job.id}-a1" in api.launcher.stopped
+    with pytest.raises(openai.ConflictError) as err:
+        c.fine_tuning.jobs.cancel(job.id)
+    assert "cancelled" in str(err.value)
+    time.sleep(0.3)  # the reconciler must not revive it
+    assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+
+
+def test_a_retried_create_with_the_same_key_returns_the_same_job(api):
+    c = api.client()
+    f = upload(c, chat_lines(8))
+    key = {"Idempotency-Key": f"retry-{api.backend}"}
+    a = c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id, extra_headers=key)
+    b = c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id, extra_headers=key)
+    assert a.id == b.id
+    with pytest.raises(openai.ConflictError) as err:
+        c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id, seed=3, extra_headers=key)
+    assert "different request body" in str(err.value)
+    # the same key is another tenant's own business
+    g = upload(api.client("rival"), chat_lines(8))
+    other = api.client("rival").fine_tuning.jobs.create(
+        model="gpt-tiny", training_file=g.id, extra_headers=key
+    )
+    assert other.id != a.id
+
+
+def test_tenants_see_only_their_own_objects(api):
+    mine, theirs = api.client("acme"), api.client("rival")
+    f = upload(mine, chat_lines(8))
+    job = mine.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.files.retrieve(f.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.fine_tuning.jobs.retrieve(job.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.fine_tuning.jobs.cancel(job.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.fine_tuning.jobs.list_events(job.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.fine_tuning.jobs.checkpoints.list(job.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.files.delete(f.id)
+    assert f.id not in [x.id for x in theirs.files.list()]
+    assert job.id not in [j.id for j in theirs.fine_tuning.jobs.list()]
+    # training on another tenant's file: refused, nothing stored
+    before = len(theirs.fine_tuning.jobs.list().data)
+    with pytest.raises(openai.BadRequestError) as err:
+        theirs.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
+    assert err.value.body["param"] == "training_file"
+    assert len(theirs.fine_tuning.jobs.list().data) == before
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong-token-123"}, {"Authorization": "Basic abc"}],
+)
+def test_every_route_but_health_needs_a_token(api, headers):
+    for method, path in (
+        ("GET", "/v1/files"),
+        ("POST", "/v1/files"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/fine_tuning/jobs"),
+        ("POST", "/v1/fine_tuning/jobs"),
+        ("GET", "/v1/fine_tuning/jobs/ftjob-x/events"),
+        ("GET", "/metrics"),
+    ):
+        r = httpx.request(method, api.url + path, headers=headers)
+        assert r.status_code == 401, (method, path)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(api.url + "/healthz").status_code == 200
+    assert httpx.get(api.url + "/readyz").json()["checks"] == {"store": "ok", "ray": "ok"}
+    bad = api.client()
+    bad.api_key = "wrong-token-123"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_deleting_a_file_in_use_is_refused_and_a_free_one_goes(api):
+    c = api.client()
+    f = upload(c, chat_lines(8))
+    job = c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
+    with pytest.raises(openai.ConflictError):
+        c.files.delete(f.id)
+    c.fine_tuning.jobs.cancel(job.id)
+    assert c.files.delete(f.id).deleted
+    assert not (api.settings.files_dir / f.id).exists()
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id)
+
+
+def test_checkpoints_metrics_and_memory_of_a_job_not_started_are_empty(api):
+    c = api.client()
+    f = upload(c, chat_lines(8))
+    job = c.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
+    assert c.fine_tuning.jobs.checkpoints.list(job.id).data == []
+    m = httpx.get(f"{api.base}/fine_tuning/jobs/{job.id}/metrics", headers=api.headers()).json()
+    assert m["series"] == {}
+    mem = httpx.get(f"{api.base}/fine_tuning/jobs/{job.id}/memory", headers=api.headers()).json()
+    assert mem["available"] is False
+    assert mem["moments"] == 0
+
+
+def test_prometheus_metrics_count_requests_and_jobs(api):
+    c = api.client()
+    c.models.list()
+    text = httpx.get(api.url + "/metrics", headers=api.headers()).text
+    assert 'pstar_http_requests_total{method="GET",route="/v1/models",status="200"}' in text, text
+    assert 'pstar_jobs{status="queued"}' in text
+
+
+def test_validate_reports_data_and_fit_and_stores_nothing(api):
+    c = api.client()
+    f = upload(c, chat_lines(16))
+    before = len(c.fine_tuning.jobs.list(limit=100).data)
+    r = httpx.post(
+        f"{api.base}/fine_tuning/jobs/validate",
+        headers=api.headers(),
+        json={"model": "tiny-llama", "training_file": f.id, "resources": {"num_workers": 2}},
+    )
+    assert r.status_code == 200, r.text
+    rep = r.json()
+    data = rep["data"]["training_file"]
+    assert data["examples"] == 16
+    assert data["rows"] == 16
+    assert data["truncated_examples"] == 0
+    assert rep["data"]["seq_len"] % 16 == 0
+    assert rep["data"]["seq_len"] >= data["longest_example_tokens"]
+    est = rep["estimate"]
+    assert est["steps"] == rep["data"]["total_steps"] == 2 * 7  # 16 rows / 8, 7 epochs (auto)
+    per_rank = est["per_rank"]
+    assert per_rank["workers"] == 2
+    assert per_rank["chunk_bytes"] * 2 == est["chunk_plan"]["chunk_bytes"]
+    assert rep["fits"] is True
+    assert est["overflow"] is None
+    # a host budget below a rank's chunks: does not fit, and says by how much
+    r = httpx.post(
+        f"{api.base}/fine_tuning/jobs/validate",
+        headers=api.headers(),
+        json={
+            "model": "tiny-llama",
+            "training_file": f.id,
+            "engine": {"memory": {"host_budget": 1000}},
+        },
+    )
+    rep = r.json()
+    assert rep["fits"] is False
+    assert rep["estimate"]["overflow"]["tier"] == "host"
+    assert rep["estimate"]["overflow"]["bytes"] == rep["estimate"]["per_rank"]["chunk_bytes"] - 1000
+    assert len(c.fine_tuning.jobs.list(limit=100).data) == before

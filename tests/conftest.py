@@ -1,0 +1,43 @@
+"""Fixtures shared by the service and API tests: one throw-away PostgreSQL server per
+session (started here, stopped by PID), a fresh database per user of it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+_db_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory):
+    from tests.pgserver import PgServer, find_pg_bindir
+
+    if find_pg_bindir() is None:
+        pytest.skip("PostgreSQL server binaries (initdb) not found: install Debian's postgresql")
+    server = PgServer.start(tmp_path_factory.mktemp("pg"))
+    yield server
+    server.stop()
+
+
+def fresh_database(server) -> str:
+    """A new, empty database on the session's server; its SQLAlchemy URL."""
+    import psycopg
+
+    name = f"t{next(_db_counter)}"
+    dsn = (
+        server.url.replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.url.rsplit("/", 1)[0] + f"/{name}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    """A store URL on each backend (PostgreSQL from the session's server)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    return fresh_database(request.getfixturevalue("pg_server"))
