@@ -39,6 +39,7 @@ def create_app(
     reconcile: bool = False,
     reconcile_interval_s: float = 1.0,
     ray_supervisor: Any = None,
+    on_shutdown: Any = None,
 ) -> FastAPI:
     from api.metrics import ApiMetrics
     from api.routes import files, jobs, models, system
@@ -64,6 +65,10 @@ def create_app(
         finally:
             if ctx.reconciler is not None:
                 ctx.reconciler.stop()
+            if on_shutdown is not None:
+                # here, not after uvicorn returns: uvicorn re-raises the SIGTERM it caught
+                # once the app has shut down, which ends the process
+                on_shutdown()
 
     app = FastAPI(
         title="PatrickStar Service",

@@ -75,5 +75,10 @@ fi
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf') and u.find_spec('accelerate')))" \
   || pipq gguf accelerate
 .venv/bin/python scripts/prepare_smollm2.py
+# The service finds base models in its data dir (models/<id>/): `pstar run`'s default data
+# dir is .cache/pstar, so SmolLM2 is linked there.
+mkdir -p .cache/pstar/models
+[ -e .cache/pstar/models/SmolLM2-135M-Instruct ] \
+  || ln -s ../../models/SmolLM2-135M-Instruct .cache/pstar/models/SmolLM2-135M-Instruct
 
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -335,6 +335,8 @@ def run(
     try:
         c = Client(url, find_token(data_dir))
         _wait_ready(c, proc, data_dir)
+        ray_url = c.http.get("/readyz").json().get("ray_dashboard_url")
+        console.print(f"API {url}/v1 (docs {url}/docs); Ray dashboard {ray_url} (Jobs page)")
         body = upload_spec_files(c, load_spec(spec), spec.resolve().parent)
         job = _call(c.post, "/v1/fine_tuning/jobs", body)
         workers = job["resources"]["num_workers"]

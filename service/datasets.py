@@ -13,7 +13,9 @@ when the tokenizer has none); an assistant message with `"weight": 0` is shown t
 model but not trained on, as in OpenAI's format. Which tokens count is decided on
 characters: each assistant message spans from the end of the prompt that asks for it
 (`add_generation_prompt=True`) to the end of the conversation rendered through it, and a
-token is trained on when its first character lies in such a span.
+token is trained on when its first character lies in such a span. (Where that rendering
+departs from the whole conversation's, as when a template puts EOS only at the very end,
+the span ends there and a token must lie wholly inside it.)
 
 Batches: one example per row, right-padded to `seq_len` (longer examples are truncated
 and counted); padded and untrained positions get label -100, which the loss ignores. With
@@ -93,7 +95,7 @@ class LineValidator:
             self._error(n, f"longer than {MAX_LINE_BYTES >> 20} MiB")
             return
         try:
-            line = raw.decode("utf-8")
+            line = decode_line(raw, first=n == 1)
         except UnicodeDecodeError as e:
             self._error(n, f"not UTF-8 (byte {e.start})")
             return
@@ -210,6 +212,13 @@ def iter_lines(path: Path) -> Iterator[bytes]:
             yield raw.rstrip(b"\r\n")
 
 
+def decode_line(raw: bytes, first: bool) -> str:
+    """A line as text; the first loses a UTF-8 byte-order mark (editors on Windows write
+    one), which would otherwise hide the `{` that tells JSONL from plain text."""
+    line = raw.decode("utf-8")
+    return line.removeprefix("\ufeff") if first else line
+
+
 def read_examples(path: Path) -> tuple[str, list[Any]]:
     """(format, examples) of a valid file; raises `DataError` on the first bad line."""
     check = check_file(path)
@@ -218,8 +227,8 @@ def read_examples(path: Path) -> tuple[str, list[Any]]:
     fmt = check.format or "text"
     out: list[Any] = []
     plain = None
-    for raw in iter_lines(path):
-        line = raw.decode("utf-8")
+    for i, raw in enumerate(iter_lines(path)):
+        line = decode_line(raw, first=i == 0)
         if not line.strip():
             continue
         if plain is None:
@@ -273,18 +282,41 @@ def example_tokens(tokenizer: Any, fmt: str, ex: dict[str, Any]) -> tuple[list[i
         return p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
     msgs = [{"role": m["role"], "content": m["content"]} for m in ex["messages"]]
     text = tokenizer.apply_chat_template(msgs, tokenize=False)
-    spans = []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    mask = [0] * len(offsets)
     for i, m in enumerate(ex["messages"]):
         if m["role"] != "assistant" or m.get("weight", 1) == 0:
             continue
-        start = len(
-            tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-        )
-        end = len(tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False))
-        spans.append((start, end))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(s <= a < e for s, e in spans)) for a, _b in enc["offset_mapping"]]
+        prompt = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        # Spans are placed by length, so they hold only where the renderings agree with
+        # `text`. Some templates close a whole conversation with EOS (Phi-3): the message
+        # then ends where `through` departs from `text`, and a token that crosses that
+        # point belongs to the next turn. Others render the last turn differently
+        # (reasoning templates add an empty think block): no token of the message agrees.
+        start, end = len(prompt), _agreeing_chars(text, through)
+        departs = end < len(through)
+        inside = [
+            k for k, (a, b) in enumerate(offsets) if start <= a < end and (b <= end or not departs)
+        ]
+        if not text.startswith(prompt) or not inside:
+            raise DataError(
+                f"the chat template renders messages[{i}] differently once later turns "
+                "follow it, so its loss mask cannot be placed; train on the last assistant "
+                'message only ("weight": 0 on the earlier ones)'
+            )
+        for k in inside:
+            mask[k] = 1
     return list(enc["input_ids"]), mask
+
+
+def _agreeing_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def tokenize(
@@ -333,12 +365,13 @@ def encode(tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]], seq_len
 
 
 def _encode_text(tokenizer: Any, docs: list[str], seq_len: int) -> Encoded:
-    eos = tokenizer.eos_token_id
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids: list[int] = []
+    longest = 0
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
-        if eos is not None:
-            ids.append(eos)
+        ids.extend(eos)
+        longest = max(longest, len(enc) + len(eos))
     n = len(ids) // seq_len
     rows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
     return Encoded(
@@ -348,7 +381,7 @@ def _encode_text(tokenizer: Any, docs: list[str], seq_len: int) -> Encoded:
         examples=len(docs),
         tokens=n * seq_len,
         loss_tokens=n * (seq_len - 1),
-        longest=max((len(d) for d in docs), default=0),
+        longest=longest,
     )
 
 

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -218,6 +219,9 @@ def fail(store: Store, job_id: str, code: str, message: str) -> None:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # stopped by Ray (cancel, head shutdown): exit at once, writing nothing; the store
+    # already says what happened (cancelled) or the reconciler will (a new attempt)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     job_id, attempt = argv[0], int(argv[1])
     settings = Settings.from_env()
     store = Store(settings.db_url, pool_size=2)
@@ -243,6 +247,11 @@ def main(argv: list[str]) -> int:
         error = getattr(result, "error", None)
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
+    if error is not None and lost_cluster(error):
+        # not the training's fault: the head, a node or the controller went away under
+        # this attempt. Leave the job active; the reconciler starts the next attempt.
+        log.error("job %s attempt %d: the Ray cluster failed under it: %s", job_id, attempt, error)
+        return 3
     if error is not None:
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         log.error("job %s attempt %d failed: %s", job_id, attempt, text)
@@ -251,6 +260,30 @@ def main(argv: list[str]) -> int:
     finish_success(settings, store, store.get_job(job_id) or job)
     log.info("job %s attempt %d: succeeded", job_id, attempt)
     return 0
+
+
+def lost_cluster(error: BaseException) -> bool:
+    """True when `error` says the Ray cluster failed, not the training code: a lost
+    controller, a preempted or dead node or actor, an unreachable head."""
+    import ray
+    from ray import exceptions as rx
+    from ray.train.v2.api.exceptions import ControllerError, PreemptionError, WorkerGroupError
+
+    def system(e: BaseException) -> bool:
+        return isinstance(e, rx.RayError) and not isinstance(e, rx.RayTaskError)
+
+    if isinstance(error, (ControllerError, PreemptionError)):
+        return True
+    if isinstance(error, WorkerGroupError):
+        failures = list(error.worker_failures.values())
+        return bool(failures) and all(system(e) for e in failures)
+    if system(error) or isinstance(error, ConnectionError):
+        return True
+    try:
+        ray.cluster_resources()
+    except Exception:
+        return True
+    return False
 
 
 def _short(text: str, limit: int = 2000) -> str:

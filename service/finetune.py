@@ -26,18 +26,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-RAY_GAUGES = (
-    "train_loss",
-    "valid_loss",
-    "tokens_per_second",
-    "step_time_s",
-    "tflops",
-    "model_data_bytes_device",
-    "model_data_bytes_host",
-    "model_data_bytes_disk",
-    "peak_non_model_bytes",
-    "memory_utilization",
-)
+VALID_SAMPLE_BATCHES = 2  # global batches of the validation file behind each valid_loss
 
 
 class Batches:
@@ -173,8 +162,11 @@ def train_func(config: dict[str, Any]) -> None:
         done = step + 1
         if valid_ids is not None and (done % eval_every == 0) and done < total:
             rep.phase("evaluating")
+            # the interval loss on a fixed sample (as OpenAI's valid_loss); the whole
+            # file is evaluated before training and at the end (full_valid_loss)
+            n = min(valid_ids.shape[0], VALID_SAMPLE_BATCHES * batch)
             values["valid_loss"], values["valid_mean_token_accuracy"] = evaluate(
-                engine, valid_ids, valid_labels, rank, world, local
+                engine, valid_ids[:n], valid_labels[:n], rank, world, local
             )
             rep.phase("training")
         rep.metrics(done, values, total=total)

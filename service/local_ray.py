@@ -163,14 +163,14 @@ class LocalRayHead:
         self._kill(info)
         raise RuntimeError(f"the local Ray head did not answer within {timeout_s:.0f} s")
 
-    def stop(self, timeout_s: float = 30) -> None:
+    def stop(self, timeout_s: float = 10) -> None:
         info = self._read() or self.info
         if info:
             self._kill(info, timeout_s)
         self.state_file.unlink(missing_ok=True)
 
     @staticmethod
-    def _kill(info: dict[str, Any], timeout_s: float = 30) -> None:
+    def _kill(info: dict[str, Any], timeout_s: float = 10) -> None:
         pid = info["pid"]
         if not pid_alive(pid):
             return
@@ -180,9 +180,9 @@ class LocalRayHead:
             time.sleep(0.2)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        # what is left of the session (GCS, raylet, workers of running jobs) goes at once
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _answers(url: str) -> bool:

@@ -121,6 +121,12 @@ def prepare(
         if tokenized is not None
         else encode(tok, fmt, train_ex, seq_len)
     )
+    if train.input_ids.shape[0] == 0 and fmt == "text":
+        # text rows are full cuts of the concatenated documents: a short text fills none
+        raise DataError(
+            f"no training rows: the text is shorter than one row of seq_len {seq_len} "
+            "tokens; lower hyperparameters.seq_len or add text"
+        )
     if train.input_ids.shape[0] == 0:
         raise DataError(
             f"no training rows: {train.dropped} example(s) had nothing left to train on "

@@ -92,6 +92,14 @@ def serve(
 
     settings, store, launcher, head = build(settings, ray_cpus, dashboard_port)
     supervisor = RaySupervisor(head, launcher) if head is not None else None
+
+    def shutdown() -> None:
+        store.close()
+        if head is not None and not keep_ray:
+            log.info("stopping the local Ray head (pid %s)", head.info.get("pid"))
+            head.stop()
+            log.info("the local Ray head has stopped")
+
     app = create_app(
         settings,
         store,
@@ -99,13 +107,8 @@ def serve(
         reconcile=True,
         reconcile_interval_s=reconcile_interval_s,
         ray_supervisor=supervisor,
+        on_shutdown=shutdown,
     )
     if on_ready:
         on_ready(settings, launcher, head)
-    try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
-    finally:
-        store.close()
-        if head is not None and not keep_ray:
-            log.info("stopping the local Ray head")
-            head.stop()
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()

@@ -282,7 +282,7 @@ class Store:
         with self.write() as s:
             res = s.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.status.in_(("validating_files", "queued")))
+                .where(Job.id == job_id, Job.status == "queued")
                 .where(Job.attempt == attempt)
                 .values(status="running", started_at=func.coalesce(Job.started_at, now))
                 .execution_options(synchronize_session=False)

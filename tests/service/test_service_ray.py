@@ -1,0 +1,328 @@
+"""The service end to end on a real local Ray: `pstar serve` as users start it (its own Ray
+head), driven through the unmodified `openai` SDK. Jobs train a tiny Llama on 2 Ray Train
+workers with chunk ZeRO (gloo). One Ray head serves the whole module: the SIGKILL test
+re-attaches to it; the graceful restart (last) stops it and starts another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tiny import chat_lines, make_tiny_llama
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+TOKEN = "tok-e2e-acme-0123456789"
+
+
+class Serve:
+    """A `pstar serve` process: started, killed and stopped by PID."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir / "serve.log"
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "PSTAR_DATA_DIR": str(self.data_dir),
+            "PSTAR_API_TOKENS": f"acme:{TOKEN}",
+        }
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "service.cli",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--ray-cpus",
+                    "4",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise AssertionError("pstar serve was not ready in 180 s:\n" + self.log.read_text()[-3000:])
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=TOKEN, max_retries=2)
+
+    def head_pid(self) -> int:
+        return json.loads((self.data_dir / "ray" / "head.json").read_text())["pid"]
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("svc")
+    make_tiny_llama(data_dir / "models" / "tiny-llama", hidden=128, layers=4)
+    s = Serve(data_dir)
+    s.start()
+    yield s
+    s.terminate()
+    from service.local_ray import LocalRayHead
+
+    LocalRayHead(data_dir / "ray").stop()  # in case a test left it behind
+
+
+@pytest.fixture(scope="module")
+def files(serve):
+    c = serve.client()
+    train = c.files.create(
+        file=("train.jsonl", io.BytesIO("\n".join(chat_lines(64)).encode())), purpose="fine-tune"
+    )
+    valid = c.files.create(
+        file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(16, 500)).encode())),
+        purpose="fine-tune",
+    )
+    return train.id, valid.id
+
+
+def create(serve, files, steps: int, **extra):
+    return serve.client().fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        suffix="e2e",
+        seed=3,
+        extra_body={
+            "hyperparameters": {
+                "n_epochs": 50,
+                "batch_size": 8,
+                "learning_rate_multiplier": 30,
+                "max_steps": steps,
+                "eval_every": 10,
+            },
+            "resources": {"num_workers": 2},
+            "engine": {"dtype": "fp32"},
+            "checkpoint_every": 10,
+            **extra,
+        },
+    )
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with contextlib.suppress(httpx.HTTPError, openai.APIConnectionError):
+            got = pred()
+            if got:
+                return got
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def store_of(serve):
+    from service.store import Store
+
+    return Store(f"sqlite:///{serve.data_dir / 'store.db'}")
+
+
+def metric_steps(serve, job_id: str) -> list[int]:
+    return [p.step for p in store_of(serve).metric_points(job_id)]
+
+
+def events(client, job_id: str):
+    return list(client.fine_tuning.jobs.list_events(job_id, limit=100))[::-1]
+
+
+def checkpoint_at(serve, job_id: str, step: int):
+    c = serve.client()
+    return any(ck.step_number >= step for ck in c.fine_tuning.jobs.checkpoints.list(job_id))
+
+
+def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_twice(serve, files):
+    c = serve.client()
+    job = create(serve, files, steps=60)
+    wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
+    head = serve.head_pid()
+    serve.kill9()
+    # the control plane is gone; the Ray job keeps training and reporting to the store
+    reached = metric_steps(serve, job.id)[-1]
+    wait_for(lambda: metric_steps(serve, job.id)[-1] > reached, 60, "progress while down")
+    serve.start()
+    assert serve.head_pid() == head  # re-attached to the same head, not a new one
+    done = wait_for(
+        lambda: (j := c.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
+        300,
+        "the job to end",
+    )
+    assert done.status == "succeeded", done.error
+    assert done.model_extra["attempt"] == 1  # one Ray job: nothing ran twice
+    assert done.fine_tuned_model == f"ft:tiny-llama:e2e:{job.id}"
+    assert done.trained_tokens
+    assert done.trained_tokens > 0
+    # events are continuous: every step once, in order, from before the kill to the end
+    assert metric_steps(serve, job.id) == list(range(0, 61))
+    ev = events(c, job.id)
+    steps = [e.data["step"] for e in ev if e.type == "metrics"]
+    assert steps == list(range(0, 61))
+    msgs = [e.message for e in ev if e.type == "message"]
+    assert msgs[0].startswith("Created fine-tuning job")
+    assert sum(m.startswith("Attempt") for m in msgs) == 1
+    assert msgs[-1].startswith("The job has successfully completed")
+    first = next(e.data for e in ev if e.type == "metrics" and e.data["step"] == 0)
+    # checkpoints: the newest three plus the final one, with metrics
+    cks = list(c.fine_tuning.jobs.checkpoints.list(job.id))
+    assert [ck.step_number for ck in cks] == [60, 50, 40, 30]
+    final = cks[0]
+    assert final.model_extra["final"] is True
+    assert final.metrics.full_valid_loss < first["full_valid_loss"]  # it learned
+    assert final.fine_tuned_model_checkpoint == f"{done.fine_tuned_model}:ckpt-step-60"
+    # the fine-tuned model is listed and loads with transformers
+    assert done.fine_tuned_model in [m.id for m in c.models.list()]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = serve.data_dir / "models" / ".ft" / job.id
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What does apple mean?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    assert model(**enc).logits.isfinite().all()
+    # the result file is OpenAI's metrics CSV, one row per step
+    csv_text = c.files.content(done.result_files[0]).text
+    assert csv_text.splitlines()[0].startswith("step,train_loss")
+    assert len(csv_text.splitlines()) == 1 + 61
+    # ours: metric series, the tracer timeline, logs
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    series = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job.id}/metrics", headers=h).json()[
+        "series"
+    ]
+    assert series["train_loss"]["steps"] == list(range(1, 61))
+    tiers = zip(
+        series["model_data_bytes_device"]["values"],
+        series["model_data_bytes_host"]["values"],
+        strict=True,
+    )
+    assert all(dev + host > 0 for dev, host in tiers)  # model data lives on some tier
+    assert all(v > 0 for v in series["tokens_per_second"]["values"])
+    assert series["comm_bytes_sent"]["values"][-1] > 0  # chunk ZeRO between the 2 workers
+    mem = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job.id}/memory", headers=h).json()
+    assert mem["available"]
+    assert mem["moments"] == len(mem["names"]) == len(mem["non_model_bytes"]) > 10
+    assert mem["peak_non_model_bytes"] == max(mem["non_model_bytes"]) > 0
+    logs = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job.id}/logs", headers=h, timeout=60).text
+    assert f"Ray job {job.id}-a1" in logs
+    assert "succeeded" in logs
+
+
+def test_cancel_stops_the_ray_job_and_its_workers(serve, files):
+    c = serve.client()
+    job = create(serve, files, steps=100_000)
+    wait_for(lambda: len(metric_steps(serve, job.id)) >= 3, 240, "training to start")
+    done = c.fine_tuning.jobs.cancel(job.id)
+    assert done.status == "cancelled"
+    from ray.job_submission import JobSubmissionClient
+
+    ray_url = httpx.get(serve.url + "/readyz").json()["ray_dashboard_url"]
+    ray_jobs = JobSubmissionClient(ray_url)
+    wait_for(
+        lambda: str(ray_jobs.get_job_info(f"{job.id}-a1").status.value) == "STOPPED",
+        60,
+        "Ray to stop the job",
+    )
+    wait_for(lambda: not _driver_pids(job.id), 60, "the driver process to exit")
+    time.sleep(3)
+    n = len(metric_steps(serve, job.id))
+    time.sleep(3)
+    assert len(metric_steps(serve, job.id)) == n  # no worker trains on
+    assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+
+
+def _driver_pids(job_id: str, attempt: int = 1) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-f", f"service.driver {job_id} {attempt}"], capture_output=True, text=True
+    ).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_a_killed_driver_becomes_a_second_attempt_that_resumes_from_the_checkpoint(serve, files):
+    c = serve.client()
+    job = create(serve, files, steps=40, max_attempts=2)
+    wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
+    pids = _driver_pids(job.id)
+    assert pids, "no driver process found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    done = wait_for(
+        lambda: (j := c.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
+        300,
+        "the job to end",
+    )
+    assert done.status == "succeeded", done.error
+    assert done.model_extra["attempt"] == 2
+    msgs = [e.message for e in events(c, job.id) if e.type == "message"]
+    assert any(m.startswith("Attempt 1 ended without a result") for m in msgs), msgs
+    resumed = [m for m in msgs if m.startswith("Attempt 2 resumed from the checkpoint at step")]
+    assert resumed, msgs
+    assert int(resumed[0].rsplit(" ", 1)[1]) >= 10  # not from scratch
+    assert metric_steps(serve, job.id) == list(range(0, 41))
+
+
+def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):
+    c = serve.client()
+    job = create(serve, files, steps=300)
+    wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
+    head = serve.head_pid()
+    serve.terminate()  # SIGTERM: the API stops, then the local head and its jobs
+    from service.local_ray import pid_alive
+
+    assert not pid_alive(head)
+    serve.start()
+    assert serve.head_pid() != head
+    done = wait_for(
+        lambda: (j := c.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
+        300,
+        "the job to end",
+    )
+    assert done.status == "succeeded", done.error
+    assert done.model_extra["attempt"] == 2
+    msgs = [e.message for e in events(c, job.id) if e.type == "message"]
+    resumed = [m for m in msgs if m.startswith("Attempt 2 resumed from the checkpoint at step")]
+    assert resumed, msgs
+    assert 10 <= int(resumed[0].rsplit(" ", 1)[1]) < 300
+    assert metric_steps(serve, job.id) == list(range(0, 301))

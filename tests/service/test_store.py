@@ -1,0 +1,455 @@
+"""service/store: the schema Alembic builds, idempotent creation, terminal states that never
+change, exclusive attempts, event paging, metrics, checkpoint retention and tenant filters.
+
+Every test runs on SQLite and on a throw-away PostgreSQL, since the guarantees rest on each
+backend's locking and conditional UPDATEs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from service.store import (
+    Event,
+    File,
+    IdempotencyConflict,
+    Job,
+    MetricPoint,
+    Store,
+    new_id,
+    request_hash,
+)
+from service.store.models import Base
+from tests.conftest import fresh_database
+
+THREADS = 8
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def backend_store(request, tmp_path_factory):
+    """One migrated store per backend for the module: a new PostgreSQL database costs up
+    to a second, so behaviour tests share one and empty it (schema tests use `db_url`)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'store.db'}"
+    else:
+        url = fresh_database(request.getfixturevalue("pg_server"))
+    s = Store(url)
+    s.migrate()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def store(backend_store):
+    with backend_store.write() as s:
+        for table in reversed(Base.metadata.sorted_tables):
+            s.execute(table.delete())
+    return backend_store
+
+
+@pytest.fixture
+def fresh_store(db_url):
+    s = Store(db_url)
+    s.migrate()
+    yield s
+    s.close()
+
+
+def make_job(
+    tenant: str = "acme",
+    *,
+    key: str | None = None,
+    body: dict[str, Any] | None = None,
+    status: str = "queued",
+    metadata: dict[str, str] | None = None,
+    attempt: int = 0,
+) -> Job:
+    body = body if body is not None else {"model": "tiny-llama", "training_file": "file-1"}
+    return Job(
+        id=new_id("ftjob"),
+        tenant=tenant,
+        model=body["model"],
+        training_file=body["training_file"],
+        seed=1,
+        metadata_=metadata,
+        request=body,
+        request_hash=request_hash(body),
+        idempotency_key=key,
+        plan={},
+        status=status,
+        progress_step=0,
+        progress_total=0,
+        result_files=[],
+        attempt=attempt,
+        max_attempts=3,
+        cancel_requested=False,
+        created_at=1_700_000_000,
+    )
+
+
+def add_job(store: Store, **kwargs: Any) -> Job:
+    job, created = store.create_job(make_job(**kwargs), "Created")
+    assert created
+    return job
+
+
+def make_file(tenant: str, name: str) -> File:
+    return File(
+        id=new_id("file"),
+        tenant=tenant,
+        filename=name,
+        purpose="fine-tune",
+        bytes=10,
+        sha256="0" * 64,
+        created_at=1_700_000_000,
+        status="processed",
+        format="chat",
+        examples=1,
+        storage_name=name,
+    )
+
+
+def run_together(n: int, fn: Callable[[int], Any]) -> list[Any]:
+    """`fn(i)` in `n` threads released at once; each result, or the exception it raised."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = fn(i)
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def count(store: Store, model: type, *where: Any) -> int:
+    with store.read() as s:
+        return s.scalar(select(func.count()).select_from(model).where(*where))
+
+
+def events_of(store: Store, job_id: str) -> list[Event]:
+    return store.list_events(job_id, None, 100)[0]
+
+
+# -- schema ---------------------------------------------------------------------------------
+
+
+def schema_diffs(store: Store) -> list[Any]:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    with store.engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        return compare_metadata(ctx, Base.metadata)
+
+
+def test_migration_creates_exactly_the_models_schema(fresh_store):
+    assert schema_diffs(fresh_store) == []
+
+
+def test_migrating_twice_keeps_schema_and_rows(fresh_store):
+    job = add_job(fresh_store)
+    fresh_store.migrate()
+    assert schema_diffs(fresh_store) == []
+    assert fresh_store.get_job(job.id).id == job.id
+
+
+# -- idempotent creation --------------------------------------------------------------------
+
+
+def test_create_with_a_used_key_and_same_body_returns_the_first_job(store):
+    first = add_job(store, key="k1")
+    again, created = store.create_job(make_job(key="k1"), "Created")
+    assert not created
+    assert again.id == first.id
+    assert count(store, Job) == 1
+
+
+def test_create_with_a_used_key_and_another_body_raises_conflict(store):
+    first = add_job(store, key="k1")
+    other = make_job(key="k1", body={"model": "tiny-llama", "training_file": "file-2"})
+    with pytest.raises(IdempotencyConflict) as err:
+        store.create_job(other, "Created")
+    assert err.value.job.id == first.id
+    assert count(store, Job) == 1
+
+
+def test_idempotency_keys_are_per_tenant(store):
+    a = add_job(store, tenant="acme", key="k1")
+    b = add_job(store, tenant="rival", key="k1")
+    assert a.id != b.id
+
+
+def test_concurrent_creates_with_one_key_store_one_job(store):
+    results = run_together(THREADS, lambda _i: store.create_job(make_job(key="k"), "Created"))
+    assert all(isinstance(r, tuple) for r in results), results
+    assert len({job.id for job, _ in results}) == 1
+    assert sum(created for _, created in results) == 1
+    assert count(store, Job) == 1
+    assert count(store, Event) == 1  # only the winner logged its first event
+
+
+def test_concurrent_creates_with_one_key_and_two_bodies_conflict_for_the_losers(store):
+    bodies = [{"model": "tiny-llama", "training_file": f"file-{i % 2}"} for i in range(THREADS)]
+    results = run_together(
+        THREADS, lambda i: store.create_job(make_job(key="k", body=bodies[i]), "Created")
+    )
+    (row,) = store.list_jobs("acme", None, 10)[0]
+    for body, r in zip(bodies, results, strict=True):
+        if body == row.request:
+            assert isinstance(r, tuple), r
+            assert r[0].id == row.id
+        else:
+            assert isinstance(r, IdempotencyConflict), r
+            assert r.job.id == row.id
+
+
+# -- terminal states ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("final", ["succeeded", "failed", "cancelled"])
+def test_update_of_a_terminal_job_is_refused_and_changes_nothing(store, final):
+    job = add_job(store)
+    assert store.update_job(job.id, event="done", status=final)
+    before = store.get_job(job.id)
+    n_events = len(events_of(store, job.id))
+
+    assert not store.update_job(job.id, event="late", status="running", status_detail="late")
+
+    after = store.get_job(job.id)
+    assert (after.status, after.status_detail, after.finished_at) == (
+        final,
+        before.status_detail,
+        before.finished_at,
+    )
+    assert len(events_of(store, job.id)) == n_events
+
+
+def test_update_to_a_terminal_state_sets_finished_at_and_logs_the_event(store):
+    job = add_job(store)
+    assert store.update_job(job.id, event="Job failed", status="failed")
+    assert store.get_job(job.id).finished_at is not None
+    newest = events_of(store, job.id)[0]
+    assert (newest.message, newest.level) == ("Job failed", "error")
+
+
+def test_racing_writers_finish_a_job_exactly_once(store):
+    job = add_job(store, status="running")
+    finals = ["succeeded" if i % 2 else "cancelled" for i in range(THREADS)]
+    won = run_together(
+        THREADS, lambda i: store.update_job(job.id, event=f"writer {i}", status=finals[i])
+    )
+    assert won.count(True) == 1, won
+    winner = won.index(True)
+    assert store.get_job(job.id).status == finals[winner]
+    messages = [e.message for e in events_of(store, job.id)]
+    assert [m for m in messages if m.startswith("writer")] == [f"writer {winner}"]
+
+
+# -- attempts and mark_running --------------------------------------------------------------
+
+
+def test_start_attempt_records_the_attempt_and_bumps_the_job(store):
+    job = add_job(store)
+    att = store.start_attempt(job.id, 1, "Attempt 1 submitted")
+    assert (att.number, att.state, att.submission_id) == (1, "submitting", f"{job.id}-a1")
+    assert store.get_job(job.id).attempt == 1
+    assert store.get_attempt(job.id, 1) is not None
+
+
+def test_start_attempt_with_the_same_number_twice_gives_none_the_second_time(store):
+    job = add_job(store)
+    assert store.start_attempt(job.id, 1, "first") is not None
+    assert store.start_attempt(job.id, 1, "again") is None
+    assert [a.number for a in store.attempts(job.id)] == [1]
+
+
+def test_start_attempt_cannot_skip_a_number(store):
+    job = add_job(store)
+    assert store.start_attempt(job.id, 2, "skips 1") is None
+    assert store.attempts(job.id) == []
+
+
+def test_concurrent_start_attempt_gives_exactly_one_attempt(store):
+    job = add_job(store)
+    results = run_together(THREADS, lambda i: store.start_attempt(job.id, 1, f"reconciler {i}"))
+    assert sum(r is not None for r in results) == 1, results
+    assert len(store.attempts(job.id)) == 1
+
+
+def test_terminal_job_gets_no_attempt(store):
+    job = add_job(store)
+    store.update_job(job.id, status="cancelled")
+    assert store.start_attempt(job.id, 1, "too late") is None
+    assert store.attempts(job.id) == []
+    assert store.get_job(job.id).attempt == 0
+
+
+def test_mark_running_moves_a_queued_job_of_the_current_attempt(store):
+    job = add_job(store)
+    store.start_attempt(job.id, 1, "a1")
+    assert store.mark_running(job.id, 1)
+    fresh = store.get_job(job.id)
+    assert fresh.status == "running"
+    assert fresh.started_at is not None
+    assert events_of(store, job.id)[0].message == "Fine-tuning job started"
+
+
+def test_mark_running_is_refused_to_a_stale_attempt(store):
+    job = add_job(store)
+    store.start_attempt(job.id, 1, "a1")
+    store.start_attempt(job.id, 2, "a2")
+    assert not store.mark_running(job.id, 1)
+    assert store.get_job(job.id).status == "queued"
+
+
+@pytest.mark.parametrize("status", ["validating_files", "running", "cancelled"])
+def test_mark_running_only_moves_queued_jobs(store, status):
+    job = add_job(store, status=status, attempt=1)
+    n_events = len(events_of(store, job.id))
+    assert not store.mark_running(job.id, 1)
+    assert store.get_job(job.id).status == status
+    assert len(events_of(store, job.id)) == n_events
+
+
+# -- events, metrics, checkpoints -----------------------------------------------------------
+
+
+def test_events_are_listed_newest_first_in_pages(store):
+    job = add_job(store)  # logs "Created"
+    for i in range(5):
+        store.add_event(job.id, f"e{i}")
+    expected = ["e4", "e3", "e2", "e1", "e0", "Created"]
+
+    pages, after, has_more = [], None, True
+    while has_more:
+        page, has_more = store.list_events(job.id, after, 2)
+        pages.append([e.message for e in page])
+        after = page[-1].seq
+    assert pages == [expected[0:2], expected[2:4], expected[4:6]]
+
+
+def test_events_page_has_more_only_when_older_events_remain(store):
+    job = add_job(store)
+    store.add_event(job.id, "e0")
+    page, has_more = store.list_events(job.id, None, 1)
+    assert [e.message for e in page] == ["e0"]
+    assert has_more
+    page, has_more = store.list_events(job.id, page[-1].seq, 1)
+    assert [e.message for e in page] == ["Created"]
+    assert not has_more
+
+
+def test_events_are_filtered_by_type(store):
+    job = add_job(store)
+    store.record_metrics(job.id, 1, 1, {"train_loss": 2.0}, "Step 1")
+    page, _ = store.list_events(job.id, None, 10, type="metrics")
+    assert [e.message for e in page] == ["Step 1"]
+
+
+def test_record_metrics_for_one_step_twice_keeps_the_latest_point(store):
+    job = add_job(store)
+    store.record_metrics(job.id, 1, 5, {"train_loss": 2.0}, "Step 5/10: 2.0")
+    store.record_metrics(job.id, 2, 5, {"train_loss": 1.5}, "Step 5/10: 1.5")
+    (point,) = store.metric_points(job.id)
+    assert (point.step, point.attempt, point.values) == (5, 2, {"train_loss": 1.5})
+    assert count(store, MetricPoint) == 1
+
+
+def test_record_metrics_writes_the_openai_metrics_event(store):
+    job = add_job(store)
+    store.record_metrics(job.id, 1, 3, {"train_loss": 2.0, "grad_norm": 0.5}, "Step 3")
+    newest = events_of(store, job.id)[0]
+    assert (newest.type, newest.message) == ("metrics", "Step 3")
+    assert newest.data == {"step": 3, "train_loss": 2.0}
+    assert store.metric_points(job.id)[0].values == {"train_loss": 2.0, "grad_norm": 0.5}
+
+
+def test_metric_points_are_read_by_step_range(store):
+    job = add_job(store)
+    for step in range(1, 6):
+        store.record_metrics(job.id, 1, step, {"train_loss": float(step)}, f"Step {step}")
+    assert [p.step for p in store.metric_points(job.id, 2, 4)] == [2, 3, 4]
+
+
+def test_add_checkpoint_keeps_the_newest_non_final_ones_and_the_final(store):
+    job = add_job(store)
+    for step in (10, 20, 30, 40):
+        store.add_checkpoint(job.id, step, {"train_loss": 1.0}, f"/ck/{step}", keep=2)
+    assert [c.step for c in store.list_checkpoints(job.id, None, 10)[0]] == [40, 30]
+
+    store.add_checkpoint(job.id, 50, {}, "/ck/final", keep=2, final=True)
+    store.add_checkpoint(job.id, 60, {}, "/ck/60", keep=2)
+    kept = store.list_checkpoints(job.id, None, 10)[0]
+    assert [(c.step, c.final) for c in kept] == [(60, False), (50, True), (40, False)]
+
+
+def test_add_checkpoint_at_a_recorded_step_replaces_it(store):
+    job = add_job(store)
+    first = store.add_checkpoint(job.id, 10, {"train_loss": 2.0}, "/ck/a", keep=3)
+    second = store.add_checkpoint(job.id, 10, {"train_loss": 1.0}, "/ck/b", keep=3)
+    (only,) = store.list_checkpoints(job.id, None, 10)[0]
+    assert only.id == second.id != first.id
+    assert only.path == "/ck/b"
+
+
+# -- tenants and listing --------------------------------------------------------------------
+
+
+def test_get_job_with_another_tenant_finds_nothing(store):
+    job = add_job(store, tenant="acme")
+    assert store.get_job(job.id, tenant="rival") is None
+    assert store.get_job(job.id, tenant="acme").id == job.id
+
+
+def test_list_jobs_shows_only_the_tenants_jobs_newest_first(store):
+    mine = [add_job(store, tenant="acme").id for _ in range(3)]
+    add_job(store, tenant="rival")
+    rows, has_more = store.list_jobs("acme", None, 10)
+    assert [j.id for j in rows] == mine[::-1]
+    assert not has_more
+
+
+def test_list_jobs_pages_after_a_job(store):
+    ids = [add_job(store).id for _ in range(5)]
+    rows, has_more = store.list_jobs("acme", ids[3], 2)
+    assert [j.id for j in rows] == [ids[2], ids[1]]
+    assert has_more
+
+
+def test_list_jobs_filters_on_metadata(store):
+    a1 = add_job(store, metadata={"team": "a", "run": "1"})
+    add_job(store, metadata={"team": "b"})
+    add_job(store, metadata=None)
+    a2 = add_job(store, metadata={"team": "a"})
+    add_job(store, tenant="rival", metadata={"team": "a"})
+
+    rows, has_more = store.list_jobs("acme", None, 10, metadata={"team": "a"})
+    assert [j.id for j in rows] == [a2.id, a1.id]
+    assert not has_more
+    rows, has_more = store.list_jobs("acme", None, 1, metadata={"team": "a"})
+    assert [j.id for j in rows] == [a2.id]
+    assert has_more
+    rows, _ = store.list_jobs("acme", None, 10, metadata={"team": "a", "run": "1"})
+    assert [j.id for j in rows] == [a1.id]
+
+
+def test_files_of_another_tenant_are_invisible(store):
+    f = store.add_file(make_file("acme", "train.jsonl"))
+    store.add_file(make_file("rival", "theirs.jsonl"))
+    assert store.get_file("rival", f.id) is None
+    assert store.delete_file("rival", f.id) is None
+    assert [x.id for x in store.list_files("acme", None, 10, None)[0]] == [f.id]
+    assert store.get_file("acme", f.id).filename == "train.jsonl"
