@@ -85,7 +85,7 @@ class LineValidator:
 
     def __init__(self) -> None:
         self.check = FileCheck()
-        self._plain = False
+        self._plain: bool | None = None  # decided by the first non-empty line, once
 
     def feed(self, raw: bytes) -> None:
         c = self.check
@@ -101,9 +101,12 @@ class LineValidator:
             return
         if not line.strip():
             return
-        if c.format is None and not self._plain and not line.lstrip().startswith("{"):
-            self._plain = True  # a plain text file: every non-empty line is a document
-            c.format = "text"
+        if self._plain is None:
+            # a plain text file (every non-empty line a document) unless it opens with a
+            # JSON object; later lines never switch a JSONL file to plain text
+            self._plain = not line.lstrip().startswith("{")
+            if self._plain:
+                c.format = "text"
         if self._plain:
             c.examples += 1
             return

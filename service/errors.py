@@ -6,6 +6,15 @@ and OpenAI's error envelope. Every message says what was wrong and what to do.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# pydantic puts a union member's tag into an error's location ("literal['auto']",
+# "function-after[...]", "constrained-float"), and "[key]" after a dict key that is itself
+# wrong: not fields a client can name
+_LOC_TAG = re.compile(r"^(\w+(-\w+)*\[.*\]|constrained-\w+|int|float|str|bool|none|\[key\])$")
+
 
 class ServiceError(Exception):
     kind = "invalid_request_error"
@@ -44,3 +53,32 @@ class Unavailable(ServiceError):
     """A part the request needs (Ray, the store) cannot be reached now (503)."""
 
     kind = "service_unavailable"
+
+
+def describe_invalid(errors: Sequence[Mapping[str, Any]]) -> tuple[list[str], str, int]:
+    """(location, what is wrong, how many other fields are wrong) for pydantic's errors.
+
+    The location is the first wrong field's, without union-member tags. A value that fits
+    no member of a union gets one error per member: their requirements are joined
+    ("Input should be 'auto' or less than or equal to 50"), not reported as more errors.
+    """
+    if not errors:
+        return [], "invalid", 0
+
+    def where(err: Mapping[str, Any]) -> list[str]:
+        return [str(x) for x in err.get("loc", ()) if not _LOC_TAG.match(str(x))]
+
+    def why(err: Mapping[str, Any]) -> str:
+        if err.get("type") == "missing":
+            return "is required"
+        if err.get("type") == "extra_forbidden":
+            return "unknown field; see the API reference for the fields allowed here"
+        return str(err.get("msg", "invalid")).removeprefix("Value error, ")
+
+    first = where(errors[0])
+    same = [why(e) for e in errors if where(e) == first]
+    message = same[0] + "".join(
+        " or " + m.removeprefix("Input should be ") for m in dict.fromkeys(same[1:])
+    )
+    others = len({tuple(where(e)) for e in errors} - {tuple(first)})
+    return first, message, others

@@ -30,9 +30,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def clean_filename(raw: str) -> str:
-    """A label for display: the last path component, no control characters, at most 255."""
+    """A label for display: the last path component, no control characters, at most 255;
+    "upload" when nothing is left or what is left names a directory ("." or "..")."""
     name = _CONTROL.sub("", raw.replace("\\", "/").rsplit("/", 1)[-1]).strip()
-    return (name or "upload")[:255]
+    return (name if name not in ("", ".", "..") else "upload")[:255]
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _Upload:
         self.file_parts = 0
         self.filename = "upload"
         self.too_large = False
+        self.ended = False  # the closing boundary was seen: the body is complete
         self._part = _Part()
         self._hname = bytearray()
         self._hvalue = bytearray()
@@ -96,6 +98,7 @@ class _Upload:
                 raise InvalidRequest(
                     f"form field '{self._part.name}' is longer than {MAX_FIELD_BYTES} bytes",
                     param=self._part.name or None,
+                    code="invalid_value",
                 )
             self._part.value += chunk
             return
@@ -116,6 +119,9 @@ class _Upload:
                 self._pending.clear()
         elif self._part.name:
             self.fields[self._part.name] = self._part.value.decode("utf-8", "replace")
+
+    def on_end(self) -> None:
+        self.ended = True
 
     def _lines(self, chunk: bytes) -> None:
         start = 0
@@ -142,6 +148,7 @@ class _Upload:
             "on_header_value": self.on_header_value,
             "on_header_end": self.on_header_end,
             "on_headers_finished": self.on_headers_finished,
+            "on_end": self.on_end,
         }
 
 
@@ -182,7 +189,9 @@ async def receive_upload(
         parser.finalize()
     except ValueError as e:  # the multipart parser's own errors
         _discard(up, tmp)
-        raise InvalidRequest(f"malformed multipart body: {e}", param="file") from None
+        raise InvalidRequest(
+            f"malformed multipart body: {e}", param="file", code="invalid_multipart"
+        ) from None
     except BaseException:
         _discard(up, tmp)
         raise
@@ -200,6 +209,12 @@ def _store(
 ) -> File:
     if up.too_large:
         raise _too_large(settings.max_upload_bytes)
+    if not up.ended:  # a cut-off body: its last part, the file's end maybe, is missing
+        raise InvalidRequest(
+            "malformed multipart body: it ends before its closing boundary",
+            param="file",
+            code="invalid_multipart",
+        )
     if up.file_parts != 1:
         raise InvalidRequest(
             "send exactly one form field 'file' holding the data"

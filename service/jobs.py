@@ -16,21 +16,70 @@ import random
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pstar_core.config import ConfigError, EngineConfig
-from service.errors import Conflict, InvalidRequest, NotFound
+from service.errors import Conflict, InvalidRequest, NotFound, describe_invalid
 from service.registry import ModelRef, resolve_model
 from service.settings import Settings
 from service.store import IdempotencyConflict, Job, Store, new_id, request_hash
 
 Auto = Literal["auto"]
-StrictPosInt = Annotated[int, Field(strict=True)]
+
+
+def _whole_float_to_int(v: Any) -> Any:
+    # JSON Schema's "integer" (what the API's document says) takes 2.0; a strict int would
+    # refuse it, and a lax one would also take "2" and true, which we refuse
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# last in `Annotated[int, Field(strict=True, ...), WHOLE]`, so it runs first and the
+# limits stay in the document as minimum/maximum
+WHOLE = BeforeValidator(_whole_float_to_int)
 # pretrained weights want a small step; a from-scratch zoo model a large one
 BASE_LR = {"base": 1e-4, "fine-tuned": 1e-4, "zoo": 1e-3}
 # set by the service, never by a client: the device follows `resources.use_gpu`, spill
 # files go to the job's directory
 SERVICE_ENGINE_KEYS = {"device": "resources.use_gpu", "memory.disk_dir": "the job's directory"}
+# the free-form `engine` section is stored as JSON and read by the driver: keep it to what
+# every store and JSON parser holds (64-bit integers, finite floats, text without NUL)
+MAX_ENGINE_DEPTH = 16
+MAX_JSON_INT = 2**63 - 1
+
+
+def text_problem(v: str) -> str | None:
+    """Why `v` cannot be stored and sent back as UTF-8 text; None if it can. PostgreSQL's
+    text cannot hold U+0000, and a lone surrogate (JSON's "\\ud800") has no UTF-8 form;
+    no id, name or label we take contains either."""
+    if "\x00" in v:
+        return "must not contain the NUL character (U+0000)"
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (it holds a lone surrogate)"
+    return None
+
+
+def _plain_text(v: str) -> str:
+    if why := text_problem(v):
+        raise ValueError(why)
+    return v
+
+
+# the length limits come before the text check, so a too-long value is reported as such
+ModelName = Annotated[str, Field(min_length=1, max_length=255), AfterValidator(_plain_text)]
+FileId = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_plain_text)]
+MetadataKey = Annotated[str, Field(max_length=64), AfterValidator(_plain_text)]
+MetadataValue = Annotated[str, Field(max_length=512), AfterValidator(_plain_text)]
 
 
 class _Body(BaseModel):
@@ -38,23 +87,23 @@ class _Body(BaseModel):
 
 
 class Hyperparameters(_Body):
-    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50)] = Field(
+    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50), WHOLE] = Field(
         default="auto", description="passes over the training file"
     )
-    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=4096)] = Field(
+    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=4096), WHOLE] = Field(
         default="auto", description="examples per optimizer step, over all workers"
     )
     learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=1000)] = Field(
         default="auto", description="multiplies the base learning rate"
     )
     # ours
-    max_steps: Annotated[int, Field(strict=True, ge=1, le=10_000_000)] | None = Field(
+    max_steps: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = Field(
         default=None, description="stop after this many optimizer steps (at most n_epochs)"
     )
-    seq_len: Auto | Annotated[int, Field(strict=True, ge=16, le=32768)] = Field(
+    seq_len: Auto | Annotated[int, Field(strict=True, ge=16, le=32768), WHOLE] = Field(
         default="auto", description="tokens per example row; auto: fits the longest, up to 512"
     )
-    eval_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000)] | None = Field(
+    eval_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = Field(
         default=None, description="steps between validation losses (default: 10 per run)"
     )
 
@@ -64,7 +113,11 @@ class Supervised(_Body):
 
 
 class Method(_Body):
-    type: Literal["supervised", "dpo", "reinforcement"]
+    # OpenAI's three are parsed (so dpo gets a message saying it is not supported); the
+    # document lists the one this service runs
+    type: Literal["supervised", "dpo", "reinforcement"] = Field(
+        json_schema_extra={"enum": ["supervised"]}
+    )
     supervised: Supervised | None = None
     dpo: dict[str, Any] | None = None
     reinforcement: dict[str, Any] | None = None
@@ -73,11 +126,15 @@ class Method(_Body):
     def _supervised_only(self) -> Method:
         if self.type != "supervised":
             raise ValueError(f"method.type '{self.type}' is not supported; use 'supervised'")
+        # a section for a method not asked for would be stored and never read
+        for name in ("dpo", "reinforcement"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"method.{name} belongs with method.type '{name}'; remove it")
         return self
 
 
 class Resources(_Body):
-    num_workers: Annotated[int, Field(strict=True, ge=1, le=256)] = Field(
+    num_workers: Annotated[int, Field(strict=True, ge=1, le=256), WHOLE] = Field(
         default=1, description="Ray Train workers; the chunks are sharded over them (ZeRO)"
     )
     use_gpu: Annotated[bool, Field(strict=True)] = Field(
@@ -90,21 +147,21 @@ class JobRequest(_Body):
     """`POST /v1/fine_tuning/jobs`: OpenAI's body, plus `engine`, `resources`,
     `checkpoint_every`, `max_attempts` and `hyperparameters.max_steps/seq_len/eval_every`."""
 
-    model: Annotated[str, Field(min_length=1, max_length=255)]
-    training_file: Annotated[str, Field(min_length=1, max_length=64)]
-    validation_file: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    model: ModelName
+    training_file: FileId
+    validation_file: FileId | None = None
     suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
-    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)] | None = None
-    metadata: (
-        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
-    ) = None
+    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1), WHOLE] | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = None
     method: Method | None = None
     hyperparameters: Hyperparameters | None = None
-    integrations: list[Any] | None = None
+    integrations: Annotated[list[Any], Field(json_schema_extra={"maxItems": 0})] | None = Field(
+        default=None, description="not supported: null or empty"
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="a pstar_core EngineConfig")
     resources: Resources = Field(default_factory=Resources)
-    checkpoint_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000)] | None = None
-    max_attempts: Annotated[int, Field(strict=True, ge=1, le=10)] = 3
+    checkpoint_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = None
+    max_attempts: Annotated[int, Field(strict=True, ge=1, le=10), WHOLE] = 3
 
     @field_validator("metadata")
     @classmethod
@@ -139,6 +196,33 @@ class JobRequest(_Body):
         return self.hyperparameters or Hyperparameters()
 
 
+def json_problem(v: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
+    """(where, what) of the first value under `where` that a store or the driver's JSON
+    parser could not keep as sent; None if there is none."""
+    if depth > MAX_ENGINE_DEPTH:
+        return where, f"nested deeper than {MAX_ENGINE_DEPTH} levels"
+    if isinstance(v, dict):
+        for k, x in v.items():
+            found = json_problem(k, where, depth + 1) or json_problem(x, f"{where}.{k}", depth + 1)
+            if found:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            if found := json_problem(x, f"{where}.{i}", depth + 1):
+                return found
+    elif isinstance(v, bool) or v is None:
+        return None
+    elif isinstance(v, int):
+        if abs(v) > MAX_JSON_INT:
+            return where, "integer out of range (at most 2**63 - 1)"
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            return where, f"must be a finite number, got {v}"
+    elif isinstance(v, str) and (why := text_problem(v)):
+        return where, why
+    return None
+
+
 def parse_request(body: Any) -> JobRequest:
     """A `JobRequest`, or `InvalidRequest` naming the first wrong field."""
     try:
@@ -148,11 +232,9 @@ def parse_request(body: Any) -> JobRequest:
 
 
 def invalid_from(e: ValidationError, prefix: str = "") -> InvalidRequest:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-after"))
-    param = f"{prefix}{loc}" if loc else prefix.rstrip(".") or None
-    msg = err["msg"].removeprefix("Value error, ")
-    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    loc, msg, others = describe_invalid(e.errors())
+    param = f"{prefix}{'.'.join(loc)}" if loc else prefix.rstrip(".") or None
+    more = f" (and {others} more)" if others else ""
     return InvalidRequest(f"{param or 'body'}: {msg}{more}", param=param, code="invalid_value")
 
 
@@ -169,12 +251,12 @@ def auto_epochs(examples: int) -> int:
     return max(3, min(10, math.ceil(100 / max(1, examples))))
 
 
-def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
-    """The engine section a job runs with: the client's, plus the learning rate and the
-    device; the driver adds the spill directory (under the job's directory)."""
-    eng = req.engine
+def check_engine(eng: Any) -> None:
+    """Refuse an engine section that is not plain JSON or sets what the service owns."""
     if not isinstance(eng, dict):
-        raise InvalidRequest("engine: must be an object", param="engine")
+        raise InvalidRequest("engine: must be an object", param="engine", code="invalid_value")
+    if found := json_problem(eng, "engine"):
+        raise InvalidRequest(f"{found[0]}: {found[1]}", param=found[0], code="invalid_value")
     for key, who in SERVICE_ENGINE_KEYS.items():
         head, _, tail = key.partition(".")
         if head in eng and (not tail or (isinstance(eng[head], dict) and tail in eng[head])):
@@ -183,6 +265,13 @@ def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
                 param=f"engine.{key}",
                 code="invalid_value",
             )
+
+
+def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
+    """The engine section a job runs with: the client's, plus the learning rate and the
+    device; the driver adds the spill directory (under the job's directory)."""
+    eng = req.engine
+    check_engine(eng)
     cfg = {k: v for k, v in eng.items()}
     opt = (
         dict(cfg.get("optimizer") or {})
@@ -190,7 +279,9 @@ def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
         else cfg.get("optimizer")
     )
     if opt is not None and not isinstance(opt, dict):
-        raise InvalidRequest("engine.optimizer: must be an object", param="engine.optimizer")
+        raise InvalidRequest(
+            "engine.optimizer: must be an object", param="engine.optimizer", code="invalid_value"
+        )
     opt = opt or {}
     opt["lr"] = lr
     cfg["optimizer"] = opt
@@ -198,7 +289,15 @@ def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
     try:
         EngineConfig.parse(cfg)
     except ConfigError as e:
-        raise InvalidRequest(f"engine.{e}", param="engine", code="invalid_value") from None
+        # "invalid engine config:\n  dtype: Input should be ...\n  ...": one "field: why"
+        # line per wrong field; the first names the param
+        wrong = [x.strip() for x in str(e).splitlines()[1:]] or [str(e)]
+        field = wrong[0].split(":", 1)[0]
+        raise InvalidRequest(
+            "; ".join(f"engine.{x}" for x in wrong),
+            param="engine" if field == "(top level)" else f"engine.{field}",
+            code="invalid_value",
+        ) from None
     return cfg
 
 
@@ -256,6 +355,7 @@ class JobService:
             )
         epochs = auto_epochs(train.examples) if hp.n_epochs == "auto" else hp.n_epochs
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
+        check_engine(req.engine)  # before reading engine.optimizer.lr from it
         user_lr = (
             (req.engine.get("optimizer") or {}).get("lr")
             if isinstance(req.engine.get("optimizer"), dict)
@@ -263,9 +363,18 @@ class JobService:
         )
         base_lr = (
             float(user_lr)
-            if isinstance(user_lr, (int, float)) and user_lr > 0
+            if isinstance(user_lr, (int, float)) and not isinstance(user_lr, bool) and user_lr > 0
             else BASE_LR[model.kind]
         )
+        lr = base_lr * mult
+        if not (math.isfinite(lr) and lr > 0):
+            raise InvalidRequest(
+                f"the learning rate engine.optimizer.lr ({base_lr:g}) times "
+                f"hyperparameters.learning_rate_multiplier ({mult:g}) is not a positive "
+                f"finite number ({lr:g})",
+                param="hyperparameters.learning_rate_multiplier",
+                code="invalid_value",
+            )
         plan = {
             "base_model": model.base,
             "model": {
@@ -283,12 +392,12 @@ class JobService:
                 "n_epochs": epochs,
                 "batch_size": batch,
                 "learning_rate_multiplier": mult,
-                "learning_rate": base_lr * mult,
+                "learning_rate": lr,
                 "max_steps": hp.max_steps,
                 "seq_len": hp.seq_len,
                 "eval_every": hp.eval_every,
             },
-            "engine": engine_config(req, base_lr * mult),
+            "engine": engine_config(req, lr),
             "resources": req.resources.model_dump(),
             "checkpoint_every": req.checkpoint_every,
             "suffix": req.suffix,
@@ -298,7 +407,9 @@ class JobService:
     def create(self, tenant: str, req: JobRequest, idempotency_key: str | None) -> tuple[Job, bool]:
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
             raise InvalidRequest(
-                "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key"
+                "Idempotency-Key must be 1 to 255 characters",
+                param="Idempotency-Key",
+                code="invalid_value",
             )
         body = req.model_dump(mode="json", exclude_none=True)
         h = request_hash(body)

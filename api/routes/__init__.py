@@ -7,9 +7,27 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.auth import require_tenant
+from service.errors import InvalidRequest
+from service.jobs import text_problem
 
 Tenant = Annotated[str, Depends(require_tenant)]
 
 
 def ctx(request: Request):
     return request.app.state.ctx
+
+
+async def plain_text_url(request: Request, _tenant: Tenant) -> None:
+    """Refuse a path or query parameter that is not plain text, one with a NUL character
+    (checked after the token). No id, cursor or filter holds one, and PostgreSQL's text
+    cannot: unchecked, it would reach the store and fail there, a 500 on PostgreSQL (and a
+    plain miss on SQLite)."""
+    params = [*request.path_params.items(), *request.query_params.multi_items()]
+    for name, value in params:
+        if why := text_problem(name) or text_problem(str(value)):
+            param = name.replace("\x00", "")
+            raise InvalidRequest(f"{param}: {why}", param=param, code="invalid_value")
+
+
+# every /v1 router checks these before its routes run
+V1_DEPENDENCIES = [Depends(plain_text_url)]

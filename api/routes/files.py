@@ -8,12 +8,14 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse
 
 from api.errors import responses
-from api.routes import Tenant, ctx
+from api.routes import V1_DEPENDENCIES, Tenant, ctx
 from api.schemas import FileDeleted, FileList, FileObject
 from service.errors import Conflict, NotFound
 from service.files import delete_file, file_path, receive_upload
 
-router = APIRouter(prefix="/files", tags=["files"], responses=responses(401))
+router = APIRouter(
+    prefix="/files", tags=["files"], responses=responses(401), dependencies=V1_DEPENDENCIES
+)
 
 UPLOAD_BODY = {
     "requestBody": {

@@ -4,14 +4,14 @@ ours: validate (dry run), metrics (series), memory (the tracer timeline), logs."
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api.errors import responses
-from api.routes import Tenant, ctx
+from api.routes import V1_DEPENDENCIES, Tenant, ctx
 from api.schemas import (
     CheckpointList,
     EventList,
@@ -27,9 +27,17 @@ from service.errors import InvalidRequest
 from service.jobs import JobRequest
 from service.registry import fine_tuned_name
 
-router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning"], responses=responses(401))
+router = APIRouter(
+    prefix="/fine_tuning/jobs",
+    tags=["fine-tuning"],
+    responses=responses(401),
+    dependencies=V1_DEPENDENCIES,
+)
 JobId = Annotated[str, "fine_tuning_job_id"]
-STATUSES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
+# enums in the schema, so a client (and the fuzzer) knows the values a filter takes
+JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+EventType = Literal["message", "metrics"]
+MAX_STEP = 2**31 - 1  # the store keeps steps as 32-bit integers (PostgreSQL's `integer`)
 
 
 @router.post("", response_model=FineTuningJob, responses=responses(400, 409))
@@ -39,7 +47,11 @@ def jobs_create(
     tenant: Tenant,
     idempotency_key: Annotated[
         str | None,
-        Header(description="a retried create with the same key returns the same job"),
+        Header(
+            min_length=1,
+            max_length=255,
+            description="a retried create with the same key returns the same job",
+        ),
     ] = None,
 ) -> FineTuningJob:
     """Create a fine-tuning job (OpenAI's body; extensions: engine, resources,
@@ -64,12 +76,8 @@ def jobs_list(
     tenant: Tenant,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    status: Annotated[str | None, Query(description="one of " + ", ".join(STATUSES))] = None,
+    status: JobStatus | None = None,
 ) -> JobList:
-    if status is not None and status not in STATUSES:
-        raise InvalidRequest(
-            f"status must be one of {', '.join(STATUSES)}", param="status", code="invalid_value"
-        )
     metadata = {
         k[len("metadata[") : -1]: v
         for k, v in request.query_params.items()
@@ -94,16 +102,8 @@ def jobs_cancel(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Fi
 
 
 def _event_cursor(after: str | None) -> int | None:
-    if after is None:
-        return None
-    head, _, num = after.partition("-")
-    if head != "ftevent" or not num.isdigit() or len(num) > 18:
-        raise InvalidRequest(
-            "after: an event id such as 'ftevent-42' from a previous page",
-            param="after",
-            code="invalid_value",
-        )
-    return int(num)
+    # the pattern in the query's schema has checked the shape: "ftevent-<seq>"
+    return None if after is None else int(after.removeprefix("ftevent-"))
 
 
 @router.get("/{fine_tuning_job_id}/events", response_model=EventList, responses=responses(400, 404))
@@ -111,17 +111,19 @@ def jobs_events(
     fine_tuning_job_id: str,
     request: Request,
     tenant: Tenant,
-    after: Annotated[str | None, Query(max_length=64)] = None,
+    after: Annotated[
+        str | None,
+        Query(
+            pattern=r"^ftevent-[0-9]{1,18}$",
+            description="an event id such as 'ftevent-42' from a previous page",
+        ),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-    type: Annotated[str | None, Query(description="message or metrics")] = None,
+    type: EventType | None = None,
 ) -> EventList:
     """Events newest first (as OpenAI); `after` pages to older ones."""
     c = ctx(request)
     c.jobs.get(tenant, fine_tuning_job_id)
-    if type is not None and type not in ("message", "metrics"):
-        raise InvalidRequest(
-            "type must be 'message' or 'metrics'", param="type", code="invalid_value"
-        )
     rows, more = c.store.list_events(fine_tuning_job_id, _event_cursor(after), limit, type)
     return EventList(data=[JobEvent.of(e) for e in rows], has_more=more)
 
@@ -165,8 +167,8 @@ def jobs_metrics(
         str | None,
         Query(max_length=2000, description="comma-separated series names; all if absent"),
     ] = None,
-    step_from: Annotated[int | None, Query(ge=0, le=2**31)] = None,
-    step_to: Annotated[int | None, Query(ge=0, le=2**31)] = None,
+    step_from: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
+    step_to: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
 ) -> MetricsResponse:
     """Series by name over steps: train_loss, valid_loss, lr, tokens_per_second,
     step_time_s, tflops, model_data_bytes_<tier>, bytes_moved_<a>_to_<b>,

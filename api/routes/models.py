@@ -5,12 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from api.errors import responses
-from api.routes import Tenant, ctx
+from api.routes import V1_DEPENDENCIES, Tenant, ctx
 from api.schemas import ModelList, ModelObject
 from service.errors import NotFound
 from service.registry import list_models, resolve_model
 
-router = APIRouter(prefix="/models", tags=["models"], responses=responses(401))
+router = APIRouter(
+    prefix="/models", tags=["models"], responses=responses(401), dependencies=V1_DEPENDENCIES
+)
 
 
 @router.get("", response_model=ModelList)
