@@ -47,12 +47,16 @@ def validate_job(
     memory = estimate_memory(plan, prep.seq_len, len(prep.tokenizer))
     tokens_per_step = hp["batch_size"] * prep.seq_len
     problems = list(memory.pop("problems"))
+    nodes = getattr(jobs.launcher, "cluster_nodes", lambda: None)()
+    resources = place_workers(plan["resources"], nodes)
+    if resources["fits"] is False:
+        problems.append(resources["problem"])
     if prep.train.truncated:
         problems.append(
             f"{prep.train.truncated} training example(s) are longer than seq_len {prep.seq_len} "
             "and will be cut (raise hyperparameters.seq_len to keep them whole)"
         )
-    fits = memory["fits"]
+    fits = memory["fits"] and resources["fits"] is not False
     return {
         "object": "fine_tuning.job.validation",
         "fits": fits,
@@ -65,8 +69,42 @@ def validate_job(
             "tokens_per_step": tokens_per_step,
             "trained_tokens": prep.total_steps * tokens_per_step,
             **memory,
+            "resources": resources,
         },
     }
+
+
+def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> dict[str, Any]:
+    """Whether the Ray cluster has room for the workers as asked (each on one node with
+    `cpus_per_worker` CPUs and, with `use_gpu`, one GPU). `fits` is None when the cluster
+    did not say; a job that does not fit waits `queued` (an autoscaler may add nodes)."""
+    want = res["num_workers"]
+    out: dict[str, Any] = {"requested": res, "fits": None}
+    if not nodes:
+        return out
+    cpu, gpu = res["cpus_per_worker"], 1 if res["use_gpu"] else 0
+    room = 0
+    for n in nodes:
+        k = int(n.get("CPU", 0) // cpu) if cpu else want
+        if gpu:
+            k = min(k, int(n.get("GPU", 0)))
+        room += k
+    out.update(
+        cluster={
+            "nodes": len(nodes),
+            "CPU": sum(n.get("CPU", 0) for n in nodes),
+            "GPU": sum(n.get("GPU", 0) for n in nodes),
+        },
+        placeable_workers=room,
+        fits=room >= want,
+    )
+    if room < want:
+        out["problem"] = (
+            f"{want} workers x {cpu:g} CPU{' + 1 GPU' if gpu else ''} do not fit the Ray cluster "
+            f"now ({room} can be placed on its {len(nodes)} node(s)); the job would wait "
+            "queued until resources free up or nodes are added"
+        )
+    return out
 
 
 def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str, Any]:

@@ -54,6 +54,9 @@ class DryLauncher:
     def stop_quietly(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
 
+    def cluster_nodes(self) -> list[dict[str, float]] | None:
+        return None
+
     def logs(self, submission_id: str) -> str:
         return ""
 
@@ -140,6 +143,27 @@ class RayLauncher:
             self.client().stop_job(submission_id)
         except Exception as e:
             log.warning("could not stop Ray job %s (the reconciler retries): %s", submission_id, e)
+
+    def cluster_nodes(self) -> list[dict[str, float]] | None:
+        """Each alive node's total resources (CPU, GPU, memory), from the dashboard; None
+        when the dashboard does not say (the dry run then skips the resources check)."""
+        import json
+        import urllib.request
+
+        if not self.dashboard_url:
+            return None
+        try:
+            with urllib.request.urlopen(f"{self.dashboard_url}/nodes?view=summary", timeout=5) as r:
+                summary = json.loads(r.read())["data"]["summary"]
+        except (OSError, ValueError, KeyError):
+            return None
+        nodes = [
+            n["raylet"]["resourcesTotal"]
+            for n in summary
+            if n.get("raylet", {}).get("state", "ALIVE") == "ALIVE"
+            and "resourcesTotal" in n.get("raylet", {})
+        ]
+        return nodes or None
 
     def logs(self, submission_id: str) -> str:
         try:

@@ -254,6 +254,18 @@ def test_cancel_stops_the_ray_job_and_its_workers(serve, files):
     c = serve.client()
     job = create(serve, files, steps=100_000)
     wait_for(lambda: len(metric_steps(serve, job.id)) >= 3, 240, "training to start")
+    # the workers' numbers are Ray metrics too, tagged by job, attempt and rank
+    port = json.loads((serve.data_dir / "ray" / "head.json").read_text())["metrics_export_port"]
+
+    def scraped() -> list[str]:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        return [
+            x for x in text.splitlines() if x.startswith("ray_pstar_train_loss{") and job.id in x
+        ]
+
+    lines = wait_for(scraped, 90, "ray_pstar_train_loss on Ray's metrics port", poll=2)
+    assert any('rank="0"' in x for x in lines)
+    assert all('attempt="1"' in x for x in lines)
     done = c.fine_tuning.jobs.cancel(job.id)
     assert done.status == "cancelled"
     from ray.job_submission import JobSubmissionClient
@@ -301,6 +313,35 @@ def test_a_killed_driver_becomes_a_second_attempt_that_resumes_from_the_checkpoi
     assert resumed, msgs
     assert int(resumed[0].rsplit(" ", 1)[1]) >= 10  # not from scratch
     assert metric_steps(serve, job.id) == list(range(0, 41))
+
+
+def test_a_job_that_cannot_get_its_resources_stays_queued(serve, files):
+    c = serve.client()
+    # 2 workers x 3 CPUs on a head with 4: Ray cannot place the worker group, as the dry
+    # run says beforehand
+    body = {
+        "model": "tiny-llama",
+        "training_file": files[0],
+        "resources": {"num_workers": 2, "cpus_per_worker": 3},
+    }
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    rep = httpx.post(f"{serve.url}/v1/fine_tuning/jobs/validate", json=body, headers=h, timeout=60)
+    assert rep.status_code == 200, rep.text
+    placed = rep.json()["estimate"]["resources"]
+    assert placed["fits"] is False
+    assert placed["cluster"]["CPU"] == 4
+    assert placed["placeable_workers"] == 1
+    assert rep.json()["fits"] is False
+    job = create(serve, files, steps=10, resources={"num_workers": 2, "cpus_per_worker": 3})
+    wait_for(
+        lambda: c.fine_tuning.jobs.retrieve(job.id).model_extra["attempt"] == 1, 60, "submission"
+    )
+    time.sleep(20)
+    got = c.fine_tuning.jobs.retrieve(job.id)
+    assert got.status == "queued"
+    assert metric_steps(serve, job.id) == []
+    assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    wait_for(lambda: not _driver_pids(job.id), 60, "the driver process to exit")
 
 
 def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):

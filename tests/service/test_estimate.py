@@ -1,0 +1,43 @@
+"""The dry run's resources check: workers placed on the Ray cluster's nodes as asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.estimate import place_workers
+
+
+def res(workers: int, cpus: float = 1.0, gpu: bool = False) -> dict:
+    return {"num_workers": workers, "cpus_per_worker": cpus, "use_gpu": gpu}
+
+
+def test_workers_fit_when_each_node_has_room_for_its_share():
+    nodes = [{"CPU": 4.0}, {"CPU": 2.0}]
+    out = place_workers(res(3, cpus=2.0), nodes)
+    assert out["fits"] is True
+    assert out["placeable_workers"] == 3  # 2 on the first node, 1 on the second
+    assert out["cluster"] == {"nodes": 2, "CPU": 6.0, "GPU": 0}
+
+
+def test_cpus_split_over_nodes_do_not_make_a_worker():
+    # 5 CPUs in all, but no node has 3 free for a second worker
+    out = place_workers(res(2, cpus=3.0), [{"CPU": 3.0}, {"CPU": 2.0}])
+    assert out["fits"] is False
+    assert out["placeable_workers"] == 1
+    assert "2 workers x 3 CPU" in out["problem"]
+    assert "queued" in out["problem"]
+
+
+def test_gpu_workers_need_a_gpu_each():
+    nodes = [{"CPU": 16.0, "GPU": 1.0}, {"CPU": 16.0}]
+    assert place_workers(res(1, gpu=True), nodes)["fits"] is True
+    out = place_workers(res(2, gpu=True), nodes)
+    assert out["fits"] is False
+    assert "+ 1 GPU" in out["problem"]
+
+
+@pytest.mark.parametrize("nodes", [None, []])
+def test_an_unknown_cluster_is_not_called_too_small(nodes):
+    out = place_workers(res(64), nodes)
+    assert out["fits"] is None
+    assert "problem" not in out
