@@ -265,6 +265,39 @@ def bench_collectives(
         _fail(str(e))
 
 
+@bench_app.command("api")
+def bench_api(
+    seconds: Annotated[
+        float, typer.Option(help="paced seconds per database (split over the rounds)")
+    ] = 20.0,
+    clients: Annotated[int, typer.Option(help="concurrent clients, one connection each")] = 50,
+    db: Annotated[str, typer.Option(help="sqlite, postgres or both")] = "both",
+    rate: Annotated[float, typer.Option(help="offered req/s of the paced run, in all")] = 100.0,
+    saturation_seconds: Annotated[
+        float, typer.Option(help="closed-loop seconds per database (0: none)")
+    ] = 10.0,
+    rounds: Annotated[int, typer.Option(help="interleaved segments per database")] = 2,
+    reconcile_interval: Annotated[
+        float, typer.Option(help="the server's reconciler interval, s (0: no reconciler)")
+    ] = 1.0,
+    profile: Annotated[
+        Path | None, typer.Option(help="record the server with py-spy into this directory")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Job create/get/list p50/p99 and req/s at N clients over loopback; lost creates."""
+    from service.bench_api import run
+
+    try:
+        run(
+            seconds=seconds, clients=clients, db=db, rate=rate,
+            saturation_seconds=saturation_seconds, rounds=rounds, json_out=json_out,
+            reconcile_interval_s=reconcile_interval, profile_dir=profile,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
 @app.command("plot-trace")
 def plot_trace_cmd(
     run_dir: Annotated[Path, typer.Argument(help="a run directory written by pstar train")],

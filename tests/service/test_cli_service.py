@@ -1,0 +1,71 @@
+"""`pstar files` and `pstar jobs` against a running API (dry launcher: nothing trains)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.api.conftest import TOKENS, start_api
+from tests.tiny import chat_lines
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    api, stop = start_api(d, f"sqlite:///{d / 'store.db'}", "sqlite")
+    yield api
+    stop()
+
+
+def pstar(server, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PSTAR_URL": server.url,
+        "PSTAR_API_TOKEN": TOKENS["acme"],
+        "COLUMNS": "200",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert (out.returncode == 0) == ok, out.stdout + out.stderr
+    return out
+
+
+def test_submit_uploads_the_spec_files_and_the_job_shows_in_list_get_and_events(server, tmp_path):
+    (tmp_path / "train.jsonl").write_text("\n".join(chat_lines(10)) + "\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "model: gpt-tiny\ntraining_file: train.jsonl\nsuffix: cli\n"
+        "hyperparameters: {n_epochs: 1, batch_size: 2}\n"
+    )
+    out = pstar(server, "jobs", "submit", str(spec)).stdout
+    assert "uploaded train.jsonl" in out
+    job_id = next(w for w in out.split() if w.startswith("ftjob-")).rstrip(":")
+    job = server.store.get_job(job_id)
+    assert job.tenant == "acme"
+    assert job.plan["hyperparameters"]["batch_size"] == 2
+    assert job_id in pstar(server, "jobs", "list").stdout
+    assert f'"id": "{job_id}"' in pstar(server, "jobs", "get", job_id).stdout
+    assert "Created fine-tuning job" in pstar(server, "jobs", "events", job_id).stdout
+    assert "cancelled" in pstar(server, "jobs", "cancel", job_id).stdout
+    # following the logs of an ended job prints its end and returns
+    assert "===== job cancelled =====" in pstar(server, "jobs", "logs", job_id, "--follow").stdout
+
+
+def test_errors_are_reported_with_the_servers_message_and_a_nonzero_exit(server, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\nnot json\n')
+    out = pstar(server, "files", "upload", str(bad), ok=False)
+    assert "line 1" in out.stdout
+    assert "line 2" in out.stdout
+    out = pstar(server, "jobs", "get", "ftjob-nope", ok=False)
+    assert "No fine_tuning_job with id 'ftjob-nope'" in out.stdout
+    env_less = pstar(server, "jobs", "list", "--url", "http://127.0.0.1:9", ok=False)
+    assert "no service answers" in env_less.stdout
