@@ -96,6 +96,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     flops = _flops_per_token(plan["model"], meta["seq_len"], meta["vocab_size"])
     store.update_job(job.id, progress_total=total)
     return {
+        "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
         "model": plan["model"],
         "engine": engine,
         "hyperparameters": hp,
@@ -112,6 +113,12 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         "storage_path": str(job_dir / "ray"),
         "flops_per_token": flops,
     }
+
+
+def _newest_checkpoint(store: Store, job_id: str) -> str | None:
+    """The directory of the job's newest recorded checkpoint (see `finetune._resume`)."""
+    rows, _ = store.list_checkpoints(job_id, None, CHECKPOINTS_TO_KEEP + 1)
+    return max(rows, key=lambda c: c.step).path if rows else None
 
 
 def _flops_per_token(model: dict[str, Any], seq_len: int, vocab: int) -> float:

@@ -14,6 +14,7 @@ from the last one.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import tempfile
@@ -108,12 +109,7 @@ def train_func(config: dict[str, Any]) -> None:
     rep.phase("loading model")
     torch.manual_seed(run["seed"])
     engine = _build_engine(run)
-    checkpoint = ray.train.get_checkpoint()
-    resumed = checkpoint is not None
-    if resumed:
-        rep.phase("recovering")
-        with checkpoint.as_directory() as d:
-            engine.load_checkpoint(Path(d))
+    if _resume(engine, run, rep):
         rep.event(f"Attempt {attempt} resumed from the checkpoint at step {engine.global_step}")
     rep.running()
     eval_every = hp.get("eval_every") or max(1, total // 10)
@@ -209,18 +205,61 @@ def _memory_values(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:
+    """Load the newest checkpoint of the job, if there is one; True if one was loaded.
+
+    Two places know checkpoints. Ray Train's own registry (`get_checkpoint`) is what a
+    restarted worker group of this attempt resumes from. A new attempt (its driver or the
+    head was lost) reads the same registry from storage, but Ray persists it a moment
+    after `report` returns: a driver killed in that moment leaves it one checkpoint
+    behind, or empty. The store records each checkpoint's directory once every rank has
+    written it (`run["resume_from"]`, set by the driver), so the newer of the two wins.
+    """
+    import ray.train
+
+    from pstar_core.checkpoint import META
+
+    def step_of(d: Path) -> int:
+        return int(json.loads((d / META).read_text())["global_step"])
+
+    checkpoint = ray.train.get_checkpoint()
+    stored = Path(run["resume_from"]) if run.get("resume_from") else None
+    if stored is not None and not (stored / META).is_file():
+        stored = None  # deleted with its run directory, or never complete
+    if checkpoint is None and stored is None:
+        return False
+    rep.phase("recovering")
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            if stored is None or step_of(Path(d)) >= step_of(stored):
+                engine.load_checkpoint(Path(d))
+                return True
+    log.info("resuming from the store's newest checkpoint %s", stored)
+    engine.load_checkpoint(stored)
+    return True
+
+
+def checkpoint_dir_name(step: int, attempt: int) -> str:
+    """Where Ray Train puts the checkpoint of `step` under the run directory: named, so
+    the store records exactly that directory (sortable by step; the attempt keeps a
+    restarted run from writing into an older attempt's directory)."""
+    return f"checkpoint_step{step:09d}_a{attempt}"
+
+
 def _report_checkpoint(
     engine: Any, values: dict[str, Any], rep: Any, step: int, final: bool
 ) -> None:
     import ray.train
 
+    name = checkpoint_dir_name(step, rep.attempt)
     with tempfile.TemporaryDirectory() as d:
         engine.save_checkpoint(Path(d) / "ckpt", shared=False)
         ray.train.report(
             {**values, "step": step},
             checkpoint=ray.train.Checkpoint.from_directory(Path(d) / "ckpt"),
+            checkpoint_dir_name=name,
         )
-    rep.checkpoint(step, values, final)
+    rep.checkpoint(step, values, final, name)
 
 
 def _build_engine(run: dict[str, Any]):

@@ -151,7 +151,8 @@ class Reporter:
             tiers=stats["tiers"],
         )
 
-    def checkpoint(self, step: int, values: dict[str, Any], final: bool) -> None:
+    def checkpoint(self, step: int, values: dict[str, Any], final: bool, dir_name: str) -> None:
+        """Record the checkpoint Ray Train wrote to `<storage>/<job id>/<dir_name>`."""
         if self.store is None:
             return
         self._write(
@@ -160,7 +161,7 @@ class Reporter:
             self.job_id,
             step,
             {k: v for k, v in values.items() if isinstance(v, (int, float))},
-            str(_newest_checkpoint(Path(self.run["storage_path"]) / self.job_id)),
+            str(Path(self.run["storage_path"]) / self.job_id / dir_name),
             keep=self.run["checkpoints_to_keep"],
             final=final,
         )
@@ -173,7 +174,3 @@ class Reporter:
                 **final,
             )
 
-
-def _newest_checkpoint(run_dir: Path) -> Path:
-    found = sorted(run_dir.glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else run_dir
