@@ -173,4 +173,3 @@ class Reporter:
                 f"{final['full_valid_mean_token_accuracy']:.3f}",
                 **final,
             )
-
