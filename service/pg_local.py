@@ -1,10 +1,9 @@
 """Start a throw-away PostgreSQL server (for benchmarks and tests), and stop it by its PID.
 
-The same logic as `tests/pgserver.py`, importable from the service package, so a
-benchmark such as `pstar bench api` can run against a real PostgreSQL without importing
-tests/. The server refuses to run as root, and sessions and CI run as root, so when we are
-root every server command goes through `runuser -u pstar-pg --`, an unprivileged system
-user created once on first use. That user must be able to reach the data directory: when
+The store's tests and `pstar bench api` run against a real PostgreSQL, not a mock. The
+server refuses to run as root, and sessions and CI run as root, so when we are root every
+server command goes through `runuser -u pstar-pg --`, an unprivileged system user created
+once on first use. That user must be able to reach the data directory: when
 the given base directory is not traversable by others (pytest's base temp dir is mode
 0700) the server lives in a fresh 0755 directory under /tmp instead. The server runs with
 `fsync=off`: it is thrown away, durability buys nothing.

@@ -1,10 +1,10 @@
-"""tests/pgserver.py: a throw-away PostgreSQL starts, serves SQLAlchemy, stops without a trace."""
+"""service/pg_local.py: a throw-away PostgreSQL starts, serves SQLAlchemy, stops without a trace."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.pgserver import PgServer, find_pg_bindir, pid_alive
+from service.pg_local import PgServer, find_pg_bindir, pid_alive
 
 
 def test_pgserver_serves_sqlalchemy_and_stops_by_pid(tmp_path_factory):
