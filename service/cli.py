@@ -145,7 +145,7 @@ def bench_adam(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Chunk AdamW (bf16 grads in, fp32 states, bf16 params out) vs torch AdamW."""
-    from pstar_core.bench_adam import run
+    from benchmarks.adam import run
 
     run(numel=numel, repeats=repeats, json_out=json_out)
 
@@ -157,7 +157,7 @@ def bench_overhead(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Engine step time / plain PyTorch step time, runs interleaved."""
-    from service.bench_overhead import run
+    from benchmarks.overhead import run
 
     run(model=model, steps=steps, json_out=json_out)
 
@@ -171,7 +171,7 @@ def bench_load(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Peak host memory and time of loading a pretrained directory: ours vs transformers."""
-    from service.bench_load import run
+    from benchmarks.load import run
 
     if not (model_dir / "config.json").is_file():
         _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
@@ -194,7 +194,7 @@ def bench_eviction(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Bytes moved host<->device per iteration: eviction policies opt/lru/static vs budgets."""
-    from service.bench_dmm import run_eviction
+    from benchmarks.dmm import run_eviction
 
     try:
         run_eviction(
@@ -217,7 +217,7 @@ def bench_scale(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Largest GPT our DMM trains within the budgets vs a ZeRO-Offload-style static layout."""
-    from service.bench_scale import run_scale
+    from benchmarks.scale import run_scale
 
     run_scale(
         device_gib=device_gib, host_gib=host_gib, hidden=hidden, seq=seq, batch=batch,
@@ -239,7 +239,7 @@ def bench_zero(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Chunk ZeRO-DP step time and bytes sent: ours 1/2 ranks vs FSDP2, DeepSpeed (CPU, gloo)."""
-    from service.bench_zero import run_zero
+    from benchmarks.zero import run_zero
 
     try:
         run_zero(
@@ -257,7 +257,7 @@ def bench_collectives(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """All-gather throughput: engine-sized chunks vs one all-gather per parameter tensor."""
-    from service.bench_zero import run_collectives
+    from benchmarks.zero import run_collectives
 
     try:
         run_collectives(model=model, repeats=repeats, json_out=json_out)
@@ -286,7 +286,7 @@ def bench_api(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Job create/get/list p50/p99 and req/s at N clients over loopback; lost creates."""
-    from service.bench_api import run
+    from benchmarks.api import run
 
     try:
         run(

@@ -32,7 +32,7 @@ parameters are all-gathered over 2 gloo ranks either as chunk-sized all-gathers 
 engine's chunk size from `make_plan`, each rank contributing one chunk per group) or as
 one all-gather per parameter tensor (each rank contributing 1/N of it), runs interleaved.
 
-    python -m service.bench_zero              # run_zero(json_out=True)
+    python -m benchmarks.zero              # run_zero(json_out=True)
     pstar bench zero --json; pstar bench collectives --json
 """
 
@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 from rich.console import Console
 from rich.table import Table
 
-from service.bench_report import finish
+from benchmarks.report import finish
 
 __all__ = ["run_collectives", "run_zero"]
 
@@ -112,7 +112,7 @@ def _launch(kind: str, world: int, threads: int, spec: dict[str, Any]) -> list[d
         for r in range(world):
             log = (out / f"log-{r}.txt").open("w")
             logs.append(log)
-            cmd = [sys.executable, "-m", "service.bench_zero", "--worker", kind]
+            cmd = [sys.executable, "-m", "benchmarks.zero", "--worker", kind]
             cmd += ["--spec", json.dumps(spec), "--out", str(out)]
             rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
             procs.append(

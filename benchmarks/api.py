@@ -71,7 +71,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from service.bench_report import finish
+from benchmarks.report import finish
 
 __all__ = ["run", "serve_main"]
 
@@ -180,7 +180,7 @@ def _server(db: _Database, reconcile_interval_s: float) -> Iterator[tuple[str, i
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from service.bench_api import serve_main; serve_main(sys.argv[1:])",
+        "import sys; from benchmarks.api import serve_main; serve_main(sys.argv[1:])",
         str(db.data_dir),
         db.url,
         str(reconcile_interval_s),

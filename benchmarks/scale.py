@@ -3,7 +3,7 @@
 Each trial runs in a fresh subprocess; the static ZeRO-Offload-style layout is computed
 from its memory constraints with the activations our tracer measured.
 
-    python -c "from service.bench_scale import run_scale; run_scale(json_out=True)"
+    python -c "from benchmarks.scale import run_scale; run_scale(json_out=True)"
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
-from pstar_core.models import GPTConfig, build, num_params
-from pstar_core.tiers import MemoryBudgetError
-from service.bench_dmm import (
+from benchmarks.dmm import (
     GIB,
     OURS_BYTES_PER_PARAM,
     STATIC_DEVICE_BYTES_PER_PARAM,
@@ -33,6 +31,8 @@ from service.bench_dmm import (
     _console,
     _load_avg,
 )
+from pstar_core.models import GPTConfig, build, num_params
+from pstar_core.tiers import MemoryBudgetError
 
 __all__ = ["run_scale"]
 
@@ -95,7 +95,7 @@ def _run_trial(args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     and an out-of-memory kill cannot take the benchmark down."""
     repo = str(Path(__file__).resolve().parents[1])
     code = (
-        "import json, sys; from service.bench_scale import _scale_trial; "
+        "import json, sys; from benchmarks.scale import _scale_trial; "
         "_scale_trial(json.loads(sys.argv[1]))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}

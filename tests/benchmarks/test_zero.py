@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from service.bench_zero import run_zero
+from benchmarks.zero import run_zero
 from service.cli import app
 
 runner = CliRunner()

@@ -16,7 +16,7 @@ drift of a shared, noisy machine hits every recipe alike. Reported: medians of p
 times, the ratio engine ÷ baseline of the medians, the min/max of the paired per-round
 ratios (spread), the load average before/after and torch's thread count.
 
-    python -c "from service.bench_overhead import run; run(json_out=True)"
+    python -c "from benchmarks.overhead import run; run(json_out=True)"
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
+from benchmarks.report import finish
 from pstar_core.models import build, get_config, num_params
-from service.bench_report import finish
 
 __all__ = ["run"]
 

@@ -5,11 +5,11 @@ This module owns two measured claims about the engine's memory tiers:
 - `run_eviction`: bytes moved between host and device per steady-state iteration under the
   eviction policies opt / lru / static, at device budgets of "measured peak non-model memory
   + a percentage of the param chunk bytes", next to lower bounds on the fetches;
-- `service.bench_scale.run_scale` (its own module): the largest trainable GPT.
+- `benchmarks.scale.run_scale` (its own module): the largest trainable GPT.
 
 Each prints a rich table and, with ``json_out``, one JSON line last.
 
-    python -c "from service.bench_dmm import run_eviction; run_eviction(json_out=True)"
+    python -c "from benchmarks.dmm import run_eviction; run_eviction(json_out=True)"
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 import pstar_core
+from benchmarks.dmm import choose_chunk_size, run_eviction
 from pstar_core.models import build
-from service.bench_dmm import choose_chunk_size, run_eviction
 from service.cli import app
 from service.plot_trace import plot_run_dir, plot_trace
 
