@@ -8,6 +8,7 @@ a label (its last path component, cleaned), never used as a path.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
@@ -25,6 +26,7 @@ from service.store import File, Store, new_id
 
 PURPOSES = ("fine-tune",)
 MAX_FIELD_BYTES = 1024
+FEED_BATCH_BYTES = 1 << 20  # received bytes handed to the parsing thread at a time
 DRAIN_AFTER_LIMIT = 64 << 20  # read (and drop) this much past the limit so the client sees the 413
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -180,12 +182,26 @@ async def receive_upload(
     file_id = new_id("file")
     tmp = settings.files_dir / f".{file_id}.part"
     up = _Upload(tmp, limit)
-    try:
-        parser = MultipartParser(boundary, up.callbacks())
-        async for chunk in body:
+    parser = MultipartParser(boundary, up.callbacks())
+
+    def feed(chunks: list[bytes]) -> None:
+        for chunk in chunks:
             parser.write(chunk)
-            if up.too_large and up.size > limit + DRAIN_AFTER_LIMIT:
-                break
+
+    try:
+        # parsing, validating lines and writing the file block: they run in a worker
+        # thread, a batch of received chunks at a time, so other requests keep being served
+        batch: list[bytes] = []
+        batched = 0
+        async for chunk in body:
+            batch.append(chunk)
+            batched += len(chunk)
+            if batched >= FEED_BATCH_BYTES:
+                await asyncio.to_thread(feed, batch)
+                batch, batched = [], 0
+                if up.too_large and up.size > limit + DRAIN_AFTER_LIMIT:
+                    break
+        await asyncio.to_thread(feed, batch)
         parser.finalize()
     except ValueError as e:  # the multipart parser's own errors
         _discard(up, tmp)
@@ -198,7 +214,7 @@ async def receive_upload(
     if up.out is not None:
         up.out.close()
     try:
-        return _store(settings, store, tenant, file_id, tmp, up)
+        return await asyncio.to_thread(_store, settings, store, tenant, file_id, tmp, up)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

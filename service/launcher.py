@@ -172,5 +172,8 @@ class RayLauncher:
             raise Unavailable(f"logs of {submission_id} are not available from Ray: {e}") from None
 
     async def tail(self, submission_id: str) -> AsyncIterator[str]:
-        async for lines in self.client().tail_job_logs(submission_id):
+        import asyncio
+
+        client = await asyncio.to_thread(self.client)  # may connect: not on the event loop
+        async for lines in client.tail_job_logs(submission_id):
             yield lines

@@ -4,6 +4,7 @@ the attempt ends, so they outlive a restarted head."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -66,10 +67,13 @@ async def follow_logs(
     job: Job,
     sleep: Callable[[float], Awaitable[None]],
 ) -> AsyncIterator[str]:
-    """The current attempt's log as it grows; moves on to a new attempt, ends with the job."""
+    """The current attempt's log as it grows; moves on to a new attempt, ends with the job.
+
+    Store and Ray calls that block run in a worker thread: this generator runs on the
+    server's event loop, which every other request shares."""
     seen = 0
     while True:
-        fresh = store.get_job(job.id) or job
+        fresh = await asyncio.to_thread(store.get_job, job.id) or job
         if fresh.attempt == 0 and fresh.status not in TERMINAL:
             await sleep(1.0)
             continue
@@ -78,7 +82,7 @@ async def follow_logs(
                 sid = f"{job.id}-a{n}"
                 yield f"===== attempt {n} (Ray job {sid}) =====\n"
                 if n < fresh.attempt:
-                    yield _one(settings, launcher, sid)
+                    yield await asyncio.to_thread(_one, settings, launcher, sid)
                     continue
                 try:
                     async for chunk in launcher.tail(sid):
@@ -86,7 +90,7 @@ async def follow_logs(
                 except Exception as e:  # the head went away mid-stream
                     yield f"(log stream interrupted: {e})\n"
             seen = fresh.attempt
-        fresh = store.get_job(job.id) or fresh
+        fresh = await asyncio.to_thread(store.get_job, job.id) or fresh
         if fresh.status in TERMINAL and fresh.attempt == seen:
             yield f"===== job {fresh.status} =====\n"
             return

@@ -94,6 +94,12 @@ def serve(
     supervisor = RaySupervisor(head, launcher) if head is not None else None
 
     def shutdown() -> None:
+        if head is not None and not keep_ray:
+            # the head takes its Ray jobs' logs with it: keep those of unfinished attempts
+            from service.logs import save_attempt_log
+
+            for att in store.open_attempts():
+                save_attempt_log(settings, launcher, att)
         store.close()
         if head is not None and not keep_ray:
             log.info("stopping the local Ray head (pid %s)", head.info.get("pid"))
