@@ -41,6 +41,13 @@ class NotFound(ServiceError):
         super().__init__(f"No {what} with id '{ident}'.", param=param, code=f"{what}_not_found")
 
 
+class UnknownCursor(NotFound):
+    """A list's `after` names an object the list does not hold (404, as its id would)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        ServiceError.__init__(self, message, param=param, code=code)
+
+
 class Conflict(ServiceError):
     """The object's state does not allow it (409): cancel a finished job, reuse a key."""
 

@@ -57,7 +57,7 @@ async def files_create(
     return FileObject.of(f)
 
 
-@router.get("", response_model=FileList, responses=responses(400))
+@router.get("", response_model=FileList, responses=responses(400, 404))
 def files_list(
     request: Request,
     tenant: Tenant,

@@ -70,7 +70,7 @@ def jobs_validate(req: JobRequest, request: Request, tenant: Tenant) -> dict[str
     return validate_job(c.settings, c.store, c.jobs, tenant, req)
 
 
-@router.get("", response_model=JobList, responses=responses(400))
+@router.get("", response_model=JobList, responses=responses(400, 404))
 def jobs_list(
     request: Request,
     tenant: Tenant,

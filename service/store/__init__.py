@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.errors import UnknownCursor
 from service.store.models import (
     Attempt,
     Base,
@@ -150,14 +151,27 @@ class Store:
             q = q.where(File.purpose == purpose)
         desc = order == "desc"
         if after:
-            with self.read() as s:
-                cursor = s.scalar(select(File.seq).where(File.id == after, File.tenant == tenant))
-            if cursor is not None:
-                q = q.where(File.seq < cursor if desc else File.seq > cursor)
+            cursor = self._cursor(File, after, "file", File.tenant == tenant)
+            q = q.where(File.seq < cursor if desc else File.seq > cursor)
         q = q.order_by(File.seq.desc() if desc else File.seq.asc()).limit(limit + 1)
         with self.read() as s:
             rows = list(s.scalars(q))
         return rows[:limit], len(rows) > limit
+
+    def _cursor(self, model: Any, after: str, what: str, scope: Any) -> int:
+        """The position of the object `after` names in its list. One the list does not hold
+        (never there, another tenant's, or deleted since the previous page) is an error:
+        starting over from the first page would hand the client rows it has already seen."""
+        with self.read() as s:
+            seq = s.scalar(select(model.seq).where(model.id == after, scope))
+        if seq is None:
+            raise UnknownCursor(
+                f"after: no {what} '{after}' in this list (deleted, or not from a previous "
+                "page); list again without 'after'",
+                param="after",
+                code="cursor_not_found",
+            )
+        return seq
 
     def delete_file(self, tenant: str, file_id: str) -> File | None:
         with self.write() as s:
@@ -231,10 +245,7 @@ class Store:
         if status:
             q = q.where(Job.status == status)
         if after:
-            with self.read() as s:
-                cursor = s.scalar(select(Job.seq).where(Job.id == after, Job.tenant == tenant))
-            if cursor is not None:
-                q = q.where(Job.seq < cursor)
+            q = q.where(Job.seq < self._cursor(Job, after, "fine-tuning job", Job.tenant == tenant))
         if metadata:
             # metadata is a small JSON object: filter after the query (portable across
             # SQLite and PostgreSQL JSON operators), reading in pages until `limit` match
@@ -477,14 +488,10 @@ class Store:
     ) -> tuple[list[Checkpoint], bool]:
         q = select(Checkpoint).where(Checkpoint.job_id == job_id)
         if after:
-            with self.read() as s:
-                cursor = s.scalar(
-                    select(Checkpoint.seq).where(
-                        Checkpoint.id == after, Checkpoint.job_id == job_id
-                    )
-                )
-            if cursor is not None:
-                q = q.where(Checkpoint.seq < cursor)
+            q = q.where(
+                Checkpoint.seq
+                < self._cursor(Checkpoint, after, "checkpoint", Checkpoint.job_id == job_id)
+            )
         with self.read() as s:
             rows = list(s.scalars(q.order_by(Checkpoint.seq.desc()).limit(limit + 1)))
         return rows[:limit], len(rows) > limit

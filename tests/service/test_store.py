@@ -453,3 +453,22 @@ def test_files_of_another_tenant_are_invisible(store):
     assert store.delete_file("rival", f.id) is None
     assert [x.id for x in store.list_files("acme", None, 10, None)[0]] == [f.id]
     assert store.get_file("acme", f.id).filename == "train.jsonl"
+
+
+def test_a_cursor_the_list_does_not_hold_is_refused_not_restarted(store):
+    from service.errors import UnknownCursor
+
+    files = [store.add_file(make_file("acme", f"f{i}.jsonl")) for i in range(3)]
+    theirs = store.add_file(make_file("rival", "theirs.jsonl"))
+    job = add_job(store)
+    store.delete_file("acme", files[1].id)  # deleted between two pages
+    for after in (files[1].id, theirs.id, "file-never-was"):
+        with pytest.raises(UnknownCursor, match="list again without 'after'") as e:
+            store.list_files("acme", after, 10, None)
+        assert e.value.param == "after"
+    with pytest.raises(UnknownCursor, match="no fine-tuning job"):
+        store.list_jobs("rival", job.id, 10)
+    with pytest.raises(UnknownCursor, match="no checkpoint"):
+        store.list_checkpoints(job.id, "ftckpt-never-was", 10)
+    # a cursor the list holds still pages
+    assert [f.id for f in store.list_files("acme", files[2].id, 10, None)[0]] == [files[0].id]
