@@ -226,6 +226,26 @@ def test_prometheus_metrics_count_requests_and_jobs(api):
     assert 'pstar_jobs{status="queued"}' in text
 
 
+@pytest.mark.parametrize("part", ["store", "ray"])
+def test_readyz_is_503_naming_the_part_that_does_not_answer(api, monkeypatch, part):
+    from service.errors import Unavailable
+
+    assert httpx.get(api.url + "/readyz").json()["checks"] == {"store": "ok", "ray": "ok"}
+
+    def down() -> None:
+        raise Unavailable(f"{part} is down (test)")
+
+    monkeypatch.setattr(api.store if part == "store" else api.launcher, "ping", down)
+    rep = httpx.get(api.url + "/readyz")
+    assert rep.status_code == 503
+    body = rep.json()
+    assert body["status"] == "unavailable"
+    assert body["checks"][part] == f"unavailable: {part} is down (test)"
+    other = "ray" if part == "store" else "store"
+    assert body["checks"][other] == "ok"
+    assert httpx.get(api.url + "/healthz").status_code == 200  # the process still answers
+
+
 def test_validate_reports_data_and_fit_and_stores_nothing(api):
     c = api.client()
     f = upload(c, chat_lines(16))
