@@ -31,7 +31,7 @@ from service.files import file_path
 from service.prepare import prepare
 from service.registry import fine_tuned_name
 from service.settings import Settings
-from service.store import TERMINAL, File, Job, Store, new_id
+from service.store import TERMINAL, File, Job, Store
 
 log = logging.getLogger("pstar.driver")
 CHECKPOINTS_TO_KEEP = 3
@@ -169,6 +169,8 @@ def metrics_csv(store: Store, job_id: str) -> bytes:
         "valid_mean_token_accuracy",
         "tokens_per_second",
         "lr",
+        "full_valid_loss",
+        "full_valid_mean_token_accuracy",
     ]
     src = {"train_accuracy": "train_mean_token_accuracy"}
     buf = io.StringIO()
@@ -179,10 +181,17 @@ def metrics_csv(store: Store, job_id: str) -> bytes:
     return buf.getvalue().encode()
 
 
+def results_file_id(job_id: str) -> str:
+    """The id of a job's metrics CSV: one per job, so an attempt that finishes again (its
+    driver died after writing it) replaces it instead of leaving a second copy."""
+    return "file-" + hashlib.sha256(f"{job_id}:results".encode()).hexdigest()[:24]
+
+
 def finish_success(settings: Settings, store: Store, job: Job) -> None:
     data = metrics_csv(store, job.id)
-    fid = new_id("file")
+    fid = results_file_id(job.id)
     settings.files_dir.mkdir(parents=True, exist_ok=True)
+    store.delete_file(job.tenant, fid)
     (settings.files_dir / fid).write_bytes(data)
     store.add_file(
         File(
@@ -202,7 +211,7 @@ def finish_success(settings: Settings, store: Store, job: Job) -> None:
     points = store.metric_points(job.id)
     trained = int(points[-1].values.get("trained_tokens", 0)) if points else 0
     name = fine_tuned_name(job.plan.get("base_model", job.model), job.suffix, job.id)
-    store.update_job(
+    ended = store.update_job(
         job.id,
         event=f"The job has successfully completed; fine-tuned model {name}",
         status="succeeded",
@@ -212,6 +221,11 @@ def finish_success(settings: Settings, store: Store, job: Job) -> None:
         result_files=[fid],
         progress_step=job.progress_total or (points[-1].step if points else 0),
     )
+    now = store.get_job(job.id)
+    if not ended and (now is None or now.status != "succeeded"):
+        # cancelled meanwhile: terminal states never change, so it has no results
+        store.delete_file(job.tenant, fid)
+        (settings.files_dir / fid).unlink(missing_ok=True)
 
 
 def fail(store: Store, job_id: str, code: str, message: str) -> None:
