@@ -79,6 +79,9 @@ def create_app(
             "validate, metric series, the memory tracer timeline and logs."
         ),
         lifespan=lifespan,
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
+        openapi_url="/openapi.json" if settings.api_docs else None,
     )
     app.state.ctx = ctx
     errors.install(app)

@@ -37,6 +37,9 @@ class Settings:
     tokens: dict[str, str] = field(repr=False)  # token -> tenant
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD
     ray_address: str | None = None
+    # the API's documentation (/docs, /redoc, /openapi.json) is served without a token: it
+    # is the same for every tenant and holds no data; PSTAR_API_DOCS=off removes it
+    api_docs: bool = True
 
     @property
     def files_dir(self) -> Path:
@@ -75,12 +78,16 @@ class Settings:
             ) from None
         if max_upload <= 0:
             raise SettingsError(f"PSTAR_MAX_UPLOAD_BYTES must be positive, got {max_upload}")
+        docs = env.get("PSTAR_API_DOCS", "on").strip().lower()
+        if docs not in ("on", "off"):
+            raise SettingsError(f"PSTAR_API_DOCS must be 'on' or 'off', got {docs!r}")
         return cls(
             data_dir=data_dir,
             db_url=db_url,
             tokens=parse_tokens(env.get("PSTAR_API_TOKENS", "")),
             max_upload_bytes=max_upload,
             ray_address=env.get("RAY_ADDRESS") or None,
+            api_docs=docs == "on",
         )
 
 

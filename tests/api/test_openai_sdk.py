@@ -187,6 +187,8 @@ def test_every_route_but_health_needs_a_token(api, headers):
         assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(api.url + "/healthz").status_code == 200
     assert httpx.get(api.url + "/readyz").json()["checks"] == {"store": "ok", "ray": "ok"}
+    # the API's documentation is public (PSTAR_API_DOCS=off removes it; see test_settings)
+    assert httpx.get(api.url + "/openapi.json").json()["info"]["title"] == "PatrickStar Service"
     bad = api.client()
     bad.api_key = "wrong-token-123"
     with pytest.raises(openai.AuthenticationError):
