@@ -69,3 +69,30 @@ def test_errors_are_reported_with_the_servers_message_and_a_nonzero_exit(server,
     assert "No fine_tuning_job with id 'ftjob-nope'" in out.stdout
     env_less = pstar(server, "jobs", "list", "--url", "http://127.0.0.1:9", ok=False)
     assert "no service answers" in env_less.stdout
+
+
+def test_files_upload_and_list_show_the_stored_file(server, tmp_path):
+    good = tmp_path / "words.jsonl"
+    good.write_text("\n".join(chat_lines(6)) + "\n")
+    out = pstar(server, "files", "upload", str(good)).stdout
+    file_id = next(w for w in out.split() if w.startswith("file-")).rstrip(":")
+    stored = server.store.get_file("acme", file_id)
+    assert (stored.filename, stored.examples, stored.bytes) == (
+        "words.jsonl",
+        6,
+        good.stat().st_size,
+    )
+    listed = pstar(server, "files", "list").stdout
+    assert file_id in listed
+    assert "words.jsonl" in listed
+
+
+def test_validate_prints_the_data_report_and_stores_nothing(server, tmp_path):
+    (tmp_path / "train.jsonl").write_text("\n".join(chat_lines(10)) + "\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: gpt-tiny\ntraining_file: train.jsonl\n")
+    jobs_before = len(server.store.list_jobs("acme", None, 100)[0])
+    out = pstar(server, "jobs", "validate", str(spec)).stdout
+    assert "10" in out  # the examples counted
+    assert "fits" in out.lower()
+    assert len(server.store.list_jobs("acme", None, 100)[0]) == jobs_before
