@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,6 +94,7 @@ def test_validate_prints_the_data_report_and_stores_nothing(server, tmp_path):
     spec.write_text("model: gpt-tiny\ntraining_file: train.jsonl\n")
     jobs_before = len(server.store.list_jobs("acme", None, 100)[0])
     out = pstar(server, "jobs", "validate", str(spec)).stdout
-    assert "10" in out  # the examples counted
-    assert "fits" in out.lower()
+    report = json.loads(out[out.index("{") :])  # after the upload's own line
+    assert report["data"]["training_file"]["examples"] == 10
+    assert isinstance(report["fits"], bool)
     assert len(server.store.list_jobs("acme", None, 100)[0]) == jobs_before
