@@ -88,6 +88,23 @@ def evaluate(
     return (loss_sum / count, correct / count) if count else (float("nan"), float("nan"))
 
 
+def _worker_log() -> logging.Logger:
+    """The worker's own log lines (to stderr, which Ray forwards into the job's log)."""
+    wl = logging.getLogger("pstar.worker")
+    if not wl.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        wl.addHandler(h)
+        wl.setLevel(logging.INFO)
+        wl.propagate = False
+    return wl
+
+
+def _full_validation(engine: Any, ids, labels, rank: int, world: int, batch: int):
+    loss, acc = evaluate(engine, ids, labels, rank, world, batch)
+    return {"full_valid_loss": loss, "full_valid_mean_token_accuracy": acc}
+
+
 def train_func(config: dict[str, Any]) -> None:
     import ray.train
 
@@ -111,6 +128,20 @@ def train_func(config: dict[str, Any]) -> None:
     engine = _build_engine(run)
     if _resume(engine, run, rep):
         rep.event(f"Attempt {attempt} resumed from the checkpoint at step {engine.global_step}")
+    st = engine.stats()
+    _worker_log().info(
+        "job %s attempt %d, rank %d of %d: %d chunks of %d elements, model data %.1f MiB on "
+        "this rank, from step %d of %d",
+        config["job_id"],
+        attempt,
+        rank,
+        world,
+        sum(v["count"] for v in st["chunks"].values()),
+        st["chunk_size"],
+        st["model_data_bytes"] / 2**20,
+        engine.global_step,
+        total,
+    )
     rep.running()
     eval_every = hp.get("eval_every") or max(1, total // 10)
     ckpt_every = run["checkpoint_every"]
@@ -127,6 +158,7 @@ def train_func(config: dict[str, Any]) -> None:
     comm_before = engine.stats()["comm_bytes_sent"]
     rep.phase("training")
     first = engine.global_step
+    full_eval: dict[str, float] | None = None
     for step in range(first, total):
         t0 = time.perf_counter()
         idx = sampler.indices(step)
@@ -165,6 +197,11 @@ def train_func(config: dict[str, Any]) -> None:
                 engine, valid_ids[:n], valid_labels[:n], rank, world, local
             )
             rep.phase("training")
+        if done == total and valid_ids is not None:
+            # the whole validation file, as OpenAI's last metrics event carries it
+            rep.phase("evaluating")
+            full_eval = _full_validation(engine, valid_ids, valid_labels, rank, world, local)
+            values.update(full_eval)
         rep.metrics(done, values, total=total)
         if step == first:  # the warm-up step of this attempt: the trace exists now
             rep.stats(stats)
@@ -175,10 +212,10 @@ def train_func(config: dict[str, Any]) -> None:
     # the end: full validation, the final checkpoint, the export
     final: dict[str, Any] = {"trained_tokens": trained_tokens}
     if valid_ids is not None:
-        rep.phase("evaluating")
-        final["full_valid_loss"], final["full_valid_mean_token_accuracy"] = evaluate(
-            engine, valid_ids, valid_labels, rank, world, local
-        )
+        if full_eval is None:  # resumed from the final checkpoint: no step ran
+            rep.phase("evaluating")
+            full_eval = _full_validation(engine, valid_ids, valid_labels, rank, world, local)
+        final.update(full_eval)
     last = rep.last_values()
     rep.phase("checkpointing")
     _report_checkpoint(engine, {**last, **final}, rep, engine.global_step, final=True)

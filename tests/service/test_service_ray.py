@@ -7,6 +7,7 @@ re-attaches to it; the graceful restart (last) stops it and starts another.
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -27,13 +28,15 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 TOKEN = "tok-e2e-acme-0123456789"
+RIVAL_TOKEN = "tok-e2e-rival-0123456789"
 
 
 class Serve:
     """A `pstar serve` process: started, killed and stopped by PID."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.env = env or {}
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -45,7 +48,8 @@ class Serve:
         env = {
             **os.environ,
             "PSTAR_DATA_DIR": str(self.data_dir),
-            "PSTAR_API_TOKENS": f"acme:{TOKEN}",
+            "PSTAR_API_TOKENS": f"acme:{TOKEN},rival:{RIVAL_TOKEN}",
+            **self.env,
         }
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
@@ -85,8 +89,8 @@ class Serve:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
 
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=TOKEN, max_retries=2)
+    def client(self, token: str = TOKEN):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=token, max_retries=2)
 
     def head_pid(self) -> int:
         return json.loads((self.data_dir / "ray" / "head.json").read_text())["pid"]
@@ -175,6 +179,13 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
     c = serve.client()
     job = create(serve, files, steps=60)
     wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
+    # while it trains: running, in a named phase, with progress out of the total
+    live = c.fine_tuning.jobs.retrieve(job.id)
+    assert live.status == "running"
+    assert live.model_extra["status_detail"] in ("training", "evaluating", "checkpointing")
+    assert live.model_extra["progress"]["total"] == 60
+    assert 10 <= live.model_extra["progress"]["step"] <= 60
+    assert live.estimated_finish is not None
     head = serve.head_pid()
     serve.kill9()
     # the control plane is gone; the Ray job keeps training and reporting to the store
@@ -201,16 +212,38 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
     assert msgs[0].startswith("Created fine-tuning job")
     assert sum(m.startswith("Attempt") for m in msgs) == 1
     assert msgs[-1].startswith("The job has successfully completed")
-    first = next(e.data for e in ev if e.type == "metrics" and e.data["step"] == 0)
+    assert done.model_extra["status_detail"] is None
+    assert done.model_extra["progress"] == {"step": 60, "total": 60}
+    # metrics events carry OpenAI's fields: the training numbers every step, valid_loss
+    # every eval_every (10) steps, the whole validation file before and at the end
+    by_step = {e.data["step"]: e.data for e in ev if e.type == "metrics"}
+    first = by_step[0]
+    for step in range(1, 61):
+        assert {"train_loss", "train_mean_token_accuracy", "tokens_per_second"} <= set(
+            by_step[step]
+        ), by_step[step]
+    assert [k for k in sorted(by_step) if "valid_loss" in by_step[k]] == list(range(0, 60, 10))
+    assert [k for k in sorted(by_step) if "full_valid_loss" in by_step[k]] == [0, 60]
     # checkpoints: the newest three plus the final one, with metrics
     cks = list(c.fine_tuning.jobs.checkpoints.list(job.id))
     assert [ck.step_number for ck in cks] == [60, 50, 40, 30]
     final = cks[0]
     assert final.model_extra["final"] is True
     assert final.metrics.full_valid_loss < first["full_valid_loss"]  # it learned
+    assert final.metrics.full_valid_loss == by_step[60]["full_valid_loss"]
     assert final.fine_tuned_model_checkpoint == f"{done.fine_tuned_model}:ckpt-step-60"
     # the fine-tuned model is listed and loads with transformers
     assert done.fine_tuned_model in [m.id for m in c.models.list()]
+    assert c.models.retrieve(done.fine_tuned_model).owned_by == "acme"
+    # ... and another tenant sees nothing of it: not the model, the job or its result file
+    rival = serve.client(RIVAL_TOKEN)
+    assert done.fine_tuned_model not in [m.id for m in rival.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        rival.models.retrieve(done.fine_tuned_model)
+    with pytest.raises(openai.NotFoundError):
+        rival.fine_tuning.jobs.retrieve(job.id)
+    with pytest.raises(openai.NotFoundError):
+        rival.files.content(done.result_files[0])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     export = serve.data_dir / "models" / ".ft" / job.id
@@ -225,14 +258,23 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
     assert model(**enc).logits.isfinite().all()
     # the result file is OpenAI's metrics CSV, one row per step
     csv_text = c.files.content(done.result_files[0]).text
-    assert csv_text.splitlines()[0].startswith("step,train_loss")
-    assert len(csv_text.splitlines()) == 1 + 61
+    rows = list(csv.DictReader(io.StringIO(csv_text)))
+    assert csv_text.startswith("step,train_loss")
+    assert [int(r["step"]) for r in rows] == list(range(0, 61))
+    assert float(rows[-1]["full_valid_loss"]) == by_step[60]["full_valid_loss"]
+    assert float(rows[10]["valid_loss"]) == by_step[10]["valid_loss"]
     # ours: metric series, the tracer timeline, logs
     h = {"Authorization": f"Bearer {TOKEN}"}
     series = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job.id}/metrics", headers=h).json()[
         "series"
     ]
     assert series["train_loss"]["steps"] == list(range(1, 61))
+    for name in ("lr", "step_time_s", "tflops", "tokens_per_second", "peak_non_model_bytes"):
+        assert series[name]["steps"] == list(range(1, 61)), name
+        assert all(v > 0 for v in series[name]["values"]), name
+    assert series["valid_loss"]["steps"] == list(range(0, 60, 10))
+    moved = [k for k in series if k.startswith("bytes_moved_")]
+    assert moved  # per direction, e.g. bytes_moved_host_to_device
     tiers = zip(
         series["model_data_bytes_device"]["values"],
         series["model_data_bytes_host"]["values"],
@@ -245,6 +287,11 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
     assert mem["available"]
     assert mem["moments"] == len(mem["names"]) == len(mem["non_model_bytes"]) > 10
     assert mem["peak_non_model_bytes"] == max(mem["non_model_bytes"]) > 0
+    assert len(mem["chunk_bytes"]) == len(mem["chunk_allowance_bytes"]) == mem["moments"]
+    budget, nm = mem["device_budget_bytes"], mem["non_model_bytes"]
+    assert budget == mem["tiers"]["device"]["budget"] > 0
+    j = nm.index(mem["peak_non_model_bytes"])  # A_j = budget - max(N_j, N_j+1)
+    assert mem["chunk_allowance_bytes"][j] == max(0, budget - max(nm[j : j + 2]))
     logs = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job.id}/logs", headers=h, timeout=60).text
     assert f"Ray job {job.id}-a1" in logs
     assert "succeeded" in logs
@@ -266,6 +313,8 @@ def test_cancel_stops_the_ray_job_and_its_workers(serve, files):
     lines = wait_for(scraped, 90, "ray_pstar_train_loss on Ray's metrics port", poll=2)
     assert any('rank="0"' in x for x in lines)
     assert all('attempt="1"' in x for x in lines)
+    # the running job's log, followed: the driver's lines and both workers' lines
+    assert _followed_log_shows(serve, job.id, [f"rank {r} of 2" for r in (0, 1)])
     done = c.fine_tuning.jobs.cancel(job.id)
     assert done.status == "cancelled"
     from ray.job_submission import JobSubmissionClient
@@ -283,6 +332,23 @@ def test_cancel_stops_the_ray_job_and_its_workers(serve, files):
     time.sleep(3)
     assert len(metric_steps(serve, job.id)) == n  # no worker trains on
     assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+
+
+def _followed_log_shows(serve, job_id: str, wanted: list[str], timeout: float = 90) -> str:
+    """Follow GET .../logs?follow=true of a running job until every wanted text arrived."""
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{serve.url}/v1/fine_tuning/jobs/{job_id}/logs?follow=true"
+    seen = ""
+    deadline = time.time() + timeout
+    with httpx.stream("GET", url, headers=h, timeout=httpx.Timeout(10, read=timeout)) as r:
+        assert r.status_code == 200
+        for text in r.iter_text():
+            seen += text
+            if all(w in seen for w in wanted):
+                return seen
+            if time.time() > deadline:
+                break
+    raise AssertionError(f"the followed log lacks {wanted}:\n{seen[-3000:]}")
 
 
 def _driver_pids(job_id: str, attempt: int = 1) -> list[int]:
@@ -342,6 +408,60 @@ def test_a_job_that_cannot_get_its_resources_stays_queued(serve, files):
     assert metric_steps(serve, job.id) == []
     assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
     wait_for(lambda: not _driver_pids(job.id), 60, "the driver process to exit")
+
+
+def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
+    serve, tmp_path, request
+):
+    """A second control plane, as in production: PostgreSQL for the store, RAY_ADDRESS for
+    a cluster it did not start (the first one's head). The driver and the workers write to
+    PostgreSQL; stopping this control plane leaves the cluster alone."""
+    from service.local_ray import pid_alive
+    from service.store import Store
+    from tests.conftest import fresh_database
+
+    db_url = fresh_database(request.getfixturevalue("pg_server"))
+    ray_url = httpx.get(serve.url + "/readyz").json()["ray_dashboard_url"]
+    make_tiny_llama(tmp_path / "models" / "tiny-llama", hidden=128, layers=4)
+    pg = Serve(
+        tmp_path, env={"PSTAR_DB_URL": db_url, "RAY_ADDRESS": ray_url, "RAY_AUTH_MODE": "disabled"}
+    )
+    pg.start()
+    try:
+        c = pg.client()
+        train = c.files.create(
+            file=("train.jsonl", io.BytesIO("\n".join(chat_lines(32)).encode())),
+            purpose="fine-tune",
+        )
+        valid = c.files.create(
+            file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(8, 500)).encode())),
+            purpose="fine-tune",
+        )
+        job = create(pg, (train.id, valid.id), steps=12)
+        done = wait_for(
+            lambda: (
+                (j := c.fine_tuning.jobs.retrieve(job.id)).status
+                in ("succeeded", "failed", "cancelled")
+                and j
+            ),
+            300,
+            "the job to end",
+        )
+        assert done.status == "succeeded", done.error
+        assert done.fine_tuned_model in [m.id for m in c.models.list()]
+        store = Store(db_url)
+        assert [p.step for p in store.metric_points(job.id)] == list(range(0, 13))
+        assert store.get_stats(job.id).trace["non_model_bytes"]  # the tracer, from rank 0
+        assert [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id)] == [
+            12,
+            10,
+        ]
+        store.close()
+        assert (tmp_path / "models" / ".ft" / job.id / "config.json").is_file()
+    finally:
+        pg.terminate()
+    assert pid_alive(serve.head_pid())  # not this control plane's cluster to stop
+    assert httpx.get(serve.url + "/readyz").status_code == 200
 
 
 def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):
