@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -408,6 +409,41 @@ def test_a_job_that_cannot_get_its_resources_stays_queued(serve, files):
     assert metric_steps(serve, job.id) == []
     assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
     wait_for(lambda: not _driver_pids(job.id), 60, "the driver process to exit")
+
+
+def test_pstar_run_submits_a_spec_follows_it_and_prints_the_summary(serve, tmp_path):
+    """The main job's command, pointed at a service that already runs (so it starts none
+    and stops none): uploads the spec's files, submits, follows to the end, summarizes."""
+    (tmp_path / "train.jsonl").write_text("\n".join(chat_lines(32)) + "\n")
+    (tmp_path / "valid.jsonl").write_text("\n".join(chat_lines(8, 500)) + "\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "model: tiny-llama\ntraining_file: train.jsonl\nvalidation_file: valid.jsonl\n"
+        "suffix: run\n"
+        "hyperparameters: {batch_size: 8, max_steps: 6, learning_rate_multiplier: 30}\n"
+        "resources: {num_workers: 2}\nengine: {dtype: fp32}\n"
+    )
+    env = {**os.environ, "PSTAR_API_TOKEN": TOKEN, "COLUMNS": "200"}
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "run", str(spec), "--port", str(serve.port)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "uploaded train.jsonl" in text
+    assert "starting the control plane" not in text  # one answered on the port
+    assert "shutting the service down" not in text
+    job_id = next(w for w in text.split() if w.startswith("ftjob-")).strip(":()")
+    job = serve.client().fine_tuning.jobs.retrieve(job_id)
+    assert job.status == "succeeded"
+    assert f"{job_id}: succeeded" in text
+    before, after = map(float, re.search(r"held-out loss\W+([\d.]+) -> ([\d.]+)", text).groups())
+    assert after < before
+    assert job.fine_tuned_model in text
+    assert httpx.get(serve.url + "/readyz").status_code == 200  # still serving
 
 
 def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
