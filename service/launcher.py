@@ -51,6 +51,9 @@ class DryLauncher:
             return "STOPPED"
         return "PENDING" if submission_id in self.submitted else None
 
+    def statuses(self) -> dict[str, str]:
+        return {sid: st for sid in list(self.submitted) if (st := self.status(sid))}
+
     def stop_quietly(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
 
@@ -137,6 +140,21 @@ class RayLauncher:
             self._client = None
             raise Unavailable(f"Ray at {self.address} is not reachable: {e}") from None
         return str(info.status.value if hasattr(info.status, "value") else info.status)
+
+    def statuses(self) -> dict[str, str]:
+        """Ray's status of every submission it knows, in one call."""
+        try:
+            jobs = self.client().list_jobs()
+        except Unavailable:
+            raise
+        except Exception as e:
+            self._client = None
+            raise Unavailable(f"Ray at {self.address} is not reachable: {e}") from None
+        return {
+            j.submission_id: str(j.status.value if hasattr(j.status, "value") else j.status)
+            for j in jobs
+            if j.submission_id
+        }
 
     def stop_quietly(self, submission_id: str) -> None:
         try:

@@ -24,7 +24,7 @@ from typing import Any
 from service.errors import Unavailable
 from service.launcher import ENDED, LIVE
 from service.settings import Settings
-from service.store import ACTIVE, TERMINAL, Attempt, Job, Store
+from service.store import TERMINAL, Attempt, Job, Store
 
 log = logging.getLogger(__name__)
 
@@ -79,27 +79,32 @@ class Reconciler:
             if self.on_ray_down is not None:
                 self.on_ray_down()
             return
-        for job in self.store.active_jobs():
-            if self._stop.is_set():
-                return
-            try:
-                self.reconcile(job)
-            except Unavailable as e:
-                log.warning("job %s: Ray not reachable: %s", job.id, e.message)
-                return
-        self._stop_orphans()
+        # one query for the unfinished jobs with their current attempts, and one call for
+        # Ray's view of every submission: a tick costs O(1) round trips, not O(jobs)
+        pairs = self.store.active_jobs_with_attempts()
+        try:
+            ray = RayView(self.launcher.statuses())
+            for job, att in pairs:
+                if self._stop.is_set():
+                    return
+                self.reconcile(job, att, ray)
+            self._stop_orphans(ray)
+        except Unavailable as e:
+            log.warning("Ray not reachable: %s", e.message)
 
     # -- one job ------------------------------------------------------------------------
 
-    def reconcile(self, job: Job) -> None:
+    def reconcile(self, job: Job, att: Attempt | None, ray: RayView) -> None:
+        """One unfinished job and its current attempt (None before the first)."""
         if job.status == "validating_files":
             self._validate_files(job)
             return
-        att = self.store.get_attempt(job.id, job.attempt) if job.attempt else None
         if att is None:
             self._next_attempt(job, "Attempt 1 submitted to Ray")
             return
         if att.state == "submitting":
+            # a crash may have come between recording the attempt and Ray taking it: ask
+            # Ray itself (not the tick's snapshot, which predates a submission of this tick)
             if self.launcher.status(att.submission_id) is None:
                 self._submit(job, att)
             else:
@@ -107,6 +112,10 @@ class Reconciler:
             return
         if att.state != "submitted":
             return
+        status = ray.status(att.submission_id)
+        if status in LIVE:
+            return
+        # ended, or unknown to the snapshot: make sure with Ray itself before acting
         status = self.launcher.status(att.submission_id)
         if status in LIVE:
             return
@@ -186,19 +195,26 @@ class Reconciler:
 
         save_attempt_log(self.settings, self.launcher, att)
 
-    def _stop_orphans(self) -> None:
+    def _stop_orphans(self, ray: RayView) -> None:
         """Attempts of finished jobs: stop what Ray still runs of a cancelled or failed job;
         mark ended what Ray has finished."""
-        for att in self.store.open_attempts():
-            job = self.store.get_job(att.job_id)
-            if job is None or job.status in ACTIVE:
-                continue
-            status = self.launcher.status(att.submission_id)
+        for att, job in self.store.open_attempts_of_finished_jobs():
+            status = ray.status(att.submission_id)
             if status in LIVE:
                 if job.status != "succeeded":
                     self.launcher.stop_quietly(att.submission_id)
             elif status in ENDED or status is None:
                 self._end_attempt(att, status)
+
+
+class RayView:
+    """Ray's status of every submission it knows, read once per tick."""
+
+    def __init__(self, statuses: dict[str, str]) -> None:
+        self._statuses = statuses
+
+    def status(self, submission_id: str) -> str | None:
+        return self._statuses.get(submission_id)
 
 
 def _sha256(path) -> str:

@@ -261,10 +261,6 @@ class Store:
             rows = list(s.scalars(q.order_by(Job.seq.desc()).limit(limit + 1)))
         return rows[:limit], len(rows) > limit
 
-    def active_jobs(self) -> list[Job]:
-        with self.read() as s:
-            return list(s.scalars(select(Job).where(Job.status.in_(ACTIVE)).order_by(Job.seq)))
-
     def count_jobs_by_status(self) -> dict[str, int]:
         with self.read() as s:
             return dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
@@ -357,6 +353,28 @@ class Store:
             return list(
                 s.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
             )
+
+    def active_jobs_with_attempts(self) -> list[tuple[Job, Attempt | None]]:
+        """Every unfinished job with its current attempt (None before its first), oldest
+        job first, in one query."""
+        q = (
+            select(Job, Attempt)
+            .outerjoin(Attempt, (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt))
+            .where(Job.status.in_(ACTIVE))
+            .order_by(Job.seq)
+        )
+        with self.read() as s:
+            return [(job, att) for job, att in s.execute(q).all()]
+
+    def open_attempts_of_finished_jobs(self) -> list[tuple[Attempt, Job]]:
+        """Attempts not marked ended whose job is: what Ray may still run for nothing."""
+        q = (
+            select(Attempt, Job)
+            .join(Job, Job.id == Attempt.job_id)
+            .where(Attempt.state != "ended", Job.status.not_in(ACTIVE))
+        )
+        with self.read() as s:
+            return [(att, job) for att, job in s.execute(q).all()]
 
     def open_attempts(self) -> list[Attempt]:
         with self.read() as s:

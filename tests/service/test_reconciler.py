@@ -34,6 +34,9 @@ class ScriptedLauncher(DryLauncher):
     def status(self, submission_id: str) -> str | None:
         return self.state.get(submission_id)
 
+    def statuses(self) -> dict[str, str]:
+        return {k: v for k, v in self.state.items() if v}
+
 
 @pytest.fixture
 def world(tmp_path):

@@ -472,3 +472,24 @@ def test_a_cursor_the_list_does_not_hold_is_refused_not_restarted(store):
         store.list_checkpoints(job.id, "ftckpt-never-was", 10)
     # a cursor the list holds still pages
     assert [f.id for f in store.list_files("acme", files[2].id, 10, None)[0]] == [files[0].id]
+
+
+def test_active_jobs_come_with_their_current_attempt_in_one_list(store):
+    fresh = add_job(store)
+    running = add_job(store)
+    store.start_attempt(running.id, 1, "a1")
+    store.start_attempt(running.id, 2, "a2")
+    done = add_job(store)
+    store.start_attempt(done.id, 1, "a1")
+    store.update_job(done.id, status="succeeded")
+    pairs = store.active_jobs_with_attempts()
+    assert [(j.id, a.number if a else None) for j, a in pairs] == [
+        (fresh.id, None),
+        (running.id, 2),
+    ]
+    # the finished job's attempt is still open: it is listed for the orphan check only
+    assert [(a.job_id, a.number, j.status) for a, j in store.open_attempts_of_finished_jobs()] == [
+        (done.id, 1, "succeeded")
+    ]
+    store.update_attempt(done.id, 1, state="ended")
+    assert store.open_attempts_of_finished_jobs() == []
