@@ -24,7 +24,7 @@ from typing import Any
 from service.errors import Unavailable
 from service.launcher import ENDED, LIVE
 from service.settings import Settings
-from service.store import TERMINAL, Attempt, Job, Store
+from service.store import TERMINAL, ActiveAttempt, ActiveJob, Attempt, Store
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Reconciler:
 
     # -- one job ------------------------------------------------------------------------
 
-    def reconcile(self, job: Job, att: Attempt | None, ray: RayView) -> None:
+    def reconcile(self, job: ActiveJob, att: ActiveAttempt | None, ray: RayView) -> None:
         """One unfinished job and its current attempt (None before the first)."""
         if job.status == "validating_files":
             self._validate_files(job)
@@ -148,7 +148,7 @@ class Reconciler:
             "resumes from the last checkpoint",
         )
 
-    def _validate_files(self, job: Job) -> None:
+    def _validate_files(self, job: ActiveJob) -> None:
         from service.files import file_path
 
         for fid in filter(None, (job.training_file, job.validation_file)):
@@ -174,12 +174,12 @@ class Reconciler:
                 return
         self.store.update_job(job.id, event="Files validated; the job is queued", status="queued")
 
-    def _next_attempt(self, job: Job, reason: str) -> None:
+    def _next_attempt(self, job: ActiveJob, reason: str) -> None:
         att = self.store.start_attempt(job.id, job.attempt + 1, reason)
         if att is not None:
             self._submit(job, att)
 
-    def _submit(self, job: Job, att: Attempt) -> None:
+    def _submit(self, job: ActiveJob, att: Attempt | ActiveAttempt) -> None:
         env = {
             "PSTAR_DB_URL": self.store.url,
             "PSTAR_DATA_DIR": str(self.settings.data_dir),
@@ -187,7 +187,7 @@ class Reconciler:
         self.launcher.submit(att.submission_id, job.id, att.number, env)
         self.store.update_attempt(job.id, att.number, state="submitted")
 
-    def _end_attempt(self, att: Attempt, status: str | None) -> None:
+    def _end_attempt(self, att: Attempt | ActiveAttempt, status: str | None) -> None:
         self.store.update_attempt(
             att.job_id, att.number, state="ended", ray_status=status or "LOST", ended_at=time.time()
         )
