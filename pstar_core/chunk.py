@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -94,7 +93,7 @@ class Chunk:
     payload: torch.Tensor | None = None
     tier: str | None = None  # "device", "host", "disk", or None before allocation
     pins: int = 0  # > 0 while a collective needs the payload where it is
-    disk_path: Path | None = None
+    disk_offset: int | None = None  # where its bytes are in the disk tier's spill file
     nbytes: int = 0
 
     def __post_init__(self) -> None:

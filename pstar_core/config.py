@@ -118,7 +118,11 @@ class MemoryConfig(_Frozen):
     disk_budget: Budget = Field(
         default=0, description="bytes (or fraction of free space) of spill files; 0 disables"
     )
-    disk_dir: Path | None = Field(default=None, description="where spill files go")
+    disk_dir: Path | None = Field(
+        default=None,
+        description="directory of the spill file (default $PSTAR_SPILL_DIR or /tmp/pstar-spill); "
+        "the file is unlinked as soon as it is open, so nothing is left behind by any exit",
+    )
     policy: Literal["opt", "lru", "static"] = Field(
         default="opt", description="eviction: opt (paper), lru, or static partition"
     )
@@ -127,6 +131,12 @@ class MemoryConfig(_Frozen):
     )
     static_model_share: float = Field(
         default=0.5, gt=0, le=1, description="policy 'static': share of the device for chunks"
+    )
+    audit: bool = Field(
+        default=False,
+        description="measure non-model memory in every iteration, not only when tracing "
+        "(stats()['tracer']['measured_peak_device_bytes']); on the CPU this runs the "
+        "profiler every iteration, so it is slow: for tests and investigations",
     )
 
     @field_validator("device_budget", "host_budget", "disk_budget")

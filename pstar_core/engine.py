@@ -9,11 +9,12 @@ parameter has storage only while an operator uses it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
+from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
 log = logging.getLogger(__name__)
@@ -133,7 +135,7 @@ class Engine:
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
         self._in_iteration = False
-        self.margin_bytes = 0
+        self._closed = False
         self._gather_cache: tuple[Any, torch.Tensor] | None = None
         if cfg.activation_checkpointing:
             _enable_activation_checkpointing(module)
@@ -187,28 +189,49 @@ class Engine:
     # -- training -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._in_iteration and torch.is_grad_enabled() and self.module.training:
-            # an iteration (and the warm-up trace) starts with a training forward, so an
-            # evaluation before training does not become the traced iteration
-            self._in_iteration = True
-            self.manager.tracer.start_iteration()
-        with self._saved_tensor_hooks:
-            out = self.module(*args, **kwargs)
-        self.manager.finish_forward()
-        self.manager.reset_after_forward()
+        """The module's forward. A training forward (grad enabled, `train()` mode) starts
+        an iteration if none is under way; any other forward (evaluation) is a pass of
+        its own that the trace does not see (see `MemoryTracer`)."""
+        self._check_open()
+        tracer = self.manager.tracer
+        evaluating = not (torch.is_grad_enabled() and self.module.training)
+        with self._abandon_on_error():
+            if not self._in_iteration:
+                shape = batch_shape(args, kwargs)
+                if evaluating:
+                    tracer.start_untraced_pass(shape)
+                else:
+                    # an iteration (and the warm-up trace) starts with a training forward,
+                    # so an evaluation before training does not become the traced iteration
+                    self._in_iteration = True
+                    tracer.start_iteration(shape)
+            with self._saved_tensor_hooks:
+                out = self.module(*args, **kwargs)
+            self.manager.finish_forward()
+            self.manager.reset_after_forward()
+            if evaluating and not self._in_iteration:
+                self.manager.end_pass()
         return out
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients add up over calls until `step()`."""
-        if self.scaler.enabled:
-            loss = loss.float() * self.scaler.scale
-        loss.backward()
-        # Accessed for backward but received no gradient (frozen, or not on the loss path).
-        self.manager.release_all(S.HOLD)
-        self.manager.finish_backward()
+        self._check_open()
+        with self._abandon_on_error():
+            if self.scaler.enabled:
+                loss = loss.float() * self.scaler.scale
+            loss.backward()
+            # Accessed for backward but received no gradient (frozen, or not on the loss
+            # path).
+            self.manager.release_all(S.HOLD)
+            self.manager.finish_backward()
 
     def step(self) -> bool:
         """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
+        self._check_open()
+        with self._abandon_on_error():
+            return self._step()
+
+    def _step(self) -> bool:
         opt = self.optimizer
         opt.fold_grads()
         if self.zero.enabled:
@@ -244,10 +267,60 @@ class Engine:
     def _end_iteration(self) -> None:
         self._in_iteration = False
         self.manager.end_iteration()
-        tracer = self.manager.tracer
-        if tracer.tracing:
-            tracer.end_iteration()
-            self.margin_bytes = self.manager.place_optimizer_states()
+        self.manager.end_pass()
+
+    @contextlib.contextmanager
+    def _abandon_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            try:
+                self.abandon_iteration()
+            except Exception:  # the original error is what the caller needs to see
+                log.exception("could not reset the engine after an error")
+            raise
+
+    def abandon_iteration(self) -> None:
+        """Give up the iteration under way, as after an exception inside it: the gradients
+        accumulated since the last `step()` are dropped (parameters keep their values),
+        the warm-up trace being recorded is discarded (the next iteration records one
+        again), and the profiler is stopped. The engine calls it itself when forward,
+        backward or step raise; call it when your own code fails between them.
+
+        Under ZeRO every rank must abandon the same iteration: groups gathered for it are
+        dropped without collectives.
+        """
+        m = self.manager
+        m.tracer.abort()
+        m.drop_gathered_groups()
+        m.release_all(S.HOLD)
+        m.reset_after_forward()
+        if any(s.state is S.HOLD_AFTER_BWD for s in m.slots) or m.grad_accum:
+            self.optimizer.drop_grads()
+        self.excluded.zero_grad()
+        self._in_iteration = False
+
+    def close(self) -> None:
+        """Free every chunk (all tiers), close the spill file and remove the hooks. The
+        engine cannot be used afterwards; closing twice is harmless. Also `with engine:`."""
+        if self._closed:
+            return
+        if self._in_iteration or self.manager.tracer.mode is not Mode.IDLE:
+            self.abandon_iteration()
+        for h in self._hooks:
+            h.remove()
+        self.manager.close()
+        self._closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed: build a new one with initialize()")
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -420,8 +493,8 @@ class Engine:
             "bytes_moved_last_iteration": dict(m.last_iteration_bytes_moved),
             "moves_last_iteration": dict(m.last_iteration_moves),
             "tiers": m.tier_bytes(),
-            "tracer": _tracer_stats(self.manager.tracer.trace),
-            "margin_bytes": self.margin_bytes,
+            "tracer": self.manager.tracer.stats(),
+            "margin_bytes": self.manager.margin_bytes,
             "device_adam_chunks": len(m.device_adam),
             "world_size": self.zero.nproc,
             "rank": self.zero.rank,
@@ -433,16 +506,21 @@ class Engine:
         }
 
 
-def _tracer_stats(trace: Any) -> dict[str, Any]:
-    if trace is None:
-        return {"moments": 0, "peak_non_model_bytes": 0, "non_model_bytes": []}
-    return {
-        "moments": trace.moments,
-        "peak_non_model_bytes": trace.peak_non_model,
-        "non_model_bytes": list(trace.non_model),
-        "chunk_bytes": list(trace.chunk_bytes),
-        "names": list(trace.names),
-    }
+def batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BatchShape | None:
+    """The batch's size for the tracer: `input_ids` if given, else the largest tensor
+    argument; tokens = its elements, sequence = its last dimension."""
+    ids = kwargs.get("input_ids")
+    tensors = [ids] if isinstance(ids, torch.Tensor) else []
+    if not tensors:
+        tensors = [
+            t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]
+    if not tensors:
+        return None
+    t = max(tensors, key=lambda x: x.numel())
+    if t.numel() == 0:
+        return None
+    return BatchShape(tokens=t.numel(), seq=t.shape[-1])
 
 
 def _unique_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:

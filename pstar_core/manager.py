@@ -58,7 +58,7 @@ class ChunkManager:
         self.device = device
         self.memory = memory
         self.tiers: dict[str, Tier] = make_tiers(memory, device)
-        self.tracer = MemoryTracer(device)
+        self.tracer = MemoryTracer(device, audit=memory.audit)
         size = plan.chunk_size
         # Lists are padded to whole communication groups (nproc chunks each).
         n = self.zero.nproc
@@ -82,6 +82,7 @@ class ChunkManager:
         self.last_iteration_moves: dict[str, int] = {}
         self.peak_grad_accum_bytes = 0
         self.device_adam: set[int] = set()  # trainable chunks whose Adam runs on the device
+        self.margin_bytes = 0  # device bytes left for optimizer states by the last trace
         self._last_use: dict[int, int] = {}
         self._clock = 0
         self._by_storage: dict[int, Chunk] = {}
@@ -215,14 +216,24 @@ class ChunkManager:
         # Known limit: materialization holds every chunk in host memory before this
         # spill, so peaks are counted from here on (from the start of training).
         for t in self.tiers.values():
-            t.peak_bytes = t.used_bytes
+            t.peak_bytes = t.iteration_peak_bytes = t.used_bytes
 
     # -- Access / Release (Algorithms 1 and 2) ------------------------------------------
 
     def begin_operator(self, name: str) -> None:
         """A new moment: an operator is about to start."""
-        self.tracer.new_moment(name, self.tiers["device"].used_bytes)
+        device = self.tiers["device"]
+        self.tracer.new_moment(name, device.used_bytes, device.new_window())
         self._clock += 1
+
+    def end_pass(self) -> bool:
+        """The iteration (or evaluation forward) is over: close the tracer's pass; True if
+        it recorded a new trace (placement is then decided again from it)."""
+        self.tracer.close_window(self.tiers["device"].new_window())
+        traced = self.tracer.end_pass()
+        if traced:
+            self.margin_bytes = self.place_optimizer_states()
+        return traced
 
     def access_slots(self, slots: Sequence[TensorSlot], forward: bool = False) -> None:
         """Algorithm 1 for every tensor one operator needs."""
@@ -246,8 +257,13 @@ class ChunkManager:
             slot.param.data = chunk.view(slot)
 
     def release(self, slot: TensorSlot, target: TensorState) -> None:
+        """Algorithm 2: the operator is done with `slot` (the last of its users sets
+        `target` and drops the storage). Only a COMPUTE tensor can be released."""
         if slot.state is not S.COMPUTE:
-            return  # a module re-entered after its tensors were released; nothing to do
+            raise RuntimeError(
+                f"release of {slot.name} in state {slot.state.name}: only a tensor in COMPUTE "
+                f"can be released (to {target.name})"
+            )
         slot.compute_refs -= 1
         if slot.compute_refs > 0:
             return
@@ -311,10 +327,9 @@ class ChunkManager:
             return t.budget_bytes
         if self.memory.policy == "static":
             return int(self.memory.static_model_share * t.budget_bytes)
-        trace = self.tracer.trace
-        if trace is None:
+        if self.tracer.trace is None or self.tracer.tracing:
             return int(self.memory.warmup_ratio * t.budget_bytes)
-        return t.budget_bytes - trace.non_model_around(self.tracer.moment)
+        return t.budget_bytes - self.tracer.non_model_allowance()
 
     def _evictable(self, c: Chunk, protect: set[int]) -> bool:
         if id(c) in protect or c.pins:
@@ -327,8 +342,10 @@ class ChunkManager:
         trace = self.tracer.trace
         if self.memory.policy in ("lru", "static"):
             return choose_lru(candidates, self._last_use)
-        if trace is None:
+        if trace is None or self.tracer.tracing:
             return choose_in_list_order(candidates)
+        if not self.tracer.following:  # the traced future does not hold for this pass
+            return choose_lru(candidates, self._last_use)
         return choose_opt(
             candidates,
             lambda c: self.tracer.uses_of((c.kind.value, c.index)),
@@ -339,9 +356,9 @@ class ChunkManager:
     def _make_room(self, tier: str, need: int, protect: set[int]) -> None:
         t = self.tiers[tier]
         allowed = self._allowed(tier)
-        if tier == "device" and self.tracer.tracing:
-            # warm-up: the operator's whole working set, and gathered groups still in
-            # use, may exceed the warm-up share
+        if tier == "device" and not self.tracer.following:
+            # warm-up, or a pass off the trace: the operator's whole working set, and
+            # gathered groups still in use, may exceed the conservative limit
             held = sum(
                 c.nbytes
                 for c in self.chunks()
@@ -379,21 +396,16 @@ class ChunkManager:
             )
         with self.tracer.chunk_memory():
             if tier == "disk":
-                path = dst.directory / f"pstar-{id(self):x}-{c.kind.value}-{c.index}.bin"
-                with open(path, "wb") as f:
-                    f.write(c.payload.view(torch.uint8).numpy().data)
-                dst.files.add(path)
-                c.disk_path = path
+                c.disk_offset = dst.spill_file().write(c.payload)
                 self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
                 c.payload = None
             else:
                 new = dst.allocate(c.capacity, c.dtype)
                 if src == "disk":
-                    with open(c.disk_path, "rb") as f:
-                        f.readinto(new.view(torch.uint8).numpy().data)
-                    c.disk_path.unlink()
-                    self.tiers["disk"].files.discard(c.disk_path)
-                    c.disk_path = None
+                    spill = self.tiers["disk"].spill_file()
+                    spill.read(c.disk_offset, new)
+                    spill.free(c.disk_offset, c.nbytes)
+                    c.disk_offset = None
                 else:
                     new.copy_(c.payload)
                     self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
@@ -417,6 +429,8 @@ class ChunkManager:
         self.last_iteration_bytes_moved = self.iteration_bytes_moved
         self.last_iteration_moves = self.iteration_moves
         self.iteration_bytes_moved, self.iteration_moves = {}, {}
+        for t in self.tiers.values():
+            t.new_iteration()
 
     def chunk_for_storage(self, data_ptr: int) -> Chunk | None:
         """The chunk whose current payload is this storage (a freed chunk's old address
@@ -514,6 +528,16 @@ class ChunkManager:
                 self.in_memory(master)
                 own.flat(s).copy_(master.flat(s))
 
+    def drop_gathered_groups(self) -> None:
+        """Drop every gathered group without collectives or a reduction (an abandoned
+        iteration: its gradients are dropped anyway)."""
+        for members in self._live_groups.values():
+            for m in members:
+                m.pins -= 1
+                if not self.owned(m):
+                    self._forget(m)
+        self._live_groups.clear()
+
     def finish_forward(self) -> None:
         """End of forward: drop every group still gathered (same order on every rank)."""
         for key in sorted(self._live_groups, key=lambda k: (k[0].value, k[1])):
@@ -532,6 +556,7 @@ class ChunkManager:
         margin = device budget - peak non-model - all param chunks. Returns the margin.
         """
         trace = self.tracer.trace
+        self.device_adam.clear()  # a re-trace decides again
         if trace is None or self.memory.policy == "static":
             return 0
         params = sum(c.nbytes for c in self.own_chunks(PARAM_LISTS))
@@ -588,9 +613,9 @@ class ChunkManager:
 
     def free_grad_accum(self) -> None:
         for acc in self.grad_accum.values():
-            if acc.disk_path is not None:
-                acc.disk_path.unlink(missing_ok=True)
-                self.tiers["disk"].files.discard(acc.disk_path)
+            if acc.disk_offset is not None:
+                self.tiers["disk"].spill_file().free(acc.disk_offset, acc.nbytes)
+                acc.disk_offset = None
             elif acc.payload is not None:
                 self._by_storage.pop(acc.payload.untyped_storage().data_ptr(), None)
             self.tiers[acc.tier].remove(acc.nbytes)
@@ -605,9 +630,24 @@ class ChunkManager:
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         return {
-            name: {"budget": t.budget_bytes, "used": t.used_bytes, "peak": t.peak_bytes}
+            name: {
+                "budget": t.budget_bytes,
+                "used": t.used_bytes,
+                "peak": t.peak_bytes,
+                "peak_last_iteration": t.last_iteration_peak_bytes,
+            }
             for name, t in self.tiers.items()
         }
 
     def close(self) -> None:
-        self.tiers["disk"].cleanup()
+        """Free every chunk on every tier and close the spill file."""
+        self.free_grad_accum()
+        self._live_groups.clear()
+        for c in self.chunks():
+            if c.payload is not None:
+                self._forget(c)
+            elif c.tier == "disk":
+                self.tiers["disk"].remove(c.nbytes)
+                c.tier, c.disk_offset = None, None
+        for t in self.tiers.values():
+            t.close()

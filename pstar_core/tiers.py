@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -35,6 +36,91 @@ def gib(n: float) -> str:
     return f"{n} B"
 
 
+class SpillFile:
+    """The disk tier's storage: one sparse file per engine, unlinked as soon as it is open.
+
+    Nothing of it outlives the process, however it ends (a crash, SIGKILL, an OOM kill):
+    the kernel frees an unlinked file's blocks when its last descriptor closes. A chunk
+    spilled gets a region of its size (regions are reused); a region given back is
+    punched out of the file (`fallocate(PUNCH_HOLE)`), so disk usage follows the chunks
+    held, not the most ever held.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"pstar-spill-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        self.directory = directory
+        self._end = 0
+        self._free: dict[int, list[int]] = {}  # region size -> offsets of free regions
+
+    def write(self, data: torch.Tensor) -> int:
+        """Store a CPU tensor's bytes; the offset to read them back from."""
+        raw = data.view(torch.uint8).numpy()
+        size = raw.nbytes
+        free = self._free.get(size)
+        offset = free.pop() if free else self._end
+        if offset == self._end:
+            self._end += size
+        view = memoryview(raw).cast("B")
+        done = 0
+        while done < size:
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        return offset
+
+    def read(self, offset: int, out: torch.Tensor) -> None:
+        """Fill a CPU tensor with the bytes stored at `offset`."""
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"spill file ended early at {offset + done}")
+            done += n
+
+    def free(self, offset: int, size: int) -> None:
+        _punch_hole(self.fd, offset, size)
+        self._free.setdefault(size, []).append(offset)
+
+    def high_water_bytes(self) -> int:
+        """The file's size: the most ever spilled at once (regions are reused)."""
+        return self._end
+
+    def disk_bytes(self) -> int:
+        """Bytes the file really occupies on disk (its allocated blocks)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, offset: int, size: int) -> None:
+    """Give a file region's blocks back to the filesystem (Linux); elsewhere a no-op."""
+    global _fallocate
+    if _fallocate is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            _fallocate = fn
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate:
+        _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size)
+
+
+_fallocate = None
+
+
 @dataclass
 class Tier:
     """One memory tier: a budget and the chunk bytes it holds now."""
@@ -44,9 +130,12 @@ class Tier:
     budget_bytes: int
     used_bytes: int = 0
     peak_bytes: int = 0
+    window_peak_bytes: int = 0  # the most held since the tracer's current moment began
+    iteration_peak_bytes: int = 0  # the most held in the iteration under way
+    last_iteration_peak_bytes: int = 0  # ... in the last complete iteration
     directory: Path | None = None  # disk only
     pinned: bool = False
-    files: set[Path] = field(default_factory=set)
+    spill: SpillFile | None = None  # disk only, opened on first use
 
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes
@@ -54,6 +143,17 @@ class Tier:
     def add(self, nbytes: int) -> None:
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        self.window_peak_bytes = max(self.window_peak_bytes, self.used_bytes)
+        self.iteration_peak_bytes = max(self.iteration_peak_bytes, self.used_bytes)
+
+    def new_iteration(self) -> None:
+        self.last_iteration_peak_bytes = self.iteration_peak_bytes
+        self.iteration_peak_bytes = self.used_bytes
+
+    def new_window(self) -> int:
+        """Start a new moment's window; the peak of the window that ends."""
+        peak, self.window_peak_bytes = self.window_peak_bytes, self.used_bytes
+        return peak
 
     def remove(self, nbytes: int) -> None:
         self.used_bytes -= nbytes
@@ -62,10 +162,16 @@ class Tier:
         assert self.device is not None, "the disk tier holds files, not tensors"
         return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
 
-    def cleanup(self) -> None:
-        for f in list(self.files):
-            f.unlink(missing_ok=True)
-        self.files.clear()
+    def spill_file(self) -> SpillFile:
+        assert self.directory is not None, "only the disk tier has a spill file"
+        if self.spill is None:
+            self.spill = SpillFile(self.directory)
+        return self.spill
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
 
 
 def host_memory_limit() -> int:

@@ -6,7 +6,10 @@ chunk. During the warm-up iteration the tracer records, per moment i,
 - C_i: chunk bytes on the device at moment i,
 - N_i = R_i - C_i, the non-model memory (activations, temporaries, gradients in flight),
 and for each chunk the moments at which it is used. Later iterations repeat the same
-moments, so these lists drive eviction (OPT) and placement.
+moments, so these lists drive eviction (OPT) and placement; every iteration is checked
+against the trace, and one that departs from it is handled (see [Note: departures]).
+The device's peak is taken per moment, N_i plus the most chunk bytes of window i, per
+iteration and since the start, never as the sum of two peaks from different moments.
 
 What is measured:
 - On CUDA: the caching allocator's `memory_allocated` and `max_memory_allocated`, with
@@ -21,12 +24,18 @@ What is measured:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import enum
+import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.profiler import record_function
+
+log = logging.getLogger(__name__)
 
 CHUNK_MEM = "pstar.chunk_mem"
 MOMENT = "pstar.moment"
@@ -34,12 +43,14 @@ MOMENT = "pstar.moment"
 
 @dataclass
 class Trace:
-    """What warm-up measured; reused by every later iteration."""
+    """What a traced iteration measured; reused by every later iteration."""
 
     names: list[str] = field(default_factory=list)
-    chunk_bytes: list[int] = field(default_factory=list)  # C_i
+    chunk_bytes: list[int] = field(default_factory=list)  # C_i: on the device at moment i
+    chunk_peak: list[int] = field(default_factory=list)  # the most chunk bytes in window i
     non_model: list[int] = field(default_factory=list)  # N_i
     uses: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    shape: BatchShape | None = None  # the batch it was traced with (None: not known)
 
     @property
     def moments(self) -> int:
@@ -56,72 +67,214 @@ class Trace:
         j = min(max(moment, 0), len(self.non_model) - 1)
         return max(self.non_model[j], self.non_model[min(j + 1, len(self.non_model) - 1)])
 
+    def device_peak(self) -> int:
+        """max over moments of N_i + the chunk bytes of window i: the device's peak."""
+        pairs = zip(self.non_model, self.chunk_peak, strict=False)
+        return max((n + c for n, c in pairs), default=0)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The size of a batch as far as non-model memory goes: tokens (elements of the
+    largest input tensor) and sequence length (its last dimension)."""
+
+    tokens: int
+    seq: int
+
+    def scale_over(self, traced: BatchShape) -> float:
+        """How much more non-model memory this batch may need than the traced one: linear
+        in tokens, and once more in sequence length for attention scores (conservative
+        for every part of a transformer's activations)."""
+        return max(1.0, self.tokens / traced.tokens) * max(1.0, self.seq / traced.seq)
+
+
+class Mode(enum.Enum):
+    """What the tracer does in the pass under way (an iteration, or a forward outside one)."""
+
+    IDLE = "idle"  # nothing under way
+    TRACING = "tracing"  # recording a trace (warm-up, or a re-trace for a larger batch)
+    FOLLOWING = "following"  # an iteration that repeats the trace moment for moment
+    OFF_TRACE = "off_trace"  # departed from the trace, or an evaluation forward
+
 
 class MemoryTracer:
-    def __init__(self, device: torch.device) -> None:
+    """Records a trace in the warm-up iteration, then checks every iteration against it.
+
+    [Note: departures] Fine-tuning batches change shape and evaluation runs forwards
+    between steps, so the trace of one iteration does not always hold:
+    - an iteration whose batch has more tokens than the traced one is traced again
+      (a re-trace: the warm-up's conservative limits for one iteration, then the new,
+      larger trace is kept; smaller batches are safe under a larger trace);
+    - an iteration whose operators stop matching the trace (another operator at moment
+      i, or more moments) runs the rest of the way OFF_TRACE: the device may hold
+      budget - peak N x (batch scale) of chunks, and victims are chosen by LRU, since
+      the traced future no longer applies;
+    - a forward outside an iteration (evaluation, under no_grad or eval()) runs
+      OFF_TRACE from its first moment and leaves the trace and its moments alone.
+    Departures and re-traces are counted and logged once each.
+    """
+
+    def __init__(self, device: torch.device, audit: bool = False) -> None:
         self.device = device
+        self.audit = audit  # measure non-model memory in every pass, not only when tracing
         self.moment = -1
-        self.tracing = False
-        self.trace: Trace | None = None  # set when warm-up is done
-        self._building = Trace()
-        self._profiler: torch.profiler.profile | None = None
+        self.mode = Mode.IDLE
+        self.trace: Trace | None = None  # set when the first warm-up is done
+        self.scale = 1.0  # non-model scale of an OFF_TRACE pass over the trace's batch
+        self.departures = 0  # iterations that departed from the trace (re-traced or not)
+        self.retraces = 0
+        self.untraced_passes = 0  # forwards outside an iteration (evaluation)
+        self.peak_device_bytes = 0  # max over all passes of N_i + chunk peak of window i
+        self.last_peak_device_bytes = 0  # ... of the last complete iteration
+        self.measured_peak_device_bytes = 0  # audit: with N_i measured in every pass
+        self.last_measured_peak_device_bytes = 0
+        self._pass = Trace()  # this pass's moments (a trace in the making when TRACING)
+        self._profiler: torch.profiler.profile | None = None  # measuring on the CPU
+        self._measuring_cuda = False  # measuring with the CUDA allocator's peaks
         self._cuda_peaks: list[int] = []
+        self._logged: set[str] = set()
 
-    # -- iteration control -----------------------------------------------------------------
+    @property
+    def tracing(self) -> bool:
+        return self.mode is Mode.TRACING
 
-    def start_iteration(self) -> None:
+    @property
+    def following(self) -> bool:
+        return self.mode is Mode.FOLLOWING
+
+    # -- passes --------------------------------------------------------------------------
+
+    def start_iteration(self, shape: BatchShape | None = None) -> None:
+        """A training iteration begins (its first forward)."""
+        t = self.trace
+        if t is None:
+            mode = Mode.TRACING
+        elif shape is not None and t.shape is not None and shape.tokens > t.shape.tokens:
+            self.departures += 1
+            self.retraces += 1
+            self._log_once(
+                "retrace",
+                "a batch of %d tokens (sequence %d) is larger than the traced one (%d, "
+                "sequence %d): tracing this iteration again",
+                shape.tokens,
+                shape.seq,
+                t.shape.tokens,
+                t.shape.seq,
+            )
+            mode = Mode.TRACING
+        else:
+            mode = Mode.FOLLOWING
+        self._begin(mode, shape)
+
+    def start_untraced_pass(self, shape: BatchShape | None = None) -> None:
+        """A forward outside an iteration (evaluation): never part of the trace."""
+        self.untraced_passes += 1
+        self._begin(Mode.OFF_TRACE if self.trace is not None else Mode.IDLE, shape)
+
+    def _begin(self, mode: Mode, shape: BatchShape | None) -> None:
         self.moment = -1
-        if self.trace is None and not self.tracing:
-            self.tracing = True
-            self._building = Trace()
-            if self.device.type == "cpu":
-                self._profiler = torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-                )
-                self._profiler.__enter__()
-            else:  # pragma: no cover - CUDA only
-                self._cuda_peaks = []
-                torch.cuda.reset_peak_memory_stats(self.device)
+        self.mode = mode
+        self._pass = Trace(shape=shape)
+        t = self.trace
+        self.scale = shape.scale_over(t.shape) if t and t.shape and shape else 1.0
+        if mode is Mode.TRACING or (self.audit and mode is not Mode.IDLE):
+            self._start_measuring()
 
-    def end_iteration(self) -> None:
-        if not self.tracing:
-            return
-        self.tracing = False
-        trace = self._building
+    def end_pass(self) -> bool:
+        """The pass under way is over; True if it recorded a new trace."""
+        mode, p = self.mode, self._pass
+        self.mode = Mode.IDLE
+        measured = self._stop_measuring(p)
+        if mode is Mode.IDLE:
+            return False
+        if mode is Mode.TRACING:
+            self.trace = p
+        else:  # the chunk peaks are this pass's, the non-model bytes the trace's estimate
+            p.non_model = self._estimated_non_model(p.moments)
+        peak = p.device_peak()
+        self.peak_device_bytes = max(self.peak_device_bytes, peak)
+        self.last_peak_device_bytes = peak
+        if measured:
+            self.measured_peak_device_bytes = max(self.measured_peak_device_bytes, measured)
+            self.last_measured_peak_device_bytes = measured
+        return mode is Mode.TRACING
+
+    def abort(self) -> None:
+        """Abandon the pass under way (an exception went through it): stop the profiler,
+        keep the old trace; the next iteration starts afresh (a warm-up if none exists)."""
+        self.mode = Mode.IDLE
+        self.moment = -1
         if self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            trace.non_model = _cpu_non_model(self._profiler, trace.moments)
-            self._profiler = None
-        else:  # pragma: no cover - CUDA only
-            self._close_cuda_window()
-            trace.non_model = [
-                max(0, r - c) for r, c in zip(self._cuda_peaks, trace.chunk_bytes, strict=False)
-            ]
-        self.trace = trace
+            prof, self._profiler = self._profiler, None
+            _ACTIVE.discard(self)
+            with contextlib.suppress(Exception):
+                prof.__exit__(None, None, None)
 
     # -- moments -------------------------------------------------------------------------
 
-    def new_moment(self, name: str, device_chunk_bytes: int) -> int:
+    def new_moment(self, name: str, device_chunk_bytes: int, window_chunk_peak: int) -> int:
+        """Moment i begins with `device_chunk_bytes` of chunks on the device; the most there
+        were since moment i-1 began was `window_chunk_peak`."""
+        p = self._pass
+        if self.mode is not Mode.IDLE and self.moment >= 0:
+            p.chunk_peak.append(window_chunk_peak)
         self.moment += 1
-        if self.tracing:
-            t = self._building
-            t.names.append(name)
-            t.chunk_bytes.append(device_chunk_bytes)
-            if self._profiler is not None:
-                with record_function(MOMENT):
-                    pass
-            elif self.moment > 0:  # pragma: no cover - CUDA only
-                self._close_cuda_window()
+        if self.mode is Mode.IDLE:
+            return self.moment
+        p.names.append(name)
+        p.chunk_bytes.append(device_chunk_bytes)
+        if self.mode is Mode.FOLLOWING:
+            t = self.trace
+            if self.moment >= t.moments or t.names[self.moment] != name:
+                self.mode = Mode.OFF_TRACE
+                self.departures += 1
+                expected = t.names[self.moment] if self.moment < t.moments else "the end"
+                self._log_once(
+                    "departure",
+                    "iteration departs from the trace at moment %d (%s, traced: %s); the rest "
+                    "of it runs with conservative limits",
+                    self.moment,
+                    name,
+                    expected,
+                )
+        if self._profiler is not None:
+            with record_function(MOMENT):
+                pass
+        elif self._measuring_cuda and self.moment > 0:  # pragma: no cover - CUDA only
+            self._close_cuda_window()
         return self.moment
 
+    def close_window(self, window_chunk_peak: int) -> None:
+        """The last window of the pass ends (before `end_pass`)."""
+        if self.mode is not Mode.IDLE and self.moment >= 0:
+            self._pass.chunk_peak.append(window_chunk_peak)
+
     def note_use(self, key: tuple[str, int]) -> None:
-        if self.tracing:
-            lst = self._building.uses.setdefault(key, [])
+        if self.mode is Mode.TRACING:
+            lst = self._pass.uses.setdefault(key, [])
             if not lst or lst[-1] != self.moment:
                 lst.append(self.moment)
 
     def uses_of(self, key: tuple[str, int]) -> list[int]:
         return self.trace.uses.get(key, []) if self.trace else []
+
+    def non_model_allowance(self) -> int:
+        """Non-model bytes the device must leave room for from this moment on (FOLLOWING:
+        the trace's max(N_j, N_j+1); OFF_TRACE: the traced peak, scaled to the batch)."""
+        t = self.trace
+        if t is None:
+            return 0
+        if self.mode is Mode.FOLLOWING:
+            return t.non_model_around(self.moment)
+        return int(t.peak_non_model * self.scale)
+
+    def _estimated_non_model(self, moments: int) -> list[int]:
+        t = self.trace
+        if t is None:
+            return [0] * moments
+        if self.mode is Mode.FOLLOWING or (moments <= t.moments and self.scale == 1.0):
+            return [t.non_model[min(i, t.moments - 1)] for i in range(moments)]
+        return [int(t.peak_non_model * self.scale)] * moments
 
     @contextlib.contextmanager
     def chunk_memory(self) -> Iterator[None]:
@@ -132,10 +285,88 @@ class MemoryTracer:
         else:
             yield
 
+    # -- measuring -----------------------------------------------------------------------
+
+    def _start_measuring(self) -> None:
+        if self.device.type == "cpu":
+            # the profiler has one session per process: another engine's unfinished
+            # warm-up (never stepped) gives way and traces again when it goes on
+            for other in [t for t in _ACTIVE if t is not self]:
+                self._log_once(
+                    "profiler",
+                    "another engine's trace was still being recorded; it is abandoned "
+                    "(that engine traces again at its next iteration)",
+                )
+                other.abort()
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
+            self._profiler.__enter__()
+            _ACTIVE.add(self)
+        else:  # pragma: no cover - CUDA only
+            self._cuda_peaks = []
+            self._measuring_cuda = True
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _stop_measuring(self, p: Trace) -> int:
+        """Fill in the pass's N_i if it was measured; the measured device peak (0 if not)."""
+        if self._profiler is not None:
+            prof, self._profiler = self._profiler, None
+            _ACTIVE.discard(self)
+            prof.__exit__(None, None, None)
+            p.non_model = _cpu_non_model(prof, p.moments)
+        elif self._measuring_cuda:  # pragma: no cover - CUDA only
+            self._measuring_cuda = False
+            self._close_cuda_window()
+            p.non_model = [
+                max(0, r - c) for r, c in zip(self._cuda_peaks, p.chunk_bytes, strict=False)
+            ]
+        else:
+            return 0
+        return p.device_peak()
+
     def _close_cuda_window(self) -> None:  # pragma: no cover - CUDA only
         """R of the moment that just ended: the allocator's peak since the last reset."""
         self._cuda_peaks.append(torch.cuda.max_memory_allocated(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _log_once(self, what: str, msg: str, *args: object) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(msg + " (logged once; see stats()['tracer'])", *args)
+
+    def stats(self) -> dict[str, object]:
+        t = self.trace
+        out: dict[str, object] = {
+            "moments": t.moments if t else 0,
+            "peak_non_model_bytes": t.peak_non_model if t else 0,
+            "non_model_bytes": list(t.non_model) if t else [],
+            "chunk_bytes": list(t.chunk_bytes) if t else [],
+            "names": list(t.names) if t else [],
+            "traced_batch": {"tokens": t.shape.tokens, "seq": t.shape.seq}
+            if t and t.shape
+            else None,
+            "departures": self.departures,
+            "retraces": self.retraces,
+            "untraced_passes": self.untraced_passes,
+            "peak_device_bytes": self.peak_device_bytes,
+            "peak_device_bytes_last_iteration": self.last_peak_device_bytes,
+        }
+        if self.audit:
+            out["measured_peak_device_bytes"] = self.measured_peak_device_bytes
+            out["measured_peak_device_bytes_last_iteration"] = self.last_measured_peak_device_bytes
+        return out
+
+
+# Tracers with a profiler running: stopped at interpreter exit, since a profiler still
+# enabled while Python finalizes crashes the process (SIGSEGV) and hides the real error.
+_ACTIVE: weakref.WeakSet[MemoryTracer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_profilers() -> None:
+    for tracer in list(_ACTIVE):
+        tracer.abort()
 
 
 def _cpu_non_model(prof: torch.profiler.profile, moments: int) -> list[int]:

@@ -237,7 +237,8 @@ def _memory_values(stats: dict[str, Any]) -> dict[str, Any]:
         **{f"model_data_bytes_{t}": v["used"] for t, v in stats["tiers"].items()},
         **{f"bytes_moved_{k.replace('->', '_to_')}": v for k, v in moved.items()},
         "peak_non_model_bytes": stats["tracer"]["peak_non_model_bytes"],
-        "memory_utilization": (device["peak"] + stats["tracer"]["peak_non_model_bytes"])
+        # the device's peak in the last iteration, moment by moment (chunks + non-model)
+        "memory_utilization": stats["tracer"]["peak_device_bytes_last_iteration"]
         / max(1, device["budget"]),
     }
 

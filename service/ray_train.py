@@ -40,7 +40,8 @@ def step_metrics(engine: Any, loss: float, dt: float, tokens: int, flops_per_tok
         **{f"model_data_bytes_{t}": v["used"] for t, v in stats["tiers"].items()},
         **{f"bytes_moved_{k.replace('->', '_to_')}": v for k, v in stats["bytes_moved"].items()},
         "peak_non_model_bytes": stats["tracer"]["peak_non_model_bytes"],
-        "memory_utilization": (device["peak"] + stats["tracer"]["peak_non_model_bytes"])
+        # the device's peak in the last iteration, moment by moment (chunks + non-model)
+        "memory_utilization": stats["tracer"]["peak_device_bytes_last_iteration"]
         / max(1, device["budget"]),
         "comm_bytes_sent": stats["comm_bytes_sent"],
         "world_size": stats["world_size"],
@@ -80,7 +81,6 @@ def train_func(config: dict[str, Any]) -> None:
         engine.step()
         if world > 1:
             dist.all_reduce(loss_sum)
-        _maybe_fail(config, step + 1, rank)
         if (step + 1) % report_every == 0 or step + 1 == loop.steps:
             metrics = step_metrics(
                 engine, loss_sum.item() / world, time.perf_counter() - t0, tokens, flops_tok
@@ -96,24 +96,15 @@ def train_func(config: dict[str, Any]) -> None:
                     f.write(json.dumps(metrics) + "\n")
 
 
-def _maybe_fail(config: dict[str, Any], step: int, rank: int) -> None:
-    """Failure injection for tests: one rank exits hard at a step, once per run."""
-    at, marker = config.get("fail_at_step"), config.get("fail_marker")
-    if at is None or step != at or rank != config.get("fail_rank", 1):
-        return
-    if marker and not Path(marker).exists():
-        Path(marker).write_text(str(os.getpid()))
-        os._exit(1)
-
-
 def run_ray(
     spec: TrainSpec,
     workers: int,
     max_failures: int = 2,
     phase: Callable[[str], None] = lambda _m: None,
-    **test_hooks: Any,
+    train_loop: Callable[[dict[str, Any]], None] = train_func,
 ) -> dict[str, Any]:
-    """Run a spec on `workers` Ray Train workers (a local Ray is started if none)."""
+    """Run a spec on `workers` Ray Train workers (a local Ray is started if none).
+    `train_loop` is the per-worker loop (`train_func`, or one that wraps it)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -128,8 +119,8 @@ def run_ray(
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
     use_gpu = torch.cuda.is_available()
     trainer = TorchTrainer(
-        train_func,
-        train_loop_config={"spec_json": spec.model_dump_json(), **test_hooks},
+        train_loop,
+        train_loop_config={"spec_json": spec.model_dump_json()},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
         run_config=RunConfig(

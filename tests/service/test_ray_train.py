@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,11 +15,50 @@ pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
+    import ray.cloudpickle
+
+    # the crashing worker loop below travels to the workers by value, not by import
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def crash_rank_1_after_step(at: int, marker: Path):
+    """A worker loop that is `train_func`, except that rank 1 dies hard right after step
+    `at` of the first attempt (the marker file says it has happened)."""
+
+    def loop(config):
+        import ray.train
+
+        import service.ray_train as rt
+
+        rank = ray.train.get_context().get_world_rank()
+        build = rt.build_engine
+
+        def crashing_build(*args, **kwargs):
+            engine, *rest = build(*args, **kwargs)
+            step = engine.step
+
+            def step_then_crash():
+                done = step()
+                if rank == 1 and engine.global_step == at and not marker.exists():
+                    marker.write_text(str(os.getpid()))
+                    os._exit(1)
+                return done
+
+            engine.step = step_then_crash
+            return (engine, *rest)
+
+        rt.build_engine = crashing_build
+        try:
+            rt.train_func(config)
+        finally:
+            rt.build_engine = build
+
+    return loop
 
 
 def test_lost_worker_resumes_from_the_last_checkpoint_and_finishes(ray_local, tmp_path):
@@ -40,7 +81,8 @@ output_dir: {tmp_path / "runs"}
     )
     spec = TrainSpec.load(spec_path)
     marker = tmp_path / "crashed"
-    result = run_ray(spec, workers=2, max_failures=2, fail_at_step=7, fail_marker=str(marker))
+    loop = crash_rank_1_after_step(7, marker)
+    result = run_ray(spec, workers=2, max_failures=2, train_loop=loop)
     assert marker.exists()  # rank 1 really died at step 7 of the first attempt
     assert result["error"] is None
     assert result["metrics"]["step"] == 12

@@ -1,0 +1,164 @@
+"""Batches whose shape changes after the warm-up, and evaluation forwards between steps:
+the engine notices, stays within its device budget, and computes what an unconstrained run
+computes (see [Note: departures] in pstar_core/tracer.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pstar_core
+from tests.core.helpers import engine_config, reference_model
+
+VOCAB = 128
+CHUNK = 8192
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def batch(seq: int, rows: int = 4, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + seq)
+    start = torch.randint(0, VOCAB, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    return (start + stride * torch.arange(seq)) % VOCAB
+
+
+# (training sequence length, evaluation sequence length after the step or None): the
+# warm-up is the shortest; 32 and 64 are new maxima (re-traces), 48 is not
+SCHEDULE = [(16, None), (32, 16), (16, 32), (64, 64), (16, None), (48, 64), (64, 16)]
+RETRACES = 2  # at 32 and at 64 tokens per row
+EVALS = sum(e is not None for _, e in SCHEDULE)
+
+
+def run(memory: dict) -> tuple[list[float], list[float], object]:
+    ref = reference_model(llama)
+    engine = pstar_core.initialize(
+        lambda: ref, engine_config(chunk_size=CHUNK, memory=memory, lr=3e-3)
+    )
+    losses, evals = [], []
+    for i, (seq, eval_seq) in enumerate(SCHEDULE):
+        x = batch(seq, seed=i)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if eval_seq is not None:
+            engine.eval()
+            with torch.no_grad():
+                y = batch(eval_seq, seed=100 + i)
+                evals.append(engine(input_ids=y, labels=y).loss.item())
+            engine.train()
+    return losses, evals, engine
+
+
+@pytest.fixture(scope="module")
+def unconstrained():
+    return run({})
+
+
+@pytest.fixture(scope="module")
+def budget(unconstrained):
+    """Room for the longest batch's activations and about 40% of the param chunks."""
+    st = unconstrained[2].stats()
+    params = st["chunks"]["param"]["bytes"]
+    return int(st["tracer"]["peak_non_model_bytes"] * 1.5 + 0.4 * params)
+
+
+def test_longer_batches_and_evaluations_under_a_tight_budget_equal_the_unconstrained_run(
+    unconstrained, budget
+):
+    losses, evals, engine = run({"device_budget": budget, "audit": True})
+    ref_losses, ref_evals, _ = unconstrained
+    assert losses == ref_losses  # bitwise: eviction never changes a number
+    assert evals == ref_evals
+    st = engine.stats()
+    tr = st["tracer"]
+    # the trace was taken again for each new longest batch, and only then
+    assert (tr["retraces"], tr["departures"]) == (RETRACES, RETRACES)
+    assert tr["traced_batch"] == {"tokens": 4 * 64, "seq": 64}
+    assert tr["untraced_passes"] == EVALS
+    # eviction really happened, and the device (chunks + measured non-model memory at
+    # every moment of every pass) stayed within its budget
+    assert st["bytes_moved"].get("host->device", 0) > st["chunks"]["param"]["bytes"]
+    assert 0 < tr["measured_peak_device_bytes"] <= budget
+    assert 0 < tr["peak_device_bytes"] <= budget
+
+
+def test_an_evaluation_forward_leaves_the_trace_and_the_next_iteration_alone(budget):
+    ref = reference_model(llama)
+    engine = pstar_core.initialize(
+        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
+    )
+    x = batch(32)
+    for _ in range(2):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    trace = engine.manager.tracer.trace
+    names, non_model = list(trace.names), list(trace.non_model)
+    with torch.no_grad():
+        engine(input_ids=batch(16), labels=batch(16))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    tr = engine.stats()["tracer"]
+    assert engine.manager.tracer.trace is trace
+    assert (trace.names, trace.non_model) == (names, non_model)
+    # the evaluation was a pass of its own, and the iteration after it followed the trace
+    assert (tr["departures"], tr["retraces"], tr["untraced_passes"]) == (0, 0, 1)
+
+
+def test_an_iteration_with_other_operators_departs_and_runs_off_trace(budget):
+    ref = reference_model(llama)
+    engine = pstar_core.initialize(
+        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
+    )
+    x = batch(16)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    # two micro-batches where one was traced: the moments stop matching at the second
+    # forward; the rest of the iteration runs with conservative limits
+    for half in x.chunk(2):
+        engine.backward(engine(input_ids=half, labels=half).loss)
+    engine.step()
+    tr = engine.stats()["tracer"]
+    assert (tr["departures"], tr["retraces"]) == (1, 0)
+    assert engine.manager.tracer.trace.shape.tokens == x.numel()  # the trace is kept
+    # and the next ordinary iteration follows the trace again
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    assert engine.stats()["tracer"]["departures"] == 1
+
+
+def test_the_device_peak_is_taken_moment_by_moment_per_iteration_and_since_start(budget):
+    ref = reference_model(llama)
+    engine = pstar_core.initialize(
+        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
+    )
+    x = batch(64)
+    for _ in range(3):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    st = engine.stats()
+    tr, device = st["tracer"], st["tiers"]["device"]
+    trace = engine.manager.tracer.trace
+    per_moment = [n + c for n, c in zip(trace.non_model, trace.chunk_peak, strict=True)]
+    assert len(trace.chunk_peak) == trace.moments
+    assert tr["peak_device_bytes"] >= max(per_moment)  # the traced iteration's
+    assert 0 < tr["peak_device_bytes_last_iteration"] <= tr["peak_device_bytes"] <= budget
+    assert tr["peak_device_bytes"] <= device["peak"] + tr["peak_non_model_bytes"]
+    assert 0 < device["peak_last_iteration"] <= device["peak"]
