@@ -23,10 +23,8 @@ import torch
 
 from pstar_core.kernels.adam import AdamSegment, adamw_, kernel_backend
 
-# Memory traffic per element (bytes read + written), to turn elem/s into GB/s.
-# ours bf16: read g2 p4 m4 v4, write p4 m4 v4 g/param2. torch fused: read g4 p4 m4 v4,
-# write p4 m4 v4. foreach additionally materializes temporaries, not counted here.
-_BYTES = {"ours_bf16": 28, "ours_fp32": 32, "torch_fused": 28, "torch_foreach": 28}
+# Elements per second only: a GB/s figure would rest on nominal bytes per element, and
+# foreach's temporaries (or any cache effect) would make it a guess, not a measurement.
 _BETAS = (0.9, 0.999)
 _EPS = 1e-8
 _LR = 1e-4
@@ -138,7 +136,6 @@ def run(numel: int = 100_000_000, repeats: int = 7, json_out: bool = False) -> d
     table.add_column("variant")
     table.add_column("G elem/s", justify="right")
     table.add_column("min..max", justify="right")
-    table.add_column("GB/s", justify="right")
     table.add_column("vs fused", justify="right")
     labels = {
         "ours_bf16": "pstar bf16 grad->param",
@@ -151,7 +148,6 @@ def run(numel: int = 100_000_000, repeats: int = 7, json_out: bool = False) -> d
             labels[name],
             f"{rate[name] / 1e9:.3f}",
             f"{numel / max(ts) / 1e9:.2f}..{numel / min(ts) / 1e9:.2f}",
-            f"{rate[name] * _BYTES[name] / 1e9:.1f}",
             f"{rate[name] / rate['torch_fused']:.2f}x",
         )
     console = Console()

@@ -371,7 +371,7 @@ class Engine:
                 buf = self.manager.in_memory(chunk).payload
             else:
                 buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
-            self.zero.broadcast(buf, src=self.zero.owner(chunk.index))
+            self.zero.broadcast(buf, src=self.manager.owner(chunk))
             self._gather_cache = (key, buf)
         return self._gather_cache[1]
 
@@ -499,6 +499,7 @@ class Engine:
             "world_size": self.zero.nproc,
             "rank": self.zero.rank,
             "comm_bytes_sent": self.zero.bytes_sent,
+            "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in self.zero.calls.items()},
             "overflow_count": self.scaler.overflows,
             "loss_scale": self.scaler.scale,
             "global_step": self.global_step,

@@ -69,6 +69,11 @@ class ChunkManager:
             kind: [Chunk(kind, i, size, dtypes.get(kind, torch.float32)) for i in range(n)]
             for kind, n in [(k, n_tr) for k in TRAINABLE_LISTS] + [(ChunkType.FROZEN, n_fr)]
         }
+        # ZeRO: the rank owning each chunk, balanced per group (`mapping.balanced_owners`);
+        # the trainable lists share one assignment, as they share one layout
+        tr_owners, fr_owners = plan.trainable.owners(n), plan.frozen.owners(n)
+        self._owners = {kind: tr_owners for kind in (*TRAINABLE_LISTS, ChunkType.GRAD_ACCUM)}
+        self._owners[ChunkType.FROZEN] = fr_owners
         self.grad_accum: dict[int, Chunk] = {}
         self.slots: list[TensorSlot] = []
         # Released parameters point here: zero elements, so a stray use fails loudly
@@ -109,8 +114,12 @@ class ChunkManager:
             if kinds is None or kind in kinds:
                 yield from chunks
 
+    def owner(self, c: Chunk) -> int:
+        """The rank that owns `c` (keeps it, updates it, sends it to the others)."""
+        return self._owners[c.kind][c.index]
+
     def owned(self, c: Chunk) -> bool:
-        return self.zero.owner(c.index) == self.zero.rank
+        return self.owner(c) == self.zero.rank
 
     def own_chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
         return (c for c in self.chunks(kinds) if self.owned(c))
@@ -455,7 +464,9 @@ class ChunkManager:
     # -- ZeRO communication groups ----------------------------------------------------------
 
     def _group(self, c: Chunk) -> list[Chunk]:
-        return [self.lists[c.kind][i] for i in self.zero.members(c.index)]
+        """The communication group of `c`, ordered by owner rank (as collectives order)."""
+        members = [self.lists[c.kind][i] for i in self.zero.members(c.index)]
+        return sorted(members, key=self.owner)
 
     def _gather_group(self, c: Chunk) -> None:
         """All-gather the group of `c`: remote chunks arrive on the device, in HOLD."""

@@ -112,6 +112,20 @@ def plan(
                 name, str(row["chunks"]), f"{row['bytes'] / 2**30:.3f}", f"{row['utilization']:.1%}"
             )
     console.print(table)
+    if nproc > 1:
+        ranks = Table(title=f"per rank with chunk ZeRO over {nproc} ranks (padding included)")
+        for col in ("rank", "chunks", "chunk GiB", "model data GiB", "share of model data"):
+            ranks.add_column(col, justify="right")
+        total = max(1, result["model_data_bytes"])
+        for r, row in enumerate(result["per_rank"]):
+            ranks.add_row(
+                str(r),
+                str(row["chunks"]),
+                f"{row['chunk_bytes'] / 2**30:.3f}",
+                f"{row['model_data_bytes'] / 2**30:.3f}",
+                f"{row['model_data_bytes'] / total:.1%}",
+            )
+        console.print(ranks)
     console.print(
         f"params {result['params']:,} ({result['trainable_params']:,} trainable); "
         f"chunk size {result['chunk_size']:,} elements; utilization {result['utilization']:.1%}; "
@@ -154,12 +168,15 @@ def bench_adam(
 def bench_overhead(
     model: Annotated[str, typer.Option(help="zoo model")] = "gpt-100m",
     steps: Annotated[int, typer.Option(help="timed steps per side")] = 5,
+    warmup: Annotated[int, typer.Option(help="untimed steps per side first")] = 2,
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 320,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Engine step time / plain PyTorch step time, runs interleaved."""
     from benchmarks.overhead import run
 
-    run(model=model, steps=steps, json_out=json_out)
+    run(model=model, steps=steps, warmup=warmup, batch=batch, seq=seq, json_out=json_out)
 
 
 @bench_app.command("load")
@@ -168,6 +185,7 @@ def bench_load(
         ".cache/models/SmolLM2-135M-Instruct"
     ),
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "bf16",
+    repeats: Annotated[int, typer.Option(help="interleaved loads of each loader")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Peak host memory and time of loading a pretrained directory: ours vs transformers."""
@@ -175,7 +193,7 @@ def bench_load(
 
     if not (model_dir / "config.json").is_file():
         _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
-    run(model_dir, dtype=dtype, json_out=json_out)
+    run(model_dir, dtype=dtype, repeats=repeats, json_out=json_out)
 
 
 @bench_app.command("eviction")

@@ -56,5 +56,6 @@ def plan_model(
         "model_data_bytes": plan.model_data_bytes,
         "chunk_bytes": plan.chunk_bytes,
         "lists": plan.list_stats(),
+        "per_rank": plan.per_rank(nproc),
         "plan_s": time.perf_counter() - t0,
     }
