@@ -122,7 +122,7 @@ def _run_engine(
     def begin_operator(name: str) -> None:
         if steady and m.tracer.moment >= 0:
             j = m.tracer.moment
-            resident[j] = max(resident.get(j, 0), m.tiers["device"].used_bytes)
+            resident[j] = max(resident.get(j, 0), m.residency.tiers["device"].used_bytes)
         orig_begin(name)
 
     m.begin_operator = begin_operator  # type: ignore[method-assign]
@@ -140,8 +140,8 @@ def _run_engine(
             losses.append(float(out.loss.detach()))
             if steady:
                 j = m.tracer.moment
-                resident[j] = max(resident.get(j, 0), m.tiers["device"].used_bytes)
-            cum.append(dict(m.bytes_moved))
+                resident[j] = max(resident.get(j, 0), m.residency.tiers["device"].used_bytes)
+            cum.append(dict(m.residency.bytes_moved))
         stats = engine.stats()
         trace = m.tracer.trace
         names = trace.names if trace is not None else []

@@ -103,7 +103,8 @@ def _barrier(zero) -> None:
 
 def _write_rank_files(engine: Engine, directory: Path) -> None:
     m, zero = engine.manager, engine.zero
-    tensors = {f"{c.kind.value}.{c.index}": m.in_memory(c).payload for c in m.own_chunks()}
+    in_memory = m.residency.in_memory
+    tensors = {f"{c.kind.value}.{c.index}": in_memory(c).payload for c in m.own_chunks()}
     save_file(tensors, directory / _rank_file(zero.rank, zero.nproc, ".safetensors"))
     extra = {
         "rng_cpu": torch.get_rng_state(),
@@ -140,7 +141,7 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for c in engine.manager.own_chunks():
                 key = f"{c.kind.value}.{c.index}"
-                engine.manager.in_memory(c).payload.copy_(f.get_tensor(key))
+                engine.manager.residency.in_memory(c).payload.copy_(f.get_tensor(key))
     except (OSError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
     extra = torch.load(

@@ -26,6 +26,7 @@ from pstar_core.config import ConfigError, EngineConfig
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
+from pstar_core.manager import TrainingPhase as P
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.tracer import BatchShape, Mode
@@ -103,7 +104,7 @@ class Engine:
             self.zero.nproc,
         )
         self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
-        self.manager.allocate_all()
+        self.manager.residency.allocate_all()
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
         )
@@ -130,11 +131,10 @@ class Engine:
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
         self._materialize(weights)
         self.manager.drop_remote()
-        self.manager.enforce_budgets()
+        self.manager.residency.enforce_budgets()
         self.manager.check_working_sets(
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
-        self._in_iteration = False
         self._closed = False
         self._gather_cache: tuple[Any, torch.Tensor] | None = None
         if cfg.activation_checkpointing:
@@ -193,30 +193,34 @@ class Engine:
         an iteration if none is under way; any other forward (evaluation) is a pass of
         its own that the trace does not see (see `MemoryTracer`)."""
         self._check_open()
-        tracer = self.manager.tracer
+        m = self.manager
         evaluating = not (torch.is_grad_enabled() and self.module.training)
         with self._abandon_on_error():
-            if not self._in_iteration:
+            if m.phase is P.IDLE:
                 shape = batch_shape(args, kwargs)
                 if evaluating:
-                    tracer.start_untraced_pass(shape)
+                    m.phase = P.EVALUATION
+                    m.tracer.start_untraced_pass(shape)
                 else:
                     # an iteration (and the warm-up trace) starts with a training forward,
                     # so an evaluation before training does not become the traced iteration
-                    self._in_iteration = True
-                    tracer.start_iteration(shape)
+                    m.tracer.start_iteration(shape)
+            if m.phase is not P.EVALUATION:
+                m.phase = P.FORWARD
             with self._saved_tensor_hooks:
                 out = self.module(*args, **kwargs)
-            self.manager.finish_forward()
-            self.manager.reset_after_forward()
-            if evaluating and not self._in_iteration:
-                self.manager.end_pass()
+            m.finish_forward()
+            m.reset_after_forward()
+            if m.phase is P.EVALUATION:
+                m.end_pass()
+                m.phase = P.IDLE
         return out
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients add up over calls until `step()`."""
         self._check_open()
         with self._abandon_on_error():
+            self.manager.phase = P.BACKWARD
             if self.scaler.enabled:
                 loss = loss.float() * self.scaler.scale
             loss.backward()
@@ -229,6 +233,7 @@ class Engine:
         """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
         self._check_open()
         with self._abandon_on_error():
+            self.manager.phase = P.STEP
             return self._step()
 
     def _step(self) -> bool:
@@ -265,7 +270,7 @@ class Engine:
         return True
 
     def _end_iteration(self) -> None:
-        self._in_iteration = False
+        self.manager.phase = P.IDLE
         self.manager.end_iteration()
         self.manager.end_pass()
 
@@ -292,20 +297,20 @@ class Engine:
         """
         m = self.manager
         m.tracer.abort()
-        m.drop_gathered_groups()
+        m.groups.drop_all()
         m.release_all(S.HOLD)
         m.reset_after_forward()
         if any(s.state is S.HOLD_AFTER_BWD for s in m.slots) or m.grad_accum:
             self.optimizer.drop_grads()
         self.excluded.zero_grad()
-        self._in_iteration = False
+        m.phase = P.IDLE
 
     def close(self) -> None:
         """Free every chunk (all tiers), close the spill file and remove the hooks. The
         engine cannot be used afterwards; closing twice is harmless. Also `with engine:`."""
         if self._closed:
             return
-        if self._in_iteration or self.manager.tracer.mode is not Mode.IDLE:
+        if self.manager.phase is not P.IDLE or self.manager.tracer.mode is not Mode.IDLE:
             self.abandon_iteration()
         for h in self._hooks:
             h.remove()
@@ -357,7 +362,7 @@ class Engine:
         chunk = self.manager.chunk_of(kind, slot)
         if self.zero.enabled:
             return self._gathered(chunk)[slot.offset : slot.end].view(slot.shape)
-        return self.manager.in_memory(chunk).view(slot)
+        return self.manager.residency.in_memory(chunk).view(slot)
 
     def _gathered(self, chunk: Any) -> torch.Tensor:
         """A copy of any rank's chunk, broadcast by its owner (every rank must ask too).
@@ -368,7 +373,7 @@ class Engine:
         key = (chunk.kind, chunk.index)
         if self._gather_cache is None or self._gather_cache[0] != key:
             if self.manager.owned(chunk):
-                buf = self.manager.in_memory(chunk).payload
+                buf = self.manager.residency.in_memory(chunk).payload
             else:
                 buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
             self.zero.broadcast(buf, src=self.manager.owner(chunk))
@@ -408,12 +413,12 @@ class Engine:
             return  # another rank owns this tensor and loads it there
         if slot.trainable:
             chunks = [m.chunk_of(k, slot) for k in (ChunkType.PARAM_FP32, ChunkType.PARAM)]
-            m.make_resident([c for c in chunks if c.tier == "disk"], "host")
+            m.residency.make_resident([c for c in chunks if c.tier == "disk"], "host")
             master = chunks[0].view(slot)
             master.copy_(value)
             chunks[1].view(slot).copy_(master)
         else:
-            m.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
+            m.residency.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
 
     def export_hf(
         self,
@@ -474,7 +479,7 @@ class Engine:
                 "utilization": used / (len(lst) * self.plan.chunk_size) if lst else 1.0,
                 "by_tier": tiers,
             }
-        model_bytes += m.grad_accum_bytes + self.excluded.model_data_bytes()
+        model_bytes += m.grad_accum.bytes + self.excluded.model_data_bytes()
         n_params = self.plan.params + self.excluded.numel  # of the whole model
         return {
             "dtype": self.config.dtype,
@@ -482,17 +487,17 @@ class Engine:
             "params": n_params,
             "trainable_params": self.plan.trainable_params + self.excluded.trainable_numel,
             "chunks": chunks,
-            "chunk_bytes": sum(c["bytes"] for c in chunks.values()) + m.grad_accum_bytes,
+            "chunk_bytes": sum(c["bytes"] for c in chunks.values()) + m.grad_accum.bytes,
             "utilization": self.plan.utilization,
             "model_data_bytes": model_bytes,
             "model_data_bytes_per_param": model_bytes / n_params if n_params else 0.0,
-            "grad_accum_bytes": m.grad_accum_bytes,
-            "peak_grad_accum_bytes": m.peak_grad_accum_bytes,
-            "bytes_moved": dict(m.bytes_moved),
-            "moves": dict(m.moves),
-            "bytes_moved_last_iteration": dict(m.last_iteration_bytes_moved),
-            "moves_last_iteration": dict(m.last_iteration_moves),
-            "tiers": m.tier_bytes(),
+            "grad_accum_bytes": m.grad_accum.bytes,
+            "peak_grad_accum_bytes": m.grad_accum.peak_bytes,
+            "bytes_moved": dict(m.residency.bytes_moved),
+            "moves": dict(m.residency.moves),
+            "bytes_moved_last_iteration": dict(m.residency.last_iteration_bytes_moved),
+            "moves_last_iteration": dict(m.residency.last_iteration_moves),
+            "tiers": m.residency.tier_bytes(),
             "tracer": self.manager.tracer.stats(),
             "margin_bytes": self.manager.margin_bytes,
             "device_adam_chunks": len(m.device_adam),

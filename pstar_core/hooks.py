@@ -112,7 +112,7 @@ class ChunkRef:
 
 def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tensors_hooks:
     def pack(t: torch.Tensor) -> Any:
-        chunk = manager.chunk_for_storage(t.untyped_storage().data_ptr())
+        chunk = manager.residency.chunk_for_storage(t.untyped_storage().data_ptr())
         if chunk is None:
             return t
         return ChunkRef(chunk, t.storage_offset(), t.size(), t.stride())
@@ -121,7 +121,7 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
         if not isinstance(x, ChunkRef):
             return x
         if x.chunk.tier != "device":
-            manager.make_resident([x.chunk], "device")
+            manager.residency.make_resident([x.chunk], "device")
         return x.chunk.payload.as_strided(x.size, x.stride, x.offset)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -13,7 +13,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from pstar_core.chunk import ChunkType, TensorSlot, TensorState
+from torch.autograd.profiler import record_function
+
+from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import EngineConfig, LossScaleConfig, SchedulerConfig
 from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm
 from pstar_core.manager import ChunkManager
@@ -115,9 +117,9 @@ class ChunkAdamW:
 
     def fold_grads(self) -> None:
         """With accumulation, add the grads still in param slots into the accum chunks."""
-        for index, acc in self.manager.grad_accum.items():
+        for index, acc in self.manager.grad_accum.chunks.items():
             chunk = self.manager.lists[ChunkType.PARAM][index]
-            self.manager.colocate([chunk, acc])
+            self.manager.residency.colocate([chunk, acc])
             for s in chunk.slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     acc.flat(s).add_(chunk.flat(s))
@@ -137,14 +139,12 @@ class ChunkAdamW:
                 if self._has_grad(s)
             ]
             if segs:
-                source = self.manager.in_memory(self._grad_source(chunk.index))
+                source = self.manager.residency.in_memory(self._grad_source(chunk.index))
                 total += grad_sq_norm(source.payload, segs)
         return total
 
     def step(self, grad_scale: float) -> None:
         """Update every slot that has a gradient; `grad_scale` multiplies each gradient."""
-        opt = self.cfg.optimizer
-        lists = self.manager.lists
         for chunk in self.manager.own_chunks([ChunkType.PARAM]):
             segs = []
             for s in chunk.slots:
@@ -158,19 +158,24 @@ class ChunkAdamW:
                 continue
             i = chunk.index
             self.manager.prepare_adam(i)
-            adamw_(
-                lists[ChunkType.PARAM_FP32][i].payload,
-                lists[ChunkType.MOMENTUM][i].payload,
-                lists[ChunkType.VARIANCE][i].payload,
-                self._grad_source(i).payload,
-                chunk.payload,
-                segs,
-                beta1=opt.betas[0],
-                beta2=opt.betas[1],
-                eps=opt.eps,
-                grad_scale=grad_scale,
-            )
+            with record_function("pstar::adam"):
+                self._adam(i, chunk, segs, grad_scale)
         self.end_step()
+
+    def _adam(self, i: int, chunk: Chunk, segs: list[AdamSegment], grad_scale: float) -> None:
+        opt, lists = self.cfg.optimizer, self.manager.lists
+        adamw_(
+            lists[ChunkType.PARAM_FP32][i].payload,
+            lists[ChunkType.MOMENTUM][i].payload,
+            lists[ChunkType.VARIANCE][i].payload,
+            self._grad_source(i).payload,
+            chunk.payload,
+            segs,
+            beta1=opt.betas[0],
+            beta2=opt.betas[1],
+            eps=opt.eps,
+            grad_scale=grad_scale,
+        )
 
     def drop_grads(self) -> None:
         """Skip this step (fp16 overflow): restore params from the master, drop the grads."""
@@ -179,7 +184,7 @@ class ChunkAdamW:
             if not any(s.state is S.HOLD_AFTER_BWD for s in chunk.slots):
                 continue
             master = lists[ChunkType.PARAM_FP32][chunk.index]
-            self.manager.colocate([chunk, master])
+            self.manager.residency.colocate([chunk, master])
             for s in chunk.slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     chunk.flat(s).copy_(master.flat(s))

@@ -32,6 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from pstar_core.chunk import Chunk, ChunkType, TensorState
+
+S = TensorState
 
 
 @dataclass
@@ -122,3 +127,123 @@ class ZeroGroup:
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
+
+
+class GatheredGroups:
+    """The life of communication groups in one rank (the paper's ZeRO over chunks).
+
+    Before an operator uses a chunk whose group is not here, the group is all-gathered:
+    the own chunk and the remote ones are pinned on the device, remote chunks arriving in
+    HOLD. When every tensor of the group has finished its forward (HOLD_AFTER_FWD, tied
+    weights counted) or its backward (HOLD_AFTER_BWD), the group is released: after
+    backward its gradients are first reduce-scattered (averaged) into the owner's chunk;
+    then the remote chunks are dropped. Gradients a chunk still holds from an earlier
+    micro-batch are stashed by their owner before the gather overwrites them.
+    """
+
+    def __init__(self, zero: ZeroGroup, lists, owner, residency, stash, forward_done) -> None:
+        self.zero = zero
+        self.lists = lists  # ChunkType -> chunks
+        self.owner = owner  # chunk -> rank
+        self.residency = residency
+        self.stash = stash  # gradient accumulation: chunk -> None
+        self.forward_done = forward_done  # slot -> its forward is over (tied weights too)
+        # gathered groups, by (list, group index), members in owner order
+        self.live: dict[tuple[ChunkType, int], list[Chunk]] = {}
+
+    def _key(self, c: Chunk) -> tuple[ChunkType, int]:
+        return (c.kind, c.index // self.zero.nproc)
+
+    def _members(self, c: Chunk) -> list[Chunk]:
+        """The communication group of `c`, ordered by owner rank (as collectives order)."""
+        members = [self.lists[c.kind][i] for i in self.zero.members(c.index)]
+        return sorted(members, key=self.owner)
+
+    def gather(self, c: Chunk) -> None:
+        """All-gather the group of `c` (a no-op while it is gathered)."""
+        key = self._key(c)
+        if key in self.live:
+            return
+        members = self._members(c)
+        own = members[self.zero.rank]
+        for m in members:
+            if any(s.state is S.HOLD_AFTER_BWD for s in m.slots):
+                if m is own:
+                    self.stash(m)
+                else:  # its owner moves those grads out of the way in its own stash
+                    for s in m.slots:
+                        if s.state is S.HOLD_AFTER_BWD:
+                            s.set_state(S.HOLD)
+        remote = [m for m in members if m is not own]
+        r = self.residency
+        r.make_resident([own], "device")
+        own.pins += 1
+        r._make_room("device", sum(m.nbytes for m in remote), {id(m) for m in members})
+        device = r.tiers["device"]
+        with r.tracer.chunk_memory(), record_function("pstar::all_gather"):
+            for m in remote:
+                r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
+                m.pins += 1
+            self.zero.gather(own.payload, [m.payload for m in members])
+        self.live[key] = members
+        for m in remote:
+            r.tracer.note_use((m.kind.value, m.index))
+
+    def maybe_release(self, c: Chunk, backward: bool) -> None:
+        """Release the group of `c` if all its tensors are done with this pass."""
+        key = self._key(c)
+        members = self.live.get(key)
+        if members is None:
+            return
+        done = (lambda s: s.state is S.HOLD_AFTER_BWD) if backward else self.forward_done
+        if all(done(s) for m in members for s in m.slots):
+            self._release(key, reduce=backward)
+
+    def _release(self, key: tuple[ChunkType, int], reduce: bool) -> None:
+        """Reduce-scatter the group's grads (after backward), then drop remote chunks."""
+        members = self.live.pop(key)
+        own = members[self.zero.rank]
+        if reduce and key[0] is ChunkType.PARAM:
+            self._reduce(members, own)
+        for m in members:
+            m.pins -= 1
+            if m is not own:
+                self.residency.forget(m)
+
+    def _reduce(self, members: list[Chunk], own: Chunk) -> None:
+        from pstar_core.chunk import ChunkType
+
+        # Slots without a gradient hold parameter values: send zeros for them, and
+        # restore the owner's values from its fp32 master afterwards.
+        for m in members:
+            for s in m.slots:
+                if s.state is not S.HOLD_AFTER_BWD:
+                    m.flat(s).zero_()
+        r = self.residency
+        with r.tracer.chunk_memory():
+            out = r.tiers["device"].allocate(own.capacity, own.dtype)
+        with record_function("pstar::reduce_scatter"):
+            self.zero.reduce_scatter_mean([m.payload for m in members], out)
+        own.payload.copy_(out)
+        master = self.lists[ChunkType.PARAM_FP32][own.index]
+        for s in own.slots:
+            if s.state is not S.HOLD_AFTER_BWD:
+                r.in_memory(master)
+                own.flat(s).copy_(master.flat(s))
+
+    def finish(self, reduce: bool) -> None:
+        """End of forward (drop) or backward (reduce, then drop): every group still here,
+        in the same order on every rank."""
+        for key in sorted(self.live, key=lambda k: (k[0].value, k[1])):
+            self._release(key, reduce=reduce)
+
+    def drop_all(self) -> None:
+        """Drop every gathered group without collectives or a reduction (an abandoned
+        iteration: its gradients are dropped anyway)."""
+        for members in self.live.values():
+            own = members[self.zero.rank]
+            for m in members:
+                m.pins -= 1
+                if m is not own:
+                    self.residency.forget(m)
+        self.live.clear()

@@ -49,7 +49,7 @@ def test_device_budget_of_40_percent_of_param_chunks_gives_bitwise_same_losses(
     assert run_engine(engine, batches(4)) == losses
     moved = engine.stats()["bytes_moved"]
     assert moved["device->host"] > 0  # the budget really forced evictions
-    assert engine.manager.tiers["device"].peak_bytes <= budget
+    assert engine.manager.residency.tiers["device"].peak_bytes <= budget
 
 
 def test_disk_tier_keeps_training_when_model_data_exceeds_device_plus_host(
@@ -70,7 +70,7 @@ def test_disk_tier_keeps_training_when_model_data_exceeds_device_plus_host(
     moved = engine.stats()["bytes_moved"]
     assert moved["host->disk"] > 0
     assert moved["disk->host"] + moved.get("disk->device", 0) > 0
-    assert engine.manager.tiers["host"].peak_bytes <= host
+    assert engine.manager.residency.tiers["host"].peak_bytes <= host
 
 
 def test_moments_repeat_and_steady_state_moves_nothing_with_enough_memory(ref):
@@ -168,7 +168,7 @@ def test_storage_map_never_points_at_freed_chunks_after_accumulation(ref):
         for mb in x.chunk(2):
             engine.backward(engine(input_ids=mb, labels=mb).loss)
         engine.step()
-        for ptr, chunk in engine.manager._by_storage.items():
+        for ptr, chunk in engine.manager.residency._by_storage.items():
             assert chunk.payload is not None, chunk.kind
             assert chunk.payload.untyped_storage().data_ptr() == ptr
 

@@ -87,7 +87,7 @@ def test_close_frees_every_tier_and_the_engine_refuses_further_use(tmp_path):
         x = batches(1)[0]
         engine.backward(engine(input_ids=x, labels=x).loss)  # closed mid-iteration
         assert sum(t["used"] for t in engine.stats()["tiers"].values()) > 0
-    assert all(t["used"] == 0 for t in engine.manager.tier_bytes().values())
+    assert all(t["used"] == 0 for t in engine.manager.residency.tier_bytes().values())
     assert all(c.payload is None for c in engine.manager.chunks())
     assert not _profiler_on()
     with pytest.raises(RuntimeError, match="closed"):
@@ -107,7 +107,7 @@ def test_spilled_chunks_live_in_an_unlinked_file_that_gives_space_back(tmp_path)
     expected = run_engine(fresh(chunk_size=16384), data)
     engine = fresh(chunk_size=16384, memory=memory)
     assert run_engine(engine, data) == expected
-    disk = engine.manager.tiers["disk"]
+    disk = engine.manager.residency.tiers["disk"]
     assert disk.used_bytes > 0
     assert list((tmp_path / "spill").iterdir()) == []  # nothing with a name: no leftovers
     spill = disk.spill
@@ -131,7 +131,7 @@ def test_a_killed_process_leaves_no_spill_file(tmp_path):
         engine = pstar_core.initialize(MODELS["gpt"], engine_config(chunk_size=16384,
                                        memory=memory))
         run_engine(engine, batches(1))
-        assert engine.manager.tiers["disk"].used_bytes > 0
+        assert engine.manager.residency.tiers["disk"].used_bytes > 0
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
@@ -145,3 +145,14 @@ def test_a_killed_process_leaves_no_spill_file(tmp_path):
     )
     assert out.returncode == -9, out.stderr[-2000:]
     assert list(spill.iterdir()) == []
+
+
+def test_a_profiler_trace_names_the_engines_phases():
+    engine = fresh(chunk_size=16384, memory={"device_budget": 1_500_000})
+    data = batches(3)
+    run_engine(engine, data[:2])  # warm-up, then a steady iteration
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_engine(engine, data[2:])
+    names = {e.name for e in prof.events()}
+    assert {"pstar::access", "pstar::adam"} <= names
+    assert "pstar::move host->device" in names  # the budget makes chunks come and go

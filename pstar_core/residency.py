@@ -1,0 +1,315 @@
+"""`Residency`: where each chunk's payload lives, and the budgets of the tiers.
+
+It owns the three tiers (device, host, disk) and every move between them: a chunk is
+brought to a tier with `make_resident`, which first makes room by evicting others (never
+the ones asked for) with the policy's victim choice, and every move is a real copy,
+counted per direction. How much chunk memory the device may hold:
+- at moment j of an iteration that follows the trace, A_j = L - max(N_j, N_{j+1});
+- off the trace (a departed iteration, an evaluation forward), L - peak N x batch scale;
+- in warm-up (or a re-trace) `warmup_ratio * L`, and under the 'static' policy always
+  `static_model_share * L`; off the trace and in warm-up the operator's working set may
+  exceed that share.
+Victims are chosen by OPT (farthest next use, from the trace), LRU, or chunk-list order in
+warm-up. When the host tier is over budget, chunks spill to disk by the same policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch.autograd.profiler import record_function
+
+from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
+from pstar_core.config import MemoryConfig
+from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
+from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
+from pstar_core.tracer import MemoryTracer
+
+PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
+
+
+class Residency:
+    def __init__(
+        self,
+        lists: dict[ChunkType, list[Chunk]],
+        memory: MemoryConfig,
+        device: torch.device,
+        tracer: MemoryTracer,
+        owned: Callable[[Chunk], bool],
+        extra: Callable[[], Iterable[Chunk]],
+    ) -> None:
+        self.lists = lists
+        self.memory = memory
+        self.tracer = tracer
+        self.tiers: dict[str, Tier] = make_tiers(memory, device)
+        self._owned = owned  # ZeRO: chunks this rank keeps
+        self._extra = extra  # chunks outside the lists that may be evicted (grad accum)
+        self.bytes_moved: dict[str, int] = {}  # in total
+        self.moves: dict[str, int] = {}
+        self.iteration_bytes_moved: dict[str, int] = {}  # in the iteration under way
+        self.iteration_moves: dict[str, int] = {}
+        self.last_iteration_bytes_moved: dict[str, int] = {}  # in the last complete one
+        self.last_iteration_moves: dict[str, int] = {}
+        self._last_use: dict[int, int] = {}  # LRU: the clock at each chunk's last use
+        self._clock = 0  # operators started so far
+        self._by_storage: dict[int, Chunk] = {}  # payload address -> chunk (saved tensors)
+
+    def _chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
+        for kind, chunks in self.lists.items():
+            if kinds is None or kind in kinds:
+                yield from chunks
+
+    def tick(self) -> None:
+        """An operator starts (the LRU clock)."""
+        self._clock += 1
+
+    def allocate_all(self) -> None:
+        """Every chunk starts in host memory, zeroed (FREE tensors read as 0).
+
+        Budgets are enforced right after the weights are materialized
+        (`enforce_budgets`), which may spill chunks to disk. With ZeRO, other ranks'
+        chunks exist here only until then (`drop_remote`).
+        """
+        self._check_total_fits()
+        host = self.tiers["host"]
+        for c in self._chunks():
+            with self.tracer.chunk_memory():
+                payload = host.allocate(c.capacity, c.dtype).zero_()
+            self.adopt(c, payload, "host")
+
+    def _device_share(self) -> int:
+        """Chunk bytes the device may hold before the trace exists (warm-up or static)."""
+        ratio = (
+            self.memory.static_model_share
+            if self.memory.policy == "static"
+            else (self.memory.warmup_ratio)
+        )
+        return int(ratio * self.tiers["device"].budget_bytes)
+
+    def _check_total_fits(self) -> None:
+        """Fail before training when the chunks cannot all pass through host and disk.
+
+        The warm-up step runs Adam on the host for every chunk (placement is decided
+        from its trace), so at its end every chunk is in host memory or on disk; the
+        device budget cannot count here without risking a failure mid-run.
+        """
+        need = sum(c.nbytes for c in self._chunks() if self._owned(c))
+        t = self.tiers
+        have = t["host"].budget_bytes + t["disk"].budget_bytes
+        if need > have:
+            raise MemoryBudgetError(
+                f"the model needs {gib(need)} of chunks (model data), the budgets give "
+                f"{gib(have)} (host {gib(t['host'].budget_bytes)}, disk "
+                f"{gib(t['disk'].budget_bytes)}; the warm-up step updates every chunk on the "
+                "host, so the device budget does not count here); raise memory.host_budget "
+                "or memory.disk_budget (with memory.disk_dir), or use a smaller model / "
+                "fewer trainable parameters"
+            )
+
+    def enforce_budgets(self) -> None:
+        """After materialization: what the host budget cannot hold goes to the device (up
+        to the share model data may use in warm-up), then to disk."""
+        host, device = self.tiers["host"], self.tiers["device"]
+        share = self._device_share()
+        for c in self._chunks(PARAM_LISTS):
+            if host.used_bytes <= host.budget_bytes:
+                break
+            if c.tier == "host" and device.used_bytes + c.nbytes <= share:
+                self._move(c, "device")
+        order = [
+            c
+            for kind in (
+                ChunkType.VARIANCE,
+                ChunkType.MOMENTUM,
+                ChunkType.PARAM_FP32,
+                *PARAM_LISTS[::-1],
+            )
+            for c in self.lists[kind]
+            if c.tier is not None
+        ]
+        for c in reversed(order):  # the last chunks of the optimizer lists are needed last
+            if host.used_bytes <= host.budget_bytes:
+                break
+            self._move(c, "disk")
+        # Known limit: materialization holds every chunk in host memory before this
+        # spill, so peaks are counted from here on (from the start of training).
+        for t in self.tiers.values():
+            t.peak_bytes = t.iteration_peak_bytes = t.used_bytes
+
+    def make_resident(self, chunks: Sequence[Chunk], tier: str) -> None:
+        """Bring `chunks` to `tier`, evicting others (never these) to make room."""
+        for c in chunks:
+            self.tracer.note_use((c.kind.value, c.index))
+            self._last_use[id(c)] = self._clock
+        need = sum(c.nbytes for c in chunks if c.tier != tier)
+        if need or tier == "device":
+            # On the device the limit changes per moment (A_j shrinks when activations
+            # grow), so it is enforced at every operator start, not only on a fetch.
+            self._make_room(tier, need, protect={id(c) for c in chunks})
+            for c in chunks:
+                self._move(c, tier)
+
+    def _allowed(self, tier: str) -> int:
+        t = self.tiers[tier]
+        if tier != "device":
+            return t.budget_bytes
+        if self.memory.policy == "static":
+            return int(self.memory.static_model_share * t.budget_bytes)
+        if self.tracer.trace is None or self.tracer.tracing:
+            return int(self.memory.warmup_ratio * t.budget_bytes)
+        return t.budget_bytes - self.tracer.non_model_allowance()
+
+    def _evictable(self, c: Chunk, protect: set[int]) -> bool:
+        if id(c) in protect or c.pins:
+            return False
+        # COMPUTE tensors pin their param chunk; optimizer-state chunks are protected
+        # explicitly while Adam runs on them.
+        return c.kind not in PARAM_LISTS or all(s.state in HOLD_LIKE for s in c.slots)
+
+    def _choose(self, candidates: list[Chunk]) -> Chunk:
+        trace = self.tracer.trace
+        if self.memory.policy in ("lru", "static"):
+            return choose_lru(candidates, self._last_use)
+        if trace is None or self.tracer.tracing:
+            return choose_in_list_order(candidates)
+        if not self.tracer.following:  # the traced future does not hold for this pass
+            return choose_lru(candidates, self._last_use)
+        return choose_opt(
+            candidates,
+            lambda c: self.tracer.uses_of((c.kind.value, c.index)),
+            self.tracer.moment,
+            trace.moments,
+        )
+
+    def _make_room(self, tier: str, need: int, protect: set[int]) -> None:
+        t = self.tiers[tier]
+        allowed = self._allowed(tier)
+        if tier == "device" and not self.tracer.following:
+            # warm-up, or a pass off the trace: the operator's whole working set, and
+            # gathered groups still in use, may exceed the conservative limit
+            held = sum(
+                c.nbytes
+                for c in self._chunks()
+                if c.tier == tier and (c.pins or id(c) in protect or not self._evictable(c, set()))
+            )
+            allowed = max(allowed, held + need)
+        while t.used_bytes + need > allowed:
+            candidates = [
+                c for c in self._chunks() if c.tier == tier and self._evictable(c, protect)
+            ]
+            candidates += [c for c in self._extra() if c.tier == tier and id(c) not in protect]
+            if not candidates:
+                raise MemoryBudgetError(
+                    f"cannot fit {gib(need)} more chunk memory on the {tier} tier at moment "
+                    f"{self.tracer.moment}: {gib(t.used_bytes)} in use by chunks that are "
+                    f"needed now, {gib(allowed)} allowed (budget {gib(t.budget_bytes)}); "
+                    f"raise memory.{tier}_budget"
+                )
+            victim = self._choose(candidates)
+            self._move(victim, "host" if tier == "device" else "disk", protect)
+
+    def _move(self, c: Chunk, tier: str, protect: set[int] | None = None) -> None:
+        src = c.tier
+        if src == tier:
+            return
+        dst = self.tiers[tier]
+        if tier == "host" and dst.used_bytes + c.nbytes > dst.budget_bytes:
+            self._make_room("host", c.nbytes, (protect or set()) | {id(c)})
+        if tier == "disk" and dst.used_bytes + c.nbytes > dst.budget_bytes:
+            raise MemoryBudgetError(
+                f"the disk tier is full ({gib(dst.used_bytes)} of {gib(dst.budget_bytes)}); "
+                "raise memory.disk_budget"
+            )
+        with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{tier}"):
+            if tier == "disk":
+                c.disk_offset = dst.spill_file().write(c.payload)
+                self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+                c.payload = None
+            else:
+                new = dst.allocate(c.capacity, c.dtype)
+                if src == "disk":
+                    spill = self.tiers["disk"].spill_file()
+                    spill.read(c.disk_offset, new)
+                    spill.free(c.disk_offset, c.nbytes)
+                    c.disk_offset = None
+                else:
+                    new.copy_(c.payload)
+                    self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+                c.payload = new
+                self._by_storage[new.untyped_storage().data_ptr()] = c
+        if src is not None:
+            self.tiers[src].remove(c.nbytes)
+        dst.add(c.nbytes)
+        c.tier = tier
+        key = f"{src}->{tier}"
+        for counter, n in (
+            (self.bytes_moved, c.nbytes),
+            (self.moves, 1),
+            (self.iteration_bytes_moved, c.nbytes),
+            (self.iteration_moves, 1),
+        ):
+            counter[key] = counter.get(key, 0) + n
+
+    def end_iteration(self) -> None:
+        """Close the per-iteration move counters (called at the end of `step()`)."""
+        self.last_iteration_bytes_moved = self.iteration_bytes_moved
+        self.last_iteration_moves = self.iteration_moves
+        self.iteration_bytes_moved, self.iteration_moves = {}, {}
+        for t in self.tiers.values():
+            t.new_iteration()
+
+    def chunk_for_storage(self, data_ptr: int) -> Chunk | None:
+        """The chunk whose current payload is this storage (a freed chunk's old address
+        may be reused by any tensor, so the entry is checked against the payload)."""
+        c = self._by_storage.get(data_ptr)
+        if c is None or c.payload is None or c.payload.untyped_storage().data_ptr() != data_ptr:
+            return None
+        return c
+
+    def in_memory(self, c: Chunk) -> Chunk:
+        """Make sure `c` has a payload (bring it from disk to host if spilled)."""
+        if c.tier == "disk":
+            self.make_resident([c], "host")
+        return c
+
+    def colocate(self, chunks: Sequence[Chunk]) -> None:
+        """Bring `chunks` into memory on the first one's tier (host if it is spilled), so
+        an operation can read them together."""
+        tier = chunks[0].tier
+        self.make_resident(chunks, "host" if tier == "disk" else tier)
+
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        return {
+            name: {
+                "budget": t.budget_bytes,
+                "used": t.used_bytes,
+                "peak": t.peak_bytes,
+                "peak_last_iteration": t.last_iteration_peak_bytes,
+            }
+            for name, t in self.tiers.items()
+        }
+
+    def forget(self, c: Chunk) -> None:
+        """Drop a chunk's payload from whatever tier holds it (memory or disk)."""
+        if c.tier == "disk":
+            self.tiers["disk"].spill_file().free(c.disk_offset, c.nbytes)
+            c.disk_offset = None
+        elif c.payload is not None:
+            self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+            with self.tracer.chunk_memory():
+                c.payload = None
+        if c.tier is not None:
+            self.tiers[c.tier].remove(c.nbytes)
+        c.tier = None
+
+    def adopt(self, c: Chunk, payload: torch.Tensor, tier: str) -> None:
+        """Register a payload made outside a move (a gathered remote chunk, an accum chunk)."""
+        c.payload = payload
+        c.tier = tier
+        self.tiers[tier].add(c.nbytes)
+        self._by_storage[payload.untyped_storage().data_ptr()] = c
+
+    def close(self) -> None:
+        for t in self.tiers.values():
+            t.close()
