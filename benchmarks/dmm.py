@@ -3,8 +3,9 @@
 This module owns two measured claims about the engine's memory tiers:
 
 - `run_eviction`: bytes moved between host and device per steady-state iteration under the
-  eviction policies opt / lru / static, at device budgets of "measured peak non-model memory
-  + a percentage of the param chunk bytes", next to lower bounds on the fetches;
+  eviction policies opt / lru / static, at device budgets swept from tight to "all model
+  data fits" (measured peak non-model memory + a fraction of the chunk bytes of all four
+  lists), next to lower bounds on the fetches;
 - `benchmarks.scale.run_scale` (its own module): the largest trainable GPT.
 
 Each prints a rich table and, with ``json_out``, one JSON line last.
@@ -34,7 +35,8 @@ from pstar_core.tiers import MemoryBudgetError
 __all__ = ["choose_chunk_size", "run_eviction"]
 
 POLICIES = ("opt", "lru", "static")
-BUDGET_PCTS = (100, 60, 40, 25)
+# device budget = peak non-model N + fraction x model data M (the chunks of all four lists)
+BUDGET_FRACTIONS = (0.15, 0.3, 0.5, 0.75, 1.0)
 MIB = 2**20
 GIB = 2**30
 # Model data per parameter of our engine: bf16 param + fp32 master + fp32 momentum and variance
@@ -226,14 +228,18 @@ def run_eviction(
     iters: int = 4,
     json_out: bool = False,
     vocab: int | None = 1024,
-    budgets: tuple[int, ...] = BUDGET_PCTS,
+    fractions: tuple[float, ...] = BUDGET_FRACTIONS,
     policies: tuple[str, ...] = POLICIES,
 ) -> dict[str, Any]:
     """Host<->device bytes per steady iteration for each eviction policy and device budget.
 
     Device budget = measured peak non-model bytes N (activations etc., from an unconstrained
-    run's tracer) + pct% of the param chunk bytes P. Under 'static' the chunks get the same
-    pct% x P, fixed (static_model_share = pct% x P / budget). `vocab` overrides the model's
+    run's tracer) + f x M, M the chunk bytes of all four lists (params, fp32 masters,
+    momentum, variance), for each f in `fractions`: from tight to everything fitting. OPT
+    and LRU place optimizer states on the device when the trace leaves a margin for them;
+    'static' is a faithful static partition: f x M of the device for chunks, fixed before
+    training without a tracer (static_model_share), optimizer states always on the host,
+    Adam always there. `vocab` overrides the model's
     vocabulary (None keeps it): a chunk must hold the largest tensor, and gpt-small's
     8192 x 256 embedding would otherwise allow at most 4 param chunks at 8 layers, leaving
     eviction no choices. `chunk_size` None picks one giving ~12-20 param chunks.
@@ -273,6 +279,7 @@ def run_eviction(
     P = st["chunks"]["param"]["bytes"]
     c = P // n_chunks
     N = st["tracer"]["peak_non_model_bytes"]
+    M = st["chunk_bytes"]
     non_model = st["tracer"]["non_model_bytes"]
     unused = [i for i in range(n_chunks) if not base.param_uses.get(i)]
     if unused:  # the bounds assume every param chunk is used in each iteration
@@ -280,19 +287,20 @@ def run_eviction(
 
     runs: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in policies}
     budget_bytes: dict[str, int] = {}
-    for pct in budgets:
-        budget = int(N + pct / 100 * P)
-        budget_bytes[str(pct)] = budget
+    labels = [f"{f:g}" for f in fractions]
+    for f, pct in zip(fractions, labels, strict=True):
+        budget = int(N + f * M)
+        budget_bytes[pct] = budget
         for policy in policies:
             memory: dict[str, Any] = {"device_budget": budget, "policy": policy}
             if policy == "static":
-                memory["static_model_share"] = min(1.0, pct / 100 * P / budget)
+                memory["static_model_share"] = min(1.0, f * M / budget)
             row: dict[str, Any] = {"budget": budget}
             try:
                 r = _run_engine(model_fn, engine_cfg(memory), batches)
             except MemoryBudgetError as e:
                 row.update(status="infeasible", error=str(e).splitlines()[0])
-                console.print(f"[dim]{policy:>6} @ {pct:>3}%: infeasible ({row['error']})")
+                console.print(f"[dim]{policy:>6} @ {pct:>4}: infeasible ({row['error']})")
             else:
                 row.update(
                     status="ok",
@@ -306,23 +314,21 @@ def run_eviction(
                     final_loss=r.losses[-1],
                 )
                 console.print(
-                    f"[dim]{policy:>6} @ {pct:>3}%: {row['h2d'] / MIB:.2f} MiB/iter host->device"
+                    f"[dim]{policy:>6} @ {pct:>4}: {row['h2d'] / MIB:.2f} MiB/iter host->device"
                 )
             runs[policy][str(pct)] = row
 
     lower_bound: dict[str, int] = {}
     lower_bound_trace: dict[str, int] = {}
-    for pct in budgets:
-        budget = budget_bytes[str(pct)]
+    for pct in labels:
+        budget = budget_bytes[pct]
         # The chunk room at the tightest moment: budget - peak N = pct% x P (the static share).
-        lower_bound[str(pct)] = _simple_bound(n_chunks, c, budget - N)
+        lower_bound[pct] = _simple_bound(n_chunks, c, budget - N)
         # Chunks whose Adam runs on the device need not come back from the host; take the
         # most any run placed there, so the bound holds for every policy.
-        dev_adam = max(
-            (runs[p][str(pct)].get("device_adam_chunks", 0) for p in policies), default=0
-        )
+        dev_adam = max((runs[p][pct].get("device_adam_chunks", 0) for p in policies), default=0)
         host_adam = set(range(dev_adam, n_chunks))
-        lower_bound_trace[str(pct)] = _trace_bound(base.param_uses, non_model, budget, c, host_adam)
+        lower_bound_trace[pct] = _trace_bound(base.param_uses, non_model, budget, c, host_adam)
     load_after = _load_avg()
 
     def by_policy(key: str) -> dict[str, dict[str, float | str]]:
@@ -348,9 +354,12 @@ def run_eviction(
         "param_chunks": n_chunks,
         "param_chunk_bytes_total": P,
         "peak_non_model_bytes": N,
+        "model_data_chunk_bytes": M,
+        "budget_fractions": list(fractions),
         "budgets": budget_bytes,
         "bytes_moved": by_policy("h2d"),
         "total_moved": by_policy("total"),
+        "sp_over_opt_total": _ratio_of_sums(runs, "static", "opt", "total"),
         "over_budget": by_policy("over_budget"),
         "lower_bound": lower_bound,
         "lower_bound_trace": lower_bound_trace,
@@ -362,6 +371,21 @@ def run_eviction(
     if json_out:
         print(json.dumps(result))
     return result
+
+
+def _ratio_of_sums(runs: dict[str, Any], a: str, b: str, key: str) -> float | None:
+    """sum over the budgets both ran at of a's `key` / the same sum of b's (a ratio of sums,
+    since b may move nothing at all at the larger budgets)."""
+    if a not in runs or b not in runs:
+        return None
+    both = [pct for pct, row in runs[a].items() if row["status"] == runs[b][pct]["status"] == "ok"]
+    num = sum(runs[a][pct][key] for pct in both)
+    den = sum(runs[b][pct][key] for pct in both)
+    return num / den if den else None
+
+
+def _ratio_text(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _mib(x: float) -> str:
@@ -394,11 +418,11 @@ def _print_eviction(console: Console, r: dict[str, Any]) -> None:
         for pct, row in rows.items():
             lb, tb = r["lower_bound"][pct], r["lower_bound_trace"][pct]
             if row["status"] != "ok":
-                table.add_row(policy, f"{pct}%", _mib(row["budget"]), "infeasible", *[""] * 6)
+                table.add_row(policy, pct, _mib(row["budget"]), "infeasible", *[""] * 6)
                 continue
             table.add_row(
                 policy,
-                f"{pct}%",
+                pct,
                 _mib(row["budget"]),
                 _mib(row["h2d"]),
                 _mib(row["total"]),
@@ -412,9 +436,11 @@ def _print_eviction(console: Console, r: dict[str, Any]) -> None:
     console.print(table)
     console.print(
         f"Budget = peak non-model N {_mib(r['peak_non_model_bytes'])} MiB (measured by the tracer, "
-        f"unconstrained run) + pct% of the param chunk bytes P {_mib(r['param_chunk_bytes_total'])}"
-        " MiB. Bytes moved: (cumulative after the last iteration - after iteration 2) / "
-        f"{r['iters'] - 2}.\n"
+        f"unconstrained run) + f x the chunks of all four lists M "
+        f"{_mib(r['model_data_chunk_bytes'])} MiB (param chunks P "
+        f"{_mib(r['param_chunk_bytes_total'])} MiB). Bytes moved: (cumulative after the last "
+        f"iteration - after iteration 2) / {r['iters'] - 2}. static ÷ opt, total bytes moved "
+        f"summed over the sweep: {_ratio_text(r['sp_over_opt_total'])}.\n"
         "bound: (param chunks - floor((budget - N) / chunk bytes)) x chunk bytes, a lower bound "
         "on fetches (every param chunk is used each iteration; at most that many stay resident "
         "across the peak moment).\ntrace bound: also counts that a chunk whose Adam runs on the "
