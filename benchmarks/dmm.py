@@ -6,7 +6,7 @@ This module owns two measured claims about the engine's memory tiers:
   eviction policies opt / lru / static, at device budgets swept from tight to "all model
   data fits" (measured peak non-model memory + a fraction of the chunk bytes of all four
   lists), next to lower bounds on the fetches;
-- `benchmarks.scale.run_scale` (its own module): the largest trainable GPT.
+- `benchmarks.scale.run_scale` (its own module): the largest GPT each system trains.
 
 Each prints a rich table and, with ``json_out``, one JSON line last.
 
@@ -39,13 +39,6 @@ POLICIES = ("opt", "lru", "static")
 BUDGET_FRACTIONS = (0.15, 0.3, 0.5, 0.75, 1.0)
 MIB = 2**20
 GIB = 2**30
-# Model data per parameter of our engine: bf16 param + fp32 master + fp32 momentum and variance
-# (gradients overwrite the param chunk, so there is no gradient list).
-OURS_BYTES_PER_PARAM = 14
-# ZeRO-Offload-style static layout: fp16 params on the device; fp16 grads + fp32 master,
-# momentum and variance (plus bookkeeping) on the host, as the paper counts them.
-STATIC_DEVICE_BYTES_PER_PARAM = 2
-STATIC_HOST_BYTES_PER_PARAM = 16
 
 
 def _console() -> Console:
@@ -450,9 +443,6 @@ def _print_eviction(console: Console, r: dict[str, Any]) -> None:
         f"load avg before {r['load_avg']['before']}, after {r['load_avg']['after']}; "
         f"{r['seconds']:.0f} s in all"
     )
-
-
-# -- scale benchmark ----------------------------------------------------------------------
 
 
 if __name__ == "__main__":

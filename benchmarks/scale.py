@@ -1,318 +1,438 @@
-"""`pstar bench scale`: the largest GPT (layers grown) that trains under fixed budgets.
+"""`pstar bench scale`: the largest GPT each system really trains under one host-memory cap.
 
-Each trial runs in a fresh subprocess; the static ZeRO-Offload-style layout is computed
-from its memory constraints with the activations our tracer measured.
+Systems, each trained for `steps` (>= 2) steps with a finite loss at every step:
+- `ours`: the chunk engine on the CPU, no disk tier (device budget a quarter of the cap,
+  host budget the rest of it above what the process holds before the model);
+- `ours_disk`: the same with the disk tier (a spill file of up to `disk_gib`);
+- `deepspeed`: DeepSpeed ZeRO-3 with parameters and optimizer states offloaded to the CPU
+  (built under `deepspeed.zero.Init`, its CPU Adam), when `import deepspeed` works (the
+  optional `[bench]` extra, `bash scripts/setup-bench.sh`);
+- `fsdp2`: PyTorch FSDP2 `fully_shard` with `CPUOffloadPolicy` and bf16 mixed precision,
+  built on the meta device and materialized on the CPU.
 
-    python -c "from benchmarks.scale import run_scale; run_scale(json_out=True)"
+The cap is enforced per trial: every trial is a fresh process whose resident memory the
+parent samples every 20 ms and kills at the cap (its peak RSS, from the kernel, is
+reported too). On a machine without a GPU the device and the host are the same memory, so
+this measures bytes per parameter and what the disk tier adds; the GPU side of the paper's
+scale result is not measured here.
+
+Search: layers (hidden size fixed) double from `start_layers` until a trial fails, then a
+binary search between the last success and the first failure. A failed trial is reported
+with its error (killed at the cap, an exception, a timeout, a non-finite loss), never just
+as "too big"; a system whose largest tried size succeeded is reported `at_least`.
+
+    pstar bench scale --json
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import resource
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-import pstar_core
-from benchmarks.dmm import (
-    GIB,
-    OURS_BYTES_PER_PARAM,
-    STATIC_DEVICE_BYTES_PER_PARAM,
-    STATIC_HOST_BYTES_PER_PARAM,
-    _console,
-    _load_avg,
-)
-from pstar_core.models import GPTConfig, build, num_params
-from pstar_core.tiers import MemoryBudgetError
+from benchmarks.report import finish
 
-__all__ = ["run_scale"]
+__all__ = ["SYSTEMS", "run_scale"]
+
+SYSTEMS = ("ours", "ours_disk", "deepspeed", "fsdp2")
+GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _scale_config(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> GPTConfig:
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+# -- one trial (in its own process) ---------------------------------------------------------
+
+
+def _config(spec: dict[str, Any]):
+    from pstar_core.models import GPTConfig
+
     return GPTConfig(
-        hidden_size=hidden, num_layers=layers, num_heads=heads, vocab_size=vocab, seq_len=seq
+        hidden_size=spec["hidden"],
+        num_layers=spec["layers"],
+        num_heads=spec["heads"],
+        vocab_size=spec["vocab"],
+        seq_len=spec["seq"],
     )
 
 
-def _scale_trial(args: dict[str, Any]) -> None:
-    """Subprocess entry: initialize + `steps` steps; prints one JSON line with the outcome."""
-    cfg = _scale_config(args["layers"], args["hidden"], args["heads"], args["vocab"], args["seq"])
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
+    import torch
+
+    import pstar_core
+    from pstar_core.models import build
+
+    cfg = _config(spec)
+    cap = spec["cap_bytes"]
+    device = cap // 4  # chunks and activations ("device" = CPU memory here)
+    host = max(cap - device - base_rss - cap // 10, cap // 10)  # 10% for temporaries
+    memory: dict[str, Any] = {"device_budget": device, "host_budget": host, "disk_budget": 0}
+    if spec["system"] == "ours_disk":
+        memory.update(disk_budget=spec["disk_bytes"], disk_dir=spec["disk_dir"])
+    engine = pstar_core.initialize(
+        lambda: build(cfg), {"dtype": "bf16", "optimizer": {"lr": 1e-4}, "memory": memory}
+    )
+    return _loop(spec, lambda x: _engine_step(engine, x), torch)
+
+
+def _engine_step(engine: Any, x: Any) -> float:
+    out = engine(input_ids=x, labels=x)
+    engine.backward(out.loss)
+    engine.step()
+    return float(out.loss.detach())
+
+
+def _train_deepspeed(spec: dict[str, Any], _base_rss: int) -> list[float]:
+    import deepspeed
+    import torch
+
+    from pstar_core.models import build
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    offload = {"device": "cpu", "pin_memory": False}
+    config = {
+        "train_batch_size": spec["batch"],
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload},
+        "steps_per_print": 10**9,
+    }
+    with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu"):
+        net = build(_config(spec))
+    # the model's own init ran on already partitioned parameters: run it again one module
+    # at a time, gathered, so DeepSpeed trains the same GPT-2 init as the others
+    net.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+
+    def step(x: Any) -> float:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach())
+
+    return _loop(spec, step, torch)
+
+
+def _train_fsdp2(spec: dict[str, Any], _base_rss: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from pstar_core.models import build
+
+    dist.init_process_group("gloo", init_method="env://")
+    mesh = init_device_mesh("cpu", (1,))
+    with torch.device("meta"):
+        net = build(_config(spec))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=False)
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(net, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    net.to_empty(device="cpu")
+    with torch.no_grad():
+        net.init_weights()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def step(x: Any) -> float:
+        loss = net(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return _loop(spec, step, torch)
+
+
+def _loop(spec: dict[str, Any], step: Any, torch: Any) -> list[float]:
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(spec["steps"]):
+        x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=gen)
+        losses.append(step(x))
+    return losses
+
+
+TRAINERS = {
+    "ours": _train_ours,
+    "ours_disk": _train_ours,
+    "deepspeed": _train_deepspeed,
+    "fsdp2": _train_fsdp2,
+}
+
+
+def trial_main(spec_json: str) -> None:
+    """A trial process: build, train `steps` steps, print one JSON line with the outcome."""
+    import torch
+
+    spec = json.loads(spec_json)
+    torch.set_num_threads(spec["threads"])
+    cfg = _config(spec)
+    from pstar_core.models import num_params
+
     out: dict[str, Any] = {"layers": cfg.num_layers, "params": num_params(cfg), "ok": False}
+    base = _rss_bytes()
     t0 = time.perf_counter()
     try:
-        engine = pstar_core.initialize(
-            lambda: build(cfg),
-            {
-                "dtype": "bf16",
-                "optimizer": {"lr": 1e-4},
-                "memory": {
-                    "device_budget": args["device_bytes"],
-                    "host_budget": args["host_bytes"],
-                    "disk_budget": 0,
-                    "policy": "opt",
-                },
-            },
-        )
-        out["init_s"] = time.perf_counter() - t0
-        gen = torch.Generator().manual_seed(0)
-        loss = float("nan")
-        for _ in range(args["steps"]):
-            x = torch.randint(0, cfg.vocab_size, (args["batch"], args["seq"]), generator=gen)
-            res = engine(input_ids=x, labels=x)
-            engine.backward(res.loss)
-            engine.step()
-            loss = float(res.loss.detach())
-        st = engine.stats()
-        out.update(
-            ok=math.isfinite(loss),
-            loss=loss,
-            peak_non_model_bytes=st["tracer"]["peak_non_model_bytes"],
-            chunk_bytes=st["chunk_bytes"],
-            tiers=st["tiers"],
-            bytes_moved=st["bytes_moved"],
-        )
+        losses = TRAINERS[spec["system"]](spec, base)
+        out["losses"] = losses
+        out["ok"] = len(losses) >= 2 and all(math.isfinite(v) for v in losses)
         if not out["ok"]:
-            out["error"] = f"loss is not finite ({loss})"
-    except MemoryBudgetError as e:
-        out["error"] = f"MemoryBudgetError: {str(e).splitlines()[0]}"
-    except MemoryError as e:  # a real allocation failure, not the engine's budget check
-        out["error"] = f"MemoryError: {e}"
+            out["error"] = f"a loss is not finite: {losses}"
+    except Exception as e:  # reported as this trial's error, whatever it is
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     out["seconds"] = time.perf_counter() - t0
-    print(json.dumps(out))
+    out["base_rss_bytes"] = base
+    out["peak_rss_bytes"] = _peak_rss_bytes()
+    sys.stdout.write("\n" + json.dumps(out) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip finalization: a gloo run-loop thread may still hold tensors
 
 
-def _run_trial(args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One trial in a fresh interpreter: a failed trial's memory goes back to the OS with it,
-    and an out-of-memory kill cannot take the benchmark down."""
-    repo = str(Path(__file__).resolve().parents[1])
-    code = (
-        "import json, sys; from benchmarks.scale import _scale_trial; "
-        "_scale_trial(json.loads(sys.argv[1]))"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(args)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            cwd=repo,
+# -- the parent side ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_trial(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One trial in a fresh process, killed if its resident memory passes the cap."""
+    import psutil
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": str(spec["threads"]),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "pstar" / "torch_extensions"),
+    }
+    code = "import sys; from benchmarks.scale import trial_main; trial_main(sys.argv[1])"
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(spec)],
+            cwd=ROOT,
             env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-    except subprocess.TimeoutExpired:
-        return {"layers": args["layers"], "ok": False, "error": f"timeout after {timeout_s:.0f} s"}
-    for line in reversed(proc.stdout.strip().splitlines()):
+        ps = psutil.Process(proc.pid)
+        t0, peak, why = time.perf_counter(), 0, None
+        while proc.poll() is None:
+            try:
+                rss = ps.memory_info().rss
+            except psutil.Error:
+                break
+            peak = max(peak, rss)
+            if rss > spec["cap_bytes"]:
+                why = f"killed at the cap: resident memory reached {rss / GIB:.2f} GiB"
+            elif time.perf_counter() - t0 > timeout_s:
+                why = f"timed out after {timeout_s:.0f} s"
+            if why:
+                proc.kill()
+                break
+            time.sleep(0.02)
+        proc.wait()
+        out.seek(0)
+        text = out.read()
+    base = {"layers": spec["layers"], "ok": False, "sampled_peak_rss_bytes": peak}
+    if why:
+        return {**base, "error": why, "seconds": time.perf_counter() - t0}
+    for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
-    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+            got = json.loads(line)
+            got["sampled_peak_rss_bytes"] = peak
+            if got["ok"] and got["peak_rss_bytes"] > spec["cap_bytes"]:
+                got.update(ok=False, error="peak RSS over the cap (between two samples)")
+            return got
+    tail = " | ".join(text.strip().splitlines()[-3:])
+    return {**base, "error": f"exited with {proc.returncode}: {tail}"[:400]}
+
+
+def largest(
+    spec: dict[str, Any], start: int, max_layers: int, timeout_s: float, log: Any
+) -> dict[str, Any]:
+    """Largest layer count that trains: doubling, then binary search. Every trial kept."""
+    trials: list[dict[str, Any]] = []
+
+    def attempt(layers: int) -> bool:
+        r = run_trial({**spec, "layers": layers}, timeout_s)
+        trials.append(r)
+        log(spec["system"], r)
+        return r["ok"]
+
+    good, bad = 0, None
+    layers = start
+    while layers <= max_layers:
+        if attempt(layers):
+            good = layers
+            if layers == max_layers:
+                break
+            layers = min(2 * layers, max_layers)
+        else:
+            bad = layers
+            break
+    if bad is not None:
+        lo, hi = good, bad
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if attempt(mid):
+                lo = mid
+            else:
+                hi = mid
+        good = lo
+    ok = {t["layers"]: t for t in trials if t["ok"]}
+    best = ok.get(good)
+    first_failure = min((t for t in trials if not t["ok"]), key=lambda t: t["layers"], default=None)
     return {
-        "layers": args["layers"],
-        "ok": False,
-        "seconds": time.perf_counter() - t0,
-        "error": f"trial process exited with {proc.returncode}: {tail}",
+        "layers": good,
+        "params": best["params"] if best else 0,
+        "peak_rss_bytes": best["peak_rss_bytes"] if best else None,
+        "at_least": bad is None and good == max_layers,
+        "failed_at": first_failure["layers"] if first_failure else None,
+        "failure": first_failure["error"] if first_failure else None,
+        "trials": sorted(trials, key=lambda t: t["layers"]),
     }
 
 
-def _static_layers(
-    device_bytes: int,
-    host_bytes: int,
-    nm_of: Callable[[int], float],
-    cfg_of: Callable[[int], GPTConfig],
-    max_layers: int = 10_000,
-) -> tuple[int, str]:
-    """Most layers the static layout fits: 2 B/param + activations on the device, 16 B/param on
-    the host. Returns (layers, binding constraint)."""
-    best, why = 0, "device"
-    for layers in range(1, max_layers):
-        n = num_params(cfg_of(layers))
-        dev_ok = STATIC_DEVICE_BYTES_PER_PARAM * n + nm_of(layers) <= device_bytes
-        host_ok = STATIC_HOST_BYTES_PER_PARAM * n <= host_bytes
-        if not (dev_ok and host_ok):
-            why = "device" if not dev_ok else "host"
-            break
-        best = layers
-    return best, why
-
-
 def run_scale(
-    device_gib: float = 1.5,
-    host_gib: float = 6.0,
-    hidden: int = 1024,
-    seq: int = 128,
-    batch: int = 1,
-    steps: int = 3,
-    json_out: bool = False,
+    cap_gib: float = 2.0,
+    disk_gib: float = 16.0,
+    hidden: int = 512,
+    heads: int = 8,
     vocab: int = 8192,
-    heads: int = 16,
-    start_layers: int = 12,
-    max_trials: int = 8,
-    trial_timeout_s: float = 1200.0,
+    seq: int = 64,
+    batch: int = 1,
+    steps: int = 2,
+    start_layers: int = 4,
+    max_layers: int = 128,
+    systems: tuple[str, ...] = SYSTEMS,
+    threads: int = 2,
+    trial_timeout_s: float = 900.0,
+    json_out: bool = False,
 ) -> dict[str, Any]:
-    """Largest GPT (hidden fixed, layers grown) our DMM trains for `steps` steps within the
-    budgets, found by doubling the layers from `start_layers` and then bisecting, at most
-    `max_trials` trials; versus the static layout computed from its constraints.
-
-    Layer counts whose model data alone (14 B/param) exceeds device + host budgets cannot fit
-    and bound the search from above without a trial.
-    """
-    device_bytes, host_bytes = int(device_gib * GIB), int(host_gib * GIB)
-
-    def cfg_of(layers: int) -> GPTConfig:
-        return _scale_config(layers, hidden, heads, vocab, seq)
-
-    ceiling = 1
-    while OURS_BYTES_PER_PARAM * num_params(cfg_of(ceiling)) <= device_bytes + host_bytes:
-        ceiling += 1
-    console = _console()
-    console.print(
-        f"scale search: hidden {hidden}, heads {heads}, vocab {vocab}, batch {batch} x seq {seq}, "
-        f"{steps} steps per trial; device {device_gib} GiB, host {host_gib} GiB; "
-        f"{ceiling} layers cannot fit (model data > device + host); at most {max_trials} trials"
-    )
-    load_before = _load_avg()
-    t_start = time.perf_counter()
-    trials: list[dict[str, Any]] = []
-    lo, hi = 0, ceiling  # largest layer count that trained, smallest that cannot
-    while len(trials) < max_trials:
-        if lo == 0 and not trials:
-            layers = min(start_layers, hi - 1)
-        elif lo > 0 and not any(not t["ok"] for t in trials) and 2 * lo < hi:
-            layers = 2 * lo  # still growing
-        else:
-            if hi - lo <= 1:
-                break
-            layers = (lo + hi) // 2
-        if layers < 1:
-            break
-        args = {
-            "layers": layers,
+    if steps < 2:
+        raise ValueError("steps must be >= 2 (a step after the first shows training goes on)")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    console = Console(width=max(Console().width, 140))
+    note = ""
+    if "deepspeed" in systems and not deepspeed_available():
+        systems = tuple(s for s in systems if s != "deepspeed")
+        note += "DeepSpeed is not installed (bash scripts/setup-bench.sh): not run. "
+    load_before = os.getloadavg()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pstar-scale-") as disk_dir:
+        base = {
             "hidden": hidden,
             "heads": heads,
             "vocab": vocab,
             "seq": seq,
             "batch": batch,
             "steps": steps,
-            "device_bytes": device_bytes,
-            "host_bytes": host_bytes,
+            "threads": threads,
+            "cap_bytes": int(cap_gib * GIB),
+            "disk_bytes": int(disk_gib * GIB),
+            "disk_dir": disk_dir,
         }
-        n = num_params(cfg_of(layers))
-        console.print(
-            f"[dim]{time.strftime('%H:%M:%S')}[/dim] trial {len(trials) + 1}: {layers} layers "
-            f"({n / 1e6:.0f}M params) ..."
-        )
-        t = _run_trial(args, trial_timeout_s)
-        t.setdefault("params", n)
-        trials.append(t)
-        status = "ok" if t["ok"] else f"failed: {t.get('error', '?')}"
-        console.print(f"    {t.get('seconds', 0):.0f} s, {status}")
-        if t["ok"]:
-            lo = max(lo, layers)
-        else:
-            hi = min(hi, layers)
 
-    ok = sorted((t for t in trials if t["ok"]), key=lambda t: t["layers"])
-    ours_layers = lo
-    ours_params = num_params(cfg_of(lo)) if lo else 0
-    # Activations grow with depth: fit N(L) = a + b L through the successful trials (a
-    # single trial gives a line through the origin), then apply the static constraints.
-    if len(ok) >= 2:
-        xs = [t["layers"] for t in ok]
-        ys = [t["peak_non_model_bytes"] for t in ok]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-            (x - mx) ** 2 for x in xs
-        )
-        a = my - b * mx
-    elif ok:
-        a, b = 0.0, ok[0]["peak_non_model_bytes"] / ok[0]["layers"]
-    else:
-        a, b = 0.0, 0.0
-    static_layers, binding = _static_layers(
-        device_bytes, host_bytes, lambda layers: max(0.0, a + b * layers), cfg_of
-    )
-    static_params = num_params(cfg_of(static_layers)) if static_layers else 0
-    best = ok[-1] if ok else {}
+        def log(system: str, r: dict[str, Any]) -> None:
+            what = "ok" if r["ok"] else f"failed: {r.get('error')}"
+            rss = r.get("peak_rss_bytes") or r.get("sampled_peak_rss_bytes") or 0
+            console.print(
+                f"[dim]{system:>9} {r['layers']:>4} layers: {what} "
+                f"(peak RSS {rss / GIB:.2f} GiB, {r.get('seconds', 0):.0f} s)"
+            )
+
+        for system in systems:
+            spec = {**base, "system": system}
+            results[system] = largest(spec, start_layers, max_layers, trial_timeout_s, log)
+    load_after = os.getloadavg()
+    peers = [results[p]["params"] for p in ("deepspeed", "fsdp2") if p in results]
+    best_peer = max(peers) if peers else 0
+
+    def ratio(system: str) -> float | None:
+        if system not in results or not best_peer:
+            return None
+        return results[system]["params"] / best_peer
+
     result: dict[str, Any] = {
-        "device_gib": device_gib,
-        "host_gib": host_gib,
+        "cap_bytes": base["cap_bytes"],
+        "disk_bytes": base["disk_bytes"],
         "hidden": hidden,
-        "heads": heads,
-        "vocab": vocab,
         "seq": seq,
         "batch": batch,
         "steps": steps,
-        "ours_layers": ours_layers,
-        "ours_params": ours_params,
-        "static_layers": static_layers,
-        "static_params": static_params,
-        "static_binding": binding,
-        "ratio": ours_params / static_params if static_params else None,
-        "resolution_layers": hi - lo,
-        "first_failing_layers": hi,
-        "peak_non_model_bytes": best.get("peak_non_model_bytes"),
-        "non_model_fit": {"a_bytes": a, "b_bytes_per_layer": b},
-        "trials": [
-            {k: t.get(k) for k in ("layers", "params", "ok", "seconds", "init_s", "loss", "error")}
-            | {"peak_non_model_bytes": t.get("peak_non_model_bytes")}
-            for t in trials
-        ],
-        "seconds_per_trial": sum(t.get("seconds", 0) for t in trials) / max(1, len(trials)),
-        "seconds": time.perf_counter() - t_start,
-        "load_avg": {"before": load_before, "after": _load_avg()},
+        "largest_params": {s: r["params"] for s, r in results.items()},
+        "largest_layers": {s: r["layers"] for s, r in results.items()},
+        "peak_rss_bytes": {s: r["peak_rss_bytes"] for s, r in results.items()},
+        "at_least": {s: r["at_least"] for s, r in results.items()},
+        "best_peer_params": best_peer or None,
+        "ratio_vs_best_peer": ratio("ours"),
+        "ratio_with_disk": ratio("ours_disk"),
+        "systems": results,
     }
-    _print_scale(console, result)
-    if json_out:
-        print(json.dumps(result))
-    return result
-
-
-def _print_scale(console: Console, r: dict[str, Any]) -> None:
     table = Table(
-        title=(
-            f"largest trainable GPT: hidden {r['hidden']}, vocab {r['vocab']}, batch {r['batch']}"
-            f" x seq {r['seq']}; device {r['device_gib']} GiB, host {r['host_gib']} GiB"
+        title=f"largest GPT under a {cap_gib:g} GiB cap per process (hidden {hidden}, seq {seq}, "
+        f"batch {batch}, {steps} steps, {threads} threads)"
+    )
+    for col in ("system", "layers", "params (M)", "peak RSS GiB", "first failure"):
+        table.add_column(col, justify="left" if col in ("system", "first failure") else "right")
+    for system, r in results.items():
+        failure = (
+            "none up to the largest tried"
+            if r["failed_at"] is None
+            else f"{r['failed_at']} layers: {r['failure']}"
         )
-    )
-    for col in ("layout", "layers", "params", "how"):
-        table.add_column(col, justify="left" if col in ("layout", "how") else "right")
-    table.add_row(
-        "ours (DMM, opt, bf16)",
-        str(r["ours_layers"]),
-        f"{r['ours_params'] / 1e6:.1f}M",
-        f"trained {r['steps']} steps; next size up ({r['first_failing_layers']} layers) failed "
-        "or cannot fit",
-    )
-    table.add_row(
-        "static (ZeRO-Offload-style)",
-        str(r["static_layers"]),
-        f"{r['static_params'] / 1e6:.1f}M",
-        "computed from constraints, not run: 2 B/param + activations (measured by our tracer) "
-        f"<= device, 16 B/param <= host; binding: {r['static_binding']}",
-    )
+        table.add_row(
+            system,
+            f"{'≥' if r['at_least'] else ''}{r['layers']}",
+            f"{r['params'] / 1e6:.1f}",
+            f"{(r['peak_rss_bytes'] or 0) / GIB:.2f}",
+            failure[:80],
+        )
     console.print(table)
-    ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
-    console.print(
-        f"ratio ours/static {ratio}; search resolution {r['resolution_layers']} layer(s); "
-        f"{len(r['trials'])} trials, {r['seconds_per_trial']:.0f} s per trial, "
-        f"{r['seconds']:.0f} s in all; load avg before {r['load_avg']['before']}, after "
-        f"{r['load_avg']['after']}"
-    )
-    for t in r["trials"]:
-        console.print(
-            f"  {t['layers']:>3} layers {t['params'] / 1e6:7.1f}M: "
-            + ("ok" if t["ok"] else f"failed ({t['error']})")
-            + f", {t.get('seconds') or 0:.0f} s"
-        )
+    for key in ("ratio_vs_best_peer", "ratio_with_disk"):
+        if result[key] is not None:
+            note += f"{key} {result[key]:.2f}; "
+    return finish(console, result, load_before, load_after, json_out, note)
 
 
 if __name__ == "__main__":

@@ -225,22 +225,32 @@ def bench_eviction(
 
 @bench_app.command("scale")
 def bench_scale(
-    device_gib: Annotated[float, typer.Option(help="device budget, GiB")] = 1.5,
-    host_gib: Annotated[float, typer.Option(help="host budget, GiB")] = 6.0,
-    hidden: Annotated[int, typer.Option(help="hidden size (fixed; layers are grown)")] = 1024,
-    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    cap_gib: Annotated[float, typer.Option(help="memory cap per trial process, GiB")] = 2.0,
+    disk_gib: Annotated[float, typer.Option(help="disk tier for ours_disk, GiB")] = 16.0,
+    hidden: Annotated[int, typer.Option(help="hidden size (fixed; layers are grown)")] = 512,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 64,
     batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
-    steps: Annotated[int, typer.Option(help="training steps per trial")] = 3,
-    max_trials: Annotated[int, typer.Option(help="cap on trials (each a subprocess)")] = 8,
+    steps: Annotated[int, typer.Option(help="training steps per trial (>= 2)")] = 2,
+    start_layers: Annotated[int, typer.Option(help="layers of the first trial")] = 4,
+    max_layers: Annotated[int, typer.Option(help="the most layers tried")] = 128,
+    systems: Annotated[
+        str, typer.Option(help="comma-separated: ours, ours_disk, deepspeed, fsdp2")
+    ] = "ours,ours_disk,deepspeed,fsdp2",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
-    """Largest GPT our DMM trains within the budgets vs a ZeRO-Offload-style static layout."""
+    """Largest GPT each system trains under one memory cap: ours (host; host + disk),
+    DeepSpeed ZeRO-3 CPU offload, FSDP2 CPU offload, each really run."""
     from benchmarks.scale import run_scale
 
-    run_scale(
-        device_gib=device_gib, host_gib=host_gib, hidden=hidden, seq=seq, batch=batch,
-        steps=steps, json_out=json_out, max_trials=max_trials,
-    )  # fmt: skip
+    try:
+        run_scale(
+            cap_gib=cap_gib, disk_gib=disk_gib, hidden=hidden, seq=seq, batch=batch,
+            steps=steps, start_layers=start_layers, max_layers=max_layers,
+            systems=tuple(x.strip() for x in systems.split(",") if x.strip()),
+            json_out=json_out,
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
 
 
 @bench_app.command("zero")

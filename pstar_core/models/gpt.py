@@ -16,7 +16,10 @@ PatrickStar engine relies on:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -207,12 +210,14 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, gather: Callable[[list[nn.Parameter]], Any] | None = None) -> None:
         """GPT-2 initialisation, in place on each module's current parameters.
 
         Only in-place ``torch.nn.init`` ops are used on ``module.weight``/``module.bias`` so that
         parameters whose ``.data`` has been re-pointed (e.g. into engine chunks) are initialised
-        where they live; on ``meta`` tensors this is a no-op.
+        where they live; on ``meta`` tensors this is a no-op. `gather`, if given, is a context
+        manager factory that makes one module's parameters whole while they are set (a
+        sharded model's, e.g. DeepSpeed's ``zero.GatheredParameters``).
         """
         self.tie_weights()
         std = self.config.init_std
@@ -225,16 +230,19 @@ class GPT(nn.Module):
             resid_proj.add(id(block.mlp.proj))
         seen: set[int] = set()
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                if id(module.weight) in seen:  # tied lm_head: already initialised as wte
-                    continue
-                seen.add(id(module.weight))
-                nn.init.normal_(module.weight, 0.0, resid_std if id(module) in resid_proj else std)
-                if isinstance(module, nn.Linear) and module.bias is not None:
+            whole = gather(list(module.parameters(recurse=False))) if gather else nullcontext()
+            with whole:
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    if id(module.weight) in seen:  # tied lm_head: already initialised as wte
+                        continue
+                    seen.add(id(module.weight))
+                    sd = resid_std if id(module) in resid_proj else std
+                    nn.init.normal_(module.weight, 0.0, sd)
+                    if isinstance(module, nn.Linear) and module.bias is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, nn.LayerNorm):
+                    nn.init.ones_(module.weight)
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each block's activations in backward instead of storing them."""
