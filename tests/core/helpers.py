@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -157,3 +162,28 @@ def engine_config(dtype: str = "fp32", lr: float = 1e-3, wd: float = 0.1, **extr
         "optimizer": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": wd},
         **extra,
     }
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def spawn_ranks(module: str, world: int, tmp: Path, *args: str, **env: str) -> list[dict]:
+    """Run `python -m module RANK WORLD TMP *args` as `world` fresh processes (one per
+    rank, gloo over a file in `tmp`); each writes `tmp/result-RANK.json`, returned in order."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, str(r), str(world), str(tmp), *args],
+            cwd=ROOT,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text[-3000:]
+    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]

@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.core.helpers import spawn_ranks
 
 
 def launch(name: str, world: int, tmp: Path, **env) -> list[dict]:
     """Run the scenario in `world` fresh processes (rank r gets its half of each batch)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.core.zero_worker", str(r), str(world), name, str(tmp)],
-            cwd=ROOT,
-            env=environ,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, text[-3000:]
-    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+    return spawn_ranks("tests.core.zero_worker", world, tmp, name, **env)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +10,7 @@ import torch
 
 from pstar_core.mapping import balanced_owners, make_plan
 from tests.core.balance_worker import CHUNK, stack
+from tests.core.helpers import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 BYTES_PER_ELEM = 16  # fp32: param, master, momentum, variance
@@ -46,24 +43,7 @@ def test_owners_stay_within_one_chunk_for_random_and_adversarial_fills(nproc):
 
 
 def launch(world: int, tmp: Path, nproc: int) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env["BALANCE_NPROC"] = str(nproc)
-    tmp.mkdir(parents=True, exist_ok=True)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.core.balance_worker", str(r), str(world), str(tmp)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, text[-3000:]
-    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+    return spawn_ranks("tests.core.balance_worker", world, tmp, BALANCE_NPROC=str(nproc))
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])

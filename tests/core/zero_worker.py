@@ -60,7 +60,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     return out
 
 
-def main(rank: int, world: int, name: str, tmp: str) -> None:
+def main(rank: int, world: int, tmp: str, name: str) -> None:
     tmp_path = Path(tmp)
     if world > 1:
         dist.init_process_group(
@@ -80,4 +80,4 @@ def main(rank: int, world: int, name: str, tmp: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])  # rank world tmp name

@@ -6,19 +6,13 @@ import pytest
 from sqlalchemy import update
 
 from service.driver import finish_success, results_file_id
-from service.settings import Settings
-from service.store import Job, Store
+from service.store import Job
 from tests.service.test_store import add_job
 
 
 @pytest.fixture
-def world(tmp_path):
-    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
-    store.migrate()
-    settings = Settings(data_dir=tmp_path, db_url=store.url, tokens={"t": "acme"})
-    settings.ensure_dirs()
-    yield settings, store
-    store.close()
+def world(local_service):
+    return local_service
 
 
 def _results(settings, store, tenant="acme"):

@@ -8,8 +8,6 @@ import pytest
 from service.errors import Unavailable
 from service.launcher import DryLauncher
 from service.reconciler import Reconciler
-from service.settings import Settings
-from service.store import Store
 from tests.service.test_store import add_job, events_of
 
 
@@ -39,14 +37,10 @@ class ScriptedLauncher(DryLauncher):
 
 
 @pytest.fixture
-def world(tmp_path):
-    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
-    store.migrate()
-    settings = Settings(data_dir=tmp_path, db_url=store.url, tokens={"t": "acme"})
-    settings.ensure_dirs()
+def world(local_service):
+    settings, store = local_service
     launcher = ScriptedLauncher()
-    yield Reconciler(settings, store, launcher), store, launcher
-    store.close()
+    return Reconciler(settings, store, launcher), store, launcher
 
 
 def test_a_queued_job_gets_attempt_1_submitted_once_across_ticks(world):

@@ -1,0 +1,19 @@
+"""Fixtures of the service tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.settings import Settings
+from service.store import Store
+
+
+@pytest.fixture
+def local_service(tmp_path):
+    """(settings, store): a data dir and a migrated SQLite store in `tmp_path`."""
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    store.migrate()
+    settings = Settings(data_dir=tmp_path, db_url=store.url, tokens={"tok-acme-123": "acme"})
+    settings.ensure_dirs()
+    yield settings, store
+    store.close()
