@@ -95,6 +95,10 @@ class Chunk:
     pins: int = 0  # > 0 while a collective needs the payload where it is
     disk_offset: int | None = None  # where its bytes are in the disk tier's spill file
     nbytes: int = 0
+    # Starts as zeros and has no memory until its first use (momentum and variance): the
+    # first move allocates it zeroed where it goes, so initialize holds 6 bytes per
+    # trainable parameter (bf16 param and fp32 master), not 14.
+    zero_pending: bool = False
 
     def __post_init__(self) -> None:
         self.nbytes = self.capacity * torch.empty((), dtype=self.dtype).element_size()

@@ -27,6 +27,7 @@ from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
 
 PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
+ZERO_AT_START = (ChunkType.MOMENTUM, ChunkType.VARIANCE)
 
 
 class Residency:
@@ -65,7 +66,9 @@ class Residency:
         self._clock += 1
 
     def allocate_all(self) -> None:
-        """Every chunk starts in host memory, zeroed (FREE tensors read as 0).
+        """Every chunk the weights are written into starts in host memory, zeroed (FREE
+        tensors read as 0); momentum and variance start as zeros without memory and are
+        allocated at their first use (`Chunk.zero_pending`).
 
         Budgets are enforced right after the weights are materialized
         (`enforce_budgets`), which may spill chunks to disk. With ZeRO, other ranks'
@@ -74,6 +77,9 @@ class Residency:
         self._check_total_fits()
         host = self.tiers["host"]
         for c in self._chunks():
+            if c.kind in ZERO_AT_START:
+                c.zero_pending = True
+                continue
             with self.tracer.chunk_memory():
                 payload = host.allocate(c.capacity, c.dtype).zero_()
             self.adopt(c, payload, "host")
@@ -221,6 +227,9 @@ class Residency:
                 f"the disk tier is full ({gib(dst.used_bytes)} of {gib(dst.budget_bytes)}); "
                 "raise memory.disk_budget"
             )
+        if src is None:  # a zero_pending chunk's first use: not a move
+            self._materialize_zeros(c, tier)
+            return
         with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{tier}"):
             if tier == "disk":
                 c.disk_offset = dst.spill_file().write(c.payload)
@@ -268,8 +277,9 @@ class Residency:
         return c
 
     def in_memory(self, c: Chunk) -> Chunk:
-        """Make sure `c` has a payload (bring it from disk to host if spilled)."""
-        if c.tier == "disk":
+        """Make sure `c` has a payload (bring it from disk to host if spilled, allocate it
+        zeroed on the host if it has never been used)."""
+        if c.tier == "disk" or c.zero_pending:
             self.make_resident([c], "host")
         return c
 
@@ -289,6 +299,19 @@ class Residency:
             }
             for name, t in self.tiers.items()
         }
+
+    def _materialize_zeros(self, c: Chunk, tier: str) -> None:
+        assert c.zero_pending, f"{c.kind.value} chunk {c.index} has no memory and no contents"
+        with self.tracer.chunk_memory():
+            zeros = self.tiers["host" if tier == "disk" else tier].allocate(c.capacity, c.dtype)
+            zeros.zero_()
+        c.zero_pending = False
+        if tier == "disk":
+            c.disk_offset = self.tiers["disk"].spill_file().write(zeros)
+            c.tier = "disk"
+            self.tiers["disk"].add(c.nbytes)
+        else:
+            self.adopt(c, zeros, tier)
 
     def forget(self, c: Chunk) -> None:
         """Drop a chunk's payload from whatever tier holds it (memory or disk)."""

@@ -156,3 +156,17 @@ def test_a_profiler_trace_names_the_engines_phases():
     names = {e.name for e in prof.events()}
     assert {"pstar::access", "pstar::adam"} <= names
     assert "pstar::move host->device" in names  # the budget makes chunks come and go
+
+
+def test_optimizer_states_take_memory_only_from_their_first_step():
+    engine = fresh(chunk_size=16384)
+    st = engine.stats()
+    params, masters = st["chunks"]["param"]["bytes"], st["chunks"]["param_fp32"]["bytes"]
+    held = sum(t["used"] for t in st["tiers"].values())
+    assert held == params + masters  # 6 bytes per parameter in bf16, 8 in fp32 (here)
+    assert st["chunks"]["momentum"]["by_tier"] == {}
+    run_engine(engine, batches(1))
+    st = engine.stats()
+    held = sum(t["used"] for t in st["tiers"].values())
+    assert held == st["chunk_bytes"]  # momentum and variance exist now, zeros updated once
+    assert sum(st["chunks"]["variance"]["by_tier"].values()) == st["chunks"]["variance"]["count"]
