@@ -277,7 +277,13 @@ class MemoryResponse(BaseModel):
     moments: int
     names: list[str]
     non_model_bytes: list[int]
-    chunk_bytes: list[int]
+    chunk_bytes: list[int] = Field(description="chunk bytes on the device at each moment")
+    chunk_peak_bytes: list[int] = Field(
+        default_factory=list, description="the most chunk bytes on the device in each moment"
+    )
+    peak_device_bytes: int = Field(
+        default=0, description="max over moments of non-model + chunk bytes, since the start"
+    )
     device_budget_bytes: int | None
     chunk_allowance_bytes: list[int] = Field(
         description="A_j = budget - max(N_j, N_{j+1}): chunk bytes the device may hold at j"

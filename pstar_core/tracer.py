@@ -342,6 +342,7 @@ class MemoryTracer:
             "peak_non_model_bytes": t.peak_non_model if t else 0,
             "non_model_bytes": list(t.non_model) if t else [],
             "chunk_bytes": list(t.chunk_bytes) if t else [],
+            "chunk_peak_bytes": list(t.chunk_peak) if t else [],
             "names": list(t.names) if t else [],
             "traced_batch": {"tokens": t.shape.tokens, "seq": t.shape.seq}
             if t and t.shape

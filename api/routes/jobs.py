@@ -212,6 +212,8 @@ def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Me
         names=list(trace.get("names", [])),
         non_model_bytes=nm,
         chunk_bytes=[int(x) for x in trace.get("chunk_bytes", [])],
+        chunk_peak_bytes=[int(x) for x in trace.get("chunk_peak_bytes", [])],
+        peak_device_bytes=int(trace.get("peak_device_bytes", 0)),
         device_budget_bytes=int(budget) if budget is not None else None,
         chunk_allowance_bytes=allowance,
         peak_non_model_bytes=int(trace.get("peak_non_model_bytes", 0)),

@@ -289,6 +289,9 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
     assert mem["moments"] == len(mem["names"]) == len(mem["non_model_bytes"]) > 10
     assert mem["peak_non_model_bytes"] == max(mem["non_model_bytes"]) > 0
     assert len(mem["chunk_bytes"]) == len(mem["chunk_allowance_bytes"]) == mem["moments"]
+    assert len(mem["chunk_peak_bytes"]) == mem["moments"]
+    assert all(p >= c for p, c in zip(mem["chunk_peak_bytes"], mem["chunk_bytes"], strict=True))
+    assert mem["peak_device_bytes"] >= mem["peak_non_model_bytes"]
     budget, nm = mem["device_budget_bytes"], mem["non_model_bytes"]
     assert budget == mem["tiers"]["device"]["budget"] > 0
     j = nm.index(mem["peak_non_model_bytes"])  # A_j = budget - max(N_j, N_j+1)
