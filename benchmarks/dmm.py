@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
+from benchmarks.report import load_avg
 from pstar_core.mapping import pack
 from pstar_core.models import GPT, build, get_config, num_params
 from pstar_core.tiers import MemoryBudgetError
@@ -43,10 +43,6 @@ GIB = 2**30
 
 def _console() -> Console:
     return Console(width=max(Console().width, 150))
-
-
-def _load_avg() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 # -- chunk size ---------------------------------------------------------------------------
@@ -263,7 +259,7 @@ def run_eviction(
         }
 
     console = _console()
-    load_before = _load_avg()
+    load_before = load_avg()
     t_start = time.perf_counter()
     console.print(f"[dim]unconstrained run of {model} ({layers} layers) to measure P and N ...")
     base = _run_engine(model_fn, engine_cfg({}), batches)
@@ -322,7 +318,7 @@ def run_eviction(
         dev_adam = max((runs[p][pct].get("device_adam_chunks", 0) for p in policies), default=0)
         host_adam = set(range(dev_adam, n_chunks))
         lower_bound_trace[pct] = _trace_bound(base.param_uses, non_model, budget, c, host_adam)
-    load_after = _load_avg()
+    load_after = load_avg()
 
     def by_policy(key: str) -> dict[str, dict[str, float | str]]:
         return {

@@ -18,6 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.report import last_json
+
 _CHILD = r"""
 import json, resource, sys, time
 import psutil, torch
@@ -49,7 +51,10 @@ def _child(path: Path, which: str, dtype: str) -> dict[str, Any]:
         [sys.executable, "-c", _CHILD, str(path), which, dtype],
         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = last_json(out.stdout)
+    if got is None:
+        raise RuntimeError(f"the {which} loader printed no result: {out.stdout[-500:]}")
+    return got
 
 
 def run(path: Path, dtype: str = "bf16", repeats: int = 2, json_out: bool = False) -> dict:

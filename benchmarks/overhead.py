@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
-from benchmarks.report import finish
+from benchmarks.report import finish, median
 from pstar_core.models import build, get_config, num_params
 
 __all__ = ["run"]
@@ -131,10 +130,6 @@ def _fp32_runner(model: str, state: dict[str, torch.Tensor]) -> _Runner:
     return _Runner(FP32, fwd, bwd, step)
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def run(
     model: str = "gpt-100m",
     batch: int = 1,
@@ -191,7 +186,7 @@ def run(
     load_after = os.getloadavg()
 
     eng, mst, f32 = runners
-    med = {r.name: _median(r.steps) for r in runners}
+    med = {r.name: median(r.steps) for r in runners}
     paired = [e / b for e, b in zip(eng.steps, mst.steps, strict=True)]
     paired32 = [e / b for e, b in zip(eng.steps, f32.steps, strict=True)]
     tokens = batch * seq
@@ -209,8 +204,8 @@ def run(
         "ratio": med[ENGINE] / med[MASTER],
         "ratio_vs_fp32": med[ENGINE] / med[FP32],
         # CPU time is less sensitive than wall time to other processes on a shared machine.
-        "cpu_s": {r.name: _median(r.cpu) for r in runners},
-        "ratio_cpu": _median(eng.cpu) / _median(mst.cpu),
+        "cpu_s": {r.name: median(r.cpu) for r in runners},
+        "ratio_cpu": median(eng.cpu) / median(mst.cpu),
         "ratio_spread": [min(paired), max(paired)],
         "ratio_vs_fp32_spread": [min(paired32), max(paired32)],
         "tokens_per_s": {r.name: tokens / med[r.name] for r in runners},
@@ -218,7 +213,7 @@ def run(
             r.name: dict(
                 zip(
                     ("fwd", "bwd", "opt"),
-                    (_median([p[k] for p in r.phases]) for k in range(3)),
+                    (median([p[k] for p in r.phases]) for k in range(3)),
                     strict=False,
                 )
             )
@@ -256,7 +251,7 @@ def run(
         table.add_row(
             r.name,
             f"{med[r.name]:.3f}",
-            f"{_median(r.cpu):.3f}",
+            f"{median(r.cpu):.3f}",
             f"{ph['fwd']:.3f}",
             f"{ph['bwd']:.3f}",
             f"{ph['opt']:.3f}",

@@ -44,7 +44,6 @@ import json
 import math
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from typing import Any, ClassVar
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import finish
+from benchmarks.report import finish, median
 
 __all__ = ["run_collectives", "run_zero"]
 
@@ -495,13 +494,9 @@ def _worker_main(argv: list[str]) -> None:
 # -- parent side --------------------------------------------------------------------------
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _step_median(ranks: list[dict[str, Any]]) -> float:
+def _stepmedian(ranks: list[dict[str, Any]]) -> float:
     """Median over steps of the slowest rank's time (ranks start each step together)."""
-    return _median([max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)])
+    return median([max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)])
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -555,7 +550,7 @@ def run_zero(
                 runs[name] = f"failed: {str(e).strip().splitlines()[-1][:200]}"
     load_after = os.getloadavg()
 
-    secs = {k: _step_median(v) if isinstance(v, list) else None for k, v in runs.items()}
+    secs = {k: _stepmedian(v) if isinstance(v, list) else None for k, v in runs.items()}
     ours2 = runs[OURS_2]
     assert isinstance(ours2, list)
     fs, ds = secs.get(FSDP2), secs.get(DEEPSPEED)
@@ -654,7 +649,7 @@ def run_collectives(
     spec = {"model": model, "repeats": repeats, "chunk_size": chunk_size}
     r0 = _launch("collectives", 2, 1, spec)[0]
     load_after = os.getloadavg()
-    med = {k: _median(v) for k, v in r0["times"].items()}
+    med = {k: median(v) for k, v in r0["times"].items()}
     gbps = {k: r0["bytes"][k] / med[k] / 1e9 for k in med}
     result: dict[str, Any] = {
         "model": model,
