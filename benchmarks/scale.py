@@ -42,7 +42,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import finish
+from benchmarks.report import finish, last_json
 
 __all__ = ["SYSTEMS", "run_scale"]
 
@@ -276,13 +276,12 @@ def run_trial(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     base = {"layers": spec["layers"], "ok": False, "sampled_peak_rss_bytes": peak}
     if why:
         return {**base, "error": why, "seconds": time.perf_counter() - t0}
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            got = json.loads(line)
-            got["sampled_peak_rss_bytes"] = peak
-            if got["ok"] and got["peak_rss_bytes"] > spec["cap_bytes"]:
-                got.update(ok=False, error="peak RSS over the cap (between two samples)")
-            return got
+    got = last_json(text)
+    if got is not None:
+        got["sampled_peak_rss_bytes"] = peak
+        if got["ok"] and got["peak_rss_bytes"] > spec["cap_bytes"]:
+            got.update(ok=False, error="peak RSS over the cap (between two samples)")
+        return got
     tail = " | ".join(text.strip().splitlines()[-3:])
     return {**base, "error": f"exited with {proc.returncode}: {tail}"[:400]}
 
