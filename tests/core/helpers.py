@@ -42,17 +42,19 @@ def tiny_hf_gpt2() -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def tiny_hf_llama() -> nn.Module:
+def tiny_hf_llama(
+    hidden: int = 32, intermediate: int = 64, layers: int = 2, positions: int = SEQ
+) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=positions,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,

@@ -8,28 +8,14 @@ import pytest
 import torch
 
 import pstar_core
-from tests.core.helpers import engine_config, reference_model
+from tests.core.helpers import VOCAB, engine_config, reference_model, tiny_hf_llama
 
-VOCAB = 128
 CHUNK = 8192
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
+    """Rotary positions: any length up to 64 works, so batches can grow 4x after warm-up."""
+    return tiny_hf_llama(hidden=64, intermediate=128, layers=4, positions=64)
 
 
 def batch(seq: int, rows: int = 4, seed: int = 0) -> torch.Tensor:
@@ -67,6 +53,19 @@ def run(memory: dict) -> tuple[list[float], list[float], object]:
     return losses, evals, engine
 
 
+def budgeted(budget: int):
+    ref = reference_model(llama)
+    return pstar_core.initialize(
+        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
+    )
+
+
+def steps(engine, x: torch.Tensor, n: int = 1) -> None:
+    for _ in range(n):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+
+
 @pytest.fixture(scope="module")
 def unconstrained():
     return run({})
@@ -101,20 +100,14 @@ def test_longer_batches_and_evaluations_under_a_tight_budget_equal_the_unconstra
 
 
 def test_an_evaluation_forward_leaves_the_trace_and_the_next_iteration_alone(budget):
-    ref = reference_model(llama)
-    engine = pstar_core.initialize(
-        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
-    )
+    engine = budgeted(budget)
     x = batch(32)
-    for _ in range(2):
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        engine.step()
+    steps(engine, x, 2)
     trace = engine.manager.tracer.trace
     names, non_model = list(trace.names), list(trace.non_model)
     with torch.no_grad():
         engine(input_ids=batch(16), labels=batch(16))
-    engine.backward(engine(input_ids=x, labels=x).loss)
-    engine.step()
+    steps(engine, x)
     tr = engine.stats()["tracer"]
     assert engine.manager.tracer.trace is trace
     assert (trace.names, trace.non_model) == (names, non_model)
@@ -123,13 +116,9 @@ def test_an_evaluation_forward_leaves_the_trace_and_the_next_iteration_alone(bud
 
 
 def test_an_iteration_with_other_operators_departs_and_runs_off_trace(budget):
-    ref = reference_model(llama)
-    engine = pstar_core.initialize(
-        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
-    )
+    engine = budgeted(budget)
     x = batch(16)
-    engine.backward(engine(input_ids=x, labels=x).loss)
-    engine.step()
+    steps(engine, x)
     # two micro-batches where one was traced: the moments stop matching at the second
     # forward; the rest of the iteration runs with conservative limits
     for half in x.chunk(2):
@@ -139,20 +128,13 @@ def test_an_iteration_with_other_operators_departs_and_runs_off_trace(budget):
     assert (tr["departures"], tr["retraces"]) == (1, 0)
     assert engine.manager.tracer.trace.shape.tokens == x.numel()  # the trace is kept
     # and the next ordinary iteration follows the trace again
-    engine.backward(engine(input_ids=x, labels=x).loss)
-    engine.step()
+    steps(engine, x)
     assert engine.stats()["tracer"]["departures"] == 1
 
 
 def test_the_device_peak_is_taken_moment_by_moment_per_iteration_and_since_start(budget):
-    ref = reference_model(llama)
-    engine = pstar_core.initialize(
-        lambda: ref, engine_config(chunk_size=CHUNK, memory={"device_budget": budget})
-    )
-    x = batch(64)
-    for _ in range(3):
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        engine.step()
+    engine = budgeted(budget)
+    steps(engine, batch(64), 3)
     st = engine.stats()
     tr, device = st["tracer"], st["tiers"]["device"]
     trace = engine.manager.tracer.trace

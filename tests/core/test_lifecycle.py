@@ -24,6 +24,17 @@ def _profiler_on() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
+def run_script(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def fresh(**cfg):
     ref = reference_model(MODELS["gpt"])
     return pstar_core.initialize(lambda: ref, engine_config(**cfg))
@@ -40,14 +51,7 @@ def test_an_error_raised_by_user_code_in_the_warm_up_exits_with_that_error_and_c
         raise RuntimeError("bad batch from the user's data loader")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_script(script)
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "RuntimeError: bad batch from the user's data loader" in out.stderr
 
@@ -135,14 +139,7 @@ def test_a_killed_process_leaves_no_spill_file(tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_script(script)
     assert out.returncode == -9, out.stderr[-2000:]
     assert list(spill.iterdir()) == []
 
