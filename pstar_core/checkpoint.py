@@ -24,6 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pstar_core.devices import rng_state, set_rng_state
+
 if TYPE_CHECKING:
     from pstar_core.engine import Engine
 
@@ -107,12 +109,10 @@ def _write_rank_files(engine: Engine, directory: Path) -> None:
     tensors = {f"{c.kind.value}.{c.index}": in_memory(c).payload for c in m.own_chunks()}
     save_file(tensors, directory / _rank_file(zero.rank, zero.nproc, ".safetensors"))
     extra = {
-        "rng_cpu": torch.get_rng_state(),
+        "rng": rng_state(engine.device),  # the CPU's and this rank's device's, not all GPUs'
         "excluded": engine.excluded.state_dict(),
         "steps": [s.step for s in m.slots],
     }
-    if torch.cuda.is_available():
-        extra["rng_cuda"] = torch.cuda.get_rng_state_all()  # not exercised without a GPU
     torch.save(extra, directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"))
     if zero.rank == 0:
         (directory / META).write_text(json.dumps(_meta(engine), indent=1))
@@ -145,11 +145,11 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
     except (OSError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
     extra = torch.load(
-        directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"), weights_only=False
+        directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"),
+        weights_only=False,
+        map_location="cpu",  # written on whatever device; placed by the engine
     )
-    torch.set_rng_state(extra["rng_cpu"])
-    if "rng_cuda" in extra and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(extra["rng_cuda"])
+    set_rng_state(extra["rng"], engine.device)
     engine.excluded.load_state_dict(extra["excluded"])
     for slot, step in zip(engine.manager.slots, extra["steps"], strict=True):
         slot.step = int(step)

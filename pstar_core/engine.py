@@ -23,6 +23,7 @@ from torch import nn
 
 from pstar_core.chunk import ChunkType, TensorSlot, TensorState
 from pstar_core.config import ConfigError, EngineConfig
+from pstar_core.devices import resolve_device, to_device
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
@@ -83,7 +84,7 @@ class Engine:
         self.module = module
         self.source_dir: Path | None = None  # a HF model directory the weights came from
         self.config = cfg
-        self.device = torch.device(cfg.device)
+        self.device = resolve_device(cfg.device)
         self.dtype = cfg.torch_dtype
         self.global_step = 0
 
@@ -94,7 +95,7 @@ class Engine:
         ]
         excluded = [(names, p) for names, p in params if any(r.search(names[0]) for r in exclude)]
 
-        self.zero = ZeroGroup.from_default(process_group, cfg.zero.variant)
+        self.zero = ZeroGroup.from_default(process_group, cfg.zero.variant, self.device)
         self.plan = make_plan(
             [p.numel() for _, p in chunked],
             [p.requires_grad for _, p in chunked],
@@ -195,6 +196,7 @@ class Engine:
         self._check_open()
         m = self.manager
         evaluating = not (torch.is_grad_enabled() and self.module.training)
+        args, kwargs = to_device((args, kwargs), self.device)  # the caller's batch, moved
         with self._abandon_on_error():
             if m.phase is P.IDLE:
                 shape = batch_shape(args, kwargs)
@@ -365,19 +367,20 @@ class Engine:
         return self.manager.residency.in_memory(chunk).view(slot)
 
     def _gathered(self, chunk: Any) -> torch.Tensor:
-        """A copy of any rank's chunk, broadcast by its owner (every rank must ask too).
+        """A host copy of any rank's chunk, broadcast by its owner (every rank must ask too).
 
-        One chunk is cached, so reading a chunk's tensors in order costs one broadcast
-        and host memory stays bounded by a chunk.
+        The broadcast goes through a buffer on the compute device (NCCL takes no host
+        memory); one chunk is cached, so reading a chunk's tensors in order costs one
+        broadcast and memory stays bounded by a chunk.
         """
         key = (chunk.kind, chunk.index)
         if self._gather_cache is None or self._gather_cache[0] != key:
             if self.manager.owned(chunk):
-                buf = self.manager.residency.in_memory(chunk).payload
+                buf = self.manager.residency.in_memory(chunk).payload.to(self.device)
             else:
                 buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
             self.zero.broadcast(buf, src=self.manager.owner(chunk))
-            self._gather_cache = (key, buf)
+            self._gather_cache = (key, buf.cpu())
         return self._gather_cache[1]
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -22,6 +22,7 @@ from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
+from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
 from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
@@ -132,7 +133,7 @@ class Residency:
                 *PARAM_LISTS[::-1],
             )
             for c in self.lists[kind]
-            if c.tier is not None
+            if c.tier == "host"  # what the host cannot hold; chunks on the device stay there
         ]
         for c in reversed(order):  # the last chunks of the optimizer lists are needed last
             if host.used_bytes <= host.budget_bytes:
@@ -219,6 +220,11 @@ class Residency:
         src = c.tier
         if src == tier:
             return
+        if {src, tier} == {"disk", "device"}:
+            # moves go disk <-> host <-> device: the spill file reads and writes host
+            # memory only (a GPU buffer cannot be read as NumPy or filled from a file)
+            self._move(c, "host", protect)
+            src = c.tier
         dst = self.tiers[tier]
         if tier == "host" and dst.used_bytes + c.nbytes > dst.budget_bytes:
             self._make_room("host", c.nbytes, (protect or set()) | {id(c)})
@@ -230,6 +236,10 @@ class Residency:
         if src is None:  # a zero_pending chunk's first use: not a move
             self._materialize_zeros(c, tier)
             return
+        check(
+            {src, tier} != {"disk", "device"},
+            f"{c.kind.value} chunk {c.index} would move {src} -> {tier}, skipping the host tier",
+        )
         with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{tier}"):
             if tier == "disk":
                 c.disk_offset = dst.spill_file().write(c.payload)

@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from pstar_core.config import Budget, MemoryConfig
+from pstar_core.devices import check
 
 
 class MemoryBudgetError(MemoryError):
@@ -58,6 +59,7 @@ class SpillFile:
 
     def write(self, data: torch.Tensor) -> int:
         """Store a CPU tensor's bytes; the offset to read them back from."""
+        check(data.device.type == "cpu", f"a {data.device} tensor is read as NumPy to spill it")
         raw = data.view(torch.uint8).numpy()
         size = raw.nbytes
         free = self._free.get(size)
@@ -72,6 +74,7 @@ class SpillFile:
 
     def read(self, offset: int, out: torch.Tensor) -> None:
         """Fill a CPU tensor with the bytes stored at `offset`."""
+        check(out.device.type == "cpu", f"spilled bytes are read into a {out.device} tensor")
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
         done = 0
         while done < len(view):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import Chunk, ChunkType, TensorState
+from pstar_core.devices import check
 
 S = TensorState
 
@@ -47,6 +48,7 @@ class ZeroGroup:
     rank: int
     nproc: int
     variant: str = "collective"  # or "serial"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute
     bytes_sent: int = 0  # see [Note: bytes sent]
     calls: dict[str, list[int]] = field(default_factory=dict)  # collective -> [calls, bytes]
 
@@ -55,10 +57,12 @@ class ZeroGroup:
         return cls(None, 0, 1)
 
     @classmethod
-    def from_default(cls, group: dist.ProcessGroup | None, variant: str) -> ZeroGroup:
+    def from_default(
+        cls, group: dist.ProcessGroup | None, variant: str, device: torch.device
+    ) -> ZeroGroup:
         if group is None and not (dist.is_available() and dist.is_initialized()):
-            return cls.single()
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), variant)
+            return cls(None, 0, 1, device=device)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), variant, device)
 
     @property
     def enabled(self) -> bool:
@@ -92,8 +96,8 @@ class ZeroGroup:
             dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=self.group)
         out.div_(self.nproc)
 
-    def all_reduce_sum(self, value: float, device: torch.device | None = None) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
+    def all_reduce_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL: not CPU
         self._all_reduce(t)
         return float(t.item())
 
@@ -119,6 +123,11 @@ class ZeroGroup:
         dist.all_reduce(t, group=self.group)
 
     def _sent(self, name: str, t: torch.Tensor, times: float) -> None:
+        check(
+            t.device == self.device,
+            f"{name} handed a tensor on {t.device}; collectives take the compute device's "
+            f"({self.device})",
+        )
         n = int(t.numel() * t.element_size() * times)
         self.bytes_sent += n
         entry = self.calls.setdefault(name, [0, 0])
@@ -178,6 +187,9 @@ class GatheredGroups:
         r = self.residency
         r.make_resident([own], "device")
         own.pins += 1
+        check(
+            own.tier == "device", f"{_name(own)} goes into an all-gather from the {own.tier} tier"
+        )
         r._make_room("device", sum(m.nbytes for m in remote), {id(m) for m in members})
         device = r.tiers["device"]
         with r.tracer.chunk_memory(), record_function("pstar::all_gather"):
@@ -220,6 +232,10 @@ class GatheredGroups:
                 if s.state is not S.HOLD_AFTER_BWD:
                     m.flat(s).zero_()
         r = self.residency
+        for m in members:
+            check(
+                m.tier == "device", f"{_name(m)} goes into a reduce-scatter from the {m.tier} tier"
+            )
         with r.tracer.chunk_memory():
             out = r.tiers["device"].allocate(own.capacity, own.dtype)
         with record_function("pstar::reduce_scatter"):
@@ -247,3 +263,7 @@ class GatheredGroups:
                 if m is not own:
                     self.residency.forget(m)
         self.live.clear()
+
+
+def _name(c: Chunk) -> str:
+    return f"{c.kind.value} chunk {c.index}"

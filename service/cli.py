@@ -35,6 +35,8 @@ def train(
         int, typer.Option(help="Ray Train workers (chunk ZeRO across them); 0: in this process")
     ] = 0,
     max_failures: Annotated[int, typer.Option(help="worker-group restarts Ray may do")] = 2,
+    gpu: Annotated[bool, typer.Option(help="one GPU per Ray worker, NCCL between them")] = False,
+    cpus_per_worker: Annotated[float, typer.Option(help="CPUs per Ray worker")] = 1.0,
 ) -> None:
     """Train a model as the spec says, locally or on Ray Train workers."""
     from service.spec import TrainSpec
@@ -50,7 +52,14 @@ def train(
     if workers > 0:
         from service.ray_train import run_ray
 
-        result = run_ray(spec, workers, max_failures, phase=console.print)
+        result = run_ray(
+            spec,
+            workers,
+            max_failures,
+            phase=console.print,
+            use_gpu=gpu,
+            cpus_per_worker=cpus_per_worker,
+        )
         if result["error"]:
             _fail(f"training failed: {result['error']}")
         m = result["metrics"]

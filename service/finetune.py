@@ -305,4 +305,10 @@ def _build_engine(run: dict[str, Any]):
     from service.prepare import model_fn
 
     fn = model_fn(run["model"], run["seq_len"], run["vocab_size"])
-    return pstar_core.initialize(fn, run["engine"])
+    cfg = dict(run["engine"])
+    if cfg.get("device", "cpu") != "cpu":
+        import ray.train.torch
+
+        # the GPU Ray gave this worker (it narrows CUDA_VISIBLE_DEVICES per worker)
+        cfg["device"] = str(ray.train.torch.get_device())
+    return pstar_core.initialize(fn, cfg)

@@ -180,9 +180,15 @@ class LocalRayHead:
             time.sleep(0.2)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-        # what is left of the session (GCS, raylet, workers of running jobs) goes at once
+        # what is left of the session (GCS, raylet, workers of running jobs) goes at once,
+        # and stop() returns once the head is gone (a SIGKILL is delivered asynchronously)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while time.time() < deadline and pid_alive(pid):
+            time.sleep(0.05)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _answers(url: str) -> bool:

@@ -48,11 +48,22 @@ def step_metrics(engine: Any, loss: float, dt: float, tokens: int, flops_per_tok
     }
 
 
+def with_ray_device(spec: TrainSpec) -> TrainSpec:
+    """The spec with the engine on the device Ray gave this worker (its GPU with use_gpu)."""
+    import ray.train.torch
+
+    device = ray.train.torch.get_device()
+    if device.type != "cuda":
+        return spec
+    return spec.model_copy(update={"engine": {**spec.engine, "device": str(device)}})
+
+
 def train_func(config: dict[str, Any]) -> None:
     """The per-worker loop run by `TorchTrainer`."""
     import ray.train
 
     spec = TrainSpec.model_validate_json(config["spec_json"])
+    spec = with_ray_device(spec)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     run_dir = spec.output_dir / spec.name
@@ -73,7 +84,7 @@ def train_func(config: dict[str, Any]) -> None:
     for step in range(engine.global_step, loop.steps):
         t0 = time.perf_counter()
         part = sampler.batch(step).chunk(world)[rank]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)  # NCCL: no CPU
         for mb in part.chunk(loop.micro_batches):
             loss = engine(input_ids=mb, labels=mb).loss / loop.micro_batches
             engine.backward(loss)
@@ -102,8 +113,12 @@ def run_ray(
     max_failures: int = 2,
     phase: Callable[[str], None] = lambda _m: None,
     train_loop: Callable[[dict[str, Any]], None] = train_func,
+    use_gpu: bool = False,
+    cpus_per_worker: float = 1.0,
 ) -> dict[str, Any]:
-    """Run a spec on `workers` Ray Train workers (a local Ray is started if none).
+    """Run a spec on `workers` Ray Train workers (a local Ray is started if none), each
+    with `cpus_per_worker` CPUs (host Adam and loading use them, GPU workers included)
+    and, with `use_gpu`, one GPU that its engine computes on (NCCL between them).
     `train_loop` is the per-worker loop (`train_func`, or one that wraps it)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -117,12 +132,15 @@ def run_ray(
     if started:
         phase("starting a local Ray")
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-    use_gpu = torch.cuda.is_available()
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec_json": spec.model_dump_json()},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+        scaling_config=ScalingConfig(
+            num_workers=workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": cpus_per_worker},
+        ),
         run_config=RunConfig(
             name=spec.name,
             storage_path=str(run_dir / "ray"),

@@ -10,6 +10,10 @@ import pytest
 
 _db_counter = itertools.count()
 
+# What a GPU would refuse fails the CPU tests too (pstar_core/devices.py); spawned ranks,
+# Ray workers and drivers inherit it
+os.environ["PSTAR_DEVICE_CHECKS"] = "1"
+
 
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):

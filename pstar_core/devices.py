@@ -1,0 +1,94 @@
+"""The compute device: which one a rank uses, and the rules a GPU enforces, checked anywhere.
+
+Everything CUDA-specific that is not a tier or a collective sits here:
+- `resolve_device`: 'cuda' means this rank's GPU, `cuda:$LOCAL_RANK` (set as the current
+  device, as torchrun and Ray Train expect); an explicit 'cuda:N' is taken as given;
+- `to_device`: the inputs of a forward, moved by the engine (not left to the caller);
+- the RNG state of this rank's device only, for checkpoints.
+
+[Note: device discipline] On a machine without a GPU the device tier is CPU memory, so
+nothing stops code from doing what a GPU would refuse: handing a host buffer to NCCL,
+reading a device tensor as NumPy, moving a chunk straight between disk and device. With
+`PSTAR_DEVICE_CHECKS=1` (the test suite sets it) `check` turns each such rule into an
+assertion that names the chunk, the tiers and the call site, so CPU tests fail where a GPU
+would crash. The checks cost a comparison each; off, they cost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+log = logging.getLogger(__name__)
+
+
+class DeviceDisciplineError(AssertionError):
+    """Code did something a GPU would refuse (see [Note: device discipline])."""
+
+
+def checks_enabled() -> bool:
+    return os.environ.get("PSTAR_DEVICE_CHECKS") == "1"
+
+
+def check(ok: bool, what: str) -> None:
+    """Raise `DeviceDisciplineError` with the caller's site if `ok` is False (checks on)."""
+    if ok or not checks_enabled():
+        return
+    site = traceback.extract_stack(limit=2)[0]  # the caller of check
+    raise DeviceDisciplineError(f"{what} (at {site.filename}:{site.lineno} in {site.name})")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """The device a rank computes on, from the config's 'cpu', 'cuda' or 'cuda:N'."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device {spec!r} asked for, but torch sees no CUDA device (this is a CPU build "
+            f"or no GPU is visible); use device 'cpu'"
+        )
+    if spec == "cuda":  # pragma: no cover - CUDA only
+        index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        device = torch.device("cuda", index)
+    else:  # pragma: no cover - CUDA only
+        device = torch.device(spec)
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+        if shared and torch.cuda.device_count() > 1:
+            log.warning(
+                "device %s is fixed in the config while %s ranks share this host: they all "
+                "use it; say 'cuda' to give each rank cuda:$LOCAL_RANK",
+                spec,
+                os.environ["LOCAL_WORLD_SIZE"],
+            )
+    torch.cuda.set_device(device)  # pragma: no cover - CUDA only
+    return device  # pragma: no cover - CUDA only
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """Every tensor in `tree` (args, kwargs) on `device`; others as they are."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != device:
+            return x.to(device, non_blocking=x.is_pinned())
+        return x
+
+    return tree_map(move, tree)
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The RNG states a checkpoint keeps: the CPU's, and this rank's GPU's only."""
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:  # pragma: no cover - CUDA only
+        torch.cuda.set_rng_state(state["cuda"], device)
