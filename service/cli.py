@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -144,6 +144,13 @@ def plan(
     )
     if json_out:
         print(json.dumps(result))
+
+
+def api_app(*args: Any, **kwargs: Any) -> Any:
+    """The HTTP app of `pstar serve`: the one place below `api/` that imports it."""
+    from api.app import create_app
+
+    return create_app(*args, **kwargs)
 
 
 @app.command()

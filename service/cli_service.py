@@ -97,7 +97,12 @@ def serve(
         where = "local head" if head is not None else "cluster"
         console.print(f"Ray {where}: dashboard {launcher.dashboard_url}")
 
-    run_server(settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready)
+    from service.cli import api_app
+
+    run_server(
+        settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready,
+        app_factory=api_app,
+    )  # fmt: skip
 
 
 def _redact(url: str) -> str:

@@ -85,10 +85,12 @@ def serve(
     keep_ray: bool = False,
     reconcile_interval_s: float = 1.0,
     on_ready: Any = None,
+    *,
+    app_factory: Any,
 ) -> None:
+    """Run the control plane until stopped. `app_factory` is `api.app.create_app`, handed
+    in by the CLI's serve command: nothing below `api/` imports it."""
     import uvicorn
-
-    from api.app import create_app
 
     settings, store, launcher, head = build(settings, ray_cpus, dashboard_port)
     supervisor = RaySupervisor(head, launcher) if head is not None else None
@@ -106,7 +108,7 @@ def serve(
             head.stop()
             log.info("the local Ray head has stopped")
 
-    app = create_app(
+    app = app_factory(
         settings,
         store,
         launcher,
