@@ -8,7 +8,8 @@ Everything CUDA-specific that is not a tier or a collective sits here:
 
 [Note: device discipline] On a machine without a GPU the device tier is CPU memory, so
 nothing stops code from doing what a GPU would refuse: handing a host buffer to NCCL,
-reading a device tensor as NumPy, moving a chunk straight between disk and device. With
+reading a device tensor as NumPy (moves between disk and device always pass through the
+host, so the spill file only ever sees host memory). With
 `PSTAR_DEVICE_CHECKS=1` (the test suite sets it) `check` turns each such rule into an
 assertion that names the chunk, the tiers and the call site, so CPU tests fail where a GPU
 would crash. The checks cost a comparison each; off, they cost nothing.

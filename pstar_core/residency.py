@@ -22,7 +22,6 @@ from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
-from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
 from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
@@ -236,10 +235,6 @@ class Residency:
         if src is None:  # a zero_pending chunk's first use: not a move
             self._materialize_zeros(c, tier)
             return
-        check(
-            {src, tier} != {"disk", "device"},
-            f"{c.kind.value} chunk {c.index} would move {src} -> {tier}, skipping the host tier",
-        )
         with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{tier}"):
             if tier == "disk":
                 c.disk_offset = dst.spill_file().write(c.payload)

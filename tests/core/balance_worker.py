@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pstar_core
+from tests.core.helpers import mean_over_ranks
 
 WIDTH = 64
 CHUNK = WIDTH * WIDTH  # a weight fills a chunk exactly
@@ -67,10 +68,7 @@ def main(rank: int, world: int, tmp: str) -> None:
         loss = ((engine(x[part]) - y[part]) ** 2).mean()
         engine.backward(loss)
         engine.step()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(mean_over_ranks(loss, world))
     result = {
         "model_data_bytes": st["model_data_bytes"],
         "chunk_bytes": st["chunk_bytes"],

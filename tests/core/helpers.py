@@ -189,3 +189,13 @@ def spawn_ranks(module: str, world: int, tmp: Path, *args: str, **env: str) -> l
     for p, text in zip(procs, outputs, strict=True):
         assert p.returncode == 0, text[-3000:]
     return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+def mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    """The loss averaged over the ranks (each had an equal part of the global batch)."""
+    import torch.distributed as dist
+
+    t = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(t)
+    return t.item() / world

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import pstar_core
-from tests.core.helpers import MODELS, batches, engine_config, reference_model
+from tests.core.helpers import MODELS, batches, engine_config, mean_over_ranks, reference_model
 
 STEPS = 20
 
@@ -23,10 +23,7 @@ def run_steps(engine, data, rank, world):
         loss = engine(input_ids=part, labels=part).loss
         engine.backward(loss)
         engine.step()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(mean_over_ranks(loss, world))
     return losses
 
 
