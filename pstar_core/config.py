@@ -157,6 +157,13 @@ class ZeroConfig(_Frozen):
         description="collective: all-gather / reduce-scatter per group; serial: nproc "
         "broadcasts / reductions (the paper's memory-saving variant)",
     )
+    overlap_reductions: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="issue each group's gradient reduce-scatter asynchronously, so backward "
+        "goes on while it runs; 'auto' = on for GPUs (NCCL reduces in place) and off on "
+        "CPU (gloo copies the whole group into a temporary while the reduction is in "
+        "flight, memory the 2-core overlap does not pay for)",
+    )
 
 
 class EngineConfig(_Frozen):

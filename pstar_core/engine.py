@@ -95,7 +95,9 @@ class Engine:
         ]
         excluded = [(names, p) for names, p in params if any(r.search(names[0]) for r in exclude)]
 
-        self.zero = ZeroGroup.from_default(process_group, cfg.zero.variant, self.device)
+        self.zero = ZeroGroup.from_default(
+            process_group, cfg.zero.variant, self.device, cfg.zero.overlap_reductions
+        )
         self.plan = make_plan(
             [p.numel() for _, p in chunked],
             [p.requires_grad for _, p in chunked],
@@ -507,6 +509,7 @@ class Engine:
             "world_size": self.zero.nproc,
             "rank": self.zero.rank,
             "comm_bytes_sent": self.zero.bytes_sent,
+            "comm_overlapped_reductions": self.zero.overlapped,
             "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in self.zero.calls.items()},
             "overflow_count": self.scaler.overflows,
             "loss_scale": self.scaler.scale,

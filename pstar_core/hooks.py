@@ -112,16 +112,18 @@ class ChunkRef:
 
 def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tensors_hooks:
     def pack(t: torch.Tensor) -> Any:
-        chunk = manager.residency.chunk_for_storage(t.untyped_storage().data_ptr())
+        chunk = manager.residency.chunk_of_tensor(t)
         if chunk is None:
             return t
-        return ChunkRef(chunk, t.storage_offset(), t.size(), t.stride())
+        offset = t.storage_offset() - chunk.payload.storage_offset()  # within the chunk
+        return ChunkRef(chunk, offset, t.size(), t.stride())
 
     def unpack(x: Any) -> torch.Tensor:
         if not isinstance(x, ChunkRef):
             return x
         if x.chunk.tier != "device":
             manager.residency.make_resident([x.chunk], "device")
-        return x.chunk.payload.as_strided(x.size, x.stride, x.offset)
+        payload = x.chunk.payload
+        return payload.as_strided(x.size, x.stride, payload.storage_offset() + x.offset)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -158,6 +158,7 @@ class ChunkManager:
         device = self.residency.tiers["device"]
         self.tracer.new_moment(name, device.used_bytes, device.new_window())
         self.residency.tick()
+        self.groups.note_operator()
 
     def end_pass(self) -> bool:
         """The iteration (or evaluation forward) is over: close the tracer's pass; True if
@@ -269,7 +270,7 @@ class ChunkManager:
     def close(self) -> None:
         """Free every chunk on every tier and close the spill file."""
         self.free_grad_accum()
-        self.groups.live.clear()
+        self.groups.drop_all()
         for c in self.chunks():
             self.residency.forget(c)
         self.residency.close()

@@ -22,6 +22,7 @@ from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
+from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
 from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
@@ -54,7 +55,12 @@ class Residency:
         self.last_iteration_moves: dict[str, int] = {}
         self._last_use: dict[int, int] = {}  # LRU: the clock at each chunk's last use
         self._clock = 0  # operators started so far
-        self._by_storage: dict[int, Chunk] = {}  # payload address -> chunk (saved tensors)
+        # storage address -> the chunks whose payload lies in it (one each, except a
+        # gathered ZeRO group: its chunks are slices of one buffer); for saved tensors
+        self._by_storage: dict[int, list[Chunk]] = {}
+        # waits for collectives still in flight and frees their buffers; True if it freed
+        # anything (set by ZeRO's gathered groups: their reductions run asynchronously)
+        self.settle: Callable[[], bool] = lambda: False
 
     def _chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
         for kind, chunks in self.lists.items():
@@ -206,6 +212,8 @@ class Residency:
             ]
             candidates += [c for c in self._extra() if c.tier == tier and id(c) not in protect]
             if not candidates:
+                if tier == "device" and self.settle():
+                    continue  # a reduction in flight held memory; it is done now
                 raise MemoryBudgetError(
                     f"cannot fit {gib(need)} more chunk memory on the {tier} tier at moment "
                     f"{self.tracer.moment}: {gib(t.used_bytes)} in use by chunks that are "
@@ -238,7 +246,7 @@ class Residency:
         with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{tier}"):
             if tier == "disk":
                 c.disk_offset = dst.spill_file().write(c.payload)
-                self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+                self._unregister(c)
                 c.payload = None
             else:
                 new = dst.allocate(c.capacity, c.dtype)
@@ -249,9 +257,9 @@ class Residency:
                     c.disk_offset = None
                 else:
                     new.copy_(c.payload)
-                    self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+                    self._unregister(c)
                 c.payload = new
-                self._by_storage[new.untyped_storage().data_ptr()] = c
+                self._register(c)
         if src is not None:
             self.tiers[src].remove(c.nbytes)
         dst.add(c.nbytes)
@@ -273,13 +281,32 @@ class Residency:
         for t in self.tiers.values():
             t.new_iteration()
 
-    def chunk_for_storage(self, data_ptr: int) -> Chunk | None:
-        """The chunk whose current payload is this storage (a freed chunk's old address
-        may be reused by any tensor, so the entry is checked against the payload)."""
-        c = self._by_storage.get(data_ptr)
-        if c is None or c.payload is None or c.payload.untyped_storage().data_ptr() != data_ptr:
-            return None
-        return c
+    def _register(self, c: Chunk) -> None:
+        self._by_storage.setdefault(c.payload.untyped_storage().data_ptr(), []).append(c)
+
+    def _unregister(self, c: Chunk) -> None:
+        ptr = c.payload.untyped_storage().data_ptr()
+        chunks = self._by_storage.get(ptr, [])
+        if c in chunks:
+            chunks.remove(c)
+        if not chunks:
+            self._by_storage.pop(ptr, None)
+
+    def chunk_of_tensor(self, t: torch.Tensor) -> Chunk | None:
+        """The chunk whose current payload holds `t` (a view of it), or None. A freed
+        chunk's old address may be reused by any tensor, so entries are checked against
+        the payloads they name."""
+        ptr, start = t.untyped_storage().data_ptr(), t.storage_offset()
+        for c in self._by_storage.get(ptr, ()):
+            p = c.payload
+            if (
+                p is not None
+                and p.dtype == t.dtype
+                and p.untyped_storage().data_ptr() == ptr
+                and p.storage_offset() <= start < p.storage_offset() + c.capacity
+            ):
+                return c
+        return None
 
     def in_memory(self, c: Chunk) -> Chunk:
         """Make sure `c` has a payload (bring it from disk to host if spilled, allocate it
@@ -324,7 +351,7 @@ class Residency:
             self.tiers["disk"].spill_file().free(c.disk_offset, c.nbytes)
             c.disk_offset = None
         elif c.payload is not None:
-            self._by_storage.pop(c.payload.untyped_storage().data_ptr(), None)
+            self._unregister(c)
             with self.tracer.chunk_memory():
                 c.payload = None
         if c.tier is not None:
@@ -336,7 +363,18 @@ class Residency:
         c.payload = payload
         c.tier = tier
         self.tiers[tier].add(c.nbytes)
-        self._by_storage[payload.untyped_storage().data_ptr()] = c
+        self._register(c)
+
+    def rehome(self, c: Chunk, payload: torch.Tensor) -> None:
+        """Swap the payload of a chunk for another on the same tier holding the same bytes
+        (a chunk entering or leaving a gathered group's buffer); its old one is dropped."""
+        check(
+            payload.device == c.payload.device,
+            f"{c.kind.value} chunk {c.index} rehomed from {c.payload.device} to {payload.device}",
+        )
+        self._unregister(c)
+        c.payload = payload
+        self._register(c)
 
     def close(self) -> None:
         for t in self.tiers.values():

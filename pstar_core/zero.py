@@ -29,6 +29,7 @@ the engine issues goes through here, clipping norms and exports included.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from pstar_core.chunk import Chunk, ChunkType, TensorState
 from pstar_core.devices import check
 
 S = TensorState
+Work = dist.Work
 
 
 @dataclass
@@ -48,8 +50,10 @@ class ZeroGroup:
     rank: int
     nproc: int
     variant: str = "collective"  # or "serial"
+    overlap: bool = False  # reductions in flight while backward goes on (collective only)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute
     bytes_sent: int = 0  # see [Note: bytes sent]
+    overlapped: int = 0  # reductions still in flight when the next operator began
     calls: dict[str, list[int]] = field(default_factory=dict)  # collective -> [calls, bytes]
 
     @classmethod
@@ -58,11 +62,17 @@ class ZeroGroup:
 
     @classmethod
     def from_default(
-        cls, group: dist.ProcessGroup | None, variant: str, device: torch.device
+        cls,
+        group: dist.ProcessGroup | None,
+        variant: str,
+        device: torch.device,
+        overlap: str = "auto",
     ) -> ZeroGroup:
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 0, 1, device=device)
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), variant, device)
+        on = overlap == "on" or (overlap == "auto" and device.type != "cpu")
+        rank, nproc = dist.get_rank(group), dist.get_world_size(group)
+        return cls(group, rank, nproc, variant, on, device)
 
     @property
     def enabled(self) -> bool:
@@ -74,26 +84,42 @@ class ZeroGroup:
 
     # -- the engine's collectives ------------------------------------------------------
 
-    def gather(self, own: torch.Tensor, outputs: list[torch.Tensor]) -> None:
-        """outputs[r] receives rank r's chunk; outputs[self.rank] is `own` itself."""
-        if self.variant == "serial":
-            for r, out in enumerate(outputs):
-                self._broadcast(out, r)
-        else:
-            self._sent("all_gather", own, self.nproc - 1)
-            dist.all_gather(outputs, own, group=self.group)
+    def all_gather(self, buffer: torch.Tensor, own: torch.Tensor) -> Work | None:
+        """ "collective" variant: `buffer` (nproc chunks, in rank order) receives every
+        rank's chunk; `own` is this rank's slice of it (in place, as NCCL prefers)."""
+        self._sent("all_gather", own, self.nproc - 1)
+        return dist.all_gather_single(buffer, own, group=self.group)
 
-    def reduce_scatter_mean(self, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
-        """out = mean over ranks of inputs[self.rank] (inputs[r] is the group's chunk r)."""
-        if self.variant == "serial":
-            for r, t in enumerate(inputs):
-                if r != self.rank:
-                    self._sent("reduce", t, 1)  # this rank's part goes to owner r
-                dist.reduce(t, dst=self._global(r), op=dist.ReduceOp.SUM, group=self.group)
-            out.copy_(inputs[self.rank])
-        else:
-            self._sent("reduce_scatter", out, self.nproc - 1)
-            dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=self.group)
+    def reduce_scatter_sum(self, own: torch.Tensor, buffer: torch.Tensor) -> Work | None:
+        """ "collective" variant, asynchronous: `own` (this rank's slice of `buffer`)
+        becomes the sum over ranks of that slice. Wait on the returned work before reading
+        it or freeing the buffer.
+
+        NCCL reduces the single buffer in place. gloo's single-tensor form clones the
+        whole group first, its list form one chunk (measured with the profiler: 2 and 1
+        chunks of temporaries), so on gloo the list form over the buffer's slices runs:
+        the same bytes sent, a chunk less of non-model memory."""
+        self._sent("reduce_scatter", own, self.nproc - 1)
+        if self.device.type == "cpu":  # gloo: the CPU's backend
+            parts = list(buffer.chunk(self.nproc))
+            return dist.reduce_scatter(own, parts, group=self.group, async_op=True)
+        return dist.reduce_scatter_single(
+            own, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+
+    def broadcast_each(self, outputs: list[torch.Tensor]) -> None:
+        """ "serial" variant of the gather: outputs[r] receives rank r's chunk."""
+        for r, out in enumerate(outputs):
+            self._broadcast(out, r)
+
+    def reduce_each_mean(self, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """ "serial" variant: out = mean over ranks of inputs[self.rank] (inputs[r] is the
+        group's chunk r), by one reduction to each owner."""
+        for r, t in enumerate(inputs):
+            if r != self.rank:
+                self._sent("reduce", t, 1)  # this rank's part goes to owner r
+            dist.reduce(t, dst=self._global(r), op=dist.ReduceOp.SUM, group=self.group)
+        out.copy_(inputs[self.rank])
         out.div_(self.nproc)
 
     def all_reduce_sum(self, value: float) -> float:
@@ -138,6 +164,14 @@ class ZeroGroup:
         return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
 
 
+class InFlight(NamedTuple):
+    """A reduce-scatter issued and not yet waited on, with the group it reduces."""
+
+    work: Work
+    members: list[Chunk]  # the group in owner order, slices of one buffer
+    own: Chunk
+
+
 class GatheredGroups:
     """The life of communication groups in one rank (the paper's ZeRO over chunks).
 
@@ -148,6 +182,20 @@ class GatheredGroups:
     backward its gradients are first reduce-scattered (averaged) into the owner's chunk;
     then the remote chunks are dropped. Gradients a chunk still holds from an earlier
     micro-batch are stashed by their owner before the gather overwrites them.
+
+    [Note: one buffer per gathered group] In the "collective" variant a gathered group
+    lives in one contiguous device buffer of nproc chunks in owner order: the own chunk's
+    payload moves into its slice (a device-to-device copy; its old buffer is freed, so
+    the group costs nproc chunks, not nproc + 1), remote chunks are the other slices, and
+    both collectives run in place on it (`all_gather_single`, `reduce_scatter_single`),
+    the shapes NCCL handles without temporaries. When the group is released the own chunk
+    is copied back into a buffer of its own and the group buffer goes.
+
+    [Note: overlapped reductions] After backward a group's reduce-scatter is issued
+    asynchronously and the backward of the next layers runs while it is in flight; it is
+    waited on (`settle`) before the next gather, at the end of backward, or when the
+    device needs the memory its buffer holds. Collectives are issued at the same points
+    on every rank; only the waits move, so the order every rank sees is unchanged.
     """
 
     def __init__(self, zero: ZeroGroup, lists, owner, residency, stash, forward_done) -> None:
@@ -159,6 +207,13 @@ class GatheredGroups:
         self.forward_done = forward_done  # slot -> its forward is over (tied weights too)
         # gathered groups, by (list, group index), members in owner order
         self.live: dict[tuple[ChunkType, int], list[Chunk]] = {}
+        self.in_flight: list[InFlight] = []  # reduce-scatters issued, oldest first
+        self._buffers: dict[int, torch.Tensor] = {}  # own chunk id -> its group's buffer
+        residency.settle = self.settle
+
+    @property
+    def contiguous(self) -> bool:
+        return self.zero.variant == "collective"
 
     def _key(self, c: Chunk) -> tuple[ChunkType, int]:
         return (c.kind, c.index // self.zero.nproc)
@@ -173,6 +228,7 @@ class GatheredGroups:
         key = self._key(c)
         if key in self.live:
             return
+        self.settle()  # a group reduced a moment ago may be gathered again (accumulation)
         members = self._members(c)
         own = members[self.zero.rank]
         for m in members:
@@ -186,17 +242,28 @@ class GatheredGroups:
         remote = [m for m in members if m is not own]
         r = self.residency
         r.make_resident([own], "device")
-        own.pins += 1
         check(
             own.tier == "device", f"{_name(own)} goes into an all-gather from the {own.tier} tier"
         )
         r._make_room("device", sum(m.nbytes for m in remote), {id(m) for m in members})
         device = r.tiers["device"]
         with r.tracer.chunk_memory(), record_function("pstar::all_gather"):
-            for m in remote:
-                r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
-                m.pins += 1
-            self.zero.gather(own.payload, [m.payload for m in members])
+            if self.contiguous:
+                buffer = device.allocate(own.capacity * self.zero.nproc, own.dtype)
+                slices = list(buffer.chunk(self.zero.nproc))
+                slices[self.zero.rank].copy_(own.payload)
+                r.rehome(own, slices[self.zero.rank])
+                self._buffers[id(own)] = buffer
+                for m, part in zip(members, slices, strict=True):
+                    if m is not own:
+                        r.adopt(m, part, "device")
+                self.zero.all_gather(buffer, own.payload)
+            else:
+                for m in remote:
+                    r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
+                self.zero.broadcast_each([m.payload for m in members])
+        for m in members:
+            m.pins += 1
         self.live[key] = members
         for m in remote:
             r.tracer.note_use((m.kind.value, m.index))
@@ -217,14 +284,26 @@ class GatheredGroups:
         own = members[self.zero.rank]
         if reduce and key[0] is ChunkType.PARAM:
             self._reduce(members, own)
+        else:
+            self._drop(members, own)
+
+    def _drop(self, members: list[Chunk], own: Chunk) -> None:
+        """The group leaves: remote chunks are forgotten, the own chunk keeps its bytes
+        in a buffer of its own."""
+        r = self.residency
         for m in members:
             m.pins -= 1
+        if self.contiguous:
+            self._buffers.pop(id(own), None)
+            with r.tracer.chunk_memory():
+                alone = r.tiers["device"].allocate(own.capacity, own.dtype)
+                alone.copy_(own.payload)
+                r.rehome(own, alone)
+        for m in members:
             if m is not own:
-                self.residency.forget(m)
+                r.forget(m)
 
     def _reduce(self, members: list[Chunk], own: Chunk) -> None:
-        from pstar_core.chunk import ChunkType
-
         # Slots without a gradient hold parameter values: send zeros for them, and
         # restore the owner's values from its fp32 master afterwards.
         for m in members:
@@ -236,32 +315,63 @@ class GatheredGroups:
             check(
                 m.tier == "device", f"{_name(m)} goes into a reduce-scatter from the {m.tier} tier"
             )
-        with r.tracer.chunk_memory():
-            out = r.tiers["device"].allocate(own.capacity, own.dtype)
+        if not self.contiguous:
+            with r.tracer.chunk_memory():
+                out = r.tiers["device"].allocate(own.capacity, own.dtype)
+            with record_function("pstar::reduce_scatter"):
+                self.zero.reduce_each_mean([m.payload for m in members], out)
+            own.payload.copy_(out)
+            self._finish_reduce(members, own)
+            return
+        buffer = self._buffers.pop(id(own))
         with record_function("pstar::reduce_scatter"):
-            self.zero.reduce_scatter_mean([m.payload for m in members], out)
-        own.payload.copy_(out)
+            work = self.zero.reduce_scatter_sum(own.payload, buffer)
+        self.in_flight.append(InFlight(work, members, own))
+        if not self.zero.overlap:
+            self.settle()
+
+    def note_operator(self) -> None:
+        """An operator starts: reductions still in flight now overlap its compute."""
+        self.zero.overlapped += len(self.in_flight)
+
+    def _finish_reduce(self, members: list[Chunk], own: Chunk) -> None:
+        r = self.residency
+        if self.contiguous:
+            own.payload.div_(self.zero.nproc)
         master = self.lists[ChunkType.PARAM_FP32][own.index]
         for s in own.slots:
             if s.state is not S.HOLD_AFTER_BWD:
                 r.in_memory(master)
                 own.flat(s).copy_(master.flat(s))
+        self._drop(members, own)
+
+    def settle(self) -> bool:
+        """Wait for every reduction in flight and release its group; True if any was."""
+        if not self.in_flight:
+            return False
+        pending, self.in_flight = self.in_flight, []
+        for work, members, own in pending:
+            with record_function("pstar::wait reduce_scatter"):
+                work.wait()
+            self._finish_reduce(members, own)
+        return True
 
     def finish(self, reduce: bool) -> None:
         """End of forward (drop) or backward (reduce, then drop): every group still here,
         in the same order on every rank."""
         for key in sorted(self.live, key=lambda k: (k[0].value, k[1])):
             self._release(key, reduce=reduce)
+        self.settle()
 
     def drop_all(self) -> None:
         """Drop every gathered group without collectives or a reduction (an abandoned
         iteration: its gradients are dropped anyway)."""
+        for work, members, own in self.in_flight:
+            work.wait()  # the buffer may not go while a collective writes it
+            self._drop(members, own)
+        self.in_flight.clear()
         for members in self.live.values():
-            own = members[self.zero.rank]
-            for m in members:
-                m.pins -= 1
-                if m is not own:
-                    self.residency.forget(m)
+            self._drop(members, members[self.zero.rank])
         self.live.clear()
 
 

@@ -168,9 +168,11 @@ def test_storage_map_never_points_at_freed_chunks_after_accumulation(ref):
         for mb in x.chunk(2):
             engine.backward(engine(input_ids=mb, labels=mb).loss)
         engine.step()
-        for ptr, chunk in engine.manager.residency._by_storage.items():
-            assert chunk.payload is not None, chunk.kind
-            assert chunk.payload.untyped_storage().data_ptr() == ptr
+        for ptr, chunks in engine.manager.residency._by_storage.items():
+            assert chunks
+            for chunk in chunks:
+                assert chunk.payload is not None, chunk.kind
+                assert chunk.payload.untyped_storage().data_ptr() == ptr
 
 
 def test_host_too_small_for_the_warmup_step_fails_at_initialize_not_mid_run(ref):

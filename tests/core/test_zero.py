@@ -53,6 +53,24 @@ def test_serial_broadcast_variant_equals_the_collective_one(tmp_path):
     )
 
 
+@pytest.mark.parametrize("budget", [None, 750_000], ids=["roomy", "evicting"])
+def test_overlapped_reductions_equal_waiting_for_each(single, tmp_path, budget):
+    """Reduce-scatters left in flight while backward goes on (the GPU default) give the
+    same numbers as waiting for each, also when the device must evict to make room."""
+    memory = json.dumps({"device_budget": budget} if budget else {})
+    env = {"PSTAR_TEST_MEMORY": memory}
+    waited = launch("train", 2, tmp_path / "w", PSTAR_TEST_OVERLAP="off", **env)
+    overlapped = launch("train", 2, tmp_path / "o", PSTAR_TEST_OVERLAP="on", **env)
+    assert overlapped[0]["losses"] == waited[0]["losses"]
+    assert overlapped[0]["overlapped"] > 0
+    assert waited[0]["overlapped"] == 0
+    # the collectives are the single-buffer ones, one per group and direction
+    calls = overlapped[0]["comm_calls"]
+    assert calls["all_gather"]["calls"] > 0
+    assert calls["reduce_scatter"]["calls"] > 0
+    assert calls == waited[0]["comm_calls"]
+
+
 def test_sharded_save_load_continue_equals_uninterrupted(tmp_path):
     ranks = launch("resume", 2, tmp_path)
     assert ranks[0]["resumed"] == ranks[0]["straight"]

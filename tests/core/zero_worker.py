@@ -32,7 +32,9 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     data = batches(STEPS, batch=8)
     memory = json.loads(os.environ.get("PSTAR_TEST_MEMORY", "{}"))
     variant = os.environ.get("PSTAR_TEST_VARIANT", "collective")
-    cfg = engine_config(chunk_size=8192, memory=memory, zero={"variant": variant})
+    overlap = os.environ.get("PSTAR_TEST_OVERLAP", "auto")
+    zero = {"variant": variant, "overlap_reductions": overlap}
+    cfg = engine_config(chunk_size=8192, memory=memory, zero=zero)
     engine = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
     engine.load_state_dict(ref.state_dict())
     out: dict = {"stats_before": {k: engine.stats()[k] for k in ("model_data_bytes", "chunk_size")}}
@@ -40,6 +42,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["losses"] = run_steps(engine, data, rank, world)
         out["moved"] = engine.stats()["bytes_moved"]
         out["comm_bytes"] = engine.stats()["comm_bytes_sent"]
+        out["comm_calls"] = engine.stats()["comm_calls"]
+        out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
     elif name == "resume":
         run_steps(engine, data[:8], rank, world)
         engine.save_checkpoint(tmp / "ckpt")
