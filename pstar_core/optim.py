@@ -17,7 +17,7 @@ from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import EngineConfig, LossScaleConfig, SchedulerConfig
-from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm
+from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm, grad_sq_norm_device
 from pstar_core.manager import ChunkManager
 
 S = TensorState
@@ -132,15 +132,23 @@ class ChunkAdamW:
     def grad_norm_sq(self) -> float:
         """Sum of squared (still scaled) gradients over all trainable chunks."""
         total = 0.0
+        on_device = None  # chunks on the device add up there: one host sync, at the end
         for chunk in self.manager.own_chunks([ChunkType.PARAM]):
             segs = [
                 AdamSegment(s.offset, s.numel, 0, 0.0, 0.0)
                 for s in chunk.slots
                 if self._has_grad(s)
             ]
-            if segs:
-                source = self.manager.residency.in_memory(self._grad_source(chunk.index))
-                total += grad_sq_norm(source.payload, segs)
+            if not segs:
+                continue
+            grad = self.manager.residency.in_memory(self._grad_source(chunk.index)).payload
+            if grad.device.type == "cpu":
+                total += grad_sq_norm(grad, segs)
+            else:
+                part = grad_sq_norm_device(grad, segs)
+                on_device = part if on_device is None else on_device.add_(part)
+        if on_device is not None:
+            total += float(on_device.item())
         return total
 
     def step(self, grad_scale: float) -> None:

@@ -1,7 +1,8 @@
 """Device-aware operator placement (the paper's DMM): where Adam runs for each chunk.
 
 After a trace exists, the device's margin space is its budget minus the peak non-model
-memory minus all param chunks (plus, under ZeRO, two gathered groups in flight). As many
+memory minus all param chunks (plus, under ZeRO, two gathered groups in flight, and on a
+GPU the fused Adam's fp32 gradient buffer for one chunk). As many
 optimizer-state chunk triples (fp32 master, momentum, variance) as fit there stay on the
 device, and Adam runs there for them; the rest live and update on the host. Adam is
 memory-bound, so either tier can run it; the forward and backward operators always run
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pstar_core.chunk import ChunkType
+from pstar_core.kernels import adam_temporary_bytes
 
 if TYPE_CHECKING:
     from pstar_core.manager import ChunkManager
@@ -31,6 +33,10 @@ def place_optimizer_states(m: ChunkManager) -> int:
         params += 2 * (m.zero.nproc - 1) * m.lists[ChunkType.PARAM][0].nbytes
     margin = m.residency.tiers["device"].budget_bytes - trace.peak_non_model - params
     left = margin
+    if m.device.type != "cpu":
+        # Adam on a GPU (torch's fused kernel) needs its fp32 gradient buffer; the warm-up
+        # ran Adam on the host, so the trace never saw it (the C++ CPU kernel needs none)
+        left -= adam_temporary_bytes(m.plan.chunk_size)
     for i, chunk in enumerate(m.lists[ChunkType.PARAM]):
         if not m.owned(chunk):
             continue

@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
-from pstar_core.kernels.adam import AdamSegment, adamw_, grad_sq_norm, kernel_backend
+from pstar_core.kernels.adam import (
+    AdamSegment,
+    adam_temporary_bytes,
+    adamw_,
+    grad_sq_norm,
+    grad_sq_norm_device,
+    kernel_backend,
+)
 
-__all__ = ["AdamSegment", "adamw_", "grad_sq_norm", "kernel_backend"]
+__all__ = [
+    "AdamSegment",
+    "adam_temporary_bytes",
+    "adamw_",
+    "grad_sq_norm",
+    "grad_sq_norm_device",
+    "kernel_backend",
+]

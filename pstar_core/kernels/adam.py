@@ -27,7 +27,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdamSegment", "adamw_", "grad_sq_norm", "kernel_backend"]
+__all__ = [
+    "AdamSegment",
+    "adam_temporary_bytes",
+    "adamw_",
+    "grad_sq_norm",
+    "grad_sq_norm_device",
+    "kernel_backend",
+]
 
 _SOURCE_PATH = Path(__file__).with_name("adam.cpp")
 # -ffp-contract=off: the fp16 rounding trick in adam.cpp needs its addition unfused, and
@@ -152,16 +159,18 @@ def _load_ext() -> ModuleType | None:
 
 def _requested_backend() -> str:
     choice = os.environ.get("PSTAR_ADAM_BACKEND", "auto").strip().lower()
-    if choice not in ("auto", "cpp", "torch"):
-        raise ValueError(f"PSTAR_ADAM_BACKEND must be auto, cpp or torch, got {choice!r}")
+    if choice not in ("auto", "cpp", "torch", "fused"):
+        raise ValueError(f"PSTAR_ADAM_BACKEND must be auto, cpp, torch or fused, got {choice!r}")
     return choice
 
 
 def kernel_backend() -> str:
-    """``"cpp"`` if CPU calls go to the compiled kernel, else ``"torch"`` (builds lazily)."""
+    """Where CPU calls go: ``"cpp"`` (the compiled kernel, built lazily), ``"torch"`` (the
+    reference in torch ops) or ``"fused"`` (torch's fused AdamW, as on a GPU; for tests).
+    Tensors on a device always take the fused path."""
     choice = _requested_backend()
-    if choice == "torch":
-        return "torch"
+    if choice in ("torch", "fused"):
+        return choice
     if _load_ext() is None:
         if choice == "cpp":
             raise RuntimeError("PSTAR_ADAM_BACKEND=cpp but the C++ kernel failed to build")
@@ -296,9 +305,75 @@ def adamw_(
             float(grad_scale),
         )
         return
-    # Non-CPU tensors (CUDA) also land here; that path is not exercised by our tests.
+    if master.device.type != "cpu" or kernel_backend() == "fused":
+        _adamw_fused(
+            master, exp_avg, exp_avg_sq, grad, param_out, segments, beta1, beta2, eps, grad_scale
+        )
+        return
     _adamw_torch(
         master, exp_avg, exp_avg_sq, grad, param_out, segments, beta1, beta2, eps, grad_scale
+    )
+
+
+def adam_temporary_bytes(capacity: int) -> int:
+    """The most device memory one `adamw_` call allocates on a chunk of `capacity`
+    elements: the fp32 gradients of its segments (fused path), plus the steps."""
+    return 4 * capacity + 4096
+
+
+def _adamw_fused(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor,
+    segments: Sequence[AdamSegment],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: float,
+) -> None:
+    """torch's fused AdamW (`torch._fused_adamw_`, one kernel over many tensors) on the
+    segments, one launch per (lr, weight decay); the GPU path.
+
+    The gradients are read once into one fp32 buffer spanning the segments and scaled in
+    place (the kernel takes fp32 grads for fp32 masters); that buffer, at most 4 bytes per
+    chunk element (`adam_temporary_bytes`), is the only temporary. Step counts go to the
+    device in one copy. The new masters are cast into `param_out` by one `_foreach_copy_`.
+    No host synchronisation.
+    """
+    lo = min(s.offset for s in segments)
+    hi = max(s.offset + s.numel for s in segments)
+    g32 = grad[lo:hi].float()  # a copy even when grad is fp32 (grad may alias param_out)
+    if g32.data_ptr() == grad[lo:hi].data_ptr():
+        g32 = g32.clone()
+    if grad_scale != 1.0:
+        g32.mul_(grad_scale)
+    steps = torch.tensor([float(s.step) for s in segments], dtype=torch.float32)
+    steps = steps.to(master.device, non_blocking=True)
+    groups: dict[tuple[float, float], list[int]] = {}
+    for i, s in enumerate(segments):
+        groups.setdefault((s.lr, s.weight_decay), []).append(i)
+    for (lr, wd), members in groups.items():
+        segs = [segments[i] for i in members]
+        torch._fused_adamw_(
+            [master[s.offset : s.offset + s.numel] for s in segs],
+            [g32[s.offset - lo : s.offset - lo + s.numel] for s in segs],
+            [exp_avg[s.offset : s.offset + s.numel] for s in segs],
+            [exp_avg_sq[s.offset : s.offset + s.numel] for s in segs],
+            [],
+            [steps[i] for i in members],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=wd,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+    torch._foreach_copy_(
+        [param_out[s.offset : s.offset + s.numel] for s in segments],
+        [master[s.offset : s.offset + s.numel] for s in segments],
     )
 
 
@@ -345,8 +420,15 @@ def grad_sq_norm(grad: torch.Tensor, segments: Sequence[AdamSegment]) -> float:
         ext = _load_ext()
         assert ext is not None  # kernel_backend() said cpp
         return float(ext.grad_sq_norm(grad, segments))
+    return float(grad_sq_norm_device(grad, segments).item())
+
+
+def grad_sq_norm_device(grad: torch.Tensor, segments: Sequence[AdamSegment]) -> torch.Tensor:
+    """`grad_sq_norm` as a 0-dim fp64 tensor on grad's device, without a host sync (the
+    caller adds these up and reads the total once). No fp64 copy of the gradient: the
+    norm reduces in fp64 as it reads."""
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
-    for s in segments:
-        g = grad[s.offset : s.offset + s.numel].to(torch.float64)
-        total += torch.dot(g, g)
-    return float(total.item())
+    for s in _validated_segments(segments, grad.numel(), check_step=False):
+        g = grad[s.offset : s.offset + s.numel]
+        total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    return total

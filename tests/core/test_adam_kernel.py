@@ -35,7 +35,7 @@ def _cpp_available() -> bool:
             os.environ["PSTAR_ADAM_BACKEND"] = saved
 
 
-@pytest.fixture(params=["cpp", "torch"])
+@pytest.fixture(params=["cpp", "torch", "fused"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "cpp" and not _cpp_available():
         # the C++ kernel is the production path: a machine that cannot build it must not
@@ -246,7 +246,7 @@ def test_grad_sq_norm(backend: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cpp_and_torch_backends_agree(
+def test_cpp_torch_and_fused_backends_agree(
     monkeypatch: pytest.MonkeyPatch, grad_dtype: torch.dtype
 ) -> None:
     if not _cpp_available():
@@ -259,7 +259,7 @@ def test_cpp_and_torch_backends_agree(
     segs = [AdamSegment(0, 123_457, 3, 1e-3, 0.01), AdamSegment(123_457, 100_000, 7, 2e-3, 0.0),
             AdamSegment(250_000, 50_000, 1, 5e-4, 0.1)]  # fmt: skip
     results = {}
-    for name in ("cpp", "torch"):
+    for name in ("cpp", "torch", "fused"):
         monkeypatch.setenv("PSTAR_ADAM_BACKEND", name)
         assert kernel_backend() == name
         bufs = [t.clone() for t in init]
@@ -267,17 +267,20 @@ def test_cpp_and_torch_backends_agree(
         adamw_(*bufs, slot, slot, segs, beta1=0.9, beta2=0.95, eps=1e-6, grad_scale=0.8)
         results[name] = (bufs, slot, grad_sq_norm(grad, segs))
     (cb, cslot, cnorm), (tb, tslot, tnorm) = results["cpp"], results["torch"]
-    for a, b in zip(cb, tb, strict=True):
+    fb, fslot, fnorm = results["fused"]  # torch._fused_adamw_, the GPU path
+    for a, b, f in zip(cb, tb, fb, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(f, b, rtol=1e-6, atol=1e-7)
     # Inside the segments each backend's param_out is the exact cast of its own master;
     # in the gap (223_457..250_000) the slot still holds the gradient.
     inside = torch.zeros(n, dtype=torch.bool)
     for s in segs:
         inside[s.offset : s.offset + s.numel] = True
-    for slot, master in ((cslot, cb[0]), (tslot, tb[0])):
+    for slot, master in ((cslot, cb[0]), (tslot, tb[0]), (fslot, fb[0])):
         assert torch.equal(_bits(slot)[inside], _bits(master.to(grad_dtype))[inside])
         assert torch.equal(_bits(slot)[~inside], _bits(grad)[~inside])
     assert cnorm == pytest.approx(tnorm, rel=1e-12)
+    assert fnorm == pytest.approx(tnorm, rel=1e-12)
 
 
 def test_invalid_arguments_are_rejected() -> None:
