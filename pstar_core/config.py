@@ -108,7 +108,17 @@ class MemoryConfig(_Frozen):
     """
 
     device_budget: Budget = Field(
-        default=None, description="bytes or fraction of the compute device for chunks + activations"
+        default=None,
+        description="bytes or fraction of the compute device for chunks + activations; on a "
+        "GPU the whole is `device_safety` x the memory free once the CUDA context and NCCL "
+        "are up",
+    )
+    device_safety: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="GPU only: share of the free device memory the engine plans with; the "
+        "rest absorbs the caching allocator's fragmentation and cuBLAS/NCCL workspaces",
     )
     host_budget: Budget = Field(
         default=None,

@@ -98,6 +98,10 @@ class Engine:
         self.zero = ZeroGroup.from_default(
             process_group, cfg.zero.variant, self.device, cfg.zero.overlap_reductions
         )
+        if self.zero.enabled and self.device.type == "cuda":  # pragma: no cover - CUDA only
+            # NCCL creates its communicator (and its buffers) at the first collective:
+            # run one now, so the device budget is measured with them in place
+            self.zero.all_reduce_sum(0.0)
         self.plan = make_plan(
             [p.numel() for _, p in chunked],
             [p.requires_grad for _, p in chunked],

@@ -156,14 +156,17 @@ class ChunkManager:
     def begin_operator(self, name: str) -> None:
         """A new moment: an operator is about to start."""
         device = self.residency.tiers["device"]
-        self.tracer.new_moment(name, device.used_bytes, device.new_window())
+        low = device.compute_low_bytes
+        self.tracer.new_moment(name, device.used_bytes, device.new_window(), low)
+        device.start_compute()  # until its chunks are in place (an operator without any)
         self.residency.tick()
         self.groups.note_operator()
 
     def end_pass(self) -> bool:
         """The iteration (or evaluation forward) is over: close the tracer's pass; True if
         it recorded a new trace (placement is then decided again from it)."""
-        self.tracer.close_window(self.residency.tiers["device"].new_window())
+        device = self.residency.tiers["device"]
+        self.tracer.close_window(device.new_window(), device.compute_low_bytes)
         traced = self.tracer.end_pass()
         if traced:
             self.margin_bytes = placement.place_optimizer_states(self)
@@ -183,6 +186,7 @@ class ChunkManager:
                 for c in chunks:
                     self.groups.gather(c)  # a no-op while its group is gathered
             self.residency.make_resident(chunks, "device")
+            self.residency.tiers["device"].start_compute()
             for s in slots:
                 chunk = self.param_chunk(s)
                 if s.state is S.HOLD_AFTER_BWD:  # a gradient from an earlier micro-batch
@@ -263,6 +267,7 @@ class ChunkManager:
         if acc is not None:
             chunks.append(acc)
         self.residency.make_resident(chunks, placement.adam_tier(self, index))
+        self.residency.tiers["device"].start_compute()
 
     def free_grad_accum(self) -> None:
         self.grad_accum.free(self.slots)

@@ -135,6 +135,7 @@ class Tier:
     used_bytes: int = 0
     peak_bytes: int = 0
     window_peak_bytes: int = 0  # the most held since the tracer's current moment began
+    compute_low_bytes: int = 0  # the least held since the operator's chunks were in place
     iteration_peak_bytes: int = 0  # the most held in the iteration under way
     last_iteration_peak_bytes: int = 0  # ... in the last complete iteration
     directory: Path | None = None  # disk only
@@ -161,6 +162,12 @@ class Tier:
 
     def remove(self, nbytes: int) -> None:
         self.used_bytes -= nbytes
+        self.compute_low_bytes = min(self.compute_low_bytes, self.used_bytes)
+
+    def start_compute(self) -> None:
+        """The operator's chunks are in place: from here the tracer takes the least chunk
+        bytes held as C_i (see [Note: C_i on CUDA] in tracer.py)."""
+        self.compute_low_bytes = self.used_bytes
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A chunk payload. In CPU memory (not pinned) it is its own anonymous mapping:
@@ -212,11 +219,21 @@ def _resolve(budget: Budget, whole: int) -> int:
     return int(budget)
 
 
+def cuda_plannable_bytes(device: torch.device, safety: float) -> int:  # pragma: no cover
+    """What a GPU can give the engine: `safety` x the memory free now, plus what torch's
+    caching allocator already holds (it is ours to reuse). Called after the CUDA context
+    and (under ZeRO) the NCCL communicator exist, so neither is counted as available;
+    `total_memory` would count both, and chunks filling `budget - N_i` exactly would then
+    run out of memory in the tight regime the engine is for."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(safety * (free + torch.cuda.memory_reserved(device)))
+
+
 def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[str, Tier]:
     """Resolve the configured budgets into the three tiers."""
     host_whole = host_memory_limit() // local_ranks()
-    if device.type == "cuda":
-        dev_whole = torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        dev_whole = cuda_plannable_bytes(device, cfg.device_safety)
         pinned = True
     else:
         dev_whole = host_whole

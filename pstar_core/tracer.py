@@ -48,6 +48,8 @@ class Trace:
     names: list[str] = field(default_factory=list)
     chunk_bytes: list[int] = field(default_factory=list)  # C_i: on the device at moment i
     chunk_peak: list[int] = field(default_factory=list)  # the most chunk bytes in window i
+    # the least chunk bytes in window i once its operator's chunks were in place
+    chunk_compute: list[int] = field(default_factory=list)
     non_model: list[int] = field(default_factory=list)  # N_i
     uses: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     shape: BatchShape | None = None  # the batch it was traced with (None: not known)
@@ -212,12 +214,21 @@ class MemoryTracer:
 
     # -- moments -------------------------------------------------------------------------
 
-    def new_moment(self, name: str, device_chunk_bytes: int, window_chunk_peak: int) -> int:
+    def new_moment(
+        self,
+        name: str,
+        device_chunk_bytes: int,
+        window_chunk_peak: int,
+        window_compute_low: int | None = None,
+    ) -> int:
         """Moment i begins with `device_chunk_bytes` of chunks on the device; the most there
-        were since moment i-1 began was `window_chunk_peak`."""
+        were since moment i-1 began was `window_chunk_peak`, the least once moment i-1's
+        chunks were in place `window_compute_low` (default: the peak)."""
         p = self._pass
         if self.mode is not Mode.IDLE and self.moment >= 0:
             p.chunk_peak.append(window_chunk_peak)
+            low = window_chunk_peak if window_compute_low is None else window_compute_low
+            p.chunk_compute.append(low)
         self.moment += 1
         if self.mode is Mode.IDLE:
             return self.moment
@@ -244,10 +255,12 @@ class MemoryTracer:
             self._close_cuda_window()
         return self.moment
 
-    def close_window(self, window_chunk_peak: int) -> None:
+    def close_window(self, window_chunk_peak: int, window_compute_low: int | None = None) -> None:
         """The last window of the pass ends (before `end_pass`)."""
         if self.mode is not Mode.IDLE and self.moment >= 0:
             self._pass.chunk_peak.append(window_chunk_peak)
+            low = window_chunk_peak if window_compute_low is None else window_compute_low
+            self._pass.chunk_compute.append(low)
 
     def note_use(self, key: tuple[str, int]) -> None:
         if self.mode is Mode.TRACING:
@@ -318,8 +331,16 @@ class MemoryTracer:
         elif self._measuring_cuda:  # pragma: no cover - CUDA only
             self._measuring_cuda = False
             self._close_cuda_window()
+            # [Note: C_i on CUDA] R_i is the allocator's peak over window i, which comes
+            # while the operator computes, after its chunks were brought and its group
+            # gathered; C_i taken at the moment's start would leave those chunk bytes
+            # (a whole gathered group) inside N_i. The least chunk bytes held from then to
+            # the window's end is subtracted instead: exact when nothing leaves during the
+            # operator, and never more than the chunks there at R's peak (N_i is never
+            # underestimated). On the CPU the profiler separates chunk allocations
+            # exactly, so this applies to CUDA only.
             p.non_model = [
-                max(0, r - c) for r, c in zip(self._cuda_peaks, p.chunk_bytes, strict=False)
+                max(0, r - c) for r, c in zip(self._cuda_peaks, p.chunk_compute, strict=False)
             ]
         else:
             return 0
@@ -343,6 +364,7 @@ class MemoryTracer:
             "non_model_bytes": list(t.non_model) if t else [],
             "chunk_bytes": list(t.chunk_bytes) if t else [],
             "chunk_peak_bytes": list(t.chunk_peak) if t else [],
+            "chunk_compute_bytes": list(t.chunk_compute) if t else [],
             "names": list(t.names) if t else [],
             "traced_batch": {"tokens": t.shape.tokens, "seq": t.shape.seq}
             if t and t.shape

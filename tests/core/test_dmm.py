@@ -182,3 +182,21 @@ def test_host_too_small_for_the_warmup_step_fails_at_initialize_not_mid_run(ref)
     memory = {"device_budget": 10 * chunk_bytes, "host_budget": int(0.7 * chunk_bytes)}
     with pytest.raises(MemoryBudgetError, match="warm-up step updates every chunk on the host"):
         make(ref, memory)
+
+
+def test_trace_records_the_chunk_bytes_each_operator_computes_with(ref):
+    # C_i at a moment's start misses the chunks its operator then brings (on CUDA, where
+    # N_i = R_i - C_i, they would count as non-model memory); the trace keeps, per window,
+    # the least chunk bytes held once the operator's chunks were in place
+    engine = make(ref, {"device_budget": 6 * CHUNK * 2 * 14})
+    run_engine(engine, batches(1))
+    t = engine.stats()["tracer"]
+    start, compute, peak = t["chunk_bytes"], t["chunk_compute_bytes"], t["chunk_peak_bytes"]
+    assert len(compute) == len(start) == len(peak) == t["moments"]
+    assert all(c <= p for c, p in zip(compute, peak, strict=True))
+    brought = [i for i in range(len(start)) if compute[i] > start[i]]
+    assert brought, "no operator brought chunks to the device in the warm-up"
+    # the first operator starts with an empty device and computes with its chunk there
+    assert engine.manager.tracer.trace.names[0].startswith("fwd:")
+    assert start[0] == 0
+    assert compute[0] >= CHUNK * 2  # a bf16 param chunk
