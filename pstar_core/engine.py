@@ -139,6 +139,7 @@ class Engine:
         self._materialize(weights)
         self.manager.drop_remote()
         self.manager.residency.enforce_budgets()
+        self.manager.residency.pin_host_chunks()
         self.manager.check_working_sets(
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
@@ -514,6 +515,7 @@ class Engine:
             "rank": self.zero.rank,
             "comm_bytes_sent": self.zero.bytes_sent,
             "comm_overlapped_reductions": self.zero.overlapped,
+            "host_pool": self.manager.residency.host_pool(),
             "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in self.zero.calls.items()},
             "overflow_count": self.scaler.overflows,
             "loss_scale": self.scaler.scale,

@@ -149,6 +149,23 @@ class Residency:
         for t in self.tiers.values():
             t.peak_bytes = t.iteration_peak_bytes = t.used_bytes
 
+    def pin_host_chunks(self) -> None:
+        """After materialization (remote chunks dropped, budgets enforced): the host
+        tier's chunks move into its pool, sized to what this rank can ever hold there."""
+        host = self.tiers["host"]
+        if not host.use_arena:
+            return
+        own = sum(c.nbytes for c in self._chunks() if self._owned(c))
+        # gradient accumulation adds an fp32 chunk per trainable chunk while it runs
+        own += sum(4 * c.capacity for c in self.lists[ChunkType.PARAM] if self._owned(c))
+        host.make_arena(min(own, host.budget_bytes))
+        for c in self._chunks():
+            if c.tier == "host" and c.payload is not None:
+                with self.tracer.chunk_memory():
+                    pinned = host.allocate(c.capacity, c.dtype)
+                    pinned.copy_(c.payload)
+                    self.rehome(c, pinned)
+
     def make_resident(self, chunks: Sequence[Chunk], tier: str) -> None:
         """Bring `chunks` to `tier`, evicting others (never these) to make room."""
         for c in chunks:
@@ -247,6 +264,7 @@ class Residency:
             if tier == "disk":
                 c.disk_offset = dst.spill_file().write(c.payload)
                 self._unregister(c)
+                self.tiers[src].release(c.payload)
                 c.payload = None
             else:
                 new = dst.allocate(c.capacity, c.dtype)
@@ -258,6 +276,7 @@ class Residency:
                 else:
                     new.copy_(c.payload)
                     self._unregister(c)
+                    self.tiers[src].release(c.payload)
                 c.payload = new
                 self._register(c)
         if src is not None:
@@ -321,6 +340,13 @@ class Residency:
         tier = chunks[0].tier
         self.make_resident(chunks, "host" if tier == "disk" else tier)
 
+    def host_pool(self) -> dict[str, int] | None:
+        """The pinned pool's size, bytes in use, and chunks that found no room in it."""
+        arena = self.tiers["host"].arena
+        if arena is None:
+            return None
+        return {"bytes": arena.nbytes, "live": arena.live_bytes, "fallbacks": arena.fallbacks}
+
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         return {
             name: {
@@ -352,6 +378,7 @@ class Residency:
             c.disk_offset = None
         elif c.payload is not None:
             self._unregister(c)
+            self.tiers[c.tier].release(c.payload)
             with self.tracer.chunk_memory():
                 c.payload = None
         if c.tier is not None:
@@ -373,6 +400,7 @@ class Residency:
             f"{c.kind.value} chunk {c.index} rehomed from {c.payload.device} to {payload.device}",
         )
         self._unregister(c)
+        self.tiers[c.tier].release(c.payload)
         c.payload = payload
         self._register(c)
 

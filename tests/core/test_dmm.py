@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pstar_core
+from pstar_core.chunk import ChunkType
 from pstar_core.tiers import MemoryBudgetError
 from tests.core.helpers import MODELS, batches, engine_config, reference_model, run_engine
 
@@ -71,6 +72,36 @@ def test_disk_tier_keeps_training_when_model_data_exceeds_device_plus_host(
     assert moved["host->disk"] > 0
     assert moved["disk->host"] + moved.get("disk->device", 0) > 0
     assert engine.manager.residency.tiers["host"].peak_bytes <= host
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["host", "host+disk"])
+def test_host_chunks_sliced_from_one_pool_sized_to_this_rank(
+    ref, unconstrained, tmp_path, monkeypatch, spill
+):
+    # the GPU layout (one pinned buffer sliced into the rank's chunks), unpinned here
+    losses, peak_non_model, param_bytes = unconstrained
+    monkeypatch.setenv("PSTAR_HOST_ARENA", "1")
+    chunk_bytes = make(ref).stats()["chunk_bytes"]
+    memory = {"device_budget": int(peak_non_model + 0.4 * param_bytes)}
+    if spill:
+        memory |= {"host_budget": chunk_bytes // 3, "disk_budget": 10 * chunk_bytes}
+        memory |= {"disk_dir": str(tmp_path)}
+    engine = make(ref, memory)
+    pool = engine.stats()["host_pool"]
+    host = engine.manager.residency.tiers["host"]
+    params = engine.manager.lists[ChunkType.PARAM]
+    accumulation = sum(4 * c.capacity for c in params)  # an fp32 chunk per trainable one
+    assert pool["bytes"] == min(chunk_bytes + accumulation, host.budget_bytes)
+    assert run_engine(engine, batches(4)) == losses
+    pool = engine.stats()["host_pool"]
+    # every chunk on the host is a slice of the pool, and nothing else is
+    on_host = [c for c in engine.manager.chunks() if c.tier == "host"]
+    assert on_host
+    assert all(host.arena.owns(c.payload) for c in on_host)
+    assert pool["live"] == sum(c.nbytes for c in on_host) == host.used_bytes
+    assert pool["fallbacks"] == 0
+    if spill:
+        assert engine.stats()["bytes_moved"]["host->disk"] > 0
 
 
 def test_moments_repeat_and_steady_state_moves_nothing_with_enough_memory(ref):

@@ -71,6 +71,18 @@ def test_overlapped_reductions_equal_waiting_for_each(single, tmp_path, budget):
     assert calls == waited[0]["comm_calls"]
 
 
+def test_each_rank_pools_only_its_own_host_chunks(single, tmp_path):
+    ranks = launch("train", 2, tmp_path, PSTAR_HOST_ARENA="1")
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0
+    )
+    for r in ranks:
+        pool = r["host_pool"]
+        assert pool["fallbacks"] == 0
+        # its own chunks and their accumulation buffers, never the other rank's
+        assert r["own_bytes"] < pool["bytes"] < 2 * r["own_bytes"]
+
+
 def test_sharded_save_load_continue_equals_uninterrupted(tmp_path):
     ranks = launch("resume", 2, tmp_path)
     assert ranks[0]["resumed"] == ranks[0]["straight"]

@@ -44,6 +44,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["comm_bytes"] = engine.stats()["comm_bytes_sent"]
         out["comm_calls"] = engine.stats()["comm_calls"]
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
+        out["host_pool"] = engine.stats()["host_pool"]
+        out["own_bytes"] = sum(c.nbytes for c in engine.manager.own_chunks())
     elif name == "resume":
         run_steps(engine, data[:8], rank, world)
         engine.save_checkpoint(tmp / "ckpt")
