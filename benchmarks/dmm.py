@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
-from benchmarks.report import load_avg
+from benchmarks.report import finish, load_avg, median
 from pstar_core.mapping import pack
 from pstar_core.models import GPT, build, get_config, num_params
 from pstar_core.tiers import MemoryBudgetError
@@ -439,6 +439,119 @@ def _print_eviction(console: Console, r: dict[str, Any]) -> None:
         f"load avg before {r['load_avg']['before']}, after {r['load_avg']['after']}; "
         f"{r['seconds']:.0f} s in all"
     )
+
+
+# -- disk spill: prefetch on vs off ---------------------------------------------------------
+
+
+def run_disk_prefetch(
+    model: str = "gpt-small",
+    layers: int = 8,
+    batch: int = 4,
+    seq: int = 128,
+    chunk_size: int | None = None,
+    iters: int = 5,
+    trials: int = 3,
+    depth: int = 2,
+    json_out: bool = False,
+    vocab: int | None = 1024,
+) -> dict[str, Any]:
+    """Step time with model data spilled to disk, prefetch off vs on ([Note: prefetch]).
+
+    The device holds N + 0.4 x M, the host a third of the chunk bytes, the rest lives in
+    the spill file (in $PSTAR_SPILL_DIR or /tmp). Runs alternate off, on, off, on ...
+    (`trials` pairs, in one process); each run's steady iterations (3+) give its s/iter,
+    and the ratio on/off is taken per pair, the median reported. The spill file is read
+    through the page cache, so a read is mostly a memory copy here: on a real disk the
+    reads cost more and prefetch has more to hide.
+    """
+    if iters < 3:
+        raise ValueError("iters must be >= 3: iteration 1 traces, 2 places, 3+ are steady")
+    overrides: dict[str, Any] = {"num_layers": layers}
+    if vocab is not None:
+        overrides["vocab_size"] = vocab
+    cfg = dataclasses.replace(get_config(model), **overrides)
+
+    def model_fn() -> GPT:
+        return build(cfg)
+
+    if chunk_size is None:
+        chunk_size = choose_chunk_size(_param_numels(model_fn))
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen) for _ in range(iters)]
+    console = _console()
+    load_before = load_avg()
+    t_start = time.perf_counter()
+    base_cfg = {"dtype": "bf16", "chunk_size": chunk_size, "optimizer": {"lr": 1e-4}}
+    base = _run_engine(model_fn, {**base_cfg, "memory": {"disk_budget": 0}}, batches)
+    N = base.stats["tracer"]["peak_non_model_bytes"]
+    M = base.stats["chunk_bytes"]
+    memory = {
+        "device_budget": int(N + 0.4 * M),
+        "host_budget": M // 3,
+        "disk_budget": 2 * M,
+    }
+    per_iter: dict[str, list[float]] = {"off": [], "on": []}
+    ratios: list[float] = []
+    moved: dict[str, dict[str, int]] = {}
+    losses: dict[str, list[float]] = {}
+    prefetched: dict[str, int] = {}
+    for trial in range(trials):
+        for mode in ("off", "on"):
+            mem = {**memory, "prefetch_moments": depth if mode == "on" else 0}
+            r = _run_engine(model_fn, {**base_cfg, "memory": mem}, batches)
+            steady = r.seconds[2:]
+            per_iter[mode].append(sum(steady) / len(steady))
+            moved[mode] = {k: v for k, v in r.stats["bytes_moved"].items() if "disk" in k}
+            prefetched[mode] = r.stats["prefetched"].get("disk->host", 0)
+            losses[mode] = r.losses
+            secs = per_iter[mode][-1]
+            console.print(f"[dim]trial {trial + 1} prefetch {mode}: {secs:.3f} s/iter")
+        ratios.append(per_iter["on"][-1] / per_iter["off"][-1])
+    load_after = load_avg()
+    result = {
+        "model": model,
+        "layers": layers,
+        "params": num_params(cfg),
+        "chunk_size": chunk_size,
+        "model_data_chunk_bytes": M,
+        "memory": memory,
+        "prefetch_moments": depth,
+        "s_per_iter": {k: median(v) for k, v in per_iter.items()},
+        "disk_bytes_moved": moved,
+        "prefetched_chunks": prefetched,
+        "same_losses": losses["on"] == losses["off"],
+        "ratio_on_over_off": median(ratios),
+        "ratios": ratios,
+        "trials": trials,
+        "seconds": time.perf_counter() - t_start,
+        "load_avg": {"before": load_before, "after": load_after},
+    }
+    table = Table(
+        title=(
+            f"disk spill, prefetch off vs on: {model} ({layers} layers, "
+            f"{num_params(cfg) / 1e6:.1f}M params), bf16, batch {batch} x seq {seq}; device "
+            f"{_mib(memory['device_budget'])} MiB, host {_mib(memory['host_budget'])} MiB, "
+            f"model data {_mib(M)} MiB"
+        )
+    )
+    for col in ("prefetch", "s/iter (median)", "disk->host MiB", "host->disk MiB", "prefetched"):
+        table.add_column(col, justify="right")
+    for mode in ("off", "on"):
+        table.add_row(
+            mode,
+            f"{result['s_per_iter'][mode]:.3f}",
+            _mib(moved[mode].get("disk->host", 0)),
+            _mib(moved[mode].get("host->disk", 0)),
+            str(prefetched[mode]),
+        )
+    console.print(table)
+    console.print(
+        f"on ÷ off, median of {trials} interleaved pairs: {result['ratio_on_over_off']:.3f} "
+        f"(pairs: {', '.join(f'{x:.3f}' for x in ratios)}); losses identical: "
+        f"{result['same_losses']}"
+    )
+    return finish(console, result, load_before, load_after, json_out)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,13 @@ class MemoryConfig(_Frozen):
     static_model_share: float = Field(
         default=0.5, gt=0, le=1, description="policy 'static': share of the device for chunks"
     )
+    prefetch_moments: int = Field(
+        default=2,
+        ge=0,
+        description="while an iteration follows the trace, start moving the chunks the "
+        "next this-many operators use: spilled ones back to host memory on a reader "
+        "thread, and on a GPU host ones to the device on a copy stream; 0 disables",
+    )
     audit: bool = Field(
         default=False,
         description="measure non-model memory in every iteration, not only when tracing "

@@ -93,3 +93,39 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:  # pragma: no cover - CUDA only
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class CopyStream:
+    """Host-to-device copies off the compute stream (see [Note: prefetch] in prefetch.py).
+
+    On CUDA a dedicated stream runs prefetch copies with `non_blocking=True` from pinned
+    host memory, so they overlap the kernels of the compute stream; an event marks each
+    copy's end. Elsewhere (`enabled` False) nothing is issued: there is no copy engine
+    to overlap with, and the move happens when the chunk is used. Not exercised on a
+    machine without a GPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        self.device = device
+        # [CUDA] why a stream: copies on the compute stream would wait for its kernels
+        self.stream = torch.cuda.Stream(device) if self.enabled else None  # pragma: no cover
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:  # pragma: no cover - CUDA
+        """Start `dst.copy_(src)` on the copy stream; the event to `wait` on."""
+        assert self.stream is not None
+        # dst was allocated on the compute stream, maybe from a block it freed a moment
+        # ago: the copy starts after the compute stream's work issued so far
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        dst.record_stream(self.stream)  # freed later on the compute stream: wait for us too
+        return done
+
+    def wait(self, done: Any) -> None:  # pragma: no cover - CUDA only
+        """The compute stream waits for the copy; the host too, because the pinned source
+        buffer goes back to the pool (and may be refilled from disk) right after."""
+        torch.cuda.current_stream(self.device).wait_event(done)
+        done.synchronize()

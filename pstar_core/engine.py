@@ -504,6 +504,7 @@ class Engine:
             "grad_accum_bytes": m.grad_accum.bytes,
             "peak_grad_accum_bytes": m.grad_accum.peak_bytes,
             "bytes_moved": dict(m.residency.bytes_moved),
+            "prefetched": dict(m.residency.prefetched),
             "moves": dict(m.residency.moves),
             "bytes_moved_last_iteration": dict(m.residency.last_iteration_bytes_moved),
             "moves_last_iteration": dict(m.residency.last_iteration_moves),

@@ -187,6 +187,7 @@ class ChunkManager:
                     self.groups.gather(c)  # a no-op while its group is gathered
             self.residency.make_resident(chunks, "device")
             self.residency.tiers["device"].start_compute()
+            self.residency.prefetch()
             for s in slots:
                 chunk = self.param_chunk(s)
                 if s.state is S.HOLD_AFTER_BWD:  # a gradient from an earlier micro-batch
@@ -268,6 +269,7 @@ class ChunkManager:
             chunks.append(acc)
         self.residency.make_resident(chunks, placement.adam_tier(self, index))
         self.residency.tiers["device"].start_compute()
+        self.residency.prefetch()
 
     def free_grad_accum(self) -> None:
         self.grad_accum.free(self.slots)

@@ -22,8 +22,9 @@ from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
-from pstar_core.devices import check
+from pstar_core.devices import CopyStream, check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
+from pstar_core.prefetch import Arrival, DiskReader
 from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
 
@@ -61,6 +62,12 @@ class Residency:
         # waits for collectives still in flight and frees their buffers; True if it freed
         # anything (set by ZeRO's gathered groups: their reductions run asynchronously)
         self.settle: Callable[[], bool] = lambda: False
+        # [Note: prefetch] moves under way, by chunk id; the reader and the copy stream
+        self._arriving: dict[int, Arrival] = {}
+        self._reader = DiskReader()
+        self._copier = CopyStream(device)
+        self.prefetched: dict[str, int] = {}  # direction -> chunks prefetched in total
+        self._by_moment: tuple[object, list[list[tuple[str, int]]]] | None = None
 
     def _chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
         for kind, chunks in self.lists.items():
@@ -169,6 +176,7 @@ class Residency:
     def make_resident(self, chunks: Sequence[Chunk], tier: str) -> None:
         """Bring `chunks` to `tier`, evicting others (never these) to make room."""
         for c in chunks:
+            self.arrive(c)
             self.tracer.note_use((c.kind.value, c.index))
             self._last_use[id(c)] = self._clock
         need = sum(c.nbytes for c in chunks if c.tier != tier)
@@ -241,6 +249,7 @@ class Residency:
             self._move(victim, "host" if tier == "device" else "disk", protect)
 
     def _move(self, c: Chunk, tier: str, protect: set[int] | None = None) -> None:
+        self.arrive(c)
         src = c.tier
         if src == tier:
             return
@@ -373,6 +382,7 @@ class Residency:
 
     def forget(self, c: Chunk) -> None:
         """Drop a chunk's payload from whatever tier holds it (memory or disk)."""
+        self.arrive(c)
         if c.tier == "disk":
             self.tiers["disk"].spill_file().free(c.disk_offset, c.nbytes)
             c.disk_offset = None
@@ -405,5 +415,104 @@ class Residency:
         self._register(c)
 
     def close(self) -> None:
+        for c in list(self._chunks()):
+            self.arrive(c)
+        self._reader.close()
         for t in self.tiers.values():
             t.close()
+
+    # -- prefetch (see [Note: prefetch] in prefetch.py) -----------------------------------
+
+    def arrive(self, c: Chunk) -> None:
+        """Wait until a prefetched chunk's payload holds its bytes (no-op otherwise)."""
+        a = self._arriving.pop(id(c), None)
+        if a is None:
+            return
+        with record_function("pstar::wait prefetch"):
+            if a.src == "disk":
+                a.done.result()
+                self.tiers["disk"].spill_file().free(a.disk_offset, c.nbytes)
+            else:  # pragma: no cover - CUDA only
+                self._copier.wait(a.done)
+                self.tiers["host"].release(a.source)
+
+    def _uses_by_moment(self) -> list[list[tuple[str, int]]]:
+        trace = self.tracer.trace
+        if self._by_moment is None or self._by_moment[0] is not trace:
+            by_moment: list[list[tuple[str, int]]] = [[] for _ in range(trace.moments)]
+            for key, moments in trace.uses.items():
+                for m in moments:
+                    if m < trace.moments:
+                        by_moment[m].append(key)
+            self._by_moment = (trace, by_moment)
+        return self._by_moment[1]
+
+    def _chunk_of_key(self, key: tuple[str, int]) -> Chunk | None:
+        chunks = self.lists.get(ChunkType(key[0]))
+        return chunks[key[1]] if chunks is not None and key[1] < len(chunks) else None
+
+    def prefetch(self) -> None:
+        """The current operator's chunks are in place: start moving those the next
+        `memory.prefetch_moments` moments use (only while the trace is followed)."""
+        depth = self.memory.prefetch_moments
+        trace = self.tracer.trace
+        if not depth or trace is None or not self.tracer.following:
+            return
+        spill = self.tiers["disk"].spill
+        if spill is None and not self._copier.enabled:
+            return  # nothing is ever far away: no disk tier, no copy stream
+        by_moment = self._uses_by_moment()
+        now = self.tracer.moment
+        for m in range(now + 1, min(now + depth, trace.moments - 1) + 1):
+            for key in by_moment[m]:
+                c = self._chunk_of_key(key)
+                if c is None or id(c) in self._arriving or c.pins or not self._owned(c):
+                    continue
+                if c.tier == "disk" and spill is not None:
+                    self._prefetch_from_disk(c)
+                elif c.tier == "host" and self._copier.enabled and c.kind in PARAM_LISTS:
+                    self._prefetch_to_device(c)  # pragma: no cover - CUDA only
+
+    def _prefetch_from_disk(self, c: Chunk) -> None:
+        host = self.tiers["host"]
+        if host.used_bytes + c.nbytes > host.budget_bytes:
+            # no eviction for a prefetch: measured, evicting chunks needed later to make
+            # room moved 17% more bytes per step and made it slower, not faster
+            return
+        disk = self.tiers["disk"]
+        with self.tracer.chunk_memory():
+            new = host.allocate(c.capacity, c.dtype)
+        done = self._reader.submit(disk.spill_file(), c.disk_offset, new)
+        self._arriving[id(c)] = Arrival("disk", done, c.disk_offset, None)
+        c.disk_offset = None
+        c.payload = new
+        self._register(c)
+        self._account(c, "disk", "host")
+
+    def _prefetch_to_device(self, c: Chunk) -> None:  # pragma: no cover - CUDA only
+        device = self.tiers["device"]
+        if device.used_bytes + c.nbytes > self._allowed("device"):
+            return  # never evicts for a prefetch on the device: A_j is tight there
+        with self.tracer.chunk_memory():
+            new = device.allocate(c.capacity, c.dtype)
+        source = c.payload
+        done = self._copier.copy(new, source)
+        self._unregister(c)
+        self._arriving[id(c)] = Arrival("host", done, None, source)
+        c.payload = new
+        self._register(c)
+        self._account(c, "host", "device")
+
+    def _account(self, c: Chunk, src: str, dst: str) -> None:
+        self.tiers[src].remove(c.nbytes)
+        self.tiers[dst].add(c.nbytes)
+        c.tier = dst
+        key = f"{src}->{dst}"
+        self.prefetched[key] = self.prefetched.get(key, 0) + 1
+        for counter, n in (
+            (self.bytes_moved, c.nbytes),
+            (self.moves, 1),
+            (self.iteration_bytes_moved, c.nbytes),
+            (self.iteration_moves, 1),
+        ):
+            counter[key] = counter.get(key, 0) + n

@@ -225,12 +225,26 @@ def bench_eviction(
         int | None, typer.Option(help="elements per chunk (default: ~12-20 param chunks)")
     ] = None,
     iters: Annotated[int, typer.Option(help="iterations per run (>= 3; 3+ are measured)")] = 4,
+    disk: Annotated[
+        bool,
+        typer.Option(
+            "--disk", help="instead: model data spilled to disk, step time prefetch off vs on"
+        ),
+    ] = False,
+    trials: Annotated[int, typer.Option(help="--disk: interleaved off/on pairs")] = 3,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
-    """Bytes moved host<->device per iteration: eviction policies opt/lru/static vs budgets."""
-    from benchmarks.dmm import run_eviction
+    """Bytes moved host<->device per iteration: eviction policies opt/lru/static vs budgets
+    (or, with --disk, the step time with the disk tier, prefetch off vs on)."""
+    from benchmarks.dmm import run_disk_prefetch, run_eviction
 
     try:
+        if disk:
+            run_disk_prefetch(
+                model=model, layers=layers, batch=batch, seq=seq, chunk_size=chunk_size,
+                iters=max(iters, 5), trials=trials, json_out=json_out, vocab=vocab or None,
+            )  # fmt: skip
+            return
         run_eviction(
             model=model, layers=layers, batch=batch, seq=seq, chunk_size=chunk_size,
             iters=iters, json_out=json_out, vocab=vocab or None,

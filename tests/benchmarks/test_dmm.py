@@ -106,3 +106,18 @@ def test_cli_plot_trace_without_trace_json_fails_clearly(tmp_path):
 def test_plot_trace_rejects_stats_without_a_trace(tmp_path):
     with pytest.raises(ValueError, match="no memory trace"):
         plot_trace({"tracer": {"moments": 0}}, tmp_path / "x.png")
+
+
+def test_disk_prefetch_bench_prints_both_modes_and_one_json_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PSTAR_SPILL_DIR", str(tmp_path))
+    args = ["bench", "eviction", "--disk", "--model", "gpt-tiny", "--layers", "4", "--vocab"]
+    args += ["256", "--batch", "2", "--seq", "32", "--trials", "1", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output.strip().splitlines()[-1])
+    assert set(data["s_per_iter"]) == {"off", "on"}
+    assert data["same_losses"] is True
+    assert data["prefetched_chunks"]["off"] == 0
+    assert data["disk_bytes_moved"]["off"]["disk->host"] > 0  # the disk tier is in use
+    assert data["ratio_on_over_off"] > 0
+    assert "prefetch off vs on" in result.output

@@ -74,6 +74,33 @@ def test_disk_tier_keeps_training_when_model_data_exceeds_device_plus_host(
     assert engine.manager.residency.tiers["host"].peak_bytes <= host
 
 
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_prefetch_from_disk_overlaps_and_changes_nothing(ref, unconstrained, tmp_path, depth):
+    # chunks spilled to disk are read back by a background thread ahead of their use
+    losses, peak_non_model, param_bytes = unconstrained
+    chunk_bytes = make(ref).stats()["chunk_bytes"]
+    memory = {
+        "device_budget": int(peak_non_model + 0.4 * param_bytes), "host_budget": chunk_bytes // 3,
+        "disk_budget": 10 * chunk_bytes, "disk_dir": str(tmp_path), "prefetch_moments": depth,
+    }  # fmt: skip
+    engine = make(ref, memory)
+    assert run_engine(engine, batches(4)) == losses
+    stats = engine.stats()
+    prefetched = stats["prefetched"].get("disk->host", 0)
+    if depth:
+        assert prefetched > 0
+        # prefetched moves are moves: counted once, in the same counters
+        assert stats["bytes_moved"]["disk->host"] >= prefetched * min(
+            c.nbytes for c in engine.manager.chunks()
+        )
+    else:
+        assert prefetched == 0
+    host = engine.manager.residency.tiers["host"]
+    assert host.peak_bytes <= host.budget_bytes  # a prefetch never breaks the budget
+    assert not engine.manager.residency._arriving or engine.manager.tracer.following
+    engine.close()
+
+
 @pytest.mark.parametrize("spill", [False, True], ids=["host", "host+disk"])
 def test_host_chunks_sliced_from_one_pool_sized_to_this_rank(
     ref, unconstrained, tmp_path, monkeypatch, spill
