@@ -154,6 +154,29 @@ def api_app(*args: Any, **kwargs: Any) -> Any:
 
 
 @app.command()
+def doctor(
+    gpu: Annotated[
+        bool, typer.Option("--gpu", help="the GPU acceptance run (the only doctor so far)")
+    ] = False,
+    device: Annotated[
+        str, typer.Option(help="device to check; 'cpu' runs the script's own code paths")
+    ] = "cuda",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = True,
+) -> None:
+    """Check the GPU paths on this machine: placement, CPU parity, tracer, budget, pinned
+    pool, copy/compute overlap, Adam, NCCL. Exit 0 all passed, 1 one failed, 2 no GPU."""
+    if not gpu:
+        _fail("say --gpu: `pstar doctor --gpu` is the GPU acceptance run")
+    from benchmarks.doctor import run as run_doctor
+
+    result = run_doctor(device=device, json_out=json_out)
+    if result.get("error"):
+        raise typer.Exit(2)
+    if result["failed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
 def models() -> None:
     """The model zoo with real parameter counts."""
     from pstar_core.models import list_models
