@@ -219,7 +219,7 @@ class EngineConfig(_Frozen):
     @field_validator("device")
     @classmethod
     def _device_known(cls, v: str) -> str:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v) and not _loaded_backend(v):
             raise ValueError(f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
 
@@ -285,3 +285,15 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
         if model is None:
             return []
     return sorted(model.model_fields)
+
+
+def _loaded_backend(spec: str) -> bool:
+    """Another torch backend with a device module loaded in this process (the test
+    suite's second device, `tests/fakedevice`)."""
+    import torch
+
+    m = re.fullmatch(r"([a-z_]+)(:\d+)?", spec)
+    if m is None or m.group(1) in ("meta", "cpu", "cuda"):
+        return False
+    module = getattr(torch, m.group(1), None)
+    return bool(getattr(module, "is_available", lambda: False)())

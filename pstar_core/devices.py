@@ -48,6 +48,8 @@ def resolve_device(spec: str) -> torch.device:
     """The device a rank computes on, from the config's 'cpu', 'cuda' or 'cuda:N'."""
     if spec == "cpu":
         return torch.device("cpu")
+    if not spec.startswith("cuda"):
+        return _other_backend(spec)
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"device {spec!r} asked for, but torch sees no CUDA device (this is a CPU build "
@@ -68,6 +70,28 @@ def resolve_device(spec: str) -> torch.device:
             )
     torch.cuda.set_device(device)  # pragma: no cover - CUDA only
     return device  # pragma: no cover - CUDA only
+
+
+def _other_backend(spec: str) -> torch.device:
+    """A device of another backend torch has loaded: in this project, the test suite's
+    second device (`tests/fakedevice`, a `privateuse1` backend with its own memory)."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"device {spec!r} is not a torch device: {e}; use 'cpu' or 'cuda'"
+        ) from e
+    module = getattr(torch, device.type, None)
+    if module is None or not module.is_available():
+        raise RuntimeError(f"device {spec!r}: no backend for it is loaded; use 'cpu' or 'cuda'")
+    return device if device.index is not None else torch.device(device.type, 0)
+
+
+def device_module(device: torch.device) -> Any:
+    """`torch.cuda` for CUDA, the backend's module for another accelerator: where its
+    allocator statistics are read (`memory_allocated`, `max_memory_allocated`,
+    `reset_peak_memory_stats`)."""
+    return getattr(torch, device.type)
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

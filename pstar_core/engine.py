@@ -351,9 +351,11 @@ class Engine:
     # -- state ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict under its own names; trainable weights are fp32 masters."""
+        """The model's state dict under its own names; trainable weights are fp32 masters.
+        Every tensor is a host copy, wherever its chunk is (the device may not hold the
+        whole model)."""
         names = self.module.state_dict(keep_vars=True)
-        out = {name: self.read_tensor(name).clone() for name in names}
+        out = {name: self.read_tensor(name).to("cpu", copy=True) for name in names}
         self.forget_gathered()
         return out
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
+from pstar_core.devices import device_module
+
 log = logging.getLogger(__name__)
 
 CHUNK_MEM = "pstar.chunk_mem"
@@ -251,7 +253,7 @@ class MemoryTracer:
         if self._profiler is not None:
             with record_function(MOMENT):
                 pass
-        elif self._measuring_cuda and self.moment > 0:  # pragma: no cover - CUDA only
+        elif self._measuring_cuda and self.moment > 0:
             self._close_cuda_window()
         return self.moment
 
@@ -316,10 +318,10 @@ class MemoryTracer:
             )
             self._profiler.__enter__()
             _ACTIVE.add(self)
-        else:  # pragma: no cover - CUDA only
+        else:  # an accelerator: its caching allocator's peaks (CUDA, or the test device)
             self._cuda_peaks = []
             self._measuring_cuda = True
-            torch.cuda.reset_peak_memory_stats(self.device)
+            device_module(self.device).reset_peak_memory_stats(self.device)
 
     def _stop_measuring(self, p: Trace) -> int:
         """Fill in the pass's N_i if it was measured; the measured device peak (0 if not)."""
@@ -328,7 +330,7 @@ class MemoryTracer:
             _ACTIVE.discard(self)
             prof.__exit__(None, None, None)
             p.non_model = _cpu_non_model(prof, p.moments)
-        elif self._measuring_cuda:  # pragma: no cover - CUDA only
+        elif self._measuring_cuda:
             self._measuring_cuda = False
             self._close_cuda_window()
             # [Note: C_i on CUDA] R_i is the allocator's peak over window i, which comes
@@ -346,10 +348,11 @@ class MemoryTracer:
             return 0
         return p.device_peak()
 
-    def _close_cuda_window(self) -> None:  # pragma: no cover - CUDA only
+    def _close_cuda_window(self) -> None:
         """R of the moment that just ended: the allocator's peak since the last reset."""
-        self._cuda_peaks.append(torch.cuda.max_memory_allocated(self.device))
-        torch.cuda.reset_peak_memory_stats(self.device)
+        accel = device_module(self.device)
+        self._cuda_peaks.append(accel.max_memory_allocated(self.device))
+        accel.reset_peak_memory_stats(self.device)
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
         if what not in self._logged:

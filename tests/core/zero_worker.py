@@ -34,7 +34,11 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     variant = os.environ.get("PSTAR_TEST_VARIANT", "collective")
     overlap = os.environ.get("PSTAR_TEST_OVERLAP", "auto")
     zero = {"variant": variant, "overlap_reductions": overlap}
-    cfg = engine_config(chunk_size=8192, memory=memory, zero=zero)
+    device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+    clip = float(os.environ.get("PSTAR_TEST_CLIP", "0")) or None  # global-norm clipping
+    cfg = engine_config(
+        chunk_size=8192, memory=memory, zero=zero, device=device, gradient_clipping=clip
+    )
     engine = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
     engine.load_state_dict(ref.state_dict())
     out: dict = {"stats_before": {k: engine.stats()[k] for k in ("model_data_bytes", "chunk_size")}}
@@ -65,9 +69,15 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
 
 def main(rank: int, world: int, tmp: str, name: str) -> None:
     tmp_path = Path(tmp)
+    backend = "gloo"
+    if os.environ.get("PSTAR_TEST_DEVICE") == "fakegpu":  # the second device (GPU-like)
+        from tests import fakedevice
+
+        fakedevice.load()
+        backend = "fakegpu:fakenccl"  # as "nccl" alone on GPUs: host tensors are refused
     if world > 1:
         dist.init_process_group(
-            "gloo", init_method=f"file://{tmp_path / 'pg'}", rank=rank, world_size=world
+            backend, init_method=f"file://{tmp_path / 'pg'}", rank=rank, world_size=world
         )
     torch.set_num_threads(1)
     result = scenario(name, rank, world, tmp_path)

@@ -1,0 +1,154 @@
+"""fakenccl: an NCCL stand-in for fakegpu tensors, built on gloo.
+
+``dist.init_process_group(backend="cpu:gloo,fakegpu:fakenccl")`` routes CPU tensors to
+gloo and fakegpu tensors here. Like NCCL, every collective accepts device tensors only: a
+CPU tensor raises, naming the op and the device. Each collective copies its inputs to the
+host, starts the same gloo collective (on a gloo backend of its own), and returns a Work
+whose ``wait()`` waits for gloo and only then writes the fakegpu outputs; reading an
+output of an ``async_op=True`` collective before ``wait()`` sees the old values, as on a
+GPU where the kernel has not run yet.
+
+Why a C++ shim: torch 2.13's ``torch._C._distributed_c10d.Backend`` has no Python
+constructor ("No constructor defined!"), and a creator that returns a Python
+``dist.ProcessGroup`` subclass replaces the whole process group (distributed_c10d breaks
+out of the backend loop), which would drop the gloo backend for CPU tensors. So
+``fakegpu.cpp`` defines ``FakeNcclBackend`` (a real ``c10d::Backend``) that forwards each
+collective to the `_Collectives` object below, and the logic stays here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+NAME = "fakenccl"
+_REDUCE_OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "AVG": dist.ReduceOp.AVG,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+}
+
+
+def _check(op: str, tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.device.type != "fakegpu":
+            raise ValueError(
+                f"fakenccl {op}: got a tensor on {t.device}; like NCCL, it only takes "
+                f"device (fakegpu) tensors"
+            )
+
+
+def _host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.to("cpu") for t in tensors]
+
+
+def _work(inner: c10d.Work, done: Callable[[], None]) -> c10d.Work:
+    """A Work whose wait() waits for the gloo work, then runs `done` (the copy-back) once."""
+    state = {"done": False}
+
+    def wait(timeout: datetime.timedelta) -> bool:
+        if not state["done"]:
+            inner.wait() if timeout == datetime.timedelta(0) else inner.wait(timeout)
+            done()
+            state["done"] = True
+        return True
+
+    return c10d.PythonCallbackWork(wait)
+
+
+def _copy_back(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Callable[[], None]:
+    def done() -> None:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    return done
+
+
+def _reduce_op(op: str) -> dist.ReduceOp:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"fakenccl: unsupported reduce op {op}")
+    return _REDUCE_OPS[op]
+
+
+class _Collectives:
+    """What FakeNcclBackend (C++) calls; each method returns a c10d Work."""
+
+    def __init__(self, gloo: c10d.Backend) -> None:
+        self.gloo = gloo
+
+    def allreduce(self, tensors: list[torch.Tensor], op: str) -> c10d.Work:
+        _check("allreduce", tensors)
+        host = _host(tensors)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = _reduce_op(op)
+        return _work(self.gloo.allreduce(host, opts), _copy_back(tensors, host))
+
+    def broadcast(self, tensors: list[torch.Tensor], root: int) -> c10d.Work:
+        _check("broadcast", tensors)
+        host = _host(tensors)
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = root
+        return _work(self.gloo.broadcast(host, opts), _copy_back(tensors, host))
+
+    def reduce(self, tensors: list[torch.Tensor], root: int, op: str) -> c10d.Work:
+        _check("reduce", tensors)
+        host = _host(tensors)
+        opts = c10d.ReduceOptions()
+        opts.rootRank = root
+        opts.reduceOp = _reduce_op(op)
+        return _work(self.gloo.reduce(host, opts), _copy_back(tensors, host))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> c10d.Work:
+        _check("allgather", [*inputs, *(t for out in outputs for t in out)])
+        host_out = [_host(out) for out in outputs]
+        flat_dst = [t for out in outputs for t in out]
+        flat_src = [t for out in host_out for t in out]
+        work = self.gloo.allgather(host_out, _host(inputs), c10d.AllgatherOptions())
+        return _work(work, _copy_back(flat_dst, flat_src))
+
+    def allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> c10d.Work:
+        _check("_allgather_base (all_gather_single)", [output, input])
+        host_out = output.to("cpu")
+        work = self.gloo._allgather_base(host_out, input.to("cpu"), c10d.AllgatherOptions())
+        return _work(work, _copy_back([output], [host_out]))
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], op: str
+    ) -> c10d.Work:
+        _check("reduce_scatter", [*outputs, *(t for inp in inputs for t in inp)])
+        host_out = _host(outputs)
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = _reduce_op(op)
+        work = self.gloo.reduce_scatter(host_out, [_host(inp) for inp in inputs], opts)
+        return _work(work, _copy_back(outputs, host_out))
+
+    def reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, op: str) -> c10d.Work:
+        _check("_reduce_scatter_base (reduce_scatter_single)", [output, input])
+        host_out = output.to("cpu")
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = _reduce_op(op)
+        work = self.gloo._reduce_scatter_base(host_out, input.to("cpu"), opts)
+        return _work(work, _copy_back([output], [host_out]))
+
+    def barrier(self) -> c10d.Work:
+        return _work(self.gloo.barrier(c10d.BarrierOptions()), lambda: None)
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> c10d.Backend:
+    from tests import fakedevice
+
+    # a gloo backend of its own, under its own keys of the group's store
+    gloo = c10d.ProcessGroupGloo(c10d.PrefixStore(f"{NAME}/", store), rank, size, timeout)
+    return fakedevice.extension().FakeNcclBackend(rank, size, _Collectives(gloo))
+
+
+def register() -> None:
+    """Make ``fakenccl`` a c10d backend for the ``fakegpu`` device (idempotent)."""
+    if NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NAME, _create, devices=["fakegpu"])
