@@ -103,4 +103,30 @@ def create_app(
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
     app.include_router(jobs.router, prefix="/v1")
+    _declare_plain_text_parameters(app)
     return app
+
+
+def _declare_plain_text_parameters(app: FastAPI) -> None:
+    """Say in the OpenAPI schema what `routes.plain_text_url` enforces: no path or query
+    string holds U+0000 (a request with one gets a 400), so a client generated from the
+    schema, or a fuzzer, knows it is not a valid value."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    for param in op.get("parameters", []) if isinstance(op, dict) else []:
+                        _no_nul(param.get("schema", {}))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _no_nul(schema: dict) -> None:
+    if schema.get("type") == "string" and "pattern" not in schema:
+        schema["pattern"] = "^[^\\u0000]*$"
+    for sub in schema.get("anyOf", []):
+        _no_nul(sub)

@@ -30,3 +30,24 @@ def test_with_docs_off_the_documentation_routes_do_not_exist(tmp_path):
             assert (r.status_code, r.headers["allow"]) == (405, "GET, POST")
     finally:
         store.close()
+
+
+def test_the_schema_says_no_string_parameter_holds_nul(tmp_path):
+    # the API answers 400 to U+0000 in any path or query string; the schema says so
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    store.migrate()
+    settings = Settings(data_dir=tmp_path, db_url=store.url, tokens={"tok-acme-123": "acme"})
+    settings.ensure_dirs()
+    try:
+        with TestClient(create_app(settings, store, DryLauncher())) as http:
+            schema = http.get("/openapi.json").json()
+            params = schema["paths"]["/v1/files"]["get"]["parameters"]
+            after = next(p for p in params if p["name"] == "after")["schema"]
+            patterns = [after.get("pattern")] + [s.get("pattern") for s in after.get("anyOf", [])]
+            assert "^[^\\u0000]*$" in patterns
+            auth = {"Authorization": "Bearer tok-acme-123"}
+            r = http.get("/v1/files", params={"after": "a\x00b"}, headers=auth)
+            assert r.status_code == 400
+            assert "NUL" in r.json()["error"]["message"]
+    finally:
+        store.close()
