@@ -84,27 +84,24 @@ class ZeroGroup:
 
     # -- the engine's collectives ------------------------------------------------------
 
-    def all_gather(self, buffer: torch.Tensor, own: torch.Tensor) -> Work | None:
-        """ "collective" variant: `buffer` (nproc chunks, in rank order) receives every
-        rank's chunk; `own` is this rank's slice of it (in place, as NCCL prefers)."""
+    def all_gather(self, outputs: torch.Tensor | list[torch.Tensor], own: torch.Tensor) -> None:
+        """ "collective" variant: every rank's chunk, into one buffer (nproc chunks in rank
+        order, `own` its slice: in place) or into a list of chunks (`own` separate)."""
         self._sent("all_gather", own, self.nproc - 1)
-        return dist.all_gather_single(buffer, own, group=self.group)
+        if isinstance(outputs, list):
+            dist.all_gather(outputs, own, group=self.group)
+        else:
+            dist.all_gather_single(outputs, own, group=self.group)
 
-    def reduce_scatter_sum(self, own: torch.Tensor, buffer: torch.Tensor) -> Work | None:
-        """ "collective" variant, asynchronous: `own` (this rank's slice of `buffer`)
-        becomes the sum over ranks of that slice. Wait on the returned work before reading
-        it or freeing the buffer.
-
-        NCCL reduces the single buffer in place. gloo's single-tensor form clones the
-        whole group first, its list form one chunk (measured with the profiler: 2 and 1
-        chunks of temporaries), so on gloo the list form over the buffer's slices runs:
-        the same bytes sent, a chunk less of non-model memory."""
+    def reduce_scatter_sum(self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor]):
+        """ "collective" variant, asynchronous: `own` becomes the sum over ranks of this
+        rank's part of `inputs` (one buffer, `own` its slice; or a list, `own` its entry).
+        Wait on the returned work before reading `own` or freeing the inputs."""
         self._sent("reduce_scatter", own, self.nproc - 1)
-        if self.device.type == "cpu":  # gloo: the CPU's backend
-            parts = list(buffer.chunk(self.nproc))
-            return dist.reduce_scatter(own, parts, group=self.group, async_op=True)
+        if isinstance(inputs, list):
+            return dist.reduce_scatter(own, inputs, group=self.group, async_op=True)
         return dist.reduce_scatter_single(
-            own, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            own, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
 
     def broadcast_each(self, outputs: list[torch.Tensor]) -> None:
@@ -183,13 +180,17 @@ class GatheredGroups:
     then the remote chunks are dropped. Gradients a chunk still holds from an earlier
     micro-batch are stashed by their owner before the gather overwrites them.
 
-    [Note: one buffer per gathered group] In the "collective" variant a gathered group
-    lives in one contiguous device buffer of nproc chunks in owner order: the own chunk's
-    payload moves into its slice (a device-to-device copy; its old buffer is freed, so
-    the group costs nproc chunks, not nproc + 1), remote chunks are the other slices, and
-    both collectives run in place on it (`all_gather_single`, `reduce_scatter_single`),
-    the shapes NCCL handles without temporaries. When the group is released the own chunk
-    is copied back into a buffer of its own and the group buffer goes.
+    [Note: one buffer per gathered group] In the "collective" variant on a device a
+    gathered group lives in one contiguous buffer of nproc chunks in owner order: the own
+    chunk's payload moves into its slice (a device-to-device copy; its old buffer is
+    freed, so the group costs nproc chunks, not nproc + 1), remote chunks are the other
+    slices, and both collectives run in place on it (`all_gather_single`,
+    `reduce_scatter_single`), the shapes NCCL handles without temporaries. When the group
+    is released the own chunk is copied back into a buffer of its own and the group buffer
+    goes. On the CPU (gloo) the list forms run on separate chunks instead: gloo copies
+    through a flat temporary either way (measured with the profiler: its single-tensor
+    reduce-scatter clones the whole group, the list form one chunk), and the copies in and
+    out of the buffer made a 2-rank step about 10% slower there.
 
     [Note: overlapped reductions] After backward a group's reduce-scatter is issued
     asynchronously and the backward of the next layers runs while it is in flight; it is
@@ -213,7 +214,8 @@ class GatheredGroups:
 
     @property
     def contiguous(self) -> bool:
-        return self.zero.variant == "collective"
+        """One buffer per gathered group: on a device (see the note above)."""
+        return self.zero.variant == "collective" and self.zero.device.type != "cpu"
 
     def _key(self, c: Chunk) -> tuple[ChunkType, int]:
         return (c.kind, c.index // self.zero.nproc)
@@ -261,7 +263,11 @@ class GatheredGroups:
             else:
                 for m in remote:
                     r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
-                self.zero.broadcast_each([m.payload for m in members])
+                outputs = [m.payload for m in members]
+                if self.zero.variant == "serial":
+                    self.zero.broadcast_each(outputs)
+                else:
+                    self.zero.all_gather(outputs, own.payload)
         for m in members:
             m.pins += 1
         self.live[key] = members
@@ -315,17 +321,18 @@ class GatheredGroups:
             check(
                 m.tier == "device", f"{_name(m)} goes into a reduce-scatter from the {m.tier} tier"
             )
-        if not self.contiguous:
+        if self.zero.variant == "serial":
             with r.tracer.chunk_memory():
                 out = r.tiers["device"].allocate(own.capacity, own.dtype)
             with record_function("pstar::reduce_scatter"):
                 self.zero.reduce_each_mean([m.payload for m in members], out)
             own.payload.copy_(out)
-            self._finish_reduce(members, own)
+            self._finish_reduce(members, own, averaged=True)
             return
-        buffer = self._buffers.pop(id(own))
+        # in place: own is its slice of the group's buffer, or its entry in the list
+        inputs = self._buffers.pop(id(own)) if self.contiguous else [m.payload for m in members]
         with record_function("pstar::reduce_scatter"):
-            work = self.zero.reduce_scatter_sum(own.payload, buffer)
+            work = self.zero.reduce_scatter_sum(own.payload, inputs)
         self.in_flight.append(InFlight(work, members, own))
         if not self.zero.overlap:
             self.settle()
@@ -334,9 +341,9 @@ class GatheredGroups:
         """An operator starts: reductions still in flight now overlap its compute."""
         self.zero.overlapped += len(self.in_flight)
 
-    def _finish_reduce(self, members: list[Chunk], own: Chunk) -> None:
+    def _finish_reduce(self, members: list[Chunk], own: Chunk, averaged: bool = False) -> None:
         r = self.residency
-        if self.contiguous:
+        if not averaged:
             own.payload.div_(self.zero.nproc)
         master = self.lists[ChunkType.PARAM_FP32][own.index]
         for s in own.slots:
