@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from api import errors
+from api import errors, ui
 from service.jobs import JobService
 from service.settings import Settings
 from service.store import Store
@@ -103,6 +103,7 @@ def create_app(
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
     app.include_router(jobs.router, prefix="/v1")
+    ui.install(app)
     _declare_plain_text_parameters(app)
     return app
 

@@ -228,6 +228,23 @@ def jobs_list(
     console.print(t)
 
 
+@jobs_app.command("plot-trace")
+def jobs_plot_trace(
+    job_id: str,
+    out: Annotated[Path | None, typer.Option(help="PNG path (default <job id>-trace.png)")] = None,
+    url: Url = DEFAULT_URL,
+    data_dir: DataDir = None,
+) -> None:
+    """A PNG of the job's warm-up tracer timeline: the data its dashboard page plots."""
+    from service.plot_trace import memory_stats, plot_trace
+
+    memory = _call(_client(url, data_dir).get, f"/v1/fine_tuning/jobs/{job_id}/memory")
+    if not memory.get("available"):
+        _fail(f"{job_id} has no trace yet: it appears after the job's first iteration")
+    path = plot_trace(memory_stats(memory), out or Path(f"{job_id}-trace.png"), title=job_id)
+    console.print(f"wrote {path}")
+
+
 @jobs_app.command("get")
 def jobs_get(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
     """One job, as JSON."""

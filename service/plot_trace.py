@@ -20,7 +20,7 @@ matplotlib.use("Agg")  # headless: no display on servers and in tests
 
 import matplotlib.pyplot as plt
 
-__all__ = ["plot_run_dir", "plot_trace"]
+__all__ = ["memory_stats", "plot_run_dir", "plot_trace"]
 
 _REGIONS = (
     ("fwd:", "forward", "#dbeafe"),
@@ -152,6 +152,20 @@ def plot_trace(stats: dict[str, Any], out: Path, title: str | None = None) -> Pa
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def memory_stats(memory: dict[str, Any]) -> dict[str, Any]:
+    """The API's `GET .../memory` answer in the shape `plot_trace` takes: the PNG of a
+    service job draws the very numbers its dashboard page plots."""
+    return {
+        "tracer": {
+            "names": memory["names"],
+            "non_model_bytes": memory["non_model_bytes"],
+            "chunk_bytes": memory["chunk_bytes"],
+            "peak_non_model_bytes": memory["peak_non_model_bytes"],
+        },
+        "tiers": memory.get("tiers") or {},
+    }
 
 
 def plot_run_dir(run_dir: Path, out: Path | None = None) -> Path:

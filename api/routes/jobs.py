@@ -128,6 +128,86 @@ def jobs_events(
     return EventList(data=[JobEvent.of(e) for e in rows], has_more=more)
 
 
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+STREAM_POLL_S = 0.5  # how often the stream looks for new events in the store
+STREAM_KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep the stream open
+
+
+@router.get(
+    "/{fine_tuning_job_id}/events/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "Server-Sent Events: one `id: ftevent-N`, `event: message|metrics`, "
+            "`data: <the event object, as in /events>` block per event, oldest first; an "
+            "`event: end` block (data: the job object) once the job has ended and every "
+            "event was sent; `: keep-alive` comments in between.",
+        },
+        **responses(400, 404),
+    },
+)
+async def jobs_events_stream(
+    fine_tuning_job_id: str,
+    request: Request,
+    tenant: Tenant,
+    after: Annotated[
+        str | None,
+        Query(
+            pattern=r"^ftevent-[0-9]{1,18}$",
+            description="resume after this event id (as the Last-Event-ID header does)",
+        ),
+    ] = None,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            pattern=r"^ftevent-[0-9]{1,18}$",
+            description="sent by a reconnecting EventSource: resume after this event",
+        ),
+    ] = None,
+) -> StreamingResponse:
+    """The job's events as they happen (Server-Sent Events), from the first one or after
+    `Last-Event-ID` / `after`; the stream ends after the job does. A chart fed by it
+    grows as metrics arrive, without polling."""
+    c = ctx(request)
+    await run_in_threadpool(c.jobs.get, tenant, fine_tuning_job_id)
+    start = _event_cursor(last_event_id or after)
+
+    async def stream():
+        seq = start
+        quiet = 0.0
+        ended = None
+        while not await request.is_disconnected():
+            rows, more = await run_in_threadpool(
+                c.store.list_events, fine_tuning_job_id, seq, 500, None, "asc"
+            )
+            for e in rows:
+                ev = JobEvent.of(e)
+                yield f"id: {ev.id}\nevent: {ev.type}\ndata: {ev.model_dump_json()}\n\n"
+                seq = e.seq
+            if more:
+                continue
+            if ended is not None:  # every event up to and after the end has been sent
+                yield f"event: end\ndata: {FineTuningJob.of(ended).model_dump_json()}\n\n"
+                return
+            job = await run_in_threadpool(c.jobs.get, tenant, fine_tuning_job_id)
+            if job.status in TERMINAL:
+                ended = job  # one more read: events written with the status change
+                continue
+            if rows:
+                quiet = 0.0
+                continue
+            await asyncio.sleep(STREAM_POLL_S)
+            quiet += STREAM_POLL_S
+            if quiet >= STREAM_KEEPALIVE_S:
+                quiet = 0.0
+                yield ": keep-alive\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+
 @router.get(
     "/{fine_tuning_job_id}/checkpoints",
     response_model=CheckpointList,

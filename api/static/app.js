@@ -1,0 +1,519 @@
+// The job dashboard: a jobs list and a job page, drawn from the same API clients use.
+// No build step: plain JS, uPlot (vendored, MIT) for the charts. The API token lives in
+// sessionStorage and travels in the Authorization header only, never in a URL; that is
+// also why the event stream is read with fetch() rather than EventSource (which cannot
+// send headers).
+"use strict";
+
+const API = "/v1";
+const TOKEN_KEY = "pstar.token";
+const LIST_REFRESH_MS = 3000;
+const FAR = 3; // a budget more than this many times the data's peak is drawn off the scale
+const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d"];
+
+// What the page holds, readable by the browser tests: the uPlot instances and, per chart,
+// the raw series it plotted (steps and values by metric name).
+const state = {
+  token: sessionStorage.getItem(TOKEN_KEY),
+  charts: {},
+  plotted: {},
+  stream: null,
+  streamState: "idle", // idle | live | ended
+  timers: [],
+  job: null,
+  metrics: new Map(), // step -> {name: value}
+  memory: null,
+  seenEvents: new Set(),
+};
+window.pstar = state;
+
+class AuthError extends Error {}
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+function el(tag, attrs = {}, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") e.className = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return e;
+}
+
+function fmtBytes(v) {
+  if (v == null || Number.isNaN(v)) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  let x = Math.abs(v);
+  while (x >= 1024 && i < units.length - 1) { x /= 1024; i += 1; }
+  return `${(Math.sign(v) * x).toFixed(x >= 100 || i === 0 ? 0 : 1)} ${units[i]}`;
+}
+
+function fmtNum(v, digits = 4) {
+  if (v == null || Number.isNaN(v)) return "–";
+  return Math.abs(v) >= 1e4 || (Math.abs(v) < 1e-3 && v !== 0)
+    ? v.toExponential(2) : Number(v.toPrecision(digits)).toString();
+}
+
+function age(seconds) {
+  const s = Math.max(0, Date.now() / 1000 - seconds);
+  if (s < 60) return `${Math.round(s)} s`;
+  if (s < 3600) return `${Math.round(s / 60)} min`;
+  if (s < 86400) return `${(s / 3600).toFixed(1)} h`;
+  return `${(s / 86400).toFixed(1)} d`;
+}
+
+async function api(path, opts = {}) {
+  const headers = { Authorization: `Bearer ${state.token}`, ...(opts.headers || {}) };
+  const r = await fetch(API + path, { ...opts, headers });
+  if (r.status === 401) {
+    signOut("The API token was not accepted (401). Sign in again.");
+    throw new AuthError("401");
+  }
+  if (!r.ok) {
+    let msg = r.statusText;
+    try { msg = (await r.json()).error.message; } catch (_) { /* not our envelope */ }
+    const err = new Error(msg);
+    err.status = r.status;
+    throw err;
+  }
+  return r.json();
+}
+
+// -- pages --------------------------------------------------------------------------------
+
+function cleanup() {
+  state.timers.forEach(clearInterval);
+  state.timers = [];
+  if (state.stream) state.stream.abort();
+  state.stream = null;
+  state.streamState = "idle";
+  Object.values(state.charts).forEach((u) => u.destroy());
+  state.charts = {};
+  state.plotted = {};
+  state.metrics = new Map();
+  state.memory = null;
+  state.job = null;
+  state.seenEvents = new Set();
+}
+
+function mount(tpl) {
+  const main = $("#main");
+  main.replaceChildren($(`#tpl-${tpl}`).content.cloneNode(true));
+  return main;
+}
+
+function route() {
+  cleanup();
+  $("#signout").hidden = !state.token;
+  if (!state.token) return renderSignin();
+  const m = location.hash.match(/^#\/jobs\/([A-Za-z0-9_-]+)$/);
+  return m ? renderJob(m[1]) : renderList();
+}
+
+function signOut(message) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  state.token = null;
+  cleanup();
+  $("#signout").hidden = true;
+  renderSignin(message);
+}
+
+function renderSignin(message = "") {
+  mount("signin");
+  $("#signin-error").textContent = message;
+  $("#signin").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const token = $("#token").value.trim();
+    const r = await fetch(`${API}/fine_tuning/jobs?limit=1`, {
+      headers: { Authorization: `Bearer ${token}` },
+    });
+    if (r.status === 401) {
+      $("#signin-error").textContent = "The API token was not accepted (401).";
+      return;
+    }
+    state.token = token;
+    sessionStorage.setItem(TOKEN_KEY, token);
+    route();
+  });
+}
+
+async function renderList() {
+  mount("list");
+  const refresh = async () => {
+    const page = await api("/fine_tuning/jobs?limit=100");
+    const body = $("#jobs tbody");
+    if (!body) return;
+    body.replaceChildren(...page.data.map((j) => {
+      const pct = j.progress.total ? (100 * j.progress.step) / j.progress.total : 0;
+      const bar = el("span", { class: "bar" }, el("div", { style: `width:${pct.toFixed(1)}%` }));
+      return el("tr", { class: "link", "data-job": j.id, onclick: () => { location.hash = `#/jobs/${j.id}`; } },
+        el("td", {}, el("a", { href: `#/jobs/${j.id}` }, j.id)),
+        el("td", {}, el("span", { class: `status ${j.status}` }, j.status)),
+        el("td", {}, j.model),
+        el("td", {}, bar, ` ${j.progress.step}/${j.progress.total}`),
+        el("td", {}, age(j.created_at)));
+    }));
+    $("#jobs-empty").hidden = page.data.length > 0;
+  };
+  await refresh().catch(showError);
+  state.timers.push(setInterval(() => refresh().catch(showError), LIST_REFRESH_MS));
+}
+
+function showError(e) {
+  if (e instanceof AuthError) return;
+  let p = $("#page-error");
+  if (!p) {
+    p = el("p", { id: "page-error", class: "error" });
+    $("#main").prepend(p);
+  }
+  p.textContent = String(e.message || e);
+}
+
+async function renderJob(id) {
+  mount("job");
+  let job;
+  try {
+    job = await api(`/fine_tuning/jobs/${id}`);
+  } catch (e) {
+    if (e instanceof AuthError) return;
+    $("#main").replaceChildren(el("section", { class: "card" },
+      el("h1", {}, e.status === 404 ? "No such job" : "Cannot load the job"),
+      el("p", { class: "error", id: "page-error" }, e.message),
+      el("a", { href: "#/" }, "← all jobs")));
+    return;
+  }
+  state.job = job;
+  renderHead(job);
+  $("#cancel").addEventListener("click", async () => {
+    if (!confirm(`Cancel ${id}? The run stops; its checkpoints stay.`)) return;
+    try { renderHead(await api(`/fine_tuning/jobs/${id}/cancel`, { method: "POST" })); } catch (e) { showError(e); }
+  });
+  fetch("/readyz").then((r) => r.json()).then((h) => {
+    state.rayDashboard = h.ray_dashboard_url;
+    renderHead(state.job);
+  }).catch(() => {});
+
+  const [metrics, memory, events, checkpoints] = await Promise.all([
+    api(`/fine_tuning/jobs/${id}/metrics`),
+    api(`/fine_tuning/jobs/${id}/memory`),
+    api(`/fine_tuning/jobs/${id}/events?limit=200`),
+    api(`/fine_tuning/jobs/${id}/checkpoints?limit=100`),
+  ]).catch((e) => { showError(e); return []; });
+  if (!metrics) return;
+  addMetrics(metrics);
+  state.memory = memory;
+  makeCharts();
+  renderTrace(memory);
+  const ordered = events.data.slice().reverse(); // oldest first
+  ordered.forEach(addEvent);
+  renderCheckpoints(checkpoints);
+  const newest = events.data.length ? events.data[0].id : null;
+  follow(id, newest);
+}
+
+function renderHead(job) {
+  if (!job || !$("#job-id")) return;
+  state.job = job;
+  $("#job-id").textContent = job.id;
+  const st = $("#job-status");
+  st.textContent = job.status;
+  st.className = `status ${job.status}`;
+  $("#job-detail").textContent = job.status_detail || "";
+  const facts = [
+    `model ${job.model}`,
+    job.fine_tuned_model ? `→ ${job.fine_tuned_model}` : null,
+    `step ${job.progress.step}/${job.progress.total}`,
+    `attempt ${job.attempt}/${job.max_attempts}`,
+    `created ${age(job.created_at)} ago`,
+    job.estimated_finish && job.status === "running" ? `ETA ${new Date(job.estimated_finish * 1000).toLocaleTimeString()}` : null,
+  ].filter(Boolean);
+  $("#job-facts").textContent = facts.join(" · ");
+  const pct = job.progress.total ? (100 * job.progress.step) / job.progress.total : 0;
+  $("#job-bar").style.width = `${pct.toFixed(1)}%`;
+  $("#job-error").textContent = job.error ? `${job.error.code}: ${job.error.message}` : "";
+  $("#cancel").hidden = ["succeeded", "failed", "cancelled"].includes(job.status);
+  const link = $("#ray-link");
+  if (state.rayDashboard && job.ray_submission_id) {
+    link.href = `${state.rayDashboard}/#/jobs/${job.ray_submission_id}`;
+    link.hidden = false;
+  }
+}
+
+function addEvent(e) {
+  if (state.seenEvents.has(e.id)) return;
+  state.seenEvents.add(e.id);
+  if (e.type === "metrics") return; // those are the charts
+  const t = new Date(e.created_at * 1000).toLocaleTimeString();
+  const li = el("li", { class: e.level, "data-event": e.id }, el("span", { class: "t" }, t), e.message);
+  $("#events")?.prepend(li);
+}
+
+function renderCheckpoints(page) {
+  const body = $("#checkpoints tbody");
+  if (!body) return;
+  body.replaceChildren(...page.data.map((c) => el("tr", {},
+    el("td", {}, c.step_number), el("td", {}, c.id),
+    el("td", {}, fmtNum(c.metrics?.train_loss)),
+    el("td", {}, new Date(c.created_at * 1000).toLocaleString()))));
+}
+
+// -- metrics and charts ---------------------------------------------------------------------
+
+function addMetrics(resp) {
+  for (const [name, s] of Object.entries(resp.series)) {
+    s.steps.forEach((step, i) => {
+      const row = state.metrics.get(step) || {};
+      row[name] = s.values[i];
+      state.metrics.set(step, row);
+    });
+  }
+}
+
+function lastStep() {
+  let m = -1;
+  for (const s of state.metrics.keys()) m = Math.max(m, s);
+  return m;
+}
+
+// Each chart: which metric names it plots (a function of the names present), how
+// (stacked or not), and its value format.
+const CHART_DEFS = {
+  loss: { names: () => ["train_loss", "valid_loss"], fmt: fmtNum },
+  lr: { names: () => ["lr"], fmt: fmtNum },
+  speed: { names: () => ["tokens_per_second", "tflops"], fmt: fmtNum, twoAxes: true },
+  tiers: { names: (all) => ["device", "host", "disk"].map((t) => `model_data_bytes_${t}`).filter((n) => all.has(n)), fmt: fmtBytes, stacked: true },
+  moved: { names: (all) => [...all].filter((n) => n.startsWith("bytes_moved_")).sort(), fmt: fmtBytes, stacked: true },
+  peak: { names: () => ["peak_non_model_bytes"], fmt: fmtBytes, budget: true },
+};
+
+function seriesData(names) {
+  const steps = [...state.metrics.keys()].sort((a, b) => a - b);
+  const raw = names.map((n) => steps.map((s) => {
+    const v = state.metrics.get(s)[n];
+    return v == null ? null : v;
+  }));
+  return { steps, raw };
+}
+
+function stackedData(raw) {
+  const out = [];
+  let acc = null;
+  for (const r of raw) {
+    acc = r.map((v, i) => (v ?? 0) + (acc ? acc[i] : 0));
+    out.push(acc);
+  }
+  return out;
+}
+
+function chartData(key) {
+  const def = CHART_DEFS[key];
+  const all = new Set();
+  for (const row of state.metrics.values()) Object.keys(row).forEach((n) => all.add(n));
+  const names = def.names(all);
+  const { steps, raw } = seriesData(names);
+  state.plotted[key] = { steps, series: Object.fromEntries(names.map((n, i) => [n, raw[i]])) };
+  const ys = def.stacked ? stackedData(raw) : raw;
+  const data = [steps, ...ys];
+  if (def.budget) {
+    const b = state.memory?.device_budget_bytes;
+    data.push(steps.map(() => (b == null ? null : b)));
+  }
+  return { names, raw, data };
+}
+
+function makeChart(key) {
+  const def = CHART_DEFS[key];
+  const { names, raw, data } = chartData(key);
+  const target = $(`#chart-${key}`);
+  if (!target) return;
+  const series = [{ label: "step" }];
+  names.forEach((n, i) => {
+    const color = COLORS[i % COLORS.length];
+    series.push({
+      label: n,
+      stroke: color,
+      width: 1.5,
+      // stacked: the first series fills down to zero, each next one down to the one below
+      fill: def.stacked && i === 0 ? `${color}66` : undefined,
+      scale: def.twoAxes && i === 1 ? "right" : "y",
+      // stacked charts draw cumulative sums; the legend shows each series' own value
+      value: (u, v, si, idx) => def.fmt(def.stacked ? raw[si - 1]?.[idx] : v),
+      spanGaps: true,
+    });
+  });
+  if (def.budget) series.push({ label: "device budget", stroke: "#111827", dash: [6, 4], width: 1, value: (u, v) => fmtBytes(v) });
+  const axes = [{ label: "step" }, { values: (u, vals) => vals.map((v) => def.fmt(v)), size: 70 }];
+  if (def.twoAxes) axes.push({ side: 1, scale: "right", values: (u, vals) => vals.map((v) => fmtNum(v)), grid: { show: false }, size: 60 });
+  const bands = def.stacked
+    ? names.slice(1).map((_, i) => ({ series: [i + 2, i + 1], fill: `${COLORS[(i + 1) % COLORS.length]}66` }))
+    : [];
+  const width = Math.max(320, target.clientWidth || 560);
+  const scales = { x: { time: false } };
+  if (def.budget) scales.y = { range: budgetRange(data.slice(1, -1), state.memory?.device_budget_bytes) };
+  const opts = { width, height: 220, series, axes, bands, scales, legend: { live: true } };
+  const u = new uPlot(opts, data, target);
+  state.charts[key] = u;
+}
+
+// y from 0 to the data's peak, or to the budget when it is near enough to compare with
+// (a CPU job's device budget is the host's memory: it would flatten the data to zero)
+function budgetRange(arrays, budget) {
+  let peak = 0;
+  for (const a of arrays) for (const v of a) if (v != null) peak = Math.max(peak, v);
+  const top = budget != null && budget <= FAR * peak ? budget : peak;
+  return () => [0, (top || 1) * 1.1];
+}
+
+function makeCharts() {
+  Object.keys(CHART_DEFS).forEach(makeChart);
+}
+
+function refreshCharts() {
+  for (const key of Object.keys(CHART_DEFS)) {
+    const u = state.charts[key];
+    if (!u) continue;
+    const { names, data } = chartData(key);
+    if (names.length !== u.series.length - 1 - (CHART_DEFS[key].budget ? 1 : 0)) {
+      u.destroy();
+      delete state.charts[key];
+      makeChart(key); // a new series appeared (a new move direction, the first eval)
+    } else {
+      u.setData(data);
+    }
+  }
+}
+
+function renderTrace(memory) {
+  const target = $("#chart-trace");
+  if (!target) return;
+  if (state.charts.trace) { state.charts.trace.destroy(); delete state.charts.trace; }
+  const note = $("#trace-note");
+  if (!memory || !memory.available) {
+    note.textContent = "The warm-up iteration's trace appears here once the first statistics arrive.";
+    return;
+  }
+  const n = memory.moments;
+  const x = [...Array(n).keys()];
+  const budget = memory.device_budget_bytes;
+  const series = {
+    non_model_bytes: memory.non_model_bytes,
+    chunk_bytes: memory.chunk_bytes,
+    chunk_allowance_bytes: memory.chunk_allowance_bytes,
+  };
+  state.plotted.trace = { moments: x, names: memory.names, series };
+  const far = budget != null && budget > FAR * Math.max(...series.chunk_bytes, ...series.non_model_bytes, 1);
+  note.textContent = `${n} moments (operator starts) of the traced iteration; peak non-model ` +
+    `${fmtBytes(memory.peak_non_model_bytes)}, device budget ${fmtBytes(budget)}` +
+    `${far ? " (far above the scale, as is A_j)" : ""}. Hover to see each moment's operator.`;
+  const label = (i) => (i == null ? "" : `${i}: ${memory.names[i] ?? ""}`);
+  const u = new uPlot({
+    width: Math.max(600, target.clientWidth || 1200),
+    height: 260,
+    scales: { x: { time: false }, y: { range: budgetRange([series.non_model_bytes, series.chunk_bytes], budget) } },
+    series: [
+      { label: "moment", value: (u, v) => label(v) },
+      { label: "non-model N_i", stroke: COLORS[1], width: 1.5, value: (u, v) => fmtBytes(v) },
+      { label: "chunks on device C_i", stroke: COLORS[0], fill: `${COLORS[0]}33`, width: 1.5, value: (u, v) => fmtBytes(v) },
+      { label: "chunk allowance A_j", stroke: COLORS[2], width: 1, dash: [4, 3], value: (u, v) => fmtBytes(v) },
+      { label: "device budget", stroke: "#111827", width: 1, dash: [6, 4], value: (u, v) => fmtBytes(v) },
+    ],
+    axes: [{ label: "moment" }, { values: (u, vals) => vals.map(fmtBytes), size: 70 }],
+  }, [x, series.non_model_bytes, series.chunk_bytes, series.chunk_allowance_bytes, x.map(() => budget)], target);
+  state.charts.trace = u;
+}
+
+// -- the live stream ------------------------------------------------------------------------
+
+function parseBlock(block) {
+  const ev = { event: "message", data: "", id: null };
+  let any = false;
+  for (const line of block.split("\n")) {
+    if (!line || line.startsWith(":")) continue;
+    const i = line.indexOf(":");
+    const field = i < 0 ? line : line.slice(0, i);
+    const value = i < 0 ? "" : line.slice(i + 1).replace(/^ /, "");
+    if (field === "data") ev.data += (ev.data ? "\n" : "") + value;
+    else if (field === "event") ev.event = value;
+    else if (field === "id") ev.id = value;
+    any = true;
+  }
+  return any ? ev : null;
+}
+
+async function onEvent(id, type, event) {
+  addEvent(event);
+  if (type === "metrics") {
+    const from = lastStep() + 1;
+    addMetrics(await api(`/fine_tuning/jobs/${id}/metrics?step_from=${from}`));
+    if (!state.memory?.available) {
+      state.memory = await api(`/fine_tuning/jobs/${id}/memory`);
+      renderTrace(state.memory);
+    }
+    refreshCharts();
+    const step = event.data?.step;
+    if (state.job && step != null) {
+      state.job.progress.step = Math.max(state.job.progress.step, step);
+      renderHead(state.job);
+    }
+  } else {
+    renderHead(await api(`/fine_tuning/jobs/${id}`));
+    if (/checkpoint/i.test(event.message)) renderCheckpoints(await api(`/fine_tuning/jobs/${id}/checkpoints?limit=100`));
+  }
+}
+
+async function follow(id, after) {
+  const ctrl = new AbortController();
+  state.stream = ctrl;
+  let last = after;
+  while (!ctrl.signal.aborted) {
+    try {
+      const headers = { Authorization: `Bearer ${state.token}`, Accept: "text/event-stream" };
+      if (last) headers["Last-Event-ID"] = last;
+      const r = await fetch(`${API}/fine_tuning/jobs/${id}/events/stream`, { headers, signal: ctrl.signal });
+      if (r.status === 401) { signOut("The API token was not accepted (401). Sign in again."); return; }
+      if (!r.ok) throw new Error(`stream: ${r.status}`);
+      state.streamState = "live";
+      const reader = r.body.getReader();
+      const dec = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += dec.decode(value, { stream: true });
+        let k;
+        while ((k = buf.indexOf("\n\n")) >= 0) {
+          const block = buf.slice(0, k);
+          buf = buf.slice(k + 2);
+          const ev = parseBlock(block);
+          if (!ev) continue;
+          if (ev.event === "end") {
+            const job = JSON.parse(ev.data);
+            renderHead(job);
+            renderCheckpoints(await api(`/fine_tuning/jobs/${id}/checkpoints?limit=100`));
+            state.memory = await api(`/fine_tuning/jobs/${id}/memory`);
+            renderTrace(state.memory);
+            refreshCharts();
+            state.streamState = "ended";
+            return;
+          }
+          if (ev.id) last = ev.id;
+          await onEvent(id, ev.event, JSON.parse(ev.data));
+        }
+      }
+    } catch (e) {
+      if (ctrl.signal.aborted || e instanceof AuthError) return;
+    }
+    state.streamState = "reconnecting";
+    await sleep(2000);
+  }
+}
+
+// -- start --------------------------------------------------------------------------------
+
+$("#signout").addEventListener("click", () => signOut(""));
+window.addEventListener("hashchange", route);
+route();

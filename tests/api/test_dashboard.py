@@ -1,0 +1,387 @@
+"""The job dashboard in a real browser (Debian's headless Chromium driven by Selenium),
+against `pstar serve` on a real local Ray: one finished job and one running, shared by
+the module. The page's charts must hold the job's real points (compared with /metrics and
+/memory), a metric arriving over the event stream must extend them, a wrong token must be
+told so, and another tenant must never see the jobs. Screenshots of the list and the job
+pages go to runs/screenshots (or $PSTAR_SCREENSHOT_DIR).
+
+The event stream itself is also tested at the HTTP level: order, resumption with
+Last-Event-ID, the end block, and the same auth as every route.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.served import RIVAL_TOKEN, TOKEN, Serve, wait_for
+from tests.tiny import chat_lines, make_tiny_llama
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = Path(os.environ.get("PSTAR_SCREENSHOT_DIR", ROOT / "runs" / "screenshots"))
+
+
+def _browser_binaries() -> tuple[str, str]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        why = "Debian's chromium and chromium-driver are missing (scripts/test.sh installs them)"
+        if os.environ.get("PSTAR_TESTS_WITHOUT_BROWSER") == "1":
+            pytest.skip(why + " (PSTAR_TESTS_WITHOUT_BROWSER=1)")
+        pytest.fail(why + ", or set PSTAR_TESTS_WITHOUT_BROWSER=1 to skip the browser tests")
+    return chromium, driver
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("dash")
+    make_tiny_llama(data_dir / "models" / "tiny-llama", hidden=128, layers=4)
+    s = Serve(data_dir)
+    s.start()
+    yield s
+    s.terminate()
+    from service.local_ray import LocalRayHead
+
+    LocalRayHead(data_dir / "ray").stop()
+
+
+def _create(serve, files, steps: int):
+    return serve.client().fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        suffix="dash",
+        seed=3,
+        extra_body={
+            "hyperparameters": {
+                "n_epochs": 50, "batch_size": 8, "learning_rate_multiplier": 30,
+                "max_steps": steps, "eval_every": 10,
+            },
+            "resources": {"num_workers": 2},
+            "engine": {"dtype": "fp32"},
+            "checkpoint_every": 10,
+        },
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def jobs(serve):
+    """(finished job id, running job id)."""
+    c = serve.client()
+    # 512 rows: 64 steps an epoch, so the running job runs for minutes (it is cancelled)
+    train = c.files.create(
+        file=("train.jsonl", io.BytesIO("\n".join(chat_lines(512)).encode())), purpose="fine-tune"
+    )
+    valid = c.files.create(
+        file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(16, 500)).encode())),
+        purpose="fine-tune",
+    )
+    files = (train.id, valid.id)
+    done = _create(serve, files, 20)
+    wait_for(
+        lambda: c.fine_tuning.jobs.retrieve(done.id).status == "succeeded", 600, "job to succeed"
+    )
+    running = _create(serve, files, 5000)  # cancelled by the last test
+    wait_for(lambda: _metrics(serve, running.id, "train_loss"), 300, "the running job's metrics")
+    yield done.id, running.id
+    if c.fine_tuning.jobs.retrieve(running.id).status == "running":  # a test stopped early
+        c.fine_tuning.jobs.cancel(running.id)
+
+
+def _auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _metrics(serve, job_id: str, name: str | None = None) -> dict:
+    r = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job_id}/metrics", headers=_auth())
+    r.raise_for_status()
+    series = r.json()["series"]
+    return series.get(name) if name else series
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver_path = _browser_binaries()
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        opts.add_argument(arg)
+    opts.add_argument("--window-size=1400,2200")
+    service = Service(driver_path)
+    driver = webdriver.Chrome(service=service, options=opts)
+    driver.set_script_timeout(60)
+    yield driver
+    pid = service.process.pid if service.process else None
+    driver.quit()
+    if pid is not None:  # chromedriver (and with it the browser) is gone, by PID
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.kill(pid, 9)
+
+
+def _sign_in(browser, serve, token: str) -> None:
+    browser.get(f"{serve.url}/ui/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(f"{serve.url}/ui/")
+    _wait(browser, "return !!document.querySelector('#token')", "the sign-in form")
+    browser.find_element("css selector", "#token").send_keys(token)
+    browser.find_element("css selector", "#signin button").click()
+
+
+def _wait(browser, script: str, what: str, timeout: float = 60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = browser.execute_script(script)
+        if got:
+            return got
+        time.sleep(0.25)
+    raise AssertionError(f"the page never showed {what} in {timeout:.0f} s")
+
+
+def _shot(browser, name: str) -> Path:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / f"{name}.png"
+    browser.save_screenshot(str(path))
+    return path
+
+
+# -- the event stream over HTTP ------------------------------------------------------------
+
+
+def _read_stream(serve, job_id: str, headers: dict, params: dict | None = None) -> list[dict]:
+    blocks, cur = [], {}
+    url = f"{serve.url}/v1/fine_tuning/jobs/{job_id}/events/stream"
+    with httpx.stream("GET", url, headers=headers, params=params, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                if cur:
+                    blocks.append(cur)
+                    if cur.get("event") == "end":
+                        return blocks
+                cur = {}
+            elif not line.startswith(":"):
+                field, _, value = line.partition(": ")
+                cur[field] = value
+    return blocks
+
+
+def test_event_stream_sends_every_event_in_order_then_the_end(serve, jobs):
+    done, _ = jobs
+    blocks = _read_stream(serve, done, _auth())
+    assert blocks[-1]["event"] == "end"
+    assert json.loads(blocks[-1]["data"])["status"] == "succeeded"
+    events = blocks[:-1]
+    seqs = [int(b["id"].removeprefix("ftevent-")) for b in events]
+    assert seqs == sorted(seqs)
+    assert len(seqs) == len(set(seqs))
+    # the same events /events lists (newest first there)
+    listed = httpx.get(
+        f"{serve.url}/v1/fine_tuning/jobs/{done}/events", params={"limit": 1000}, headers=_auth()
+    ).json()["data"]
+    assert [b["id"] for b in events] == [e["id"] for e in reversed(listed)]
+    steps = [json.loads(b["data"])["data"]["step"] for b in events if b["event"] == "metrics"]
+    every = {step for series in _metrics(serve, done).values() for step in series["steps"]}
+    assert steps == sorted(every)  # one metrics event per recorded step (step 0: eval only)
+    # resumption: after a given event, exactly the later ones
+    middle = events[len(events) // 2]["id"]
+    resumed = _read_stream(serve, done, {**_auth(), "Last-Event-ID": middle})
+    assert [b["id"] for b in resumed[:-1]] == [b["id"] for b in events[len(events) // 2 + 1 :]]
+    by_query = _read_stream(serve, done, _auth(), {"after": middle})
+    assert [b.get("id") for b in by_query] == [b.get("id") for b in resumed]
+
+
+def test_event_stream_has_the_api_auth_and_tenancy(serve, jobs):
+    done, _ = jobs
+    url = f"{serve.url}/v1/fine_tuning/jobs/{done}/events/stream"
+    assert httpx.get(url).status_code == 401
+    r = httpx.get(url, headers=_auth(RIVAL_TOKEN))
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(url, headers={**_auth(), "Last-Event-ID": "not-an-event"})
+    assert r.status_code == 400
+
+
+# -- the page ------------------------------------------------------------------------------
+
+
+def _points(chart: dict, name: str) -> tuple[list[int], list[float]]:
+    """A plotted series as (steps, values): the page aligns its series on one step axis,
+    a step without a value being a gap."""
+    pairs = [
+        (s, v) for s, v in zip(chart["steps"], chart["series"][name], strict=True) if v is not None
+    ]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _same(chart: dict, name: str, want: dict) -> None:
+    steps, values = _points(chart, name)
+    assert steps == want["steps"], name
+    assert values == pytest.approx(want["values"]), name
+
+
+def test_a_wrong_token_is_told_so(serve, jobs, browser):
+    _sign_in(browser, serve, "tok-wrong-0000")
+    text = _wait(browser, "return document.querySelector('#signin-error').textContent", "an error")
+    assert "not accepted" in text
+    assert browser.execute_script("return sessionStorage.getItem('pstar.token')") is None
+    _shot(browser, "signin-wrong-token")
+
+
+def test_the_list_shows_the_tenants_jobs_live(serve, jobs, browser):
+    done, running = jobs
+    _sign_in(browser, serve, TOKEN)
+    rows = _wait(
+        browser,
+        "const r = [...document.querySelectorAll('#jobs tbody tr')].map(t => t.dataset.job);"
+        "return r.length >= 2 ? r : null",
+        "the jobs",
+    )
+    assert done in rows
+    assert running in rows
+    text = browser.find_element("css selector", "#jobs").text
+    assert "succeeded" in text
+    assert "running" in text
+    assert "tiny-llama" in text
+    assert TOKEN not in browser.current_url  # the token is never in a URL
+    # the running job's progress cell moves without a reload
+    cell = f"document.querySelector('tr[data-job=\"{running}\"] td:nth-child(4)').textContent"
+    first = browser.execute_script(f"return {cell}")
+    _wait(browser, f"return {cell} !== {json.dumps(first)}", "the progress to move", 120)
+    _shot(browser, "jobs-list")
+
+
+def test_the_job_page_plots_the_jobs_real_points(serve, jobs, browser):
+    done, _ = jobs
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{done}")
+    _wait(browser, "return window.pstar.streamState === 'ended'", "the finished job's stream end")
+    plotted = browser.execute_script("return window.pstar.plotted")
+    series = _metrics(serve, done)
+    _same(plotted["loss"], "train_loss", series["train_loss"])
+    _same(plotted["loss"], "valid_loss", series["valid_loss"])
+    _same(plotted["lr"], "lr", series["lr"])
+    _same(plotted["speed"], "tokens_per_second", series["tokens_per_second"])
+    tiers = plotted["tiers"]["series"]
+    assert tiers, "no model-data series plotted"
+    for name in tiers:
+        _same(plotted["tiers"], name, series[name])
+    moved = plotted["moved"]["series"]
+    assert set(moved) == {n for n in series if n.startswith("bytes_moved_")}
+    for name in moved:
+        _same(plotted["moved"], name, series[name])
+    memory = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{done}/memory", headers=_auth()).json()
+    trace = plotted["trace"]
+    assert trace["series"]["non_model_bytes"] == memory["non_model_bytes"]
+    assert trace["series"]["chunk_bytes"] == memory["chunk_bytes"]
+    assert trace["names"] == memory["names"]
+    assert len(trace["moments"]) == memory["moments"] > 0
+    page = browser.find_element("css selector", "#main").text
+    assert "succeeded" in page
+    assert "Checkpoints" in page
+    rows = browser.find_elements("css selector", "#checkpoints tbody tr")
+    assert len(rows) >= 1
+    assert browser.find_elements("css selector", "#events li")  # status changes and so on
+    assert not browser.find_element("css selector", "#cancel").is_displayed()
+    ray = browser.find_element("css selector", "#ray-link").get_attribute("href")
+    job = serve.client().fine_tuning.jobs.retrieve(done)
+    assert ray.endswith(f"/#/jobs/{job.ray_submission_id}")
+    _shot(browser, "job-finished")
+
+
+def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_first(
+    serve, jobs, browser
+):
+    _, running = jobs
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{running}")
+    _wait(browser, "return window.pstar.streamState === 'live'", "the live stream")
+    first = browser.execute_script("return window.pstar.plotted.loss.steps.length")
+    _wait(
+        browser,
+        f"return window.pstar.plotted.loss.steps.length > {first}",
+        "a new point on the loss chart",
+        180,
+    )
+    steps, values = _points(
+        browser.execute_script("return window.pstar.plotted.loss"), "train_loss"
+    )
+    want = _metrics(serve, running, "train_loss")
+    n = len(steps)
+    assert n > 0
+    assert steps == want["steps"][:n]
+    assert values == pytest.approx(want["values"][:n])
+    _shot(browser, "job-running")
+    # cancel asks first: dismissing keeps the job running
+    browser.find_element("css selector", "#cancel").click()
+    alert = browser.switch_to.alert
+    assert "Cancel" in alert.text
+    alert.dismiss()
+    assert serve.client().fine_tuning.jobs.retrieve(running).status == "running"
+    browser.find_element("css selector", "#cancel").click()
+    browser.switch_to.alert.accept()
+    _wait(
+        browser,
+        "return document.querySelector('#job-status').textContent === 'cancelled'",
+        "the cancelled status",
+        120,
+    )
+    assert serve.client().fine_tuning.jobs.retrieve(running).status == "cancelled"
+
+
+def test_another_tenant_never_sees_the_jobs(serve, jobs, browser):
+    done, running = jobs
+    _sign_in(browser, serve, RIVAL_TOKEN)
+    _wait(browser, "return !!document.querySelector('#jobs')", "the list")
+    time.sleep(1)
+    text = browser.find_element("css selector", "#main").text
+    assert done not in text
+    assert running not in text
+    browser.get(f"{serve.url}/ui/#/jobs/{done}")
+    heading = _wait(
+        browser,
+        "const h = document.querySelector('#main h1'); "
+        "return h && h.textContent !== '' && h.id !== 'job-id' ? h.textContent : null",
+        "the job page's answer",
+    )
+    assert heading == "No such job"
+    page = browser.find_element("css selector", "#main").text
+    assert "tiny-llama" not in page  # nothing of the job: no model, status or numbers
+    assert "succeeded" not in page
+    assert browser.execute_script("return Object.keys(window.pstar.charts).length") == 0
+    _shot(browser, "rival-job-page")
+
+
+def test_the_offline_png_draws_what_the_page_plots(serve, jobs, browser, tmp_path):
+    from typer.testing import CliRunner
+
+    from service.cli import app
+    from service.plot_trace import memory_stats
+
+    done, _ = jobs
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{done}")
+    _wait(browser, "return !!(window.pstar.plotted.trace)", "the trace chart")
+    page = browser.execute_script("return window.pstar.plotted.trace")
+    memory = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{done}/memory", headers=_auth()).json()
+    tracer = memory_stats(memory)["tracer"]
+    assert tracer["names"] == page["names"]
+    assert tracer["non_model_bytes"] == page["series"]["non_model_bytes"]
+    assert tracer["chunk_bytes"] == page["series"]["chunk_bytes"]
+    out = tmp_path / "trace.png"
+    env = {"PSTAR_API_TOKEN": TOKEN}
+    args = ["jobs", "plot-trace", done, "--out", str(out), "--url", serve.url]
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
