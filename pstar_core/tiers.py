@@ -276,6 +276,27 @@ def local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def _host_budget(cfg: MemoryConfig) -> Budget:
+    """memory.host_budget, or else PSTAR_HOST_BUDGET (bytes, or a fraction of the host
+    share): how a deployment keeps the host tier under its pods' memory limit without
+    every job saying so (k8s/: the worker pods' environment sets it)."""
+    if cfg.host_budget is not None:
+        return cfg.host_budget
+    raw = os.environ.get("PSTAR_HOST_BUDGET", "").strip()
+    if not raw:
+        return None
+    try:
+        value: Budget = float(raw) if "." in raw else int(raw)
+    except ValueError:
+        value = -1
+    if (isinstance(value, float) and not 0 < value <= 1) or (isinstance(value, int) and value < 0):
+        raise ValueError(
+            f"PSTAR_HOST_BUDGET must be bytes (an integer) or a fraction in (0, 1] such as "
+            f"0.7, got {raw!r}"
+        )
+    return value
+
+
 def _resolve(budget: Budget, whole: int) -> int:
     if budget is None:
         return whole
@@ -305,7 +326,7 @@ def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[str, Tier]:
         pinned = False
     tiers = {
         "device": Tier("device", device, _resolve(cfg.device_budget, dev_whole)),
-        "host": Tier("host", torch.device("cpu"), _resolve(cfg.host_budget, host_whole)),
+        "host": Tier("host", torch.device("cpu"), _resolve(_host_budget(cfg), host_whole)),
     }
     tiers["host"].pinned = pinned
     # PSTAR_HOST_ARENA=1 slices the host tier from one (unpinned) buffer on a machine

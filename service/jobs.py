@@ -309,6 +309,7 @@ class JobService:
 
     def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, dict[str, Any]]:
         """Check everything a client can get wrong; the plan the driver will run."""
+        req = self._with_default_resources(req)
         model = resolve_model(self.settings, self.store, tenant, req.model)
         if model is None:
             raise InvalidRequest(
@@ -403,6 +404,16 @@ class JobService:
             "suffix": req.suffix,
         }
         return model, plan
+
+    def _with_default_resources(self, req: JobRequest) -> JobRequest:
+        """The deployment's default resources (PSTAR_DEFAULT_RESOURCES) under the fields
+        the request gives."""
+        defaults = self.settings.default_resources
+        if not defaults:
+            return req
+        given = req.resources.model_fields_set if "resources" in req.model_fields_set else set()
+        merged = {**defaults, **req.resources.model_dump(include=given)}
+        return req.model_copy(update={"resources": Resources(**merged)})
 
     def create(self, tenant: str, req: JobRequest, idempotency_key: str | None) -> tuple[Job, bool]:
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:

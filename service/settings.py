@@ -40,6 +40,9 @@ class Settings:
     # the API's documentation (/docs, /redoc, /openapi.json) is served without a token: it
     # is the same for every tenant and holds no data; PSTAR_API_DOCS=off removes it
     api_docs: bool = True
+    # PSTAR_DEFAULT_RESOURCES: what a job that does not say gets (a deployment with GPU
+    # workers sets {"use_gpu": true, ...}); the fields a request gives win
+    default_resources: dict = field(default_factory=dict)
 
     @property
     def files_dir(self) -> Path:
@@ -88,7 +91,30 @@ class Settings:
             max_upload_bytes=max_upload,
             ray_address=env.get("RAY_ADDRESS") or None,
             api_docs=docs == "on",
+            default_resources=parse_default_resources(env.get("PSTAR_DEFAULT_RESOURCES", "")),
         )
+
+
+def parse_default_resources(raw: str) -> dict:
+    """PSTAR_DEFAULT_RESOURCES: a JSON object of job `resources` fields, checked as a job's."""
+    if not raw.strip():
+        return {}
+    import json
+
+    from pydantic import ValidationError
+
+    from service.jobs import Resources
+
+    try:
+        value = json.loads(raw)
+        Resources(**value)
+    except (json.JSONDecodeError, TypeError, ValidationError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SettingsError(
+            "PSTAR_DEFAULT_RESOURCES must be a JSON object of job resources, e.g. "
+            f'{{"num_workers": 2, "use_gpu": true}}: {msg}'
+        ) from None
+    return value
 
 
 def parse_tokens(raw: str) -> dict[str, str]:

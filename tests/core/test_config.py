@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import pstar_core
 from pstar_core.config import ConfigError, EngineConfig
@@ -62,3 +63,20 @@ def test_activation_checkpointing_on_a_model_without_support_is_a_config_error()
 
     with pytest.raises(ConfigError, match="gradient_checkpointing_enable"):
         pstar_core.initialize(lambda: torch.nn.Linear(4, 4), {"activation_checkpointing": True})
+
+
+def test_host_budget_from_the_environment_when_the_config_gives_none(monkeypatch):
+    from pstar_core.config import MemoryConfig
+    from pstar_core.tiers import host_memory_limit, local_ranks, make_tiers
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("PSTAR_HOST_BUDGET", "0.5")
+    whole = host_memory_limit() // local_ranks()
+    assert make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == int(0.5 * whole)
+    monkeypatch.setenv("PSTAR_HOST_BUDGET", str(3 << 30))
+    assert make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == 3 << 30
+    # the job's own setting wins
+    assert make_tiers(MemoryConfig(host_budget=1 << 30), cpu)["host"].budget_bytes == 1 << 30
+    monkeypatch.setenv("PSTAR_HOST_BUDGET", "1.5")
+    with pytest.raises(ValueError, match="PSTAR_HOST_BUDGET must be bytes"):
+        make_tiers(MemoryConfig(), cpu)

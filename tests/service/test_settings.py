@@ -62,3 +62,25 @@ def test_defaults_and_overrides_from_the_environment(tmp_path):
 def test_bad_values_name_the_variable(tmp_path, name, value, says):
     with pytest.raises(SettingsError, match=f"{name} {says}|{name} must be.*{says}"):
         Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path), name: value})
+
+
+def test_default_job_resources_from_the_environment_under_what_a_request_says(tmp_path):
+    from service.jobs import JobRequest, JobService
+
+    raw = '{"num_workers": 4, "use_gpu": true, "cpus_per_worker": 8}'
+    s = Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_DEFAULT_RESOURCES": raw})
+    assert s.default_resources == {"num_workers": 4, "use_gpu": True, "cpus_per_worker": 8}
+    service = JobService(s, store=None, launcher=None)
+    base = {"model": "m", "training_file": "file-1"}
+    silent = service._with_default_resources(JobRequest(**base))
+    assert silent.resources.model_dump() == s.default_resources
+    told = service._with_default_resources(JobRequest(**base, resources={"num_workers": 2}))
+    assert told.resources.model_dump() == {"num_workers": 2, "use_gpu": True, "cpus_per_worker": 8}
+    plain = JobService(Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)}), None, None)
+    assert plain._with_default_resources(JobRequest(**base)).resources.use_gpu is False
+
+
+@pytest.mark.parametrize("raw", ['{"use_gpu": "yes"}', "[1]", '{"gpus": 1}', "{"])
+def test_bad_default_resources_are_refused(tmp_path, raw):
+    with pytest.raises(SettingsError, match="PSTAR_DEFAULT_RESOURCES must be a JSON object"):
+        Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_DEFAULT_RESOURCES": raw})
