@@ -29,6 +29,7 @@ GAUGES = (
     "peak_non_model_bytes",
     "memory_utilization",
     "comm_bytes_sent",
+    "bytes_moved",  # over every tier-to-tier direction, in the step
 )
 
 
@@ -99,7 +100,8 @@ class Reporter:
     def metrics(
         self, step: int, values: dict[str, Any], note: str = "", total: int | None = None
     ) -> None:
-        for k, v in values.items():
+        moved = [v for k, v in values.items() if k.startswith("bytes_moved_")]
+        for k, v in [*values.items(), ("bytes_moved", sum(moved) if moved else None)]:
             if k in self._gauges and isinstance(v, (int, float)):
                 self._gauges[k].set(float(v))
         if self.store is None:

@@ -1,0 +1,26 @@
+# The one image the control plane, the Ray head and the Ray workers run: the official Ray
+# image of the Ray version this project pins (pyproject.toml: ray==2.60.0), with this
+# project installed. RAY_TAG picks the variant: 2.60.0-py311-cpu (dev overlay) or
+# 2.60.0-py311-gpu (CUDA; gpu overlay). Build with
+#   docker build -t REGISTRY/pstar:0.1.0-ray2.60.0-py311-cpu .
+#   docker build --build-arg RAY_TAG=2.60.0-py311-gpu -t REGISTRY/pstar:0.1.0-ray2.60.0-py311-gpu .
+ARG RAY_TAG=2.60.0-py311-cpu
+FROM rayproject/ray:${RAY_TAG}
+
+# torch first and pinned: the CPU image takes the CPU wheel, the GPU image the CUDA one
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir "torch==2.13.0" --index-url "${TORCH_INDEX}"
+
+WORKDIR /opt/pstar
+COPY --chown=1000:100 pyproject.toml README.md ./
+COPY --chown=1000:100 pstar_core ./pstar_core
+COPY --chown=1000:100 service ./service
+COPY --chown=1000:100 api ./api
+COPY --chown=1000:100 benchmarks ./benchmarks
+RUN pip install --no-cache-dir .
+
+# the Ray image's unprivileged user (uid 1000); the manifests run every pod as non-root
+USER 1000
+ENV PSTAR_DATA_DIR=/data
+EXPOSE 8000
+CMD ["pstar", "serve", "--host", "0.0.0.0", "--port", "8000"]
