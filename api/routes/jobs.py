@@ -158,8 +158,10 @@ async def jobs_events_stream(
             description="resume after this event id (as the Last-Event-ID header does)",
         ),
     ] = None,
+    # typed str with a None default, not `str | None`: the schema then says the header is
+    # a string when present (a header has no null)
     last_event_id: Annotated[
-        str | None,
+        str,  # noqa: RUF013
         Header(
             alias="Last-Event-ID",
             pattern=r"^ftevent-[0-9]{1,18}$",

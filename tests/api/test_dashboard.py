@@ -323,14 +323,18 @@ def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_fir
     assert steps == want["steps"][:n]
     assert values == pytest.approx(want["values"][:n])
     _shot(browser, "job-running")
-    # cancel asks first: dismissing keeps the job running
+    # cancel asks first (once): dismissing keeps the job running
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
     browser.find_element("css selector", "#cancel").click()
-    alert = browser.switch_to.alert
+    alert = WebDriverWait(browser, 10).until(ec.alert_is_present())
     assert "Cancel" in alert.text
     alert.dismiss()
+    WebDriverWait(browser, 10).until_not(ec.alert_is_present())
     assert serve.client().fine_tuning.jobs.retrieve(running).status == "running"
     browser.find_element("css selector", "#cancel").click()
-    browser.switch_to.alert.accept()
+    WebDriverWait(browser, 10).until(ec.alert_is_present()).accept()
     _wait(
         browser,
         "return document.querySelector('#job-status').textContent === 'cancelled'",

@@ -121,10 +121,11 @@ def _aim(label: str, o: Objects) -> tuple[dict[str, list[Any]], dict[str, list[A
         "fine_tuning_job_id": [o.queued_job, o.cancelled_job],
         "model": ["gpt-tiny", "tiny-llama"],
     }
-    if label.endswith("/logs"):
-        # `follow=true` streams until the job ends, and a queued job of the dry launcher
-        # never ends: only the ended job is aimed at here, whose stream stops at once (and
-        # so is fuzzed with follow=true too). A random id is a 404 before any streaming.
+    if label.endswith(("/logs", "/events/stream")):
+        # `follow=true` and the event stream stream until the job ends, and a queued job of
+        # the dry launcher never ends: only the ended job is aimed at here, whose stream
+        # stops at once (and so is fuzzed with follow=true too). A random id is a 404
+        # before any streaming.
         path["fine_tuning_job_id"] = [o.cancelled_job]
     body: dict[str, list[Any]] = {}
     if label in ("POST /v1/fine_tuning/jobs", "POST /v1/fine_tuning/jobs/validate"):
