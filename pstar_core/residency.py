@@ -288,18 +288,7 @@ class Residency:
                     self.tiers[src].release(c.payload)
                 c.payload = new
                 self._register(c)
-        if src is not None:
-            self.tiers[src].remove(c.nbytes)
-        dst.add(c.nbytes)
-        c.tier = tier
-        key = f"{src}->{tier}"
-        for counter, n in (
-            (self.bytes_moved, c.nbytes),
-            (self.moves, 1),
-            (self.iteration_bytes_moved, c.nbytes),
-            (self.iteration_moves, 1),
-        ):
-            counter[key] = counter.get(key, 0) + n
+        self._account(c, src, tier)
 
     def end_iteration(self) -> None:
         """Close the per-iteration move counters (called at the end of `step()`)."""
@@ -488,6 +477,7 @@ class Residency:
         c.payload = new
         self._register(c)
         self._account(c, "disk", "host")
+        self.prefetched["disk->host"] = self.prefetched.get("disk->host", 0) + 1
 
     def _prefetch_to_device(self, c: Chunk) -> None:  # pragma: no cover - CUDA only
         device = self.tiers["device"]
@@ -502,13 +492,14 @@ class Residency:
         c.payload = new
         self._register(c)
         self._account(c, "host", "device")
+        self.prefetched["host->device"] = self.prefetched.get("host->device", 0) + 1
 
     def _account(self, c: Chunk, src: str, dst: str) -> None:
+        """A move of `c` from tier `src` to `dst`: the tiers' bytes and the move counters."""
         self.tiers[src].remove(c.nbytes)
         self.tiers[dst].add(c.nbytes)
         c.tier = dst
         key = f"{src}->{dst}"
-        self.prefetched[key] = self.prefetched.get(key, 0) + 1
         for counter, n in (
             (self.bytes_moved, c.nbytes),
             (self.moves, 1),

@@ -97,3 +97,62 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
                 return got
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def start_serve(data_dir: Path) -> Serve:
+    """`pstar serve` on a data dir holding the tiny Llama the jobs fine-tune."""
+    from tests.tiny import make_tiny_llama
+
+    make_tiny_llama(data_dir / "models" / "tiny-llama", hidden=128, layers=4)
+    s = Serve(data_dir)
+    s.start()
+    return s
+
+
+def stop_serve(s: Serve) -> None:
+    from service.local_ray import LocalRayHead
+
+    s.terminate()
+    LocalRayHead(s.data_dir / "ray").stop()  # in case a test left it behind
+
+
+def upload_chat_files(serve: Serve, train_rows: int = 64) -> tuple[str, str]:
+    """(training file id, validation file id) of chat examples."""
+    import io
+
+    from tests.tiny import chat_lines
+
+    c = serve.client()
+    train = c.files.create(
+        file=("train.jsonl", io.BytesIO("\n".join(chat_lines(train_rows)).encode())),
+        purpose="fine-tune",
+    )
+    valid = c.files.create(
+        file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(16, 500)).encode())),
+        purpose="fine-tune",
+    )
+    return train.id, valid.id
+
+
+def create_job(serve: Serve, files: tuple[str, str], steps: int, suffix: str = "e2e", **extra):
+    """A job on the tiny Llama: 2 workers, fp32, eval and a checkpoint every 10 steps."""
+    return serve.client().fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        suffix=suffix,
+        seed=3,
+        extra_body={
+            "hyperparameters": {
+                "n_epochs": 50,
+                "batch_size": 8,
+                "learning_rate_multiplier": 30,
+                "max_steps": steps,
+                "eval_every": 10,
+            },
+            "resources": {"num_workers": 2},
+            "engine": {"dtype": "fp32"},
+            "checkpoint_every": 10,
+            **extra,
+        },
+    )

@@ -37,6 +37,11 @@ JobId = Annotated[str, "fine_tuning_job_id"]
 # enums in the schema, so a client (and the fuzzer) knows the values a filter takes
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 EventType = Literal["message", "metrics"]
+EVENT_ID = r"^ftevent-[0-9]{1,18}$"
+EventCursor = Annotated[
+    str | None,
+    Query(pattern=EVENT_ID, description="an event id such as 'ftevent-42': the events after it"),
+]
 MAX_STEP = 2**31 - 1  # the store keeps steps as 32-bit integers (PostgreSQL's `integer`)
 
 
@@ -111,13 +116,7 @@ def jobs_events(
     fine_tuning_job_id: str,
     request: Request,
     tenant: Tenant,
-    after: Annotated[
-        str | None,
-        Query(
-            pattern=r"^ftevent-[0-9]{1,18}$",
-            description="an event id such as 'ftevent-42' from a previous page",
-        ),
-    ] = None,
+    after: EventCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     type: EventType | None = None,
 ) -> EventList:
@@ -151,20 +150,14 @@ async def jobs_events_stream(
     fine_tuning_job_id: str,
     request: Request,
     tenant: Tenant,
-    after: Annotated[
-        str | None,
-        Query(
-            pattern=r"^ftevent-[0-9]{1,18}$",
-            description="resume after this event id (as the Last-Event-ID header does)",
-        ),
-    ] = None,
+    after: EventCursor = None,
     # typed str with a None default, not `str | None`: the schema then says the header is
     # a string when present (a header has no null)
     last_event_id: Annotated[
         str,  # noqa: RUF013
         Header(
             alias="Last-Event-ID",
-            pattern=r"^ftevent-[0-9]{1,18}$",
+            pattern=EVENT_ID,
             description="sent by a reconnecting EventSource: resume after this event",
         ),
     ] = None,

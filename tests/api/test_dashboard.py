@@ -11,7 +11,6 @@ Last-Event-ID, the end block, and the same auth as every route.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -21,10 +20,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.served import RIVAL_TOKEN, TOKEN, Serve, wait_for
-from tests.tiny import chat_lines, make_tiny_llama
+from tests.served import (
+    RIVAL_TOKEN,
+    TOKEN,
+    create_job,
+    start_serve,
+    stop_serve,
+    upload_chat_files,
+    wait_for,
+)
 
-pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = Path(os.environ.get("PSTAR_SCREENSHOT_DIR", ROOT / "runs" / "screenshots"))
@@ -42,34 +47,9 @@ def _browser_binaries() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("dash")
-    make_tiny_llama(data_dir / "models" / "tiny-llama", hidden=128, layers=4)
-    s = Serve(data_dir)
-    s.start()
+    s = start_serve(tmp_path_factory.mktemp("dash"))
     yield s
-    s.terminate()
-    from service.local_ray import LocalRayHead
-
-    LocalRayHead(data_dir / "ray").stop()
-
-
-def _create(serve, files, steps: int):
-    return serve.client().fine_tuning.jobs.create(
-        model="tiny-llama",
-        training_file=files[0],
-        validation_file=files[1],
-        suffix="dash",
-        seed=3,
-        extra_body={
-            "hyperparameters": {
-                "n_epochs": 50, "batch_size": 8, "learning_rate_multiplier": 30,
-                "max_steps": steps, "eval_every": 10,
-            },
-            "resources": {"num_workers": 2},
-            "engine": {"dtype": "fp32"},
-            "checkpoint_every": 10,
-        },
-    )  # fmt: skip
+    stop_serve(s)
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +57,12 @@ def jobs(serve):
     """(finished job id, running job id)."""
     c = serve.client()
     # 512 rows: 64 steps an epoch, so the running job runs for minutes (it is cancelled)
-    train = c.files.create(
-        file=("train.jsonl", io.BytesIO("\n".join(chat_lines(512)).encode())), purpose="fine-tune"
-    )
-    valid = c.files.create(
-        file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(16, 500)).encode())),
-        purpose="fine-tune",
-    )
-    files = (train.id, valid.id)
-    done = _create(serve, files, 20)
+    files = upload_chat_files(serve, train_rows=512)
+    done = create_job(serve, files, 20, suffix="dash")
     wait_for(
         lambda: c.fine_tuning.jobs.retrieve(done.id).status == "succeeded", 600, "job to succeed"
     )
-    running = _create(serve, files, 5000)  # cancelled by the last test
+    running = create_job(serve, files, 5000, suffix="dash")  # cancelled by a test
     wait_for(lambda: _metrics(serve, running.id, "train_loss"), 300, "the running job's metrics")
     yield done.id, running.id
     if c.fine_tuning.jobs.retrieve(running.id).status == "running":  # a test stopped early

@@ -17,6 +17,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -26,9 +28,6 @@ CRDS = ROOT.parent / "shared" / "kuberay-crds"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes the manifests are checked against
 OVERLAYS = ("dev", "gpu")
 CUSTOM = {"RayCluster", "RayJob", "PodMonitor", "ServiceMonitor"}
-
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-jsonschema = pytest.importorskip("jsonschema")
 
 
 def _tool(name: str) -> str:

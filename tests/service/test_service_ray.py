@@ -19,7 +19,16 @@ import time
 import httpx
 import pytest
 
-from tests.served import RIVAL_TOKEN, TOKEN, Serve, wait_for
+from tests.served import (
+    RIVAL_TOKEN,
+    TOKEN,
+    Serve,
+    create_job,
+    start_serve,
+    stop_serve,
+    upload_chat_files,
+    wait_for,
+)
 from tests.tiny import chat_lines, make_tiny_llama
 
 openai = pytest.importorskip("openai")
@@ -29,51 +38,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("svc")
-    make_tiny_llama(data_dir / "models" / "tiny-llama", hidden=128, layers=4)
-    s = Serve(data_dir)
-    s.start()
+    s = start_serve(tmp_path_factory.mktemp("svc"))
     yield s
-    s.terminate()
-    from service.local_ray import LocalRayHead
-
-    LocalRayHead(data_dir / "ray").stop()  # in case a test left it behind
+    stop_serve(s)
 
 
 @pytest.fixture(scope="module")
 def files(serve):
-    c = serve.client()
-    train = c.files.create(
-        file=("train.jsonl", io.BytesIO("\n".join(chat_lines(64)).encode())), purpose="fine-tune"
-    )
-    valid = c.files.create(
-        file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(16, 500)).encode())),
-        purpose="fine-tune",
-    )
-    return train.id, valid.id
+    return upload_chat_files(serve)
 
 
 def create(serve, files, steps: int, **extra):
-    return serve.client().fine_tuning.jobs.create(
-        model="tiny-llama",
-        training_file=files[0],
-        validation_file=files[1],
-        suffix="e2e",
-        seed=3,
-        extra_body={
-            "hyperparameters": {
-                "n_epochs": 50,
-                "batch_size": 8,
-                "learning_rate_multiplier": 30,
-                "max_steps": steps,
-                "eval_every": 10,
-            },
-            "resources": {"num_workers": 2},
-            "engine": {"dtype": "fp32"},
-            "checkpoint_every": 10,
-            **extra,
-        },
-    )
+    return create_job(serve, files, steps, **extra)
 
 
 def store_of(serve):
