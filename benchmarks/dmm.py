@@ -205,6 +205,34 @@ def _trace_bound(
     return best * chunk_bytes
 
 
+def _workload(
+    model: str,
+    layers: int,
+    vocab: int | None,
+    batch: int,
+    seq: int,
+    iters: int,
+    chunk_size: int | None,
+) -> tuple[Any, Callable[[], GPT], int, list[torch.Tensor]]:
+    """The zoo model with its layer count (and vocabulary) overridden, a builder for it,
+    the chunk size (given, or ~12-20 param chunks), and one random batch per iteration."""
+    overrides: dict[str, Any] = {"num_layers": layers}
+    if vocab is not None:
+        overrides["vocab_size"] = vocab
+    cfg = dataclasses.replace(get_config(model), **overrides)
+    if seq > cfg.seq_len:
+        raise ValueError(f"seq {seq} exceeds {model}'s seq_len {cfg.seq_len}")
+
+    def model_fn() -> GPT:
+        return build(cfg)
+
+    if chunk_size is None:
+        chunk_size = choose_chunk_size(_param_numels(model_fn))
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen) for _ in range(iters)]
+    return cfg, model_fn, chunk_size, batches
+
+
 # -- eviction benchmark -------------------------------------------------------------------
 
 
@@ -235,20 +263,9 @@ def run_eviction(
     """
     if iters < 3:
         raise ValueError("iters must be >= 3: iteration 1 traces, 2 places, 3+ are steady")
-    overrides: dict[str, Any] = {"num_layers": layers}
-    if vocab is not None:
-        overrides["vocab_size"] = vocab
-    cfg = dataclasses.replace(get_config(model), **overrides)
-    if seq > cfg.seq_len:
-        raise ValueError(f"seq {seq} exceeds {model}'s seq_len {cfg.seq_len}")
-
-    def model_fn() -> GPT:
-        return build(cfg)
-
-    if chunk_size is None:
-        chunk_size = choose_chunk_size(_param_numels(model_fn))
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen) for _ in range(iters)]
+    cfg, model_fn, chunk_size, batches = _workload(
+        model, layers, vocab, batch, seq, iters, chunk_size
+    )
 
     def engine_cfg(memory: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -467,18 +484,9 @@ def run_disk_prefetch(
     """
     if iters < 3:
         raise ValueError("iters must be >= 3: iteration 1 traces, 2 places, 3+ are steady")
-    overrides: dict[str, Any] = {"num_layers": layers}
-    if vocab is not None:
-        overrides["vocab_size"] = vocab
-    cfg = dataclasses.replace(get_config(model), **overrides)
-
-    def model_fn() -> GPT:
-        return build(cfg)
-
-    if chunk_size is None:
-        chunk_size = choose_chunk_size(_param_numels(model_fn))
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen) for _ in range(iters)]
+    cfg, model_fn, chunk_size, batches = _workload(
+        model, layers, vocab, batch, seq, iters, chunk_size
+    )
     console = _console()
     load_before = load_avg()
     t_start = time.perf_counter()
