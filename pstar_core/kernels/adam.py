@@ -344,9 +344,7 @@ def _adamw_fused(
     """
     lo = min(s.offset for s in segments)
     hi = max(s.offset + s.numel for s in segments)
-    g32 = grad[lo:hi].float()  # a copy even when grad is fp32 (grad may alias param_out)
-    if g32.data_ptr() == grad[lo:hi].data_ptr():
-        g32 = g32.clone()
+    g32 = grad[lo:hi].to(torch.float32, copy=True)  # a copy: grad may alias param_out
     if grad_scale != 1.0:
         g32.mul_(grad_scale)
     steps = torch.tensor([float(s.step) for s in segments], dtype=torch.float32)
