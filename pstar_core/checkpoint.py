@@ -1,5 +1,10 @@
 """Engine checkpoints: every chunk of every list, plus the training state, in one directory.
 
+Frozen weights (a LoRA model's base, or any frozen parameter) that still hold what the
+engine's source model directory holds are not written: the checkpoint records that
+directory, and loading leaves those chunks as the engine read them from it. A LoRA
+checkpoint is then the adapters and their optimizer state only.
+
 Layout of a checkpoint directory:
 - `pstar_checkpoint.json`: format version, dtype, chunk size, world size, the tensor map
   (name, shape, chunk, offset), global step, lr scale, loss scaler;
@@ -24,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pstar_core.chunk import ChunkType
 from pstar_core.devices import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -58,6 +64,8 @@ def _meta(engine: Engine) -> dict[str, Any]:
             }
             for s in engine.manager.slots
         ],
+        "frozen": "source" if engine.frozen_from_source else "saved",
+        "source_dir": str(engine.source_dir) if engine.source_dir is not None else None,
         "global_step": engine.global_step,
         "lr_scale": engine.optimizer.lr_scale,
         "scaler": engine.scaler.state_dict(),
@@ -106,7 +114,10 @@ def _barrier(zero) -> None:
 def _write_rank_files(engine: Engine, directory: Path) -> None:
     m, zero = engine.manager, engine.zero
     in_memory = m.residency.in_memory
-    tensors = {f"{c.kind.value}.{c.index}": in_memory(c).payload for c in m.own_chunks()}
+    tensors = {
+        f"{c.kind.value}.{c.index}": in_memory(c).payload
+        for c in _saved_chunks(engine, not engine.frozen_from_source)
+    }
     save_file(tensors, directory / _rank_file(zero.rank, zero.nproc, ".safetensors"))
     extra = {
         "rng": rng_state(engine.device),  # the CPU's and this rank's device's, not all GPUs'
@@ -116,6 +127,13 @@ def _write_rank_files(engine: Engine, directory: Path) -> None:
     torch.save(extra, directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"))
     if zero.rank == 0:
         (directory / META).write_text(json.dumps(_meta(engine), indent=1))
+
+
+def _saved_chunks(engine: Engine, frozen_saved: bool) -> list[Any]:
+    """This rank's chunks that a checkpoint holds: all, or all but the frozen ones."""
+    return [
+        c for c in engine.manager.own_chunks() if frozen_saved or c.kind is not ChunkType.FROZEN
+    ]
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -136,10 +154,11 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
         raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
     _check_compatible(engine, meta, directory)
     zero = engine.zero
+    frozen_saved = meta.get("frozen", "saved") == "saved"
     path = directory / _rank_file(zero.rank, zero.nproc, ".safetensors")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for c in engine.manager.own_chunks():
+            for c in _saved_chunks(engine, frozen_saved):
                 key = f"{c.kind.value}.{c.index}"
                 engine.manager.residency.in_memory(c).payload.copy_(f.get_tensor(key))
     except (OSError, KeyError, RuntimeError) as e:
@@ -149,6 +168,8 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
         weights_only=False,
         map_location="cpu",  # written on whatever device; placed by the engine
     )
+    if frozen_saved:
+        engine.frozen_from_source = False
     set_rng_state(extra["rng"], engine.device)
     engine.excluded.load_state_dict(extra["excluded"])
     for slot, step in zip(engine.manager.slots, extra["steps"], strict=True):
@@ -165,6 +186,11 @@ def _check_compatible(engine: Engine, meta: dict[str, Any], directory: Path) -> 
             f"this engine reads {FORMAT_VERSION}"
         )
     ours = _meta(engine)
+    if meta.get("frozen") == "source" and not engine.frozen_from_source:
+        raise CheckpointError(
+            f"{directory}: the checkpoint leaves its frozen weights to the model directory "
+            f"{meta.get('source_dir')}; initialize the engine from that directory first"
+        )
     for key in ("dtype", "chunk_size", "world_size", "lists"):
         if meta.get(key) != ours[key]:
             raise CheckpointError(

@@ -183,6 +183,41 @@ class ZeroConfig(_Frozen):
     )
 
 
+LORA_DEFAULT_TARGETS = "all-linear"
+
+
+class LoraConfig(_Frozen):
+    """Low-rank adapters (LoRA, written by `peft`): the model's own weights freeze into the
+    frozen chunk list (compute dtype only, about 2 bytes per parameter in bf16) and only
+    the adapters carry gradients, fp32 masters and Adam state.
+
+    With `adapter_dir` the adapters start from a PEFT adapter directory
+    (`adapter_config.json` + `adapter_model.safetensors`); its own r, alpha, dropout and
+    target modules then apply, and any of those fields given here must agree with it.
+    """
+
+    r: int = Field(default=16, ge=1, le=4096, description="rank of each adapter")
+    alpha: float = Field(
+        default=32.0, gt=0, description="scaling numerator: the update is (alpha / r) B A x"
+    )
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: tuple[str, ...] | Literal["all-linear"] = Field(
+        default=LORA_DEFAULT_TARGETS,
+        description="module names (or name suffixes) that get adapters; 'all-linear' = every "
+        "linear layer except the output head",
+    )
+    adapter_dir: Path | None = Field(
+        default=None, description="a PEFT adapter directory to continue training from"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: tuple[str, ...] | str) -> tuple[str, ...] | str:
+        if isinstance(v, tuple) and (not v or any(not t.strip() for t in v)):
+            raise ValueError("name at least one module, or use 'all-linear'")
+        return v
+
+
 class EngineConfig(_Frozen):
     """Everything `pstar_core.initialize` needs besides the model."""
 
@@ -204,6 +239,11 @@ class EngineConfig(_Frozen):
     )
     memory: MemoryConfig = MemoryConfig()
     zero: ZeroConfig = ZeroConfig()
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="train low-rank adapters instead of every weight (see LoraConfig); "
+        "null trains the whole model",
+    )
     exclude_from_chunks: tuple[str, ...] = Field(
         default=(),
         description="regexes of parameter names kept as ordinary tensors outside the chunks",

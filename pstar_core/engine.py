@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pstar_core import lora
 from pstar_core.chunk import ChunkType, TensorSlot, TensorState
 from pstar_core.config import ConfigError, EngineConfig
 from pstar_core.devices import resolve_device, to_device
@@ -65,7 +66,19 @@ def initialize(
         module = model_fn()
     if not isinstance(module, nn.Module):
         raise TypeError(f"model_fn returned {type(module).__name__}, expected an nn.Module")
-    return Engine(module, cfg, process_group=process_group)
+    return Engine(with_lora(module, cfg), cfg, process_group=process_group)
+
+
+def with_lora(module: nn.Module, cfg: EngineConfig) -> nn.Module:
+    """The model with the config's LoRA adapters added (on meta), or as it is."""
+    if cfg.lora is None:
+        return module
+    if lora.is_peft(module):
+        raise ConfigError(
+            "lora: the model already is a peft model; drop the lora section (its adapters "
+            "train as they are) or return the base model from model_fn"
+        )
+    return lora.wrap(module, cfg.lora)
 
 
 class Engine:
@@ -83,6 +96,8 @@ class Engine:
     ) -> None:
         self.module = module
         self.source_dir: Path | None = None  # a HF model directory the weights came from
+        # the frozen chunks hold exactly what `source_dir` holds (checkpoints leave them out)
+        self.frozen_from_source = False
         self.config = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = cfg.torch_dtype
@@ -185,6 +200,10 @@ class Engine:
                 weights(self)
             elif not preloaded:
                 _run_model_init(self.module)
+            if lora.is_peft(self.module) and not preloaded:
+                lora.init_adapters(self.module)
+            if self.config.lora is not None and self.config.lora.adapter_dir is not None:
+                lora.load_adapter(self, self.config.lora.adapter_dir)
         for param, master in zip(
             m.lists[ChunkType.PARAM], m.lists[ChunkType.PARAM_FP32], strict=True
         ):
@@ -431,19 +450,25 @@ class Engine:
             chunks[1].view(slot).copy_(master)
         else:
             m.residency.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
+            self.frozen_from_source = False
 
     def export_hf(
         self,
         directory: str | Path,
         dtype: torch.dtype | None = None,
         max_shard_bytes: int | None = None,
+        variant: str | None = None,
     ) -> Path:
         """Write a directory that `transformers` loads with `from_pretrained` (safetensors,
-        config, and the source's tokenizer files), shard by shard with bounded memory."""
+        config, and the source's tokenizer files), shard by shard with bounded memory.
+
+        A LoRA model exports as `variant="adapter"` (the default: a PEFT adapter directory
+        that `PeftModel.from_pretrained` loads on its base) or `"merged"` (the base with
+        the adapters folded in, a plain transformers model)."""
         from pstar_core.hf import export_hf
 
         self._require_no_pending_grads("export_hf")
-        return export_hf(self, Path(directory), dtype, max_shard_bytes)
+        return export_hf(self, Path(directory), dtype, max_shard_bytes, variant)
 
     def _require_no_pending_grads(self, what: str) -> None:
         if any(s.state is not S.HOLD for s in self.slots.values()) or self.manager.grad_accum:

@@ -13,10 +13,12 @@ are sized like chunks and written one at a time, so memory stays bounded by one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pstar_core import lora
 from pstar_core.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -76,7 +79,7 @@ def weight_files(directory: Path) -> list[Path]:
 def initialize_from_hf_dir(directory: Path, cfg: EngineConfig, process_group=None) -> Engine:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pstar_core.engine import Engine
+    from pstar_core.engine import Engine, with_lora
 
     if not is_hf_dir(directory):
         raise HFLoadError(f"{directory} is not a Hugging Face model directory (no config.json)")
@@ -88,16 +91,28 @@ def initialize_from_hf_dir(directory: Path, cfg: EngineConfig, process_group=Non
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(hf_config)
     engine = Engine(
-        module, cfg, weights=lambda e: stream_weights(e, files), process_group=process_group
+        with_lora(module, cfg),
+        cfg,
+        weights=lambda e: stream_weights(e, files),
+        process_group=process_group,
     )
     engine.source_dir = directory
+    engine.frozen_from_source = True
     return engine
 
 
 def stream_weights(engine: Engine, files: list[Path]) -> None:
-    """Copy every tensor of `files` into its slot (or buffer), one tensor at a time."""
+    """Copy every tensor of `files` into its slot (or buffer), one tensor at a time.
+
+    For a LoRA model the files hold the base model: their names map to the base weights
+    under the adapters, and the adapters themselves are not expected."""
     module = engine.module
     own = module.state_dict(keep_vars=True)
+    if lora.is_peft(module):
+        by_file = {b: n for n in own if (b := lora.base_name(n)) is not None}
+        module = module.get_base_model()
+    else:
+        by_file = {n: n for n in own}
     prefix = getattr(module, "base_model_prefix", "")
     ignorable = [
         re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
@@ -108,8 +123,8 @@ def stream_weights(engine: Engine, files: list[Path]) -> None:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    name = key if key in own else f"{prefix}.{key}" if prefix else key
-                    if name not in own:
+                    name = by_file.get(key) or by_file.get(f"{prefix}.{key}" if prefix else key)
+                    if name is None:
                         if not any(p.search(key) for p in ignorable):
                             unexpected.append(key)
                         continue
@@ -122,7 +137,7 @@ def stream_weights(engine: Engine, files: list[Path]) -> None:
         slot = engine.by_name.get(name)
         if slot is not None:
             covered.update(slot.aliases)  # tied weights: one tensor in the file serves all names
-    missing = [n for n in own if n not in covered]
+    missing = [n for n in by_file.values() if n not in covered]
     if missing or unexpected:
         raise HFLoadError(
             f"weights do not match the model config: missing {missing[:8]}"
@@ -136,9 +151,22 @@ def export_hf(
     out: Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
+    variant: str | None = None,
 ) -> Path:
-    """Write a transformers-loadable model directory from the engine's fp32 masters."""
-    module = engine.module
+    """Write a directory that transformers (`variant` 'full' or 'merged') or peft
+    ('adapter') loads, from the engine's fp32 masters. With ZeRO every rank takes part
+    and rank 0 writes; the directory appears whole or not at all."""
+    is_lora = lora.is_peft(engine.module)
+    variant = variant or ("adapter" if is_lora else "full")
+    allowed = ("adapter", "merged") if is_lora else ("full",)
+    if variant not in allowed:
+        kind = "a LoRA model" if is_lora else "a model without adapters"
+        raise ValueError(
+            f"export variant {variant!r}: {kind} exports as {' or '.join(map(repr, allowed))}"
+        )
+    if variant == "adapter":
+        return _export_adapter(engine, out, dtype)
+    module = engine.module.get_base_model() if is_lora else engine.module
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TypeError(
@@ -150,25 +178,30 @@ def export_hf(
     if max_shard_bytes is None:
         max_shard_bytes = max(engine.plan.chunk_size * esize, 64 * 2**20)
     names = _export_names(engine)
-    shards: list[list[str]] = [[]]
+    adapted = lora.layers(engine.module) if is_lora else {}
+    shards: list[list[tuple[str, str]]] = [[]]
     size = 0
-    for name, numel in names:
+    for out_name, name, numel in names:
         if shards[-1] and size + numel * esize > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].append((out_name, name))
         size += numel * esize
-    out = out.resolve()
-    writer = engine.zero.rank == 0  # with ZeRO every rank takes part, rank 0 writes
-    tmp = out.parent / f".{out.name}.tmp-export"
-    if writer:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    try:
-        if writer:
+
+    def read(name: str) -> torch.Tensor:
+        layer = adapted.get(name)
+        if layer is not None:
+            return lora.merged_weight(engine, name, layer).to(dtype)
+        return engine.read_tensor(name).to(dtype).contiguous()
+
+    with _staged(engine, out) as tmp:
+        if tmp is not None:
+            saved_dtype = config.dtype
             config.dtype = dtype  # what from_pretrained(dtype="auto") will pick
-            config.save_pretrained(str(tmp))
+            try:
+                config.save_pretrained(str(tmp))
+            finally:
+                config.dtype = saved_dtype
         weight_map: dict[str, str] = {}
         total = 0
         for i, shard in enumerate(shards):
@@ -177,50 +210,90 @@ def export_hf(
                 if len(shards) == 1
                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             )
-            tensors = {n: engine.read_tensor(n).to(dtype).contiguous() for n in shard}
+            tensors = {out_name: read(name) for out_name, name in shard}
             total += sum(t.numel() * t.element_size() for t in tensors.values())
-            if writer:
+            if tmp is not None:
                 save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
-            weight_map.update(dict.fromkeys(shard, fname))
+            weight_map.update(dict.fromkeys((o for o, _ in shard), fname))
         engine.forget_gathered()
+        if tmp is not None:
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=1))
+            _copy_side_files(engine, tmp)
+    return out.resolve()
+
+
+def _export_adapter(engine: Engine, out: Path, dtype: torch.dtype | None) -> Path:
+    """`adapter_config.json` + `adapter_model.safetensors`, as `peft` saves them (fp32
+    masters unless `dtype` says otherwise; adapters are small)."""
+    names = lora.adapter_names(engine)
+    tensors = {
+        lora.adapter_file_name(n): engine.read_tensor(n).to("cpu", dtype or torch.float32)
+        for n in names
+    }
+    engine.forget_gathered()
+    with _staged(engine, out) as tmp:
+        if tmp is not None:
+            base = str(engine.source_dir) if engine.source_dir is not None else None
+            lora.write_adapter_config(engine.module, tmp, base)
+            save_file(tensors, str(tmp / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            _copy_side_files(engine, tmp)
+    return out.resolve()
+
+
+@contextlib.contextmanager
+def _staged(engine: Engine, out: Path) -> Iterator[Path | None]:
+    """A temporary sibling of `out` that replaces it when the block ends well (rank 0; the
+    other ranks get None and wait for it)."""
+    out = out.resolve()
+    writer = engine.zero.rank == 0
+    tmp = out.parent / f".{out.name}.tmp-export"
+    if writer:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    try:
+        yield tmp if writer else None
         if writer:
-            _finish_export(engine, tmp, out, shards, weight_map, total)
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            if out.exists():
+                out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if engine.zero.enabled:
         engine.zero.barrier()
-    return out
 
 
-def _finish_export(engine, tmp: Path, out: Path, shards, weight_map, total: int) -> None:
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=1))
+def _copy_side_files(engine: Engine, tmp: Path) -> None:
     if engine.source_dir is not None:
         for side in SIDE_FILES:
             if (engine.source_dir / side).is_file():
                 shutil.copy2(engine.source_dir / side, tmp / side)
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def _export_names(engine: Engine) -> list[tuple[str, int]]:
-    """State-dict names to write: each tied tensor once, under its first name."""
-    out: list[tuple[str, int]] = []
+def _export_names(engine: Engine) -> list[tuple[str, str, int]]:
+    """(name in the export, engine name, elements) of each tensor to write: each tied
+    tensor once, under its first name; for a LoRA model the base model's names, adapters
+    left out (they are merged into their layers' weights)."""
+    out: list[tuple[str, str, int]] = []
     written: set[int] = set()
+    rename = lora.base_name if lora.is_peft(engine.module) else (lambda n: n)
     for name, value in engine.module.state_dict(keep_vars=True).items():
         slot = engine.by_name.get(name)
         if slot is not None:
             if id(slot) in written:
                 continue
             written.add(id(slot))
-            out.append((slot.name, slot.numel))
+            name, numel = slot.name, slot.numel
         else:
-            out.append((name, value.numel()))
+            numel = value.numel()
+        out_name = rename(name)
+        if out_name is not None:
+            out.append((out_name, name, numel))
     return out

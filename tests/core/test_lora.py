@@ -12,7 +12,14 @@ import torch
 
 import pstar_core
 from pstar_core.chunk import ChunkType
-from tests.core.helpers import MODELS, batches, engine_config, run_engine, torch_adamw
+from tests.core.helpers import (
+    MODELS,
+    batches,
+    engine_config,
+    reference_model,
+    run_engine,
+    torch_adamw,
+)
 
 STEPS = 20
 
@@ -82,3 +89,126 @@ def test_the_base_stays_bitwise_and_only_adapters_carry_optimizer_state(referenc
     frozen = sum(s.numel for s in engine.manager.slots if not s.trainable)
     assert st[ChunkType.FROZEN.value]["bytes"] >= 4 * frozen  # fp32 here
     assert st[ChunkType.MOMENTUM.value]["bytes"] < st[ChunkType.FROZEN.value]["bytes"] / 4
+
+
+# -- the `lora` section: the engine wraps a model directory's base itself ---------------
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base") / "llama"
+    reference_model(MODELS["hf_llama"]).save_pretrained(d)
+    return d
+
+
+def lora_engine(base_dir, **extra):
+    cfg = engine_config(chunk_size=4096, **extra)
+    cfg["lora"] = {**LORA, **cfg.get("lora", {})}
+    return pstar_core.initialize(base_dir, cfg)
+
+
+def peft_on(base_dir, engine=None):
+    """peft's own model on the same base, with the engine's adapters if given."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA["target_modules"])
+    )
+    if engine is not None:
+        model.load_state_dict(engine.state_dict())
+    return model
+
+
+def test_lora_section_on_a_model_dir_starts_at_the_base_and_trains_like_peft(base_dir):
+    engine = lora_engine(base_dir)
+    x = batches(1)[0]
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        # B starts at zero (peft's init), so the adapted model is the base model
+        engine.eval()
+        torch.testing.assert_close(engine(input_ids=x).logits, base(input_ids=x).logits)
+        engine.train()
+    ref = peft_on(base_dir, engine)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch_adamw(ref, 1e-3, 0.1, params=params)
+    want = []
+    for b in batches(STEPS):
+        loss = ref(input_ids=b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    got = run_engine(engine, batches(STEPS))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    assert engine.stats()["trainable_params"] == sum(p.numel() for p in params)
+
+
+def test_adapter_export_reloads_in_peft_and_merged_equals_merge_and_unload(base_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = lora_engine(base_dir)
+    run_engine(engine, batches(5))
+    out = engine.export_hf(tmp_path / "adapter")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("adapter_")) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    x = batches(1, seed=7)[0]
+    engine.eval()
+    with torch.no_grad():
+        mine = engine(input_ids=x).logits
+        torch.testing.assert_close(loaded(input_ids=x).logits, mine, rtol=1e-5, atol=1e-6)
+    merged_dir = engine.export_hf(tmp_path / "merged", dtype=torch.float32, variant="merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    theirs = loaded.merge_and_unload()
+    for name, value in theirs.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], value, rtol=0, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, mine, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="exports as 'adapter' or 'merged'"):
+        engine.export_hf(tmp_path / "full", variant="full")
+
+
+def test_training_continues_from_an_exported_adapter(base_dir, tmp_path):
+    engine = lora_engine(base_dir)
+    run_engine(engine, batches(4))
+    adapter = engine.export_hf(tmp_path / "adapter")
+    want = run_engine(engine, batches(3, seed=5))
+    # a fresh engine from the same base and the adapter: same weights, fresh optimizer
+    again = lora_engine(base_dir, lora={"adapter_dir": str(adapter)})
+    mine = {k: v for k, v in engine.state_dict().items() if "lora_" in k}
+    assert mine
+    first = run_engine(again, batches(1, seed=5))[0]
+    # the adapters were loaded: the first loss equals the trained engine's, not a fresh one's
+    assert first == pytest.approx(want[0], rel=1e-6)
+    with pytest.raises(pstar_core.ConfigError, match=r"lora\.r is 8 but the adapter"):
+        lora_engine(base_dir, lora={"adapter_dir": str(adapter), "r": 8})
+
+
+def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(base_dir, tmp_path):
+    engine = lora_engine(base_dir)
+    run_engine(engine, batches(3))
+    ckpt = engine.save_checkpoint(tmp_path / "ckpt")
+    want = run_engine(engine, batches(4, seed=3))
+    from safetensors import safe_open
+
+    with safe_open(str(next(ckpt.glob("*.safetensors"))), "pt") as f:
+        keys = list(f.keys())
+    assert keys
+    assert not [k for k in keys if k.startswith(ChunkType.FROZEN.value)]
+    size = sum(p.stat().st_size for p in ckpt.iterdir())
+    assert size < engine.stats()["chunks"][ChunkType.FROZEN.value]["bytes"]
+    resumed = lora_engine(base_dir)
+    resumed.load_checkpoint(ckpt)
+    assert run_engine(resumed, batches(4, seed=3)) == want
+    # a model not read from that directory cannot take the base from it
+    other = pstar_core.initialize(MODELS["hf_llama"], engine_config(chunk_size=4096, lora=LORA))
+    with pytest.raises(pstar_core.checkpoint.CheckpointError, match="initialize the engine"):
+        other.load_checkpoint(ckpt)
