@@ -545,6 +545,7 @@ class Engine:
             "comm_overlapped_reductions": self.zero.overlapped,
             "host_pool": self.manager.residency.host_pool(),
             "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in self.zero.calls.items()},
+            "comm_bytes_by_list": {k: dict(v) for k, v in self.zero.by_list.items()},
             "overflow_count": self.scaler.overflows,
             "loss_scale": self.scaler.scale,
             "global_step": self.global_step,

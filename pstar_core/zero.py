@@ -55,6 +55,8 @@ class ZeroGroup:
     bytes_sent: int = 0  # see [Note: bytes sent]
     overlapped: int = 0  # reductions still in flight when the next operator began
     calls: dict[str, list[int]] = field(default_factory=dict)  # collective -> [calls, bytes]
+    # chunk list -> collective -> bytes sent: with LoRA the frozen base is only gathered
+    by_list: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def single(cls) -> ZeroGroup:
@@ -84,37 +86,43 @@ class ZeroGroup:
 
     # -- the engine's collectives ------------------------------------------------------
 
-    def all_gather(self, outputs: torch.Tensor | list[torch.Tensor], own: torch.Tensor) -> None:
+    def all_gather(
+        self, outputs: torch.Tensor | list[torch.Tensor], own: torch.Tensor, kind: str = ""
+    ) -> None:
         """ "collective" variant: every rank's chunk, into one buffer (nproc chunks in rank
         order, `own` its slice: in place) or into a list of chunks (`own` separate)."""
-        self._sent("all_gather", own, self.nproc - 1)
+        self._sent("all_gather", own, self.nproc - 1, kind)
         if isinstance(outputs, list):
             dist.all_gather(outputs, own, group=self.group)
         else:
             dist.all_gather_single(outputs, own, group=self.group)
 
-    def reduce_scatter_sum(self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor]):
+    def reduce_scatter_sum(
+        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], kind: str = ""
+    ):
         """ "collective" variant, asynchronous: `own` becomes the sum over ranks of this
         rank's part of `inputs` (one buffer, `own` its slice; or a list, `own` its entry).
         Wait on the returned work before reading `own` or freeing the inputs."""
-        self._sent("reduce_scatter", own, self.nproc - 1)
+        self._sent("reduce_scatter", own, self.nproc - 1, kind)
         if isinstance(inputs, list):
             return dist.reduce_scatter(own, inputs, group=self.group, async_op=True)
         return dist.reduce_scatter_single(
             own, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
 
-    def broadcast_each(self, outputs: list[torch.Tensor]) -> None:
+    def broadcast_each(self, outputs: list[torch.Tensor], kind: str = "") -> None:
         """ "serial" variant of the gather: outputs[r] receives rank r's chunk."""
         for r, out in enumerate(outputs):
-            self._broadcast(out, r)
+            self._broadcast(out, r, kind)
 
-    def reduce_each_mean(self, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+    def reduce_each_mean(
+        self, inputs: list[torch.Tensor], out: torch.Tensor, kind: str = ""
+    ) -> None:
         """ "serial" variant: out = mean over ranks of inputs[self.rank] (inputs[r] is the
         group's chunk r), by one reduction to each owner."""
         for r, t in enumerate(inputs):
             if r != self.rank:
-                self._sent("reduce", t, 1)  # this rank's part goes to owner r
+                self._sent("reduce", t, 1, kind)  # this rank's part goes to owner r
             dist.reduce(t, dst=self._global(r), op=dist.ReduceOp.SUM, group=self.group)
         out.copy_(inputs[self.rank])
         out.div_(self.nproc)
@@ -136,16 +144,16 @@ class ZeroGroup:
 
     # -- counted wrappers -------------------------------------------------------------
 
-    def _broadcast(self, t: torch.Tensor, src: int) -> None:
+    def _broadcast(self, t: torch.Tensor, src: int, kind: str = "") -> None:
         if src == self.rank:
-            self._sent("broadcast", t, self.nproc - 1)
+            self._sent("broadcast", t, self.nproc - 1, kind)
         dist.broadcast(t, src=self._global(src), group=self.group)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         self._sent("all_reduce", t, 2 * (self.nproc - 1) / self.nproc)
         dist.all_reduce(t, group=self.group)
 
-    def _sent(self, name: str, t: torch.Tensor, times: float) -> None:
+    def _sent(self, name: str, t: torch.Tensor, times: float, kind: str = "") -> None:
         check(
             t.device == self.device,
             f"{name} handed a tensor on {t.device}; collectives take the compute device's "
@@ -156,6 +164,9 @@ class ZeroGroup:
         entry = self.calls.setdefault(name, [0, 0])
         entry[0] += 1
         entry[1] += n
+        if kind:
+            per = self.by_list.setdefault(kind, {})
+            per[name] = per.get(name, 0) + n
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
@@ -259,15 +270,15 @@ class GatheredGroups:
                 for m, part in zip(members, slices, strict=True):
                     if m is not own:
                         r.adopt(m, part, "device")
-                self.zero.all_gather(buffer, own.payload)
+                self.zero.all_gather(buffer, own.payload, own.kind.value)
             else:
                 for m in remote:
                     r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
                 outputs = [m.payload for m in members]
                 if self.zero.variant == "serial":
-                    self.zero.broadcast_each(outputs)
+                    self.zero.broadcast_each(outputs, own.kind.value)
                 else:
-                    self.zero.all_gather(outputs, own.payload)
+                    self.zero.all_gather(outputs, own.payload, own.kind.value)
         for m in members:
             m.pins += 1
         self.live[key] = members
@@ -325,14 +336,14 @@ class GatheredGroups:
             with r.tracer.chunk_memory():
                 out = r.tiers["device"].allocate(own.capacity, own.dtype)
             with record_function("pstar::reduce_scatter"):
-                self.zero.reduce_each_mean([m.payload for m in members], out)
+                self.zero.reduce_each_mean([m.payload for m in members], out, own.kind.value)
             own.payload.copy_(out)
             self._finish_reduce(members, own, averaged=True)
             return
         # in place: own is its slice of the group's buffer, or its entry in the list
         inputs = self._buffers.pop(id(own)) if self.contiguous else [m.payload for m in members]
         with record_function("pstar::reduce_scatter"):
-            work = self.zero.reduce_scatter_sum(own.payload, inputs)
+            work = self.zero.reduce_scatter_sum(own.payload, inputs, own.kind.value)
         self.in_flight.append(InFlight(work, members, own))
         if not self.zero.overlap:
             self.settle()

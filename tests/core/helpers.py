@@ -69,6 +69,26 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+TARGETS = {"hf_llama": ["q_proj", "v_proj", "up_proj"], "hf_gpt2": ["c_attn", "c_fc"]}
+
+
+def lora_model(name: str = "hf_llama") -> nn.Module:
+    """A tiny model with peft LoRA adapters (r 4), the same for the same name."""
+    import peft
+
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=TARGETS[name],  # GPT-2's are Conv1D: peft sets fan_in_fan_out
+        init_lora_weights=False,  # random B too, so the adapters change the output at once
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft: "fan_in_fan_out ... Setting it to True"
+        return peft.get_peft_model(MODELS[name](), cfg)
+
+
 def batches(n: int, batch: int = 4, seed: int = 0) -> list[torch.Tensor]:
     """Learnable sequences: each row counts up from a random start by a random stride."""
     g = torch.Generator().manual_seed(seed)

@@ -14,8 +14,10 @@ import pstar_core
 from pstar_core.chunk import ChunkType
 from tests.core.helpers import (
     MODELS,
+    TARGETS,
     batches,
     engine_config,
+    lora_model,
     reference_model,
     run_engine,
     torch_adamw,
@@ -24,22 +26,10 @@ from tests.core.helpers import (
 STEPS = 20
 
 
-def lora_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = peft.LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj", "up_proj"],
-        init_lora_weights=False,  # random B too, so the adapters change the output at once
-    )
-    return peft.get_peft_model(MODELS["hf_llama"](), cfg)
-
-
-@pytest.fixture(scope="module")
-def reference():
+@pytest.fixture(scope="module", params=list(TARGETS))
+def reference(request):
     """peft + torch AdamW (fp32) over the adapters: the ground truth."""
-    ref = lora_llama()
+    ref = lora_model(request.param)
     model = copy.deepcopy(ref)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch_adamw(model, 1e-3, 0.1, params=params)
@@ -50,23 +40,25 @@ def reference():
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return ref, losses
+    return request.param, ref, losses
 
 
-def make(ref, memory=None):
-    engine = pstar_core.initialize(lora_llama, engine_config(chunk_size=4096, memory=memory or {}))
+def make(name, ref, memory=None):
+    engine = pstar_core.initialize(
+        lambda: lora_model(name), engine_config(chunk_size=4096, memory=memory or {})
+    )
     engine.load_state_dict(ref.state_dict())
     return engine
 
 
 @pytest.mark.parametrize("evicting", [False, True], ids=["roomy", "evicting"])
 def test_lora_equals_peft_with_torch_adamw(reference, evicting):
-    ref, want = reference
+    name, ref, want = reference
     memory = None
     if evicting:
-        chunk_bytes = make(ref).stats()["chunk_bytes"]
+        chunk_bytes = make(name, ref).stats()["chunk_bytes"]
         memory = {"device_budget": 2_000_000 + chunk_bytes // 3}
-    engine = make(ref, memory)
+    engine = make(name, ref, memory)
     got = run_engine(engine, batches(STEPS))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     if evicting:
@@ -74,8 +66,8 @@ def test_lora_equals_peft_with_torch_adamw(reference, evicting):
 
 
 def test_the_base_stays_bitwise_and_only_adapters_carry_optimizer_state(reference):
-    ref, _ = reference
-    engine = make(ref)
+    name, ref, _ = reference
+    engine = make(name, ref)
     before = {k: v.clone() for k, v in engine.state_dict().items() if "lora_" not in k}
     run_engine(engine, batches(3))
     after = engine.state_dict()
@@ -212,3 +204,48 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(base_dir, tmp_p
     other = pstar_core.initialize(MODELS["hf_llama"], engine_config(chunk_size=4096, lora=LORA))
     with pytest.raises(pstar_core.checkpoint.CheckpointError, match="initialize the engine"):
         other.load_checkpoint(ckpt)
+
+
+# -- two ranks: the frozen base is sharded and only ever all-gathered --------------------
+
+
+@pytest.mark.parametrize("evicting", [False, True], ids=["roomy", "evicting"])
+def test_two_ranks_equal_peft_and_send_the_base_in_all_gathers_only(tmp_path, evicting):
+    import json
+
+    from tests.core import zero_worker
+    from tests.core.helpers import spawn_ranks
+
+    ref = reference_model(lambda: lora_model("hf_gpt2"))
+    model = copy.deepcopy(ref)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch_adamw(model, 1e-3, 0.1, params=params)
+    want = []
+    for x in batches(zero_worker.STEPS, batch=8):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    env = {"PSTAR_TEST_LORA": "1"}
+    if evicting:
+        env["PSTAR_TEST_MEMORY"] = json.dumps({"device_budget": 750_000})
+    ranks = spawn_ranks("tests.core.zero_worker", 2, tmp_path, "train", **env)
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(want), rtol=1e-5, atol=0
+    )
+    for r in ranks:
+        by_list, lists = r["comm_by_list"], r["chunk_lists"]
+        assert set(by_list[ChunkType.FROZEN.value]) == {"all_gather"}
+        # each rank sends its own adapter chunks once per step in a reduce-scatter
+        assert (
+            by_list[ChunkType.PARAM.value]["reduce_scatter"]
+            == zero_worker.STEPS * lists[ChunkType.PARAM.value]["bytes"]
+        )
+        # the base goes out in forward and again in backward, at most
+        frozen = by_list[ChunkType.FROZEN.value]["all_gather"]
+        assert frozen <= 2 * zero_worker.STEPS * lists[ChunkType.FROZEN.value]["bytes"]
+        assert frozen >= zero_worker.STEPS * lists[ChunkType.FROZEN.value]["bytes"]
+        if evicting:
+            assert r["moved"].get("device->host", 0) > 0
+        print(json.dumps({"rank_bytes": by_list, "lists": lists}))

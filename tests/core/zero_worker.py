@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -11,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 import pstar_core
-from tests.core.helpers import MODELS, batches, engine_config, mean_over_ranks, reference_model
+from tests.core.helpers import (
+    MODELS,
+    batches,
+    engine_config,
+    lora_model,
+    mean_over_ranks,
+    reference_model,
+)
 
 STEPS = 20
 
@@ -28,7 +36,10 @@ def run_steps(engine, data, rank, world):
 
 
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
-    ref = reference_model(MODELS["hf_gpt2"])
+    model_fn = MODELS["hf_gpt2"]
+    if os.environ.get("PSTAR_TEST_LORA"):  # peft adapters on the base (test_lora)
+        model_fn = functools.partial(lora_model, "hf_gpt2")
+    ref = reference_model(model_fn)
     data = batches(STEPS, batch=8)
     memory = json.loads(os.environ.get("PSTAR_TEST_MEMORY", "{}"))
     variant = os.environ.get("PSTAR_TEST_VARIANT", "collective")
@@ -39,7 +50,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     cfg = engine_config(
         chunk_size=8192, memory=memory, zero=zero, device=device, gradient_clipping=clip
     )
-    engine = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
+    engine = pstar_core.initialize(model_fn, cfg)
     engine.load_state_dict(ref.state_dict())
     out: dict = {"stats_before": {k: engine.stats()[k] for k in ("model_data_bytes", "chunk_size")}}
     if name == "train":
@@ -47,13 +58,18 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["moved"] = engine.stats()["bytes_moved"]
         out["comm_bytes"] = engine.stats()["comm_bytes_sent"]
         out["comm_calls"] = engine.stats()["comm_calls"]
+        out["comm_by_list"] = engine.stats()["comm_bytes_by_list"]
+        out["chunk_lists"] = {
+            k: {"count": v["count"], "bytes": v["bytes"]}
+            for k, v in engine.stats()["chunks"].items()
+        }
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
         out["host_pool"] = engine.stats()["host_pool"]
         out["own_bytes"] = sum(c.nbytes for c in engine.manager.own_chunks())
     elif name == "resume":
         run_steps(engine, data[:8], rank, world)
         engine.save_checkpoint(tmp / "ckpt")
-        fresh = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
+        fresh = pstar_core.initialize(model_fn, cfg)
         fresh.load_checkpoint(tmp / "ckpt")
         out["resumed"] = run_steps(fresh, data[8:12], rank, world)
         out["straight"] = run_steps(engine, data[8:12], rank, world)
