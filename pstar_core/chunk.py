@@ -68,6 +68,7 @@ class TensorSlot:
     step: int = 0  # optimizer steps taken by this parameter (torch keeps one per param)
     grad_in_accum: bool = False  # an earlier micro-batch left a grad in the accum chunk
     forward_uses: int = 0  # operators that used it in this forward (tied weights: several)
+    backward_done: bool = False  # frozen: its module's backward is over (input grads)
 
     def set_state(self, new: TensorState) -> None:
         if new not in _LEGAL[self.state]:

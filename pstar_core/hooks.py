@@ -9,8 +9,13 @@
   backward with the summed gradient, after every use (tied weights included), so it is
   the parameter's last use: the gradient overwrites the slot (HOLD_AFTER_BWD).
 
-Whatever backward accessed but produced no gradient for (frozen parameters, unused
-branches) is released by `Engine.backward` when the backward pass returns.
+- gradient hook on the inputs of a module with frozen parameters: once every input's
+  gradient exists, backward is done with the module, so its frozen parameters (which get
+  no gradient to mark that moment) are released and their chunks may leave the device.
+
+Whatever backward accessed but produced no gradient for (unused branches, frozen
+parameters of a module whose inputs need no gradient) is released by `Engine.backward`
+when the backward pass returns.
 
 A parameter must be used inside the forward of the module that registers it (as in
 FSDP); one used elsewhere is reported by the access check.
@@ -70,20 +75,28 @@ def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> 
         manager.begin_operator(f"bwd:{name}")
         manager.access_slots(slots)
 
-    def hook(_mod: torch.nn.Module, _args: Any, output: Any) -> None:
+    frozen = [s for s in slots if not s.trainable]
+
+    def post_backward(_grads: Any) -> None:
+        manager.release_frozen_after_backward(frozen)
+
+    def hook(_mod: torch.nn.Module, args: Any, output: Any) -> None:
         target = S.HOLD if _in_backward() else S.HOLD_AFTER_FWD
         for s in slots:
             manager.release(s, target)
         if torch.is_grad_enabled():
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            tensors = _needing_grad(output)
             if tensors:
                 register_multi_grad_hook(tensors, pre_backward, mode="any")
+                inputs = _needing_grad(args)
+                if frozen and inputs:
+                    register_multi_grad_hook(inputs, post_backward, mode="all")
 
     return hook
+
+
+def _needing_grad(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _grad_hook(slot: TensorSlot, manager: ChunkManager) -> Callable[[torch.Tensor], None]:

@@ -244,9 +244,27 @@ class ChunkManager:
         if self.zero.enabled:
             self.groups.maybe_release(chunk, backward=True)
 
+    def release_frozen_after_backward(self, slots: Sequence[TensorSlot]) -> None:
+        """The gradients of an operator's inputs exist: backward is done with its frozen
+        tensors (no gradient marks that moment for them), so they go back to HOLD and
+        their chunks may leave the device, as a trainable chunk's may after its grads.
+        Without this, a LoRA base would stay on the device until backward ends."""
+        chunks = []
+        for s in slots:
+            if s.trainable or s.state is not S.COMPUTE:
+                continue
+            self.release(s, S.HOLD)
+            if s.state is S.HOLD:
+                s.backward_done = True
+                chunks.append(self.param_chunk(s))
+        if self.zero.enabled:
+            for c in {id(c): c for c in chunks}.values():
+                self.groups.maybe_release(c, backward=True)
+
     def reset_after_forward(self) -> None:
         for slot in self.slots:
             slot.forward_uses = 0
+            slot.backward_done = False
             if slot.state is S.HOLD_AFTER_FWD:
                 slot.set_state(S.HOLD)
 

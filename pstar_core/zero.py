@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from pstar_core.chunk import Chunk, ChunkType, TensorState
+from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.devices import check
 
 S = TensorState
@@ -291,9 +291,15 @@ class GatheredGroups:
         members = self.live.get(key)
         if members is None:
             return
-        done = (lambda s: s.state is S.HOLD_AFTER_BWD) if backward else self.forward_done
+        done = self._backward_done if backward else self.forward_done
         if all(done(s) for m in members for s in m.slots):
             self._release(key, reduce=backward)
+
+    @staticmethod
+    def _backward_done(s: TensorSlot) -> bool:
+        # a trainable tensor is done when its gradient sits in the slot, a frozen one
+        # when the gradients of its operator's inputs exist
+        return s.state is S.HOLD_AFTER_BWD or (s.state is S.HOLD and s.backward_done)
 
     def _release(self, key: tuple[ChunkType, int], reduce: bool) -> None:
         """Reduce-scatter the group's grads (after backward), then drop remote chunks."""

@@ -20,6 +20,7 @@ from tests.core.helpers import (
     lora_model,
     reference_model,
     run_engine,
+    tiny_hf_llama,
     torch_adamw,
 )
 
@@ -249,3 +250,61 @@ def test_two_ranks_equal_peft_and_send_the_base_in_all_gathers_only(tmp_path, ev
         if evicting:
             assert r["moved"].get("device->host", 0) > 0
         print(json.dumps({"rank_bytes": by_list, "lists": lists}))
+
+
+# -- memory: ~2 bytes per base parameter, and bases larger than memory -----------------
+
+
+def test_bytes_per_parameter_are_two_for_the_base_and_fourteen_for_adapters():
+    cfg = engine_config("bf16", chunk_size=4096, lora={"r": 16})
+    engine = pstar_core.initialize(MODELS["hf_llama"], cfg)
+    st = engine.stats()
+    assert st["bytes_per_param"] == {"frozen": 2.0, "trainable": 14.0}
+    frozen = st["params"] - st["trainable_params"]
+    want = (2 * frozen + 14 * st["trainable_params"]) / st["params"]
+    assert st["model_data_bytes_per_param"] == pytest.approx(want)
+    # 'all-linear': every projection got adapters, the head and embeddings did not
+    names = {s.name for s in engine.manager.slots if s.trainable}
+    assert any("o_proj.lora_A" in n for n in names)
+    assert any("down_proj.lora_B" in n for n in names)
+    assert not any("lm_head" in n or "embed" in n for n in names)
+
+
+def test_a_base_larger_than_device_plus_host_trains_with_lora_where_full_is_refused(tmp_path):
+    def big() -> torch.nn.Module:
+        return tiny_hf_llama(hidden=128, intermediate=256, layers=8)
+
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    probe = pstar_core.initialize(big, engine_config(chunk_size=32768, lora=lora))
+    base_bytes = probe.stats()["chunks"][ChunkType.FROZEN.value]["bytes"]
+    full_bytes = 16 * probe.stats()["params"]  # fp32: param + master + two moments
+    probe.close()
+    memory = {
+        "device_budget": 3_000_000,  # the chunks in use and the activations
+        "host_budget": base_bytes // 10,
+        "disk_budget": base_bytes,
+        "disk_dir": str(tmp_path),
+    }
+    assert memory["device_budget"] + memory["host_budget"] < base_bytes
+    assert memory["host_budget"] + memory["disk_budget"] < full_bytes
+    with pytest.raises(pstar_core.tiers.MemoryBudgetError, match=r"raise memory\.host_budget"):
+        pstar_core.initialize(big, engine_config(chunk_size=32768, memory=memory))
+    engine = pstar_core.initialize(big, engine_config(chunk_size=32768, lora=lora, memory=memory))
+    ref = peft.get_peft_model(
+        big(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=lora["target_modules"])
+    )
+    ref.load_state_dict(engine.state_dict())
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch_adamw(ref, 1e-3, 0.1, params=params)
+    want = []
+    for x in batches(4, batch=1):
+        loss = ref(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    got = run_engine(engine, batches(4, batch=1))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    st = engine.stats()
+    assert st["chunks"][ChunkType.FROZEN.value]["by_tier"].get("disk", 0) > 0
+    assert st["bytes_moved"].get("disk->host", 0) > 0
