@@ -77,10 +77,27 @@ class ModelObject(BaseModel):
     owned_by: str
     kind: str = Field(description="base (a HF directory), zoo (from scratch) or fine-tuned")
     base: str
+    # ours: a LoRA job's model is an adapter on the model the job started from
+    adapter: bool = Field(
+        default=False,
+        description="true for a LoRA job's model: its adapter on `adapter_base` (download it "
+        "with GET /v1/fine_tuning/jobs/{id}/checkpoints/{checkpoint_id}/content)",
+    )
+    adapter_base: str | None = Field(
+        default=None, description="the model the adapter applies to (null if not an adapter)"
+    )
 
     @classmethod
     def of(cls, m: ModelRef) -> ModelObject:
-        return cls(id=m.id, created=m.created, owned_by=m.owned_by, kind=m.kind, base=m.base)
+        return cls(
+            id=m.id,
+            created=m.created,
+            owned_by=m.owned_by,
+            kind=m.kind,
+            base=m.base,
+            adapter=m.adapter_base is not None,
+            adapter_base=m.adapter_base,
+        )
 
 
 class ModelList(BaseModel):
@@ -137,7 +154,8 @@ class FineTuningJob(BaseModel):
     max_attempts: int
     ray_submission_id: str | None = None
     hyperparameters_resolved: dict[str, Any] = Field(
-        description="every hyperparameter the job runs with, 'auto' decided"
+        description="every hyperparameter the job runs with, 'auto' decided (a LoRA job's "
+        "adapter settings under `lora`)"
     )
     resources: dict[str, Any]
 
@@ -147,6 +165,10 @@ class FineTuningJob(BaseModel):
         openai_hp = {
             k: hp.get(k, "auto") for k in ("batch_size", "learning_rate_multiplier", "n_epochs")
         }
+        # jobs stored before LoRA have no method in their plan: they are supervised
+        method = (j.plan or {}).get("method") or {"type": "supervised"}
+        kind = method["type"]
+        lora = method.get("lora")
         return cls(
             id=j.id,
             created_at=j.created_at,
@@ -164,14 +186,14 @@ class FineTuningJob(BaseModel):
             validation_file=j.validation_file,
             estimated_finish=j.estimated_finish,
             metadata=j.metadata_,
-            method={"type": "supervised", "supervised": {"hyperparameters": openai_hp}},
+            method={"type": kind, kind: {"hyperparameters": openai_hp, **(lora or {})}},
             user_provided_suffix=j.suffix,
             status_detail=j.status_detail,
             progress=Progress(step=j.progress_step, total=j.progress_total),
             attempt=j.attempt,
             max_attempts=j.max_attempts,
             ray_submission_id=f"{j.id}-a{j.attempt}" if j.attempt else None,
-            hyperparameters_resolved=hp,
+            hyperparameters_resolved={**hp, "lora": lora} if lora else hp,
             resources=(j.plan or {}).get("resources", {}),
         )
 
@@ -230,9 +252,15 @@ class JobCheckpoint(BaseModel):
     # ours
     final: bool
     path: str = Field(description="the checkpoint directory on the service's storage")
+    variants: list[Literal["adapter", "merged", "full"]] = Field(
+        default_factory=list,
+        description="the forms GET .../checkpoints/{id}/content?variant= sends now: 'adapter' "
+        "(a LoRA job's every checkpoint), 'merged' (a LoRA job's final one), 'full' (a full "
+        "fine-tuning job's final one)",
+    )
 
     @classmethod
-    def of(cls, c: CheckpointRow, model_name: str) -> JobCheckpoint:
+    def of(cls, c: CheckpointRow, model_name: str, variants: list[str]) -> JobCheckpoint:
         known = set(CheckpointMetrics.model_fields)
         return cls(
             id=c.id,
@@ -245,6 +273,7 @@ class JobCheckpoint(BaseModel):
             step_number=c.step,
             final=c.final,
             path=c.path,
+            variants=variants,  # type: ignore[arg-type]
         )
 
 

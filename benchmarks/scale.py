@@ -93,11 +93,14 @@ def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
     device = cap // 8
     host = max(cap - device - base_rss - cap // 10, cap // 10)  # 10% for temporaries
     memory: dict[str, Any] = {"device_budget": device, "host_budget": host, "disk_budget": 0}
-    if spec["system"] == "ours_disk":
+    if spec["system"] in ("ours_disk", "ours_lora"):
         memory.update(disk_budget=spec["disk_bytes"], disk_dir=spec["disk_dir"])
-    engine = pstar_core.initialize(
-        lambda: build(cfg), {"dtype": "bf16", "optimizer": {"lr": 1e-4}, "memory": memory}
-    )
+    config: dict[str, Any] = {"dtype": "bf16", "optimizer": {"lr": 1e-4}, "memory": memory}
+    if spec["system"] == "ours_lora":  # a pretrained base directory, see benchmarks.lora
+        config["lora"] = {"r": spec["lora_r"], "alpha": 2 * spec["lora_r"]}
+        engine = pstar_core.initialize(spec["model_dir"], config)
+    else:
+        engine = pstar_core.initialize(lambda: build(cfg), config)
     return _loop(spec, lambda x: _engine_step(engine, x), torch)
 
 
@@ -173,6 +176,30 @@ def _train_fsdp2(spec: dict[str, Any], _base_rss: int) -> list[float]:
     return _loop(spec, step, torch)
 
 
+def _train_peft_lora(spec: dict[str, Any], _base_rss: int) -> list[float]:
+    """The usual LoRA recipe on a pretrained base directory: `from_pretrained` in bf16,
+    peft's fp32 adapters on every linear layer, torch AdamW."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.bfloat16)
+    config = peft.LoraConfig(
+        r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"
+    )
+    net = peft.get_peft_model(base, config)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(x: Any) -> float:
+        loss = net(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return _loop(spec, step, torch)
+
+
 def _loop(spec: dict[str, Any], step: Any, torch: Any) -> list[float]:
     gen = torch.Generator().manual_seed(0)
     losses = []
@@ -187,6 +214,8 @@ TRAINERS = {
     "ours_disk": _train_ours,
     "deepspeed": _train_deepspeed,
     "fsdp2": _train_fsdp2,
+    "ours_lora": _train_ours,  # `pstar bench lora`
+    "peft_lora": _train_peft_lora,
 }
 
 
@@ -199,7 +228,8 @@ def trial_main(spec_json: str) -> None:
     cfg = _config(spec)
     from pstar_core.models import num_params
 
-    out: dict[str, Any] = {"layers": cfg.num_layers, "params": num_params(cfg), "ok": False}
+    params = spec.get("params") or num_params(cfg)  # given when a model_dir is trained
+    out: dict[str, Any] = {"layers": cfg.num_layers, "params": params, "ok": False}
     base = _rss_bytes()
     t0 = time.perf_counter()
     try:
@@ -287,13 +317,20 @@ def run_trial(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def largest(
-    spec: dict[str, Any], start: int, max_layers: int, timeout_s: float, log: Any
+    spec: dict[str, Any],
+    start: int,
+    max_layers: int,
+    timeout_s: float,
+    log: Any,
+    prepare: Any = None,
 ) -> dict[str, Any]:
-    """Largest layer count that trains: doubling, then binary search. Every trial kept."""
+    """Largest layer count that trains: doubling, then binary search. Every trial kept.
+    `prepare(spec) -> spec`, if given, completes a trial's spec (e.g. writes its model)."""
     trials: list[dict[str, Any]] = []
 
     def attempt(layers: int) -> bool:
-        r = run_trial({**spec, "layers": layers}, timeout_s)
+        trial = {**spec, "layers": layers}
+        r = run_trial(prepare(trial) if prepare else trial, timeout_s)
         trials.append(r)
         log(spec["system"], r)
         return r["ok"]

@@ -126,7 +126,7 @@ class Engine:
             self.zero.nproc,
         )
         self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
-        self.manager.residency.allocate_all()
+        self._lazy_frozen = self.manager.residency.allocate_all(streamed=weights is not None)
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
         )
@@ -179,11 +179,13 @@ class Engine:
         m = self.manager
         preloaded = False
         for slot in self.slots.values():
-            kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-            view = m.chunk_of(kind, slot).view(slot)
             if slot.param.is_meta:
                 _rehome(slot.param, self.device)
-            else:
+            if self._lazy_frozen and not slot.trainable:
+                continue  # streamed into its chunk by load_tensor; no view needed
+            kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
+            view = m.chunk_of(kind, slot).view(slot)
+            if not slot.param.is_meta and slot.param.numel():
                 view.copy_(slot.param.data)  # model_fn built real weights: keep them
                 preloaded = True
             slot.param.data = view
@@ -210,7 +212,8 @@ class Engine:
             param.payload.copy_(master.payload)
         self.excluded.sync_from_masters()
         for slot in self.slots.values():
-            slot.set_state(S.HOLD)
+            if slot.state is not S.HOLD:  # a lazily loaded frozen one is HOLD already
+                slot.set_state(S.HOLD)
             slot.param.data = m._placeholder
 
     # -- training -----------------------------------------------------------------------
@@ -451,6 +454,8 @@ class Engine:
         else:
             m.residency.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
             self.frozen_from_source = False
+            if slot.state is S.FREE:  # streaming in: a chunk whose tensors are all in
+                slot.set_state(S.HOLD)  # may go to disk to make room for the next
 
     def export_hf(
         self,
@@ -538,6 +543,7 @@ class Engine:
             "bytes_moved_last_iteration": dict(m.residency.last_iteration_bytes_moved),
             "moves_last_iteration": dict(m.residency.last_iteration_moves),
             "tiers": m.residency.tier_bytes(),
+            "load_peak_bytes": dict(m.residency.load_peak_bytes),  # per tier, while loading
             "tracer": self.manager.tracer.stats(),
             "margin_bytes": self.manager.margin_bytes,
             "device_adam_chunks": len(m.device_adam),

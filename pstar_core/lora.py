@@ -101,12 +101,43 @@ def wrap(module: nn.Module, cfg: LoraConfig) -> nn.Module:
     import peft
 
     config = peft_config(cfg)
+    asked = None if isinstance(config.target_modules, str) else set(config.target_modules)
     with torch.device("meta"):
         try:
             wrapped = peft.get_peft_model(module, config)
         except ValueError as e:  # e.g. no module matches the targets
             raise ConfigError(f"lora.target_modules: {e}") from None
+    adapted = {name: mod for name, mod in wrapped.named_modules() if _is_lora_layer(mod)}
+    if asked is not None:
+        # peft refuses a list only when no name matches: a typo beside a good name
+        # would train silently without its adapters
+        unmatched = sorted(t for t in asked if not any(_matches(n, t) for n in adapted))
+        if unmatched:
+            raise ConfigError(
+                f"lora.target_modules: {unmatched} match no module of the model; name "
+                "modules (or name suffixes) of its linear layers, or use 'all-linear'"
+            )
+    from peft.tuners.lora import Linear
+
+    other = sorted(
+        n.removeprefix(_PEFT_PREFIX) for n, m in adapted.items() if not isinstance(m, Linear)
+    )
+    if other:
+        raise ConfigError(
+            f"lora.target_modules: {other[:4]} are not linear layers (embeddings, "
+            "convolutions); the engine trains adapters on linear layers only"
+        )
     return wrapped
+
+
+def _is_lora_layer(mod: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(mod, LoraLayer)
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith(f".{target}")
 
 
 def init_adapters(module: nn.Module) -> None:

@@ -133,8 +133,11 @@ class ChunkManager:
     def drop_remote(self) -> None:
         """Free the chunks other ranks own (all lists): this rank keeps 1/nproc."""
         for c in self.chunks():
-            if not self.owned(c) and c.payload is not None:
+            if self.owned(c):
+                continue
+            if c.payload is not None or c.tier == "disk":  # disk: spilled while loading
                 self.residency.forget(c)
+            c.zero_pending = False  # gathered from its owner, never made here
 
     def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:
         """Fail before training if one operator's chunks cannot fit on the device at all."""

@@ -49,6 +49,7 @@ class Residency:
         self._owned = owned  # ZeRO: chunks this rank keeps
         self._extra = extra  # chunks outside the lists that may be evicted (grad accum)
         self.bytes_moved: dict[str, int] = {}  # in total
+        self.load_peak_bytes: dict[str, int] = {}  # per tier, until training starts
         self.moves: dict[str, int] = {}
         self.iteration_bytes_moved: dict[str, int] = {}  # in the iteration under way
         self.iteration_moves: dict[str, int] = {}
@@ -78,10 +79,17 @@ class Residency:
         """An operator starts (the LRU clock)."""
         self._clock += 1
 
-    def allocate_all(self) -> None:
+    def allocate_all(self, streamed: bool = False) -> bool:
         """Every chunk the weights are written into starts in host memory, zeroed (FREE
         tensors read as 0); momentum and variance start as zeros without memory and are
         allocated at their first use (`Chunk.zero_pending`).
+
+        `streamed` (the weights stream from files into the slots, one tensor at a time):
+        frozen chunks, too, get memory only when their first tensor arrives, and once all
+        their tensors are in, they may spill to disk to make room for the next ones, so
+        loading a frozen base (a LoRA model's) holds no more than the host budget. This
+        needs room in the host budget for the trainable lists and one frozen chunk in
+        flight; returns whether frozen chunks are lazy.
 
         Budgets are enforced right after the weights are materialized
         (`enforce_budgets`), which may spill chunks to disk. With ZeRO, other ranks'
@@ -89,13 +97,19 @@ class Residency:
         """
         self._check_total_fits()
         host = self.tiers["host"]
+        frozen = self.lists[ChunkType.FROZEN]
+        eager = sum(
+            c.nbytes for c in self._chunks() if c.kind not in (*ZERO_AT_START, ChunkType.FROZEN)
+        )
+        lazy = streamed and bool(frozen) and eager + 2 * frozen[0].nbytes <= host.budget_bytes
         for c in self._chunks():
-            if c.kind in ZERO_AT_START:
+            if c.kind in ZERO_AT_START or (lazy and c.kind is ChunkType.FROZEN):
                 c.zero_pending = True
                 continue
             with self.tracer.chunk_memory():
                 payload = host.allocate(c.capacity, c.dtype).zero_()
             self.adopt(c, payload, "host")
+        return lazy
 
     def _device_share(self) -> int:
         """Chunk bytes the device may hold before the trace exists (warm-up or static)."""
@@ -152,7 +166,9 @@ class Residency:
                 break
             self._move(c, "disk")
         # Known limit: materialization holds every chunk in host memory before this
-        # spill, so peaks are counted from here on (from the start of training).
+        # spill (frozen chunks excepted when streamed, see `allocate_all`), so the
+        # loading peaks are kept apart and training's are counted from here on.
+        self.load_peak_bytes = {name: t.peak_bytes for name, t in self.tiers.items()}
         for t in self.tiers.values():
             t.peak_bytes = t.iteration_peak_bytes = t.used_bytes
 

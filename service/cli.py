@@ -346,6 +346,36 @@ def bench_collectives(
         _fail(str(e))
 
 
+@bench_app.command("lora")
+def bench_lora(
+    model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    rounds: Annotated[int, typer.Option(help="timed interleaved rounds")] = 5,
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 2,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    cap_gib: Annotated[float, typer.Option(help="memory cap per scale trial process")] = 0.75,
+    disk_gib: Annotated[float, typer.Option(help="the engine's disk tier in scale trials")] = 1.5,
+    max_layers: Annotated[int, typer.Option(help="deepest base tried in the scale part")] = 256,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """LoRA: step and model data vs full fine-tuning and peft + torch; largest base per cap."""
+    from benchmarks.lora import run
+
+    if not (model_dir / "config.json").is_file():
+        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    run(
+        model_dir,
+        rounds=rounds,
+        batch=batch,
+        seq=seq,
+        cap_gib=cap_gib,
+        disk_gib=disk_gib,
+        max_layers=max_layers,
+        json_out=json_out,
+    )
+
+
 @bench_app.command("api")
 def bench_api(
     seconds: Annotated[

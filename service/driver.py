@@ -93,11 +93,13 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     hp = dict(plan["hyperparameters"], seq_len=meta["seq_len"])
     engine = dict(plan["engine"])
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
-    flops = _flops_per_token(plan["model"], meta["seq_len"], meta["vocab_size"])
+    method = plan.get("method") or {"type": "supervised"}
+    flops = _flops_per_token(plan["model"], meta["seq_len"], meta["vocab_size"], method)
     store.update_job(job.id, progress_total=total)
     return {
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
         "model": plan["model"],
+        "method": method["type"],
         "engine": engine,
         "hyperparameters": hp,
         "seq_len": meta["seq_len"],
@@ -121,16 +123,27 @@ def _newest_checkpoint(store: Store, job_id: str) -> str | None:
     return max(rows, key=lambda c: c.step).path if rows else None
 
 
-def _flops_per_token(model: dict[str, Any], seq_len: int, vocab: int) -> float:
-    """6N per token for the matmuls plus the attention term 12 * layers * hidden * seq."""
+def _flops_per_token(
+    model: dict[str, Any], seq_len: int, vocab: int, method: dict[str, Any] | None = None
+) -> float:
+    """6N per token for the matmuls plus the attention term 12 * layers * hidden * seq.
+
+    With LoRA the frozen weights get no weight gradient: 4 per frozen parameter (forward
+    and the gradient of the input), 6 per adapter parameter."""
     from service.estimate import _meta_model
 
     m = _meta_model(model, seq_len, vocab)
-    n = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
     cfg = m.config
     layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
     hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    return 6 * n + 12 * layers * hidden * seq_len
+    attention = 12 * layers * hidden * seq_len
+    if method and method.get("type") == "lora":
+        from service.lora import param_counts, wrap_meta
+
+        frozen, adapters = param_counts(wrap_meta(m, method["lora"]))
+        return 4 * frozen + 6 * adapters + attention
+    n = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+    return 6 * n + attention
 
 
 def run_trainer(run: dict[str, Any], job: Job, attempt: int, db_url: str) -> Any:

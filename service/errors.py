@@ -48,6 +48,14 @@ class UnknownCursor(NotFound):
         ServiceError.__init__(self, message, param=param, code=code)
 
 
+class NotAvailable(NotFound):
+    """The object exists, but not in the form asked for (404): a checkpoint variant that
+    was never written or has been removed; the message says which forms there are."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        ServiceError.__init__(self, message, param=param, code=code)
+
+
 class Conflict(ServiceError):
     """The object's state does not allow it (409): cancel a finished job, reuse a key."""
 

@@ -4,8 +4,10 @@ It runs the same checks as create, tokenizes the files as the driver would (so `
 truncation and the step count are the real ones), builds the chunk plan on the meta device
 (no weight is allocated) for the requested number of workers, and places each rank's
 chunks into the tier budgets the way `initialize` does at start: host memory first, then
-the device up to its warm-up share, then disk. If that does not fit, it says which tier
-overflows and by how much.
+the device up to its warm-up share, then disk, per chunk list. If that does not fit, it
+says which tier overflows and by how much. A LoRA job's plan is that of the model with its
+adapters (built with `peft` on meta): the base in the frozen list at its compute dtype
+only, the adapters with fp32 masters and Adam state; `lora` sums it up.
 
 Budgets given in bytes are exact. A fraction or a default is resolved on the control
 plane's host (the machine the embedded local Ray runs on); on a remote cluster give
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from pstar_core.config import EngineConfig
-from pstar_core.mapping import BYTES_PARAM, make_plan
+from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, make_plan
 from pstar_core.tiers import host_memory_limit
 from service.datasets import DataError
 from service.errors import InvalidRequest
@@ -114,6 +116,11 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
     cfg = EngineConfig.parse(plan["engine"])
     workers = plan["resources"]["num_workers"]
     module = _meta_model(plan["model"], seq_len, vocab)
+    lora = (plan.get("method") or {}).get("lora")
+    if lora is not None:
+        from service.lora import wrap_meta
+
+        module = wrap_meta(module, lora)  # the base frozen, the adapters trainable
     seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
     for name, p in module.named_parameters():
         seen.setdefault(id(p), (name, p))
@@ -152,6 +159,11 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
     share = int(mem.warmup_ratio * device) if device is not None else 0
     on_device = min(need - on_host, share, param_lists // workers)
     on_disk = min(need - on_host - on_device, disk)
+    lists_at_start = _lists_at_start(
+        {k: int(v["bytes"]) // workers for k, v in chunk_plan.list_stats().items()},
+        on_device,
+        on_disk,
+    )
     overflow = None
     if need > host + disk:
         overflow = {"tier": "host", "bytes": need - host - disk}
@@ -169,7 +181,7 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
             f"device, whose budget is {_gib(device)}; raise memory.device_budget or use a "
             "smaller chunk_size"
         )
-    return {
+    out = {
         "fits": overflow is None,
         "overflow": overflow,
         "problems": problems,
@@ -179,6 +191,7 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
             "params": chunk_plan.params,
             "trainable_params": chunk_plan.trainable_params,
             "model_data_bytes": chunk_plan.model_data_bytes,
+            "model_data_bytes_per_param": chunk_plan.model_data_bytes / max(1, chunk_plan.params),
             "chunk_bytes": chunk_plan.chunk_bytes,
             "lists": chunk_plan.list_stats(),
         },
@@ -191,9 +204,65 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
                 "host": {"budget": host, "chunk_bytes": on_host},
                 "disk": {"budget": disk, "chunk_bytes": on_disk},
             },
+            "lists_at_start": lists_at_start,
             "gathered_working_set_bytes": working_set,
         },
         "non_model_bytes": "measured by the tracer in the first step",
+    }
+    if lora is not None:
+        out["lora"] = _lora_plan(lora, chunk_plan, p_bytes, lists_at_start)
+    return out
+
+
+# Where `Residency.enforce_budgets` puts a rank's chunks at start, by list: all on the
+# host; while the host is over its budget, chunks of the param lists move to the device
+# (up to its warm-up share), then chunks spill to disk in this order
+TO_DEVICE_FIRST = ("param", "frozen")
+TO_DISK_FIRST = ("param", "frozen", "param_fp32", "momentum", "variance")
+
+
+def _lists_at_start(
+    list_bytes: dict[str, int], on_device: int, on_disk: int
+) -> dict[str, dict[str, int]]:
+    """Each chunk list's bytes per tier at start (one rank), given how many bytes go to
+    the device and to disk (what the host budget cannot hold)."""
+    out = {k: {"device": 0, "host": b, "disk": 0} for k, b in list_bytes.items()}
+    for tier, left, order in (
+        ("device", on_device, TO_DEVICE_FIRST),
+        ("disk", on_disk, TO_DISK_FIRST),
+    ):
+        for k in order:
+            take = min(out[k]["host"], left)
+            out[k]["host"] -= take
+            out[k][tier] += take
+            left -= take
+    return out
+
+
+def _lora_plan(
+    settings: dict[str, Any], plan: Any, p_bytes: int, at_start: dict[str, dict[str, int]]
+) -> dict[str, Any]:
+    """The LoRA memory plan: the frozen base (compute dtype only) and the adapters
+    (compute dtype, fp32 master, momentum, variance), counted and placed."""
+    adapter_per_param = p_bytes + BYTES_OPTIMIZER_STATES
+    adapters_at_start = {
+        tier: sum(at_start[k][tier] for k in ("param", "param_fp32", "momentum", "variance"))
+        for tier in ("device", "host", "disk")
+    }
+    return {
+        **settings,
+        "base_params": plan.params - plan.trainable_params,
+        "base_bytes": plan.frozen.used_elems * p_bytes,
+        "base_bytes_per_param": p_bytes,
+        "adapter_params": plan.trainable_params,
+        "adapter_bytes": plan.trainable.used_elems * adapter_per_param,
+        "adapter_bytes_per_param": adapter_per_param,
+        "model_data_bytes": plan.model_data_bytes,
+        "model_data_bytes_per_param": plan.model_data_bytes / max(1, plan.params),
+        "per_rank_chunk_bytes_at_start": {
+            "base": at_start["frozen"],
+            "adapters": adapters_at_start,
+        },
     }
 
 

@@ -9,7 +9,8 @@ rank exports its measurements as Ray metrics (`ray_pstar_*`, tagged job, attempt
 Batches are drawn from a seeded permutation per epoch, so step s of a run always sees the
 same rows, also after a resume. Checkpoints go through `ray.train.report`, so a lost
 worker (Ray restarts the group) and a new attempt (same run name and storage) both resume
-from the last one.
+from the last one. A LoRA job also writes each checkpoint's adapter beside its chunks,
+and exports both the merged model and the adapter at the end (layout: `service.lora`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from service.lora import adapter_dir
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +224,13 @@ def train_func(config: dict[str, Any]) -> None:
     _report_checkpoint(engine, {**last, **final}, rep, engine.global_step, final=True)
     rep.phase("exporting")
     out_dir = Path(run["export_dir"])
-    engine.export_hf(out_dir)
+    if _is_lora(run):
+        # the merged model first: its directory replaces the export as a whole, the
+        # adapter then goes inside it (the layout is in service.lora)
+        engine.export_hf(out_dir, variant="merged")
+        engine.export_hf(adapter_dir(out_dir), variant="adapter")
+    else:
+        engine.export_hf(out_dir)
     if rank == 0 and run["model"]["kind"] == "zoo":
         from transformers import PreTrainedTokenizerFast
 
@@ -292,12 +301,20 @@ def _report_checkpoint(
     name = checkpoint_dir_name(step, rep.attempt)
     with tempfile.TemporaryDirectory() as d:
         engine.save_checkpoint(Path(d) / "ckpt", shared=False)
+        if _is_lora(rep.run):
+            # every rank takes part (the adapters may be sharded), rank 0 writes: its
+            # directory goes into the checkpoint with the others' (the adapter download)
+            engine.export_hf(adapter_dir(Path(d) / "ckpt"), variant="adapter")
         ray.train.report(
             {**values, "step": step},
             checkpoint=ray.train.Checkpoint.from_directory(Path(d) / "ckpt"),
             checkpoint_dir_name=name,
         )
     rep.checkpoint(step, values, final, name)
+
+
+def _is_lora(run: dict[str, Any]) -> bool:
+    return run.get("method") == "lora"
 
 
 def _build_engine(run: dict[str, Any]):

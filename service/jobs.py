@@ -6,6 +6,11 @@ exists for this tenant, the files are this tenant's processed fine-tuning files,
 hyperparameters are in range, the engine section is a valid `pstar_core` config. The
 stored `plan` is what the Ray job driver runs, with every "auto" decided.
 
+`method.type` is "supervised" (every weight trains) or ours, "lora": low-rank adapters
+on a pretrained model whose own weights stay frozen. The LoRA settings (`method.lora`)
+become the engine's `lora` section, which a client cannot set in `engine` itself; their
+target modules are checked against the model built on meta (see `service.lora`).
+
 Status: validating_files -> queued -> running -> succeeded | failed | cancelled.
 """
 
@@ -21,13 +26,16 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from pstar_core.config import ConfigError, EngineConfig
+from pstar_core.config import LORA_DEFAULT_TARGETS as ALL_LINEAR
+from pstar_core.config import ConfigError, EngineConfig, LoraConfig
 from service.errors import Conflict, InvalidRequest, NotFound, describe_invalid
 from service.registry import ModelRef, resolve_model
 from service.settings import Settings
@@ -112,25 +120,104 @@ class Supervised(_Body):
     hyperparameters: Hyperparameters | None = None
 
 
+# the engine's LoRA defaults are the API's: one source of defaults
+_ENGINE_LORA = LoraConfig()
+ModuleName = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
+        description="a module name or name suffix, e.g. 'q_proj' or 'self_attn.q_proj'",
+    ),
+]
+
+
+def _no_all_linear_in_list(v: list[str]) -> list[str]:
+    if ALL_LINEAR in v:
+        raise ValueError(f"give '{ALL_LINEAR}' as the whole value, not inside a list")
+    return v
+
+
+def _one_name_is_not_a_list(v: Any) -> Any:
+    if isinstance(v, str) and v != ALL_LINEAR:
+        raise ValueError(f"give a list of module names (['{v}']) or '{ALL_LINEAR}'")
+    return v
+
+
+# a string is 'all-linear', anything else a list of names: the discriminator validates the
+# one member that applies, so an error is about it alone (not "or" the other member). The
+# tags read as pydantic's own union tags, which error locations leave out
+TargetModules = Annotated[
+    Annotated[Literal["all-linear"], Tag("str")]
+    | Annotated[
+        list[ModuleName],
+        Field(min_length=1, max_length=64),
+        AfterValidator(_no_all_linear_in_list),
+        Tag("list[str]"),
+    ],
+    Discriminator(lambda v: "str" if isinstance(v, str) else "list[str]"),
+    BeforeValidator(_one_name_is_not_a_list),
+]
+
+
+class Lora(_Body):
+    """Low-rank adapters on a pretrained model (ours, beside OpenAI's methods): its
+    weights stay frozen, only the adapters train."""
+
+    hyperparameters: Hyperparameters | None = None
+    r: Annotated[int, Field(strict=True, ge=1, le=4096), WHOLE] = Field(
+        default=_ENGINE_LORA.r, description="rank of each adapter"
+    )
+    alpha: Annotated[float, Field(strict=True, gt=0)] = Field(
+        default=_ENGINE_LORA.alpha, description="scaling numerator: the update is (alpha / r) B A x"
+    )
+    dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = Field(
+        default=_ENGINE_LORA.dropout, description="dropout on the adapter input"
+    )
+    target_modules: TargetModules = Field(
+        default=_ENGINE_LORA.target_modules,
+        description="the linear layers that get adapters, by name or name suffix; 'all-linear': "
+        "every linear layer but the output head",
+    )
+
+    def settings(self) -> dict[str, Any]:
+        """The adapter settings the job runs with (its `engine.lora` section)."""
+        return self.model_dump(mode="json", exclude={"hyperparameters"})
+
+
+METHOD_TYPES = ("supervised", "lora")
+
+
 class Method(_Body):
     # OpenAI's three are parsed (so dpo gets a message saying it is not supported); the
-    # document lists the one this service runs
-    type: Literal["supervised", "dpo", "reinforcement"] = Field(
-        json_schema_extra={"enum": ["supervised"]}
+    # document lists the ones this service runs: supervised (every weight) and ours, lora
+    type: Literal["supervised", "lora", "dpo", "reinforcement"] = Field(
+        json_schema_extra={"enum": list(METHOD_TYPES)}
     )
     supervised: Supervised | None = None
+    lora: Lora | None = None
     dpo: dict[str, Any] | None = None
     reinforcement: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _supervised_only(self) -> Method:
-        if self.type != "supervised":
-            raise ValueError(f"method.type '{self.type}' is not supported; use 'supervised'")
+    def _one_supported_method(self) -> Method:
+        if self.type not in METHOD_TYPES:
+            raise ValueError(
+                f"method.type '{self.type}' is not supported; use 'supervised' (every weight "
+                "trains) or 'lora' (low-rank adapters on a frozen model)"
+            )
         # a section for a method not asked for would be stored and never read
-        for name in ("dpo", "reinforcement"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"method.{name} belongs with method.type '{name}'; remove it")
+        for name in ("supervised", "lora", "dpo", "reinforcement"):
+            if name != self.type and getattr(self, name) is not None:
+                raise ValueError(
+                    f"method.{name} belongs with method.type '{name}', and method.type is "
+                    f"'{self.type}'; remove method.{name}"
+                    + (f" or set method.type to '{name}'" if name in METHOD_TYPES else "")
+                )
         return self
+
+    @property
+    def section(self) -> Supervised | Lora | None:
+        return self.lora if self.type == "lora" else self.supervised
 
 
 class Resources(_Body):
@@ -179,21 +266,32 @@ class JobRequest(_Body):
 
     @model_validator(mode="after")
     def _one_hyperparameters(self) -> JobRequest:
-        in_method = (
-            self.method and self.method.supervised and self.method.supervised.hyperparameters
-        )
-        if in_method and self.hyperparameters is not None:
+        if self.method_hyperparameters is not None and self.hyperparameters is not None:
             raise ValueError(
-                "give hyperparameters either in method.supervised.hyperparameters or at the "
-                "top level, not both"
+                f"give hyperparameters either in method.{self.method_type}.hyperparameters or "
+                "at the top level, not both"
             )
         return self
 
     @property
+    def method_type(self) -> str:
+        return self.method.type if self.method else "supervised"
+
+    @property
+    def method_hyperparameters(self) -> Hyperparameters | None:
+        section = self.method.section if self.method else None
+        return section.hyperparameters if section is not None else None
+
+    @property
+    def lora(self) -> Lora | None:
+        """The adapter settings of a LoRA job (defaults filled in); None otherwise."""
+        if self.method_type != "lora":
+            return None
+        return (self.method.lora if self.method else None) or Lora()
+
+    @property
     def hp(self) -> Hyperparameters:
-        if self.method and self.method.supervised and self.method.supervised.hyperparameters:
-            return self.method.supervised.hyperparameters
-        return self.hyperparameters or Hyperparameters()
+        return self.method_hyperparameters or self.hyperparameters or Hyperparameters()
 
 
 def json_problem(v: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
@@ -251,12 +349,25 @@ def auto_epochs(examples: int) -> int:
     return max(3, min(10, math.ceil(100 / max(1, examples))))
 
 
-def check_engine(eng: Any) -> None:
+def check_engine(eng: Any, method: str = "supervised") -> None:
     """Refuse an engine section that is not plain JSON or sets what the service owns."""
     if not isinstance(eng, dict):
         raise InvalidRequest("engine: must be an object", param="engine", code="invalid_value")
     if found := json_problem(eng, "engine"):
         raise InvalidRequest(f"{found[0]}: {found[1]}", param=found[0], code="invalid_value")
+    if "lora" in eng:
+        # one place says how a job trains adapters: the method
+        how = (
+            "the adapter settings go in method.lora (r, alpha, dropout, target_modules)"
+            if method == "lora"
+            else "to train low-rank adapters, set method.type 'lora' and give r, alpha, "
+            "dropout and target_modules in method.lora"
+        )
+        raise InvalidRequest(
+            f"engine.lora is set by the service from the method: {how}; remove engine.lora",
+            param="engine.lora",
+            code="invalid_value",
+        )
     for key, who in SERVICE_ENGINE_KEYS.items():
         head, _, tail = key.partition(".")
         if head in eng and (not tail or (isinstance(eng[head], dict) and tail in eng[head])):
@@ -268,11 +379,14 @@ def check_engine(eng: Any) -> None:
 
 
 def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
-    """The engine section a job runs with: the client's, plus the learning rate and the
-    device; the driver adds the spill directory (under the job's directory)."""
+    """The engine section a job runs with: the client's, plus the learning rate, the
+    device and (a LoRA job) the adapter settings of `method.lora`; the driver adds the
+    spill directory (under the job's directory)."""
     eng = req.engine
-    check_engine(eng)
+    check_engine(eng, req.method_type)
     cfg = {k: v for k, v in eng.items()}
+    if req.lora is not None:
+        cfg["lora"] = req.lora.settings()
     opt = (
         dict(cfg.get("optimizer") or {})
         if isinstance(cfg.get("optimizer"), dict)
@@ -318,6 +432,15 @@ class JobService:
                 param="model",
                 code="model_not_found",
             )
+        if req.lora is not None and model.kind == "zoo":
+            raise InvalidRequest(
+                f"method.type 'lora' trains adapters on a pretrained model's frozen weights, "
+                f"and '{req.model}' is a zoo model trained from scratch (its weights start "
+                "random); use method.type 'supervised', or a pretrained model (GET /v1/models: "
+                "kind 'base' or 'fine-tuned')",
+                param="model",
+                code="model_not_available",
+            )
         files = {}
         for param, fid in (
             ("training_file", req.training_file),
@@ -356,7 +479,7 @@ class JobService:
             )
         epochs = auto_epochs(train.examples) if hp.n_epochs == "auto" else hp.n_epochs
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
-        check_engine(req.engine)  # before reading engine.optimizer.lr from it
+        check_engine(req.engine, req.method_type)  # before reading engine.optimizer.lr
         user_lr = (
             (req.engine.get("optimizer") or {}).get("lr")
             if isinstance(req.engine.get("optimizer"), dict)
@@ -376,8 +499,19 @@ class JobService:
                 param="hyperparameters.learning_rate_multiplier",
                 code="invalid_value",
             )
+        method: dict[str, Any] = {"type": req.method_type}
+        if req.lora is not None:
+            from service.lora import wrap_meta
+            from service.planning import build_meta
+
+            # the targets must name linear layers of this model: refused now, not when a
+            # worker builds the engine
+            assert model.path is not None  # every model but a zoo one is a HF directory
+            wrap_meta(build_meta(str(model.path)), req.lora.settings())
+            method["lora"] = req.lora.settings()
         plan = {
             "base_model": model.base,
+            "method": method,
             "model": {
                 "id": model.id,
                 "kind": model.kind,

@@ -5,7 +5,9 @@
 - zoo models: the engine's GPT family (`pstar models`), trained from scratch with a
   tokenizer learned on the job's data;
 - fine-tuned models: `ft:<base>:<suffix>:<job-id>`, the HF export of a succeeded job,
-  visible to its tenant only.
+  visible to its tenant only. A LoRA job's model is its adapter on the model the job
+  started from (`adapter_base`); its directory holds that pair merged (a full model, so
+  it fine-tunes and loads like any other) and the adapter itself in `adapter/`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.settings import Settings
-from service.store import Store
+from service.store import Job, Store
 
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -28,6 +30,8 @@ class ModelRef:
     created: int
     owned_by: str
     base: str  # the base model a fine-tuned model descends from (itself otherwise)
+    # a LoRA job's model: the model its adapter applies to (None for every other model)
+    adapter_base: str | None = None
 
 
 def base_models(settings: Settings) -> list[ModelRef]:
@@ -49,17 +53,24 @@ def zoo_models() -> list[ModelRef]:
 
 def fine_tuned_models(settings: Settings, store: Store, tenant: str) -> list[ModelRef]:
     return [
-        ModelRef(
-            job.fine_tuned_model,
-            "fine-tuned",
-            settings.finetuned_dir(job.id),
-            job.finished_at or job.created_at,
-            tenant,
-            (job.plan or {}).get("base_model", job.model),
-        )
+        _fine_tuned(settings, job, job.fine_tuned_model, job.finished_at or job.created_at)
         for job in store.fine_tuned_models(tenant)
         if job.fine_tuned_model
     ]
+
+
+def _fine_tuned(settings: Settings, job: Job, model_id: str, created: int) -> ModelRef:
+    plan = job.plan or {}
+    lora = (plan.get("method") or {}).get("type") == "lora"
+    return ModelRef(
+        model_id,
+        "fine-tuned",
+        settings.finetuned_dir(job.id),
+        created,
+        job.tenant,
+        plan.get("base_model", job.model),
+        adapter_base=job.model if lora else None,
+    )
 
 
 def list_models(settings: Settings, store: Store, tenant: str) -> list[ModelRef]:
@@ -72,9 +83,7 @@ def resolve_model(settings: Settings, store: Store, tenant: str, model_id: str) 
         job = store.job_by_model(tenant, model_id)
         if job is None:
             return None
-        path = settings.finetuned_dir(job.id)
-        base = (job.plan or {}).get("base_model", job.model)
-        return ModelRef(model_id, "fine-tuned", path, job.finished_at or 0, tenant, base)
+        return _fine_tuned(settings, job, model_id, job.finished_at or 0)
     if not MODEL_ID_RE.match(model_id):
         return None
     d = settings.models_dir / model_id

@@ -1,5 +1,6 @@
 """`/v1/fine_tuning/jobs`: OpenAI's create, list, retrieve, cancel, events, checkpoints;
-ours: validate (dry run), metrics (series), memory (the tracer timeline), logs."""
+ours: validate (dry run), checkpoint content (a tar download), metrics (series), memory
+(the tracer timeline), logs."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from api.schemas import (
     MetricsResponse,
     Series,
 )
-from service.errors import InvalidRequest
+from service import exports
+from service.errors import InvalidRequest, NotFound
 from service.jobs import JobRequest
 from service.registry import fine_tuned_name
 
@@ -222,12 +224,61 @@ def jobs_checkpoints(
         (job.plan or {}).get("base_model", job.model), job.suffix, job.id
     )
     rows, more = c.store.list_checkpoints(job.id, after, limit)
-    data = [JobCheckpoint.of(ck, name) for ck in rows]
+    data = [JobCheckpoint.of(ck, name, exports.available(c.settings, job, ck)) for ck in rows]
     return CheckpointList(
         data=data,
         has_more=more,
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
+    )
+
+
+@router.get(
+    "/{fine_tuning_job_id}/checkpoints/{checkpoint_id}/content",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "A tar archive (pax) of the checkpoint's model as `variant` says, "
+            "its files at the archive's root: 'adapter' a PEFT adapter directory "
+            "(adapter_config.json, adapter_model.safetensors, the tokenizer) for "
+            "`PeftModel.from_pretrained`; 'merged' and 'full' a transformers model directory "
+            "(config.json, safetensors, the tokenizer) for `from_pretrained`.",
+        },
+        **responses(400, 404),
+    },
+)
+def jobs_checkpoint_content(
+    fine_tuning_job_id: str,
+    checkpoint_id: str,
+    request: Request,
+    tenant: Tenant,
+    variant: Annotated[
+        Literal["adapter", "merged", "full"] | None,
+        Query(
+            description="adapter (a LoRA job's every checkpoint), merged (a LoRA job's final "
+            "checkpoint: the adapters merged into the model), full (a full fine-tuning job's "
+            "final checkpoint); default: adapter for LoRA jobs, full otherwise"
+        ),
+    ] = None,
+) -> StreamingResponse:
+    """Download a checkpoint's model as a tar archive, streamed. The checkpoint's
+    `variants` list the forms it has; one it does not have (or the job's method never
+    writes) is a 404 saying which it has."""
+    c = ctx(request)
+    job = c.jobs.get(tenant, fine_tuning_job_id)
+    ck = c.store.get_checkpoint(job.id, checkpoint_id)
+    if ck is None:
+        raise NotFound("checkpoint", checkpoint_id, param="checkpoint_id")
+    chosen = variant or exports.default_variant(job)
+    files = exports.members(exports.content_dir(c.settings, job, ck, chosen))
+    name = f"{job.id}-step{ck.step}-{chosen}.tar"
+    headers = {
+        "Content-Disposition": f'attachment; filename="{name}"',
+        "Content-Length": str(exports.tar_size(files)),
+    }
+    return StreamingResponse(
+        exports.tar_stream(files), media_type="application/x-tar", headers=headers
     )
 
 

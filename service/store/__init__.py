@@ -548,6 +548,16 @@ class Store:
             rows = list(s.scalars(q.order_by(Checkpoint.seq.desc()).limit(limit + 1)))
         return rows[:limit], len(rows) > limit
 
+    def get_checkpoint(self, job_id: str, checkpoint_id: str) -> Checkpoint | None:
+        """The checkpoint `checkpoint_id` of job `job_id` (None if the job has no such one;
+        the caller has checked that the job is the tenant's)."""
+        with self.read() as s:
+            return s.scalar(
+                select(Checkpoint).where(
+                    Checkpoint.job_id == job_id, Checkpoint.id == checkpoint_id
+                )
+            )
+
     def set_stats(
         self, job_id: str, trace: dict[str, Any] | None = None, tiers: dict[str, Any] | None = None
     ) -> None:

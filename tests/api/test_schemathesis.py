@@ -82,6 +82,7 @@ class Objects:
     rivals_file: str  # rival's: acme must get a 404 or 400, never the file
     queued_job: str  # acme's, queued (the dry launcher never runs it)
     cancelled_job: str  # acme's, ended
+    checkpoint: str  # the ended job's final checkpoint, whose model downloads
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,15 @@ def objects(api) -> Objects:
     queued = mine.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
     cancelled = mine.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
     mine.fine_tuning.jobs.cancel(cancelled.id)
-    return Objects(f.id, g.id, queued.id, cancelled.id)
+    # the dry launcher runs nothing: the final checkpoint and the export a driver leaves
+    # are written here, so a checkpoint's content route has something to send
+    final = api.store.add_checkpoint(
+        cancelled.id, 4, {}, str(api.settings.job_dir(cancelled.id) / "ckpt"), keep=3, final=True
+    )
+    export = api.settings.finetuned_dir(cancelled.id)
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    return Objects(f.id, g.id, queued.id, cancelled.id, final.id)
 
 
 KEEP = object()  # a pick that leaves the generated value as it is
@@ -119,6 +128,7 @@ def _aim(label: str, o: Objects) -> tuple[dict[str, list[Any]], dict[str, list[A
     path = {
         "file_id": [o.file, o.rivals_file],
         "fine_tuning_job_id": [o.queued_job, o.cancelled_job],
+        "checkpoint_id": [o.checkpoint],
         "model": ["gpt-tiny", "tiny-llama"],
     }
     if label.endswith(("/logs", "/events/stream")):
@@ -222,7 +232,8 @@ def test_schemathesis_coverage_phase_finds_nothing(api, objects, tmp_path):
 
     Path ids are pinned to objects that exist, so the boundary values of the other
     parameters reach the store: a file in use by the queued job (a DELETE is a 409, the
-    file stays), and the ended job (its `/logs?follow=true` stream stops at once)."""
+    file stays), the ended job (its `/logs?follow=true` stream stops at once) and its
+    final checkpoint (whose model downloads)."""
     checks_off = "".join(
         f'\n[[operations]]\ninclude-method = "{m}"\ninclude-path = "{p}"\n'
         "checks.positive_data_acceptance.enabled = false\n"
@@ -235,6 +246,7 @@ def test_schemathesis_coverage_phase_finds_nothing(api, objects, tmp_path):
         "[parameters]\n"
         f'"path.file_id" = "{objects.file}"\n'
         f'"path.fine_tuning_job_id" = "{objects.cancelled_job}"\n'
+        f'"path.checkpoint_id" = "{objects.checkpoint}"\n'
         'model = "gpt-tiny"\n' + checks_off
     )
     cli = Path(sys.executable).with_name("schemathesis")

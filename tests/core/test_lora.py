@@ -308,3 +308,47 @@ def test_a_base_larger_than_device_plus_host_trains_with_lora_where_full_is_refu
     st = engine.stats()
     assert st["chunks"][ChunkType.FROZEN.value]["by_tier"].get("disk", 0) > 0
     assert st["bytes_moved"].get("disk->host", 0) > 0
+
+
+def test_streaming_a_base_into_frozen_chunks_holds_no_more_than_the_host_budget(tmp_path):
+    """A pretrained base streams into lazily made frozen chunks; full ones spill to disk
+    as the next arrive, so loading peaks at the host budget, not at the whole base."""
+    src = tmp_path / "base"
+    reference_model(lambda: tiny_hf_llama(hidden=128, intermediate=256, layers=8)).save_pretrained(
+        src
+    )
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    torch.manual_seed(0)  # the adapters' random init
+    roomy = pstar_core.initialize(src, engine_config(chunk_size=32768, lora=lora))
+    base_bytes = roomy.stats()["chunks"][ChunkType.FROZEN.value]["bytes"]
+    assert roomy.stats()["load_peak_bytes"]["host"] >= base_bytes  # all of it, at once
+    host = base_bytes // 3
+    memory = {
+        "device_budget": 3_000_000,
+        "host_budget": host,
+        "disk_budget": 2 * base_bytes,
+        "disk_dir": str(tmp_path),
+    }
+    torch.manual_seed(0)
+    engine = pstar_core.initialize(src, engine_config(chunk_size=32768, lora=lora, memory=memory))
+    st = engine.stats()
+    assert st["load_peak_bytes"]["host"] <= host
+    assert st["chunks"][ChunkType.FROZEN.value]["by_tier"].get("disk", 0) > 0
+    # the same weights as the roomy load, and the same training
+    for name, value in roomy.state_dict().items():
+        assert torch.equal(engine.state_dict()[name], value), name
+    assert run_engine(engine, batches(3, batch=1)) == run_engine(roomy, batches(3, batch=1))
+
+
+@pytest.mark.parametrize(
+    ("targets", "says"),
+    [
+        (["q_proj", "q_projj"], r"\['q_projj'\] match no module"),
+        (["nothing_here"], "lora.target_modules"),
+        (["q_proj", "embed_tokens"], "not linear layers"),
+    ],
+)
+def test_lora_targets_that_do_not_name_linear_layers_are_refused(targets, says):
+    cfg = engine_config(chunk_size=4096, lora={"r": 4, "target_modules": targets})
+    with pytest.raises(pstar_core.ConfigError, match=says):
+        pstar_core.initialize(MODELS["hf_llama"], cfg)

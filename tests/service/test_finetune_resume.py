@@ -57,3 +57,64 @@ def test_resume_takes_the_newer_of_rays_and_the_stores_checkpoint(
     assert _resume(engine, run, rep) is (expect > 0)
     assert engine.global_step == expect
     assert rep.phases == (["recovering"] if expect else [])
+
+
+def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_path, monkeypatch):
+    """What the worker loop writes for a LoRA job's checkpoint: the engine's chunks plus
+    the PEFT adapter in `adapter/`; a new engine resumes from it, and the adapter on the
+    base in peft gives the resumed engine's logits."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from service.finetune import _build_engine, _report_checkpoint, checkpoint_dir_name
+    from tests.tiny import make_tiny_llama
+
+    base = make_tiny_llama(tmp_path / "base")
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    run = {
+        "model": {"id": "tiny", "kind": "base", "path": str(base)},
+        "method": "lora",
+        "seq_len": 16,
+        "vocab_size": 0,
+        "engine": {"dtype": "fp32", "optimizer": {"lr": 0.05}, "lora": lora},
+        "resume_from": None,
+    }
+    torch.manual_seed(0)
+    engine = _build_engine(run)
+    x = torch.randint(3, 300, (2, 16))
+    for _ in range(2):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+
+    def report(metrics, checkpoint, checkpoint_dir_name):  # Ray persists the directory
+        shutil.copytree(checkpoint.path, tmp_path / checkpoint_dir_name)
+
+    class Rep(_Rep):
+        attempt = 1
+
+        def checkpoint(self, *args) -> None:
+            pass
+
+    Rep.run = run
+    monkeypatch.setattr(ray.train, "report", report)
+    _report_checkpoint(engine, {}, Rep(), 2, final=False)
+    saved = tmp_path / checkpoint_dir_name(2, 1)
+    assert {p.name for p in (saved / "adapter").iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    fresh = _build_engine(run)
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint(str(saved)))
+    assert _resume(fresh, run, _Rep())
+    assert fresh.global_step == 2
+    with torch.no_grad():
+        fresh.eval()
+        ours = fresh(input_ids=x).logits
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(model, saved / "adapter").eval()(input_ids=x).logits
+    torch.testing.assert_close(ours.cpu(), theirs, atol=1e-5, rtol=1e-5)
+    trained = engine.stats()["trainable_params"]
+    assert 0 < trained < engine.stats()["params"] // 10  # the adapters only

@@ -398,6 +398,122 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
     assert httpx.get(serve.url + "/readyz").status_code == 200
 
 
+def _download(serve, url: str, out, token: str = TOKEN) -> int:
+    """Stream a checkpoint's content into `out` (a directory): the tar's members there."""
+    import tarfile
+
+    archive = out.with_suffix(".tar")
+    h = {"Authorization": f"Bearer {token}"}
+    with httpx.stream("GET", f"{serve.url}{url}", headers=h, timeout=120) as r:
+        if r.status_code != 200:
+            return r.status_code
+        assert r.headers["content-type"] == "application/x-tar"
+        with archive.open("wb") as f:
+            for part in r.iter_bytes():
+                f.write(part)
+    with tarfile.open(archive) as t:
+        t.extractall(out, filter="data")
+    return 200
+
+
+def test_a_lora_job_trains_adapters_on_the_frozen_base_and_each_checkpoint_downloads(
+    serve, files, tmp_path
+):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    c = serve.client()
+    method = {"type": "lora", "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}
+    ours = {
+        "hyperparameters": {
+            "n_epochs": 50,
+            "batch_size": 8,
+            "learning_rate_multiplier": 100,
+            "max_steps": 12,
+        },
+        "resources": {"num_workers": 2},
+        "engine": {"dtype": "fp32"},
+    }
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        suffix="lora",
+        seed=3,
+        method=method,  # type: ignore[arg-type]
+        extra_body={**ours, "checkpoint_every": 5},
+    )
+    assert job.method.type == "lora"
+    done = wait_for(
+        lambda: (j := c.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
+        300,
+        "the LoRA job to end",
+    )
+    assert done.status == "succeeded", done.error
+    # each rank holds at least the dry run's LoRA model data (whole chunks, maybe gathered
+    # ones too) and well under what full fine-tuning would need
+    last = store_of(serve).metric_points(job.id)[-1].values
+    held = sum(last[f"model_data_bytes_{t}"] for t in ("device", "host", "disk"))
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    planned = {}
+    for name, extra in (("lora", {"method": method}), ("full", {})):
+        body = {"model": "tiny-llama", "training_file": files[0], **ours, **extra}
+        r = httpx.post(f"{serve.url}/v1/fine_tuning/jobs/validate", json=body, headers=h)
+        assert r.status_code == 200, r.text
+        planned[name] = r.json()["estimate"]["per_rank"]["model_data_bytes"]
+    assert planned["lora"] <= held < planned["full"]
+    first = next(e.data for e in events(c, job.id) if e.type == "metrics")
+    final_ck = c.fine_tuning.jobs.checkpoints.list(job.id).data[0]
+    assert final_ck.metrics.full_valid_loss < first["full_valid_loss"]  # the adapters learned
+    # registered as the adapter on its base
+    name = f"ft:tiny-llama:lora:{job.id}"
+    assert done.fine_tuned_model == name
+    m = c.models.retrieve(name)
+    assert (m.model_extra["adapter"], m.model_extra["adapter_base"]) == (True, "tiny-llama")
+    cks = list(c.fine_tuning.jobs.checkpoints.list(job.id))
+    assert [ck.step_number for ck in cks] == [12, 10, 5]
+    assert [ck.model_extra["variants"] for ck in cks] == [
+        ["adapter", "merged"],
+        ["adapter"],
+        ["adapter"],
+    ]
+    url = f"/v1/fine_tuning/jobs/{job.id}/checkpoints/{{}}/content"
+    # every checkpoint's adapter loads in peft onto the base, and they differ by step
+    base_dir = serve.data_dir / "models" / "tiny-llama"
+    x = torch.tensor([[5, 17, 42, 9, 100, 3]])
+
+    def adapted(d):
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        with torch.no_grad():
+            return PeftModel.from_pretrained(base, d).eval()(input_ids=x).logits
+
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)(x).logits
+    logits = {}
+    for ck in cks:
+        d = tmp_path / f"adapter-{ck.step_number}"
+        assert _download(serve, url.format(ck.id) + "?variant=adapter", d) == 200
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in d.iterdir()}
+        logits[ck.step_number] = adapted(d)
+        assert not torch.allclose(logits[ck.step_number], plain, atol=1e-4)  # it trained
+    assert not torch.allclose(logits[12], logits[5], atol=1e-4)
+    # the final checkpoint's adapter is the export's; merged it is the registered model
+    export = serve.data_dir / "models" / ".ft" / job.id
+    torch.testing.assert_close(adapted(export / "adapter"), logits[12])
+    merged = tmp_path / "merged"
+    assert _download(serve, url.format(cks[0].id) + "?variant=merged", merged) == 200
+    assert not (merged / "adapter_config.json").exists()
+    with torch.no_grad():
+        m_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(x).logits
+    torch.testing.assert_close(m_logits, logits[12], atol=1e-4, rtol=1e-4)
+    # merged only for the final checkpoint; nothing for another tenant
+    assert _download(serve, url.format(cks[1].id) + "?variant=merged", tmp_path / "n") == 404
+    assert _download(serve, url.format(cks[0].id), tmp_path / "r", RIVAL_TOKEN) == 404
+
+
 def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):
     c = serve.client()
     job = create(serve, files, steps=300)
