@@ -77,7 +77,12 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory (VmHWM). Not getrusage's ru_maxrss: Linux
+    carries that over fork and exec, so a trial would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux
 
 
 def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
@@ -92,6 +97,8 @@ def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
     # (the warm-up step needs every chunk to fit host + disk, so the host holds the model)
     device = cap // 8
     host = max(cap - device - base_rss - cap // 10, cap // 10)  # 10% for temporaries
+    if "host_bytes" in spec:  # the caller's share (LoRA: the base streams from mapped files)
+        host = spec["host_bytes"]
     memory: dict[str, Any] = {"device_budget": device, "host_budget": host, "disk_budget": 0}
     if spec["system"] in ("ours_disk", "ours_lora"):
         memory.update(disk_budget=spec["disk_bytes"], disk_dir=spec["disk_dir"])

@@ -354,9 +354,9 @@ def bench_lora(
     rounds: Annotated[int, typer.Option(help="timed interleaved rounds")] = 5,
     batch: Annotated[int, typer.Option(help="sequences per step")] = 2,
     seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
-    cap_gib: Annotated[float, typer.Option(help="memory cap per scale trial process")] = 0.75,
-    disk_gib: Annotated[float, typer.Option(help="the engine's disk tier in scale trials")] = 1.5,
-    max_layers: Annotated[int, typer.Option(help="deepest base tried in the scale part")] = 256,
+    cap_gib: Annotated[float, typer.Option(help="memory cap per scale trial process")] = 2.0,
+    disk_gib: Annotated[float, typer.Option(help="the engine's disk tier in scale trials")] = 6.0,
+    max_layers: Annotated[int, typer.Option(help="deepest base tried in the scale part")] = 512,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """LoRA: step and model data vs full fine-tuning and peft + torch; largest base per cap."""
