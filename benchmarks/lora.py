@@ -243,9 +243,11 @@ def scale(
             "disk_bytes": int(disk_gib * GIB),
             "disk_dir": disk_dir,
             "lora_r": LORA["r"],
-            # ours: device and host budgets of 1/8 and 1/4 of the cap; the rest of the cap
-            # is for what the budgets do not count (imports, mapped shard pages, the
-            # tracer's profile, temporaries) and the rest of the base goes to disk
+            # ours: device (activations + the chunks in use) and host budgets of 1/4 of
+            # the cap each; the rest of the cap is for what the budgets do not count
+            # (imports, mapped shard pages, the tracer's profile of the warm-up) and the
+            # rest of the model data goes to disk
+            "device_bytes": int(cap_gib * GIB) // 4,
             "host_bytes": int(cap_gib * GIB) // 4,
         }
         written: dict[int, tuple[str, int]] = {}

@@ -97,8 +97,8 @@ def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
     # (the warm-up step needs every chunk to fit host + disk, so the host holds the model)
     device = cap // 8
     host = max(cap - device - base_rss - cap // 10, cap // 10)  # 10% for temporaries
-    if "host_bytes" in spec:  # the caller's share (LoRA: the base streams from mapped files)
-        host = spec["host_bytes"]
+    if "host_bytes" in spec:  # the caller's shares (bench lora)
+        host, device = spec["host_bytes"], spec["device_bytes"]
     memory: dict[str, Any] = {"device_budget": device, "host_budget": host, "disk_budget": 0}
     if spec["system"] in ("ours_disk", "ours_lora"):
         memory.update(disk_budget=spec["disk_bytes"], disk_dir=spec["disk_dir"])

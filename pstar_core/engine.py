@@ -31,6 +31,7 @@ from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
 from pstar_core.manager import TrainingPhase as P
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
+from pstar_core.tiers import FreedMemory, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
@@ -166,6 +167,8 @@ class Engine:
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
         self._hooks = install_hooks(module, self.slots, self.manager)
         self._saved_tensor_hooks = saved_tensor_hooks(self.manager)
+        return_freed_host_memory()  # what loading the weights left behind
+        self._freed = FreedMemory()
 
     # -- materialization ----------------------------------------------------------------
 
@@ -304,6 +307,7 @@ class Engine:
         self.manager.phase = P.IDLE
         self.manager.end_iteration()
         self.manager.end_pass()
+        self._freed.maybe_return()
 
     @contextlib.contextmanager
     def _abandon_on_error(self) -> Iterator[None]:

@@ -77,9 +77,6 @@ def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> 
 
     frozen = [s for s in slots if not s.trainable]
 
-    def post_backward(_grads: Any) -> None:
-        manager.release_frozen_after_backward(frozen)
-
     def hook(_mod: torch.nn.Module, args: Any, output: Any) -> None:
         target = S.HOLD if _in_backward() else S.HOLD_AFTER_FWD
         for s in slots:
@@ -88,11 +85,32 @@ def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> 
             tensors = _needing_grad(output)
             if tensors:
                 register_multi_grad_hook(tensors, pre_backward, mode="any")
-                inputs = _needing_grad(args)
-                if frozen and inputs:
-                    register_multi_grad_hook(inputs, post_backward, mode="all")
+                if frozen:
+                    _after_input_grads(_needing_grad(args), frozen, manager)
 
     return hook
+
+
+def _after_input_grads(
+    inputs: list[torch.Tensor], frozen: list[TensorSlot], manager: ChunkManager
+) -> None:
+    """Release `frozen` once the gradients of all `inputs` exist (backward is done with
+    the module). A counter in the closure rather than `register_multi_grad_hook(mode=
+    "all")`, which keeps the inputs' grad_fns in the hook it stores on them: a cycle
+    through autograd's C++ nodes that leaked ~10 MB per step on a 64-layer LoRA model.
+    Inputs that are leaves (a caller's tensor that may outlive the step and would collect
+    hooks) are left to the release at the end of backward."""
+    if not inputs or any(t.grad_fn is None for t in inputs):
+        return
+    left = [len(inputs)]
+
+    def arrived(_grad: torch.Tensor) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            manager.release_frozen_after_backward(frozen)
+
+    for t in inputs:
+        t.register_hook(arrived)
 
 
 def _needing_grad(tree: Any) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from pstar_core.devices import device_module
+from pstar_core.tiers import return_freed_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +331,8 @@ class MemoryTracer:
             _ACTIVE.discard(self)
             prof.__exit__(None, None, None)
             p.non_model = _cpu_non_model(prof, p.moments)
+            del prof
+            return_freed_host_memory()  # the profile's objects and buffers
         elif self._measuring_cuda:
             self._measuring_cuda = False
             self._close_cuda_window()
