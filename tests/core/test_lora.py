@@ -352,3 +352,19 @@ def test_lora_targets_that_do_not_name_linear_layers_are_refused(targets, says):
     cfg = engine_config(chunk_size=4096, lora={"r": 4, "target_modules": targets})
     with pytest.raises(pstar_core.ConfigError, match=says):
         pstar_core.initialize(MODELS["hf_llama"], cfg)
+
+
+def test_training_steps_do_not_accumulate_objects():
+    """The hooks that release frozen tensors after backward leave nothing behind: the
+    live Python objects stay level from step to step (a hook cycle through autograd's
+    nodes once leaked ~10 MB per step at 64 layers)."""
+    import gc
+
+    engine = pstar_core.initialize(MODELS["hf_llama"], engine_config(chunk_size=4096, lora=LORA))
+    data = batches(12)
+    run_engine(engine, data[:4])
+    gc.collect()
+    before = len(gc.get_objects())
+    run_engine(engine, data[4:])
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100
