@@ -210,14 +210,18 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(base_dir, tmp_p
 # -- two ranks: the frozen base is sharded and only ever all-gathered --------------------
 
 
-@pytest.mark.parametrize("evicting", [False, True], ids=["roomy", "evicting"])
-def test_two_ranks_equal_peft_and_send_the_base_in_all_gathers_only(tmp_path, evicting):
+@pytest.mark.parametrize(
+    ("name", "evicting"),
+    [("hf_gpt2", False), ("hf_gpt2", True), ("hf_llama", False), ("hf_llama", True)],
+    ids=["gpt2-roomy", "gpt2-evicting", "llama-roomy", "llama-evicting"],
+)
+def test_two_ranks_equal_peft_and_send_the_base_in_all_gathers_only(tmp_path, name, evicting):
     import json
 
     from tests.core import zero_worker
     from tests.core.helpers import spawn_ranks
 
-    ref = reference_model(lambda: lora_model("hf_gpt2"))
+    ref = reference_model(lambda: lora_model(name))
     model = copy.deepcopy(ref)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch_adamw(model, 1e-3, 0.1, params=params)
@@ -228,7 +232,7 @@ def test_two_ranks_equal_peft_and_send_the_base_in_all_gathers_only(tmp_path, ev
         opt.step()
         opt.zero_grad(set_to_none=True)
         want.append(loss.item())
-    env = {"PSTAR_TEST_LORA": "1"}
+    env = {"PSTAR_TEST_LORA": name}
     if evicting:
         env["PSTAR_TEST_MEMORY"] = json.dumps({"device_budget": 750_000})
     ranks = spawn_ranks("tests.core.zero_worker", 2, tmp_path, "train", **env)

@@ -37,8 +37,8 @@ def run_steps(engine, data, rank, world):
 
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     model_fn = MODELS["hf_gpt2"]
-    if os.environ.get("PSTAR_TEST_LORA"):  # peft adapters on the base (test_lora)
-        model_fn = functools.partial(lora_model, "hf_gpt2")
+    if lora_on := os.environ.get("PSTAR_TEST_LORA"):  # peft adapters (test_lora): on which
+        model_fn = functools.partial(lora_model, lora_on)
     ref = reference_model(model_fn)
     data = batches(STEPS, batch=8)
     memory = json.loads(os.environ.get("PSTAR_TEST_MEMORY", "{}"))
