@@ -4,8 +4,6 @@ equal peft + torch AdamW, and the base stays bitwise what it was."""
 
 from __future__ import annotations
 
-import copy
-
 import peft
 import pytest
 import torch
@@ -20,8 +18,8 @@ from tests.core.helpers import (
     lora_model,
     reference_model,
     run_engine,
+    run_reference,
     tiny_hf_llama,
-    torch_adamw,
 )
 
 STEPS = 20
@@ -31,17 +29,8 @@ STEPS = 20
 def reference(request):
     """peft + torch AdamW (fp32) over the adapters: the ground truth."""
     ref = lora_model(request.param)
-    model = copy.deepcopy(ref)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch_adamw(model, 1e-3, 0.1, params=params)
-    losses = []
-    for x in batches(STEPS):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return request.param, ref, losses
+    # torch AdamW skips the frozen base: its parameters get no gradient
+    return request.param, ref, run_reference(ref, batches(STEPS), 1e-3, 0.1)
 
 
 def make(name, ref, memory=None):
@@ -127,18 +116,11 @@ def test_lora_section_on_a_model_dir_starts_at_the_base_and_trains_like_peft(bas
         torch.testing.assert_close(engine(input_ids=x).logits, base(input_ids=x).logits)
         engine.train()
     ref = peft_on(base_dir, engine)
-    params = [p for p in ref.parameters() if p.requires_grad]
-    opt = torch_adamw(ref, 1e-3, 0.1, params=params)
-    want = []
-    for b in batches(STEPS):
-        loss = ref(input_ids=b, labels=b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = run_reference(ref, batches(STEPS), 1e-3, 0.1)
     got = run_engine(engine, batches(STEPS))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    assert engine.stats()["trainable_params"] == sum(p.numel() for p in params)
+    adapters = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    assert engine.stats()["trainable_params"] == adapters
 
 
 def test_adapter_export_reloads_in_peft_and_merged_equals_merge_and_unload(base_dir, tmp_path):
@@ -222,16 +204,7 @@ def test_two_ranks_equal_peft_and_send_the_base_in_all_gathers_only(tmp_path, na
     from tests.core.helpers import spawn_ranks
 
     ref = reference_model(lambda: lora_model(name))
-    model = copy.deepcopy(ref)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch_adamw(model, 1e-3, 0.1, params=params)
-    want = []
-    for x in batches(zero_worker.STEPS, batch=8):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = run_reference(ref, batches(zero_worker.STEPS, batch=8), 1e-3, 0.1)
     env = {"PSTAR_TEST_LORA": name}
     if evicting:
         env["PSTAR_TEST_MEMORY"] = json.dumps({"device_budget": 750_000})
@@ -298,15 +271,7 @@ def test_a_base_larger_than_device_plus_host_trains_with_lora_where_full_is_refu
         big(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=lora["target_modules"])
     )
     ref.load_state_dict(engine.state_dict())
-    params = [p for p in ref.parameters() if p.requires_grad]
-    opt = torch_adamw(ref, 1e-3, 0.1, params=params)
-    want = []
-    for x in batches(4, batch=1):
-        loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = run_reference(ref, batches(4, batch=1), 1e-3, 0.1)
     got = run_engine(engine, batches(4, batch=1))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     st = engine.stats()
