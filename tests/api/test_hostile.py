@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from service.store import File, new_id
 from tests.tiny import chat_lines
-
-openai = pytest.importorskip("openai")
 
 JOBS = "/fine_tuning/jobs"
 GOOD = ("\n".join(chat_lines(4)) + "\n").encode()

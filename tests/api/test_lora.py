@@ -23,8 +23,6 @@ import pytest
 from tests.api.test_hostile import assert_envelope, post_json, stored_jobs
 from tests.tiny import chat_lines
 
-openai = pytest.importorskip("openai")
-
 JOBS = "/fine_tuning/jobs"
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
 

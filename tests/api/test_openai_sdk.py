@@ -9,11 +9,10 @@ import io
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.tiny import chat_lines
-
-openai = pytest.importorskip("openai")
 
 
 def upload(client, lines: list[str], name: str = "train.jsonl"):

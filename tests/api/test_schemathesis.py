@@ -32,16 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import hypothesis  # schemathesis depends on it
 import pytest
+import schemathesis
+from hypothesis import strategies as st
 
 from tests.api.conftest import TOKENS
 from tests.tiny import chat_lines
-
-schemathesis = pytest.importorskip(
-    "schemathesis", reason="the fuzzer is a dev dependency: pip install -e '.[dev]'"
-)
-import hypothesis  # noqa: E402  (schemathesis depends on it)
-from hypothesis import strategies as st  # noqa: E402
 
 MAX_EXAMPLES = 25  # per operation and backend: the module takes about 30 s on 2 cores
 REQUEST_TIMEOUT_S = 15  # a hung response (an endless log stream) fails instead of hanging

@@ -11,9 +11,6 @@ from typer.testing import CliRunner
 
 from service.cli import app
 
-pytest.importorskip("httpx")
-pytest.importorskip("uvicorn")
-
 runner = CliRunner()
 
 

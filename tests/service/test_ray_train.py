@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray")
-
 
 @pytest.fixture(scope="module")
 def ray_local():

@@ -17,6 +17,7 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.served import (
@@ -31,8 +32,6 @@ from tests.served import (
 )
 from tests.tiny import chat_lines, make_tiny_llama
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
