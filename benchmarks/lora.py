@@ -223,7 +223,7 @@ def scale(
 ) -> dict[str, Any]:
     """The largest pretrained base each LoRA recipe loads and trains for two steps in a
     fresh process killed at the cap: ours with the disk tier, peft + torch in memory."""
-    from benchmarks.scale import GIB, largest
+    from benchmarks.scale import GIB, largest, trial_logger
 
     shape = shape or SCALE_SHAPE
     results: dict[str, Any] = {}
@@ -260,12 +260,7 @@ def scale(
             model_dir, params = written[layers]
             return {**trial, "model_dir": model_dir, "params": params}
 
-        def log(system: str, r: dict[str, Any]) -> None:
-            what = "ok" if r["ok"] else f"failed: {r.get('error')}"
-            rss = r.get("peak_rss_bytes") or r.get("sampled_peak_rss_bytes") or 0
-            console.print(
-                f"[dim]{system:>9} {r['layers']:>4} layers: {what} (peak RSS {rss / GIB:.2f} GiB)"
-            )
+        log = trial_logger(console)
 
         for system in (SCALE_PEFT, SCALE_OURS):
             results[system] = largest(

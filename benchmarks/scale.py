@@ -173,14 +173,7 @@ def _train_fsdp2(spec: dict[str, Any], _base_rss: int) -> list[float]:
         net.init_weights()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
-    def step(x: Any) -> float:
-        loss = net(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return _loop(spec, step, torch)
+    return _loop(spec, _torch_step(net, opt), torch)
 
 
 def _train_peft_lora(spec: dict[str, Any], _base_rss: int) -> list[float]:
@@ -197,6 +190,12 @@ def _train_peft_lora(spec: dict[str, Any], _base_rss: int) -> list[float]:
     net = peft.get_peft_model(base, config)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4)
 
+    return _loop(spec, _torch_step(net, opt), torch)
+
+
+def _torch_step(net: Any, opt: Any) -> Any:
+    """One plain PyTorch training step of `net` with `opt`, as a function of the batch."""
+
     def step(x: Any) -> float:
         loss = net(input_ids=x, labels=x).loss
         loss.backward()
@@ -204,7 +203,7 @@ def _train_peft_lora(spec: dict[str, Any], _base_rss: int) -> list[float]:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return _loop(spec, step, torch)
+    return step
 
 
 def _loop(spec: dict[str, Any], step: Any, torch: Any) -> list[float]:
@@ -323,6 +322,20 @@ def run_trial(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     return {**base, "error": f"exited with {proc.returncode}: {tail}"[:400]}
 
 
+def trial_logger(console: Console) -> Any:
+    """`log(system, trial)` for `largest`: one dim line per trial, its outcome and peak."""
+
+    def log(system: str, r: dict[str, Any]) -> None:
+        what = "ok" if r["ok"] else f"failed: {r.get('error')}"
+        rss = r.get("peak_rss_bytes") or r.get("sampled_peak_rss_bytes") or 0
+        console.print(
+            f"[dim]{system:>9} {r['layers']:>4} layers: {what} "
+            f"(peak RSS {rss / GIB:.2f} GiB, {r.get('seconds', 0):.0f} s)"
+        )
+
+    return log
+
+
 def largest(
     spec: dict[str, Any],
     start: int,
@@ -418,13 +431,7 @@ def run_scale(
             "disk_dir": disk_dir,
         }
 
-        def log(system: str, r: dict[str, Any]) -> None:
-            what = "ok" if r["ok"] else f"failed: {r.get('error')}"
-            rss = r.get("peak_rss_bytes") or r.get("sampled_peak_rss_bytes") or 0
-            console.print(
-                f"[dim]{system:>9} {r['layers']:>4} layers: {what} "
-                f"(peak RSS {rss / GIB:.2f} GiB, {r.get('seconds', 0):.0f} s)"
-            )
+        log = trial_logger(console)
 
         for system in systems:
             spec = {**base, "system": system}

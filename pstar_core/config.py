@@ -311,6 +311,16 @@ def _explain(err: ValidationError) -> str:
     return "invalid engine config:\n  " + "\n  ".join(lines)
 
 
+def missing_unexpected(missing: list[str], unexpected: list[str], most: int) -> str:
+    """'missing [...], unexpected [...]' with at most `most` names each, for the errors
+    of weights or state that do not match a model."""
+
+    def listed(names: list[str]) -> str:
+        return f"{names[:most]}{' ...' if len(names) > most else ''}"
+
+    return f"missing {listed(missing)}, unexpected {listed(unexpected)}"
+
+
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """Field names of the config model at `loc`, to suggest in an unknown-field error."""
     model: Any = EngineConfig

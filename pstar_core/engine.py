@@ -23,7 +23,7 @@ from torch import nn
 
 from pstar_core import lora
 from pstar_core.chunk import ChunkType, TensorSlot, TensorState
-from pstar_core.config import ConfigError, EngineConfig
+from pstar_core.config import ConfigError, EngineConfig, missing_unexpected
 from pstar_core.devices import resolve_device, to_device
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
@@ -426,9 +426,8 @@ class Engine:
         unexpected = [k for k in state if k not in own]
         if strict and (missing or unexpected):
             raise KeyError(
-                f"state dict does not match the model: missing {missing[:10]}"
-                f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
-                f"{' ...' if len(unexpected) > 10 else ''}"
+                "state dict does not match the model: "
+                + missing_unexpected(missing, unexpected, 10)
             )
         for name, value in state.items():
             if name in own:

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pstar_core import lora
-from pstar_core.config import EngineConfig
+from pstar_core.config import EngineConfig, missing_unexpected
 
 if TYPE_CHECKING:
     from pstar_core.engine import Engine
@@ -140,9 +140,7 @@ def stream_weights(engine: Engine, files: list[Path]) -> None:
     missing = [n for n in by_file.values() if n not in covered]
     if missing or unexpected:
         raise HFLoadError(
-            f"weights do not match the model config: missing {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''}"
+            "weights do not match the model config: " + missing_unexpected(missing, unexpected, 8)
         )
 
 

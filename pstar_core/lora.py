@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from pstar_core.config import ConfigError, LoraConfig
+from pstar_core.config import ConfigError, LoraConfig, missing_unexpected
 
 if TYPE_CHECKING:
     from pstar_core.engine import Engine
@@ -194,9 +194,7 @@ def load_adapter(engine: Engine, directory: Path) -> None:
     missing = sorted(set(wanted) - seen)
     if missing or unexpected:
         raise AdapterError(
-            f"{path} does not fit the model: missing {missing[:6]}"
-            f"{' ...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
-            f"{' ...' if len(unexpected) > 6 else ''}"
+            f"{path} does not fit the model: " + missing_unexpected(missing, unexpected, 6)
         )
 
 
