@@ -8,9 +8,21 @@ checkpoint is then the adapters and their optimizer state only.
 Layout of a checkpoint directory:
 - `pstar_checkpoint.json`: format version, dtype, chunk size, world size, the tensor map
   (name, shape, chunk, offset), global step, lr scale, loss scaler;
-- `rank{r}-of-{n}.safetensors`: the chunk payloads of that rank, keyed `{list}.{index}`;
+- `rank{r}-of-{n}.safetensors`: the chunk payloads of that rank, keyed `{list}.{index}`:
+  the fp32 masters, momentum and variance (and frozen chunks unless left to the source).
+  The param chunks are not written: between steps each one is the cast of its master
+  (Adam writes it so), so loading re-derives it, bitwise, in whatever compute dtype the
+  loading engine resolved (a job resumed on a CPU without bf16 continues in fp32);
 - `rank{r}-of-{n}.extra.pt`: RNG states, per-tensor step counts, and the excluded
   parameters' optimizer state.
+
+[Note: streamed save] The rank file is written one chunk at a time: the safetensors
+header (every entry's dtype, shape and byte range is known from the plan) goes first,
+then each chunk is brought into memory (from disk if spilled), its bytes written, and it
+is let go before the next. Nothing collects the payloads: with a disk tier a chunk
+brought back may evict one written a moment ago, and a dict of views would then hold
+memory the pinned pool has handed to another chunk. On a device, the bytes pass through
+one host staging buffer of a chunk. So saving needs one chunk beyond the engine's own.
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so a
 failure while saving leaves the previous checkpoint intact. Chunks are read back one at
@@ -20,6 +32,7 @@ a time, so loading needs no more host memory than one chunk beyond the engine's 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -27,16 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from pstar_core.chunk import ChunkType
+from pstar_core.chunk import Chunk, ChunkType
 from pstar_core.devices import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from pstar_core.engine import Engine
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: no param chunks (re-derived from the masters)
+READABLE_VERSIONS = (1, 2)
 META = "pstar_checkpoint.json"
+log = logging.getLogger(__name__)
+# safetensors' names of the chunk dtypes
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class CheckpointError(RuntimeError):
@@ -113,26 +129,80 @@ def _barrier(zero) -> None:
 
 def _write_rank_files(engine: Engine, directory: Path) -> None:
     m, zero = engine.manager, engine.zero
-    in_memory = m.residency.in_memory
-    tensors = {
-        f"{c.kind.value}.{c.index}": in_memory(c).payload
-        for c in _saved_chunks(engine, not engine.frozen_from_source)
-    }
-    save_file(tensors, directory / _rank_file(zero.rank, zero.nproc, ".safetensors"))
+    chunks = _saved_chunks(engine, not engine.frozen_from_source)
+    write_streamed(
+        directory / _rank_file(zero.rank, zero.nproc, ".safetensors"),
+        [(f"{c.kind.value}.{c.index}", c) for c in chunks],
+        lambda c: None if c.zero_pending else m.residency.in_memory(c).payload,
+    )
     extra = {
         "rng": rng_state(engine.device),  # the CPU's and this rank's device's, not all GPUs'
         "excluded": engine.excluded.state_dict(),
         "steps": [s.step for s in m.slots],
+        # where Adam ran for each chunk: a resumed engine's first (warm-up) step updates
+        # the same chunks on the same tier, so it runs the same kernels as the run it
+        # continues (a fused device kernel and the host's differ in the last bits)
+        "placement": {
+            "device": engine.device.type,
+            "device_budget": m.residency.tiers["device"].budget_bytes,
+            "device_adam": sorted(m.device_adam),
+        },
     }
     torch.save(extra, directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"))
     if zero.rank == 0:
         (directory / META).write_text(json.dumps(_meta(engine), indent=1))
 
 
+def write_streamed(path: Path, entries: list[tuple[str, Chunk]], payload_of) -> None:
+    """A safetensors file of whole chunks, written one chunk at a time (see [Note:
+    streamed save]); `payload_of(chunk)` makes the chunk's payload readable, or returns
+    None for a chunk that is all zeros and has no memory yet (Adam state before step 1)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, c in entries:
+        header[key] = {
+            "dtype": _ST_DTYPES[c.dtype],
+            "shape": [c.capacity],
+            "data_offsets": [offset, offset + c.nbytes],
+        }
+        offset += c.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    staging: torch.Tensor | None = None  # one chunk's host bytes, for device payloads
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _key, c in entries:
+            payload = payload_of(c)
+            if payload is None:
+                _write_zeros(f, c.nbytes)
+                continue
+            if payload.device.type != "cpu":
+                if staging is None or staging.numel() < c.nbytes:
+                    staging = torch.empty(c.nbytes, dtype=torch.uint8)
+                host = staging[: c.nbytes]
+                host.copy_(payload.view(torch.uint8))
+            else:
+                host = payload.view(torch.uint8)
+            f.write(memoryview(host.numpy()))
+            del payload, host
+
+
+def _write_zeros(f: Any, nbytes: int, block: int = 2**20) -> None:
+    zeros = bytes(min(block, nbytes))
+    while nbytes > 0:
+        n = min(block, nbytes)
+        f.write(zeros[:n])
+        nbytes -= n
+
+
 def _saved_chunks(engine: Engine, frozen_saved: bool) -> list[Any]:
-    """This rank's chunks that a checkpoint holds: all, or all but the frozen ones."""
+    """This rank's chunks that a checkpoint holds: the optimizer lists, and the frozen
+    list unless its source directory holds it (param chunks are re-derived)."""
     return [
-        c for c in engine.manager.own_chunks() if frozen_saved or c.kind is not ChunkType.FROZEN
+        c
+        for c in engine.manager.own_chunks()
+        if c.kind is not ChunkType.PARAM and (frozen_saved or c.kind is not ChunkType.FROZEN)
     ]
 
 
@@ -155,14 +225,29 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
     _check_compatible(engine, meta, directory)
     zero = engine.zero
     frozen_saved = meta.get("frozen", "saved") == "saved"
+    if meta["dtype"] != engine.config.dtype:
+        log.info(
+            "checkpoint %s was written in %s; this engine computes in %s (param chunks are "
+            "re-derived from the fp32 masters)",
+            directory,
+            meta["dtype"],
+            engine.config.dtype,
+        )
     path = directory / _rank_file(zero.rank, zero.nproc, ".safetensors")
+    residency = engine.manager.residency
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for c in _saved_chunks(engine, frozen_saved):
                 key = f"{c.kind.value}.{c.index}"
-                engine.manager.residency.in_memory(c).payload.copy_(f.get_tensor(key))
+                # copy_ casts: frozen chunks saved in another compute dtype
+                residency.in_memory(c).payload.copy_(f.get_tensor(key))
     except (OSError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
+    lists = engine.manager.lists
+    for param in engine.manager.own_chunks([ChunkType.PARAM]):
+        master = lists[ChunkType.PARAM_FP32][param.index]
+        residency.colocate([param, master])
+        param.payload.copy_(master.payload)  # what Adam wrote there: the cast of the master
     extra = torch.load(
         directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"),
         weights_only=False,
@@ -174,16 +259,29 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
     engine.excluded.load_state_dict(extra["excluded"])
     for slot, step in zip(engine.manager.slots, extra["steps"], strict=True):
         slot.step = int(step)
+    _restore_placement(engine, extra.get("placement"))
     engine.global_step = int(meta["global_step"])
     engine.optimizer.lr_scale = float(meta["lr_scale"])
     engine.scaler.load_state_dict(meta["scaler"])
 
 
+def _restore_placement(engine: Engine, saved: dict[str, Any] | None) -> None:
+    """Until this engine's own trace decides again, Adam runs where it ran for the run
+    being continued, on the same kind of device with at least its budget (a smaller one
+    may not hold those chunks; the step is then as any warm-up's, on the host)."""
+    m = engine.manager
+    if saved is None or m.tracer.trace is not None or saved["device"] != engine.device.type:
+        return
+    if m.residency.tiers["device"].budget_bytes < saved["device_budget"]:
+        return
+    m.device_adam = {i for i in saved["device_adam"] if i < len(m.lists[ChunkType.PARAM])}
+
+
 def _check_compatible(engine: Engine, meta: dict[str, Any], directory: Path) -> None:
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{directory}: format version {meta.get('format_version')}, "
-            f"this engine reads {FORMAT_VERSION}"
+            f"this engine reads {list(READABLE_VERSIONS)}"
         )
     ours = _meta(engine)
     if meta.get("frozen") == "source" and not engine.frozen_from_source:
@@ -191,7 +289,8 @@ def _check_compatible(engine: Engine, meta: dict[str, Any], directory: Path) -> 
             f"{directory}: the checkpoint leaves its frozen weights to the model directory "
             f"{meta.get('source_dir')}; initialize the engine from that directory first"
         )
-    for key in ("dtype", "chunk_size", "world_size", "lists"):
+    # the compute dtype may differ: the layout does not depend on it (see the module note)
+    for key in ("chunk_size", "world_size", "lists"):
         if meta.get(key) != ours[key]:
             raise CheckpointError(
                 f"{directory}: checkpoint has {key}={meta.get(key)}, this engine {ours[key]}; "

@@ -221,8 +221,12 @@ class LoraConfig(_Frozen):
 class EngineConfig(_Frozen):
     """Everything `pstar_core.initialize` needs besides the model."""
 
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        default="bf16", description="compute dtype of the param chunks (master weights are fp32)"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto",
+        description="compute dtype of the param chunks (master weights are fp32); 'auto': bf16 "
+        "where the compute device does bf16 natively (Ampere+ GPUs, CPUs with AVX-512 BF16 or "
+        "AMX), fp16 with loss scaling on GPUs without bf16, fp32 elsewhere "
+        "(`pstar_core.precision`)",
     )
     chunk_size: int | Literal["auto"] = Field(
         default="auto", description="elements per chunk, or 'auto' to search for least waste"
@@ -265,6 +269,9 @@ class EngineConfig(_Frozen):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The compute dtype; only once 'auto' is resolved (`Engine.config` always is)."""
+        if self.dtype not in DTYPES:
+            raise ValueError("dtype 'auto' is resolved by the engine (pstar_core.precision)")
         return DTYPES[self.dtype]
 
     @classmethod

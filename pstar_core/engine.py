@@ -31,6 +31,7 @@ from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
 from pstar_core.manager import TrainingPhase as P
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
+from pstar_core.precision import resolve as resolve_precision
 from pstar_core.tiers import FreedMemory, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
@@ -99,9 +100,7 @@ class Engine:
         self.source_dir: Path | None = None  # a HF model directory the weights came from
         # the frozen chunks hold exactly what `source_dir` holds (checkpoints leave them out)
         self.frozen_from_source = False
-        self.config = cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = cfg.torch_dtype
         self.global_step = 0
 
         params = _unique_params(module)
@@ -114,10 +113,16 @@ class Engine:
         self.zero = ZeroGroup.from_default(
             process_group, cfg.zero.variant, self.device, cfg.zero.overlap_reductions
         )
-        if self.zero.enabled and self.device.type == "cuda":  # pragma: no cover - CUDA only
-            # NCCL creates its communicator (and its buffers) at the first collective:
-            # run one now, so the device budget is measured with them in place
-            self.zero.all_reduce_sum(0.0)
+        # 'auto' resolved from the hardware, the same on every rank; under ZeRO on a GPU
+        # this first collective also creates NCCL's communicator (and its buffers), so the
+        # device budget is measured with them in place
+        self.precision = resolve_precision(
+            cfg.dtype, self.device, self.zero.all_reduce_max if self.zero.enabled else None
+        )
+        cfg = cfg.model_copy(update={"dtype": self.precision.dtype})
+        self.config = cfg
+        self.dtype = cfg.torch_dtype
+        log.info("compute dtype %s (%s)", self.precision.dtype, self.precision.reason)
         self.plan = make_plan(
             [p.numel() for _, p in chunked],
             [p.requires_grad for _, p in chunked],
@@ -527,7 +532,9 @@ class Engine:
         model_bytes += m.grad_accum.bytes + self.excluded.model_data_bytes()
         n_params = self.plan.params + self.excluded.numel  # of the whole model
         return {
-            "dtype": self.config.dtype,
+            "dtype": self.config.dtype,  # resolved: never 'auto'
+            "compute_dtype": self.config.dtype,
+            "precision": self.precision.as_dict(),
             "chunk_size": self.plan.chunk_size,
             "params": n_params,
             "trainable_params": self.plan.trainable_params + self.excluded.trainable_numel,
@@ -551,6 +558,8 @@ class Engine:
             "margin_bytes": self.manager.margin_bytes,
             "device_adam_chunks": len(m.device_adam),
             "world_size": self.zero.nproc,
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
             "rank": self.zero.rank,
             "comm_bytes_sent": self.zero.bytes_sent,
             "comm_overlapped_reductions": self.zero.overlapped,

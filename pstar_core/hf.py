@@ -187,10 +187,13 @@ def export_hf(
         size += numel * esize
 
     def read(name: str) -> torch.Tensor:
+        # always a host copy: a view of a chunk would be overwritten when reading the next
+        # tensor brings a spilled chunk back in its place (disk tier, pinned pool), so a
+        # shard holds copies, bounded by `max_shard_bytes`
         layer = adapted.get(name)
         if layer is not None:
-            return lora.merged_weight(engine, name, layer).to(dtype)
-        return engine.read_tensor(name).to(dtype).contiguous()
+            return lora.merged_weight(engine, name, layer).to(dtype)  # a fresh tensor
+        return engine.read_tensor(name).to("cpu", dtype, copy=True).contiguous()
 
     with _staged(engine, out) as tmp:
         if tmp is not None:
@@ -228,7 +231,9 @@ def _export_adapter(engine: Engine, out: Path, dtype: torch.dtype | None) -> Pat
     masters unless `dtype` says otherwise; adapters are small)."""
     names = lora.adapter_names(engine)
     tensors = {
-        lora.adapter_file_name(n): engine.read_tensor(n).to("cpu", dtype or torch.float32)
+        lora.adapter_file_name(n): engine.read_tensor(n).to(
+            "cpu", dtype or torch.float32, copy=True
+        )
         for n in names
     }
     engine.forget_gathered()

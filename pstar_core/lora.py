@@ -213,8 +213,9 @@ def merged_weight(engine: Engine, weight_name: str, layer: Any) -> torch.Tensor:
     """W + (alpha / r) B A for one adapted layer, in fp32 on the host, as peft merges."""
     w = engine.read_tensor(weight_name).to("cpu", torch.float32, copy=True)
     prefix = weight_name[: -len("base_layer.weight")]
-    a = engine.read_tensor(f"{prefix}lora_A.{ADAPTER}.weight").to("cpu", torch.float32)
-    b = engine.read_tensor(f"{prefix}lora_B.{ADAPTER}.weight").to("cpu", torch.float32)
+    # copies: reading the next tensor may evict this one's chunk (see hf.export_hf)
+    a = engine.read_tensor(f"{prefix}lora_A.{ADAPTER}.weight").to("cpu", torch.float32, copy=True)
+    b = engine.read_tensor(f"{prefix}lora_B.{ADAPTER}.weight").to("cpu", torch.float32, copy=True)
     delta = (b @ a) * layer.scaling[ADAPTER]
     if getattr(layer, "fan_in_fan_out", False):
         delta = delta.T

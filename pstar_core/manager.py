@@ -188,13 +188,19 @@ class ChunkManager:
             if self.zero.enabled:
                 for c in chunks:
                     self.groups.gather(c)  # a no-op while its group is gathered
+            # A tensor of this operator holding a gradient from an earlier micro-batch:
+            # its chunk's gradients go to the accum chunk first (with ZeRO, before the
+            # gather). Before the chunks are made resident: stashing allocates and may
+            # evict another chunk of this operator, which must come back before a
+            # parameter points at it.
+            for s in slots:
+                if s.state is S.HOLD_AFTER_BWD:
+                    self.grad_accum.stash(self.param_chunk(s))
             self.residency.make_resident(chunks, "device")
             self.residency.tiers["device"].start_compute()
             self.residency.prefetch()
             for s in slots:
                 chunk = self.param_chunk(s)
-                if s.state is S.HOLD_AFTER_BWD:  # a gradient from an earlier micro-batch
-                    self.grad_accum.stash(chunk)  # (with ZeRO, done before the gather)
                 if s.state is S.FREE:
                     chunk.flat(s).zero_()
                 s.set_state(S.COMPUTE)
@@ -283,7 +289,7 @@ class ChunkManager:
 
     def prepare_adam(self, index: int) -> None:
         """Adam on chunk `index` is next: a moment, and its chunks together on its tier."""
-        self.begin_operator(f"adam.{index}")
+        self.begin_operator(f"{placement.ADAM_MOMENT}{index}")
         chunks = [self.lists[k][index] for k in TRAINABLE_LISTS]
         acc = self.grad_accum.get(index)
         if acc is not None:

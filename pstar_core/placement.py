@@ -1,8 +1,9 @@
 """Device-aware operator placement (the paper's DMM): where Adam runs for each chunk.
 
 After a trace exists, the device's margin space is its budget minus the peak non-model
-memory minus all param chunks (plus, under ZeRO, two gathered groups in flight, and on a
-GPU the fused Adam's fp32 gradient buffer for one chunk). As many
+memory of forward and backward minus all param chunks (plus, under ZeRO, two gathered
+groups in flight, and on an accelerator the fused Adam's fp32 gradient buffer for one
+chunk). As many
 optimizer-state chunk triples (fp32 master, momentum, variance) as fit there stay on the
 device, and Adam runs there for them; the rest live and update on the host. Adam is
 memory-bound, so either tier can run it; the forward and backward operators always run
@@ -16,12 +17,22 @@ from typing import TYPE_CHECKING
 from pstar_core.chunk import ChunkType
 from pstar_core.kernels import adam_temporary_bytes
 
+ADAM_MOMENT = "adam."  # the moment of Adam on trainable chunk i is named f"adam.{i}"
+
 if TYPE_CHECKING:
     from pstar_core.manager import ChunkManager
 
 
 def place_optimizer_states(m: ChunkManager) -> int:
-    """Decide `m.device_adam` from the trace (again after a re-trace); the margin."""
+    """Decide `m.device_adam` from the trace (again after a re-trace); the margin.
+
+    The margin comes from the peak non-model memory of the forward and backward moments
+    only: Adam's own moments measured whatever tier the traced step happened to update
+    each chunk on (the host in a first warm-up; the device after a resume, see
+    `checkpoint`), and a decision that depended on it would not be the same twice. What
+    Adam itself needs on the device is reserved explicitly instead: its temporaries are
+    written into the trace at the device-Adam moments, so A_j there leaves room for them.
+    """
     from pstar_core.manager import PARAM_LISTS, TRAINABLE_LISTS
 
     trace = m.tracer.trace
@@ -31,12 +42,13 @@ def place_optimizer_states(m: ChunkManager) -> int:
     params = sum(c.nbytes for c in m.own_chunks(PARAM_LISTS))
     if m.zero.enabled:  # two gathered groups may be in flight at once
         params += 2 * (m.zero.nproc - 1) * m.lists[ChunkType.PARAM][0].nbytes
-    margin = m.residency.tiers["device"].budget_bytes - trace.peak_non_model - params
-    left = margin
-    if m.device.type != "cpu":
-        # Adam on a GPU (torch's fused kernel) needs its fp32 gradient buffer; the warm-up
-        # ran Adam on the host, so the trace never saw it (the C++ CPU kernel needs none)
-        left -= adam_temporary_bytes(m.plan.chunk_size)
+    peak = max(
+        (n for name, n in zip(trace.names, trace.non_model, strict=False) if not _is_adam(name)),
+        default=0,
+    )
+    margin = m.residency.tiers["device"].budget_bytes - peak - params
+    temporary = adam_temporary_bytes(m.plan.chunk_size, m.device)
+    left = margin - temporary
     for i, chunk in enumerate(m.lists[ChunkType.PARAM]):
         if not m.owned(chunk):
             continue
@@ -45,7 +57,22 @@ def place_optimizer_states(m: ChunkManager) -> int:
             break
         m.device_adam.add(i)
         left -= triple
+    _reserve_adam_temporaries(trace, m.device_adam, temporary)
     return margin
+
+
+def _is_adam(moment_name: str) -> bool:
+    return moment_name.startswith(ADAM_MOMENT)
+
+
+def _reserve_adam_temporaries(trace, device_adam: set[int], temporary: int) -> None:
+    """N_j at the moments of Adam on the device: at least what the kernel allocates
+    there (a warm-up that ran them on the host measured nothing on the device)."""
+    if not temporary:
+        return
+    for j, name in enumerate(trace.names):
+        if _is_adam(name) and int(name[len(ADAM_MOMENT) :]) in device_adam:
+            trace.non_model[j] = max(trace.non_model[j], temporary)
 
 
 def adam_tier(m: ChunkManager, index: int) -> str:

@@ -132,6 +132,13 @@ class ZeroGroup:
         self._all_reduce(t)
         return float(t.item())
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest `value` over the ranks (ranks agreeing on a choice)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self._sent("all_reduce", t, 2 * (self.nproc - 1) / self.nproc)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         self._broadcast(t, src)
 

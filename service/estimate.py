@@ -21,6 +21,7 @@ from typing import Any
 
 from pstar_core.config import EngineConfig
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, make_plan
+from pstar_core.precision import planned_dtype
 from pstar_core.tiers import host_memory_limit
 from service.datasets import DataError
 from service.errors import InvalidRequest
@@ -115,6 +116,7 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
 
     cfg = EngineConfig.parse(plan["engine"])
     workers = plan["resources"]["num_workers"]
+    dtype = planned_dtype(cfg.dtype, bool(plan["resources"].get("use_gpu")))
     module = _meta_model(plan["model"], seq_len, vocab)
     lora = (plan.get("method") or {}).get("lora")
     if lora is not None:
@@ -129,13 +131,13 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
         [p.numel() for _, p in params],
         [p.requires_grad for _, p in params],
         [n for n, _ in params],
-        cfg.dtype,
+        dtype,
         cfg.chunk_size,
         workers,
     )
     per_rank_chunks = chunk_plan.chunk_bytes // workers
     per_rank_data = chunk_plan.model_data_bytes // workers
-    p_bytes = BYTES_PARAM[cfg.dtype]
+    p_bytes = BYTES_PARAM[dtype]
     param_chunk_bytes = chunk_plan.chunk_size * p_bytes
     # the ranks of one host share it (local Ray: every worker is on this host)
     host_whole = host_memory_limit() // workers
@@ -186,6 +188,7 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
         "overflow": overflow,
         "problems": problems,
         "chunk_plan": {
+            "dtype": dtype,  # 'auto' as planned here (pstar_core.precision.planned_dtype)
             "chunk_size": chunk_plan.chunk_size,
             "utilization": chunk_plan.utilization,
             "params": chunk_plan.params,

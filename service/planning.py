@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pstar_core.mapping import make_plan
+from pstar_core.precision import planned_dtype
 
 
 def build_meta(model: str) -> nn.Module:
@@ -28,9 +29,10 @@ def build_meta(model: str) -> nn.Module:
 
 
 def plan_model(
-    model: str, dtype: str = "bf16", chunk_size: str | int = "auto", nproc: int = 1
+    model: str, dtype: str = "auto", chunk_size: str | int = "auto", nproc: int = 1
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
+    dtype = planned_dtype(dtype, accelerator=False)
     module = build_meta(model)
     seen: dict[int, tuple[str, nn.Parameter]] = {}
     for name, p in module.named_parameters():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -150,7 +151,8 @@ def _load_ext() -> ModuleType | None:
             _ext_failed = True
             logger.debug("pstar AdamW C++ kernel build failed", exc_info=True)
             logger.warning(
-                "pstar AdamW C++ kernel unavailable (%s: %s); using the slower torch fallback",
+                "pstar AdamW C++ kernel unavailable (%s: %s); using torch's fused AdamW "
+                "(a C++ compiler and the Python headers build it: see scripts/setup.sh)",
                 type(exc).__name__,
                 str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
             )
@@ -164,18 +166,150 @@ def _requested_backend() -> str:
     return choice
 
 
-def kernel_backend() -> str:
-    """Where CPU calls go: ``"cpp"`` (the compiled kernel, built lazily), ``"torch"`` (the
-    reference in torch ops) or ``"fused"`` (torch's fused AdamW, as on a GPU; for tests).
-    Tensors on a device always take the fused path."""
+# [Note: which host kernel] Two kernels can run a chunk's AdamW on the host: ours
+# (adam.cpp: reads the compute-dtype gradient from the param slot and writes the new
+# param back in one pass, 28 bytes per element in bf16) and torch's fused AdamW (which
+# needs fp32 gradients: a conversion pass before and a cast pass after, ~40 bytes per
+# element in bf16). Which is faster depends on the CPU: ours was 1.06-1.15x torch's fused
+# on AVX-512 machines and 0.99x on an AVX2 one. So neither is assumed: `prepare()` builds
+# ours (timed) and measures both on this CPU, per chunk dtype and thread count, and the
+# faster one is the default, ours only if it wins by `_CLEAR_MARGIN`. The answer is kept
+# beside the build, keyed like it (source, flags, torch, CPU flags) plus torch's chosen
+# ISA, so `scripts/setup.sh` and the image build pay for it once per CPU type; a job that
+# meets a new CPU pays it before training starts, and says so (`service.finetune`).
+_CLEAR_MARGIN = 1.05
+_MEASURE_ELEMS = 4 * 2**20  # 4M elements: ~70 MB of buffers, ~10 ms a call
+_MEASURE_REPEATS = 5
+_choice_lock = threading.Lock()
+# (choice file, chunk dtype, threads) -> measurement
+_choices: dict[tuple[str, str, int], dict[str, Any]] = {}
+
+
+def _choice_path() -> Path:
+    source = _SOURCE_PATH.read_text(encoding="utf-8")
+    capability = torch.backends.cpu.get_cpu_capability()
+    return _ext_root() / f"{_ext_name(source)}.{capability}.choice.json"
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "bf16"  # fp16 moves the bytes bf16 does
+
+
+def measure_backends(
+    numel: int,
+    grad_dtype: torch.dtype,
+    backends: Sequence[str],
+    repeats: int = _MEASURE_REPEATS,
+) -> dict[str, float]:
+    """Elements per second of each backend on one chunk laid out as the engine lays it
+    out (fp32 master and states, the gradient read from and the param written into one
+    slot of `grad_dtype`), interleaved (A B A B ...), medians."""
+    import statistics
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    bufs = [torch.randn(numel, generator=gen), torch.zeros(numel), torch.zeros(numel)]
+    grad = torch.randn(numel, generator=gen).to(grad_dtype)
+    slot = torch.empty_like(grad)
+    seg = [AdamSegment(0, numel, 1, 1e-4, 0.01)]
+    run = {"cpp": _adamw_cpp, "fused": _adamw_fused, "torch": _adamw_torch}
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    for i in range(repeats + 1):  # the first round warms up (first touch, lazy init)
+        for b in backends:
+            slot.copy_(grad)
+            start = time.perf_counter()
+            run[b](*bufs, slot, slot, seg, 0.9, 0.999, 1e-8, 1.0)
+            if i:
+                times[b].append(time.perf_counter() - start)
+    return {b: numel / statistics.median(ts) for b, ts in times.items()}
+
+
+def _measured(dtype: torch.dtype, threads: int) -> dict[str, Any]:
+    """The backends' speeds on this CPU for `dtype` at `threads` threads, from the file
+    `prepare` wrote, or measured now (and added to it)."""
+    path = _choice_path()
+    key = (str(path), _dtype_key(dtype), threads)
+    if key in _choices:
+        return _choices[key]
+    with _choice_lock:
+        if key in _choices:
+            return _choices[key]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(path.with_suffix(".flock")):
+            saved = json.loads(path.read_text()) if path.is_file() else {}
+            entry = saved.get(f"{key[1]}/{key[2]}")
+            if entry is None:
+                built = _load_ext() is not None
+                backends = ["cpp", "fused"] if built else ["fused"]
+                rates = measure_backends(_MEASURE_ELEMS, torch.float32 if key[1] == "fp32"
+                                         else torch.bfloat16, backends)  # fmt: skip
+                wins = built and rates["cpp"] >= _CLEAR_MARGIN * rates["fused"]
+                entry = {"backend": "cpp" if wins else "fused", "elems_per_s": rates}
+                saved[f"{key[1]}/{key[2]}"] = entry
+                path.write_text(json.dumps(saved, indent=1))
+                logger.info(
+                    "host AdamW on this CPU (%s, %d threads, %s chunks): %s (%s)",
+                    torch.backends.cpu.get_cpu_capability(),
+                    threads,
+                    key[1],
+                    entry["backend"],
+                    ", ".join(f"{b} {r / 1e9:.2f} G elem/s" for b, r in rates.items()),
+                )
+        _choices[key] = entry
+        return entry
+
+
+def prepared(threads: int | None = None) -> bool:
+    """Whether this CPU's host-kernel choice (and the build it needs) is on disk already:
+    if not, the first `adamw_` call (or `prepare`) builds and measures."""
+    if _requested_backend() != "auto":
+        return True
+    path = _choice_path()
+    if not path.is_file():
+        return False
+    saved = json.loads(path.read_text())
+    threads = threads or torch.get_num_threads()
+    return all(f"{d}/{threads}" in saved for d in ("bf16", "fp32"))
+
+
+def prepare(threads: Sequence[int] | None = None) -> dict[str, Any]:
+    """Build the C++ kernel for this CPU (if it is not built yet) and measure which host
+    kernel is faster for each chunk dtype at each thread count (default: 1 and this
+    process's); what `scripts/setup.sh` and the image build run. Returns the build time
+    and the choices."""
+    import time
+
+    start = time.perf_counter()
+    built = _load_ext() is not None
+    build_s = time.perf_counter() - start
+    counts = sorted(set(threads or (1, torch.get_num_threads())))
+    saved_threads = torch.get_num_threads()
+    out: dict[str, Any] = {"built": built, "build_s": build_s, "choices": {}}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            for dtype in (torch.bfloat16, torch.float32):
+                out["choices"][f"{_dtype_key(dtype)}/{n}"] = _measured(dtype, n)
+    finally:
+        torch.set_num_threads(saved_threads)
+    out["capability"] = torch.backends.cpu.get_cpu_capability()
+    out["path"] = str(_choice_path())
+    return out
+
+
+def kernel_backend(dtype: torch.dtype = torch.bfloat16) -> str:
+    """Where host (CPU) calls on chunks of `dtype` go: ``"cpp"`` (the compiled kernel),
+    ``"fused"`` (torch's fused AdamW, as on a GPU) or ``"torch"`` (the reference in torch
+    ops). ``PSTAR_ADAM_BACKEND`` forces one; by default the faster of cpp and fused on
+    this CPU (see [Note: which host kernel]). Tensors on a device take the fused path."""
     choice = _requested_backend()
     if choice in ("torch", "fused"):
         return choice
-    if _load_ext() is None:
-        if choice == "cpp":
+    if choice == "cpp":
+        if _load_ext() is None:
             raise RuntimeError("PSTAR_ADAM_BACKEND=cpp but the C++ kernel failed to build")
-        return "torch"
-    return "cpp"
+        return "cpp"
+    return _measured(dtype, torch.get_num_threads())["backend"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,35 +423,46 @@ def adamw_(
     segments = _validated_segments(segments, master.numel())
     if not segments:
         return
-    if master.device.type == "cpu" and kernel_backend() == "cpp":
-        ext = _load_ext()
-        assert ext is not None  # kernel_backend() said cpp
-        ext.adamw(
-            master,
-            exp_avg,
-            exp_avg_sq,
-            grad,
-            param_out,
-            segments,
-            float(beta1),
-            float(beta2),
-            float(eps),
-            float(grad_scale),
-        )
-        return
-    if master.device.type != "cpu" or kernel_backend() == "fused":
-        _adamw_fused(
-            master, exp_avg, exp_avg_sq, grad, param_out, segments, beta1, beta2, eps, grad_scale
-        )
-        return
-    _adamw_torch(
-        master, exp_avg, exp_avg_sq, grad, param_out, segments, beta1, beta2, eps, grad_scale
+    backend = kernel_backend(grad.dtype) if master.device.type == "cpu" else "fused"
+    run = {"cpp": _adamw_cpp, "fused": _adamw_fused, "torch": _adamw_torch}[backend]
+    run(master, exp_avg, exp_avg_sq, grad, param_out, segments, beta1, beta2, eps, grad_scale)
+
+
+def _adamw_cpp(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor,
+    segments: Sequence[AdamSegment],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: float,
+) -> None:
+    ext = _load_ext()
+    assert ext is not None, "the C++ AdamW kernel is not built"
+    ext.adamw(
+        master,
+        exp_avg,
+        exp_avg_sq,
+        grad,
+        param_out,
+        segments,
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(grad_scale),
     )
 
 
-def adam_temporary_bytes(capacity: int) -> int:
-    """The most device memory one `adamw_` call allocates on a chunk of `capacity`
-    elements: the fp32 gradients of its segments (fused path), plus the steps."""
+def adam_temporary_bytes(capacity: int, device: torch.device) -> int:
+    """The most memory of `device` one `adamw_` call allocates on a chunk of `capacity`
+    elements there, beyond what the CPU tracer measures itself: on an accelerator the
+    fused path's fp32 gradients of its segments, plus the steps; on the CPU nothing (the
+    profiler sees the host kernels' temporaries in the warm-up)."""
+    if device.type == "cpu":
+        return 0
     return 4 * capacity + 4096
 
 
@@ -344,9 +489,14 @@ def _adamw_fused(
     """
     lo = min(s.offset for s in segments)
     hi = max(s.offset + s.numel for s in segments)
-    g32 = grad[lo:hi].to(torch.float32, copy=True)  # a copy: grad may alias param_out
-    if grad_scale != 1.0:
-        g32.mul_(grad_scale)
+    if grad.dtype == torch.float32 and grad_scale == 1.0:
+        # read in place: the kernel does not write gradients, and param_out (which may
+        # be the same memory) is only written after it
+        g32 = grad[lo:hi]
+    else:
+        g32 = grad[lo:hi].to(torch.float32, copy=True)  # a copy: grad may alias param_out
+        if grad_scale != 1.0:
+            g32.mul_(grad_scale)
     steps = torch.tensor([float(s.step) for s in segments], dtype=torch.float32)
     steps = steps.to(master.device, non_blocking=True)
     groups: dict[tuple[float, float], list[int]] = {}
@@ -414,7 +564,7 @@ def grad_sq_norm(grad: torch.Tensor, segments: Sequence[AdamSegment]) -> float:
     segments = _validated_segments(segments, grad.numel(), check_step=False)
     if not segments:
         return 0.0
-    if grad.device.type == "cpu" and kernel_backend() == "cpp":
+    if grad.device.type == "cpu" and kernel_backend(grad.dtype) == "cpp":
         ext = _load_ext()
         assert ext is not None  # kernel_backend() said cpp
         return float(ext.grad_sq_norm(grad, segments))

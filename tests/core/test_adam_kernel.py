@@ -5,7 +5,6 @@ agreement of the C++ and torch backends."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,7 @@ SEGS = [
 
 
 def _cpp_available() -> bool:
-    saved = os.environ.pop("PSTAR_ADAM_BACKEND", None)
-    try:
-        return kernel_backend() == "cpp"
-    finally:
-        if saved is not None:
-            os.environ["PSTAR_ADAM_BACKEND"] = saved
+    return adam_mod._load_ext() is not None
 
 
 @pytest.fixture(params=["cpp", "torch", "fused"])
@@ -317,7 +311,7 @@ def test_ext_cache_name_depends_on_source_and_cpu() -> None:
     assert adam_mod._ext_name(src) != adam_mod._ext_name(src + " ")
 
 
-def test_failed_build_falls_back_to_torch_with_one_warning(
+def test_failed_build_falls_back_to_fused_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     broken = tmp_path / "adam.cpp"
@@ -328,8 +322,8 @@ def test_failed_build_falls_back_to_torch_with_one_warning(
     monkeypatch.setattr(adam_mod, "_ext_module", None)
     monkeypatch.setattr(adam_mod, "_ext_failed", False)
     with caplog.at_level("WARNING", logger=adam_mod.__name__):
-        assert kernel_backend() == "torch"
-        assert kernel_backend() == "torch"
+        assert kernel_backend() == "fused"  # torch's fused AdamW: no compiler needed
+        assert kernel_backend(torch.float32) == "fused"
         g = torch.ones(16, dtype=torch.bfloat16)
         master = torch.zeros(16)
         adamw_(master, torch.zeros(16), torch.zeros(16), g, g, [AdamSegment(0, 16, 1, 0.1, 0.0)],
@@ -340,7 +334,43 @@ def test_failed_build_falls_back_to_torch_with_one_warning(
         r for r in caplog.records if r.levelname == "WARNING" and r.name == adam_mod.__name__
     ]
     assert len(warnings) == 1
-    assert "fallback" in warnings[0].getMessage()
+    assert "fused AdamW" in warnings[0].getMessage()
     monkeypatch.setenv("PSTAR_ADAM_BACKEND", "cpp")
     with pytest.raises(RuntimeError, match="failed to build"):
         kernel_backend()
+
+
+@pytest.mark.parametrize(("cpp", "expected"), [(1.2e9, "cpp"), (1.04e9, "fused")])
+def test_the_host_kernel_is_ours_only_where_it_wins_by_a_clear_margin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpp: float, expected: str
+) -> None:
+    monkeypatch.setenv("PSTAR_EXT_DIR", str(tmp_path))
+    monkeypatch.delenv("PSTAR_ADAM_BACKEND", raising=False)
+    monkeypatch.setattr(adam_mod, "_load_ext", lambda: object())  # "built"
+    calls = []
+
+    def measured(numel, dtype, backends, repeats=5):
+        calls.append(dtype)
+        return {"cpp": cpp, "fused": 1.0e9}
+
+    monkeypatch.setattr(adam_mod, "measure_backends", measured)
+    assert not adam_mod.prepared(threads=1)
+    out = adam_mod.prepare([1])
+    assert adam_mod.prepared(threads=1)
+    assert {k: v["backend"] for k, v in out["choices"].items()} == {
+        "bf16/1": expected,
+        "fp32/1": expected,
+    }
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert kernel_backend(torch.bfloat16) == expected
+    # kept on disk: a second process (here: a cleared cache) measures nothing again
+    monkeypatch.setattr(adam_mod, "_choices", {})
+    n = len(calls)
+    assert kernel_backend(torch.float32) == expected
+    assert len(calls) == n
+
+
+def test_measuring_the_backends_times_the_real_kernels() -> None:
+    rates = adam_mod.measure_backends(1 << 16, torch.bfloat16, ["fused", "torch"], repeats=2)
+    assert set(rates) == {"fused", "torch"}
+    assert all(r > 0 for r in rates.values())

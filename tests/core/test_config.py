@@ -13,7 +13,10 @@ from tests.core.helpers import tiny_gpt
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"dtype": "fp8"}, r"dtype: Input should be 'fp32', 'bf16' or 'fp16' \(got 'fp8'\)"),
+        (
+            {"dtype": "fp8"},
+            r"dtype: Input should be 'auto', 'fp32', 'bf16' or 'fp16' \(got 'fp8'\)",
+        ),
         ({"chunk_size": 10}, r"chunk_size: .*>= 1024 elements, got 10"),
         ({"chunk_size": "big"}, r"chunk_size"),
         ({"optimizer": {"lr": -1}}, r"optimizer.lr: Input should be greater than 0 \(got -1\)"),

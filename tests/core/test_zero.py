@@ -91,6 +91,22 @@ def test_sharded_save_load_continue_equals_uninterrupted(tmp_path):
     assert "rank1-of-2.safetensors" in files
 
 
+@pytest.mark.parametrize("arena", ["0", "1"], ids=["mappings", "pinned-pool"])
+def test_save_with_the_disk_tier_streams_chunk_by_chunk_and_resumes_bitwise(tmp_path, arena):
+    """A host budget below each rank's model data, the rest spilled to disk, 2 ranks: the
+    save brings spilled chunks back one at a time, so it adds at most one chunk of memory
+    (collecting them in one dict kept every chunk it evicted alive: 3 chunks here), and
+    resuming is bitwise, also with the host chunks sliced from one pool."""
+    memory = {"host_budget": 200_000, "disk_budget": 10_000_000, "disk_dir": str(tmp_path)}
+    ranks = launch(
+        "resume", 2, tmp_path, PSTAR_TEST_MEMORY=json.dumps(memory), PSTAR_HOST_ARENA=arena
+    )
+    for r in ranks:
+        assert r["resumed"] == r["straight"]
+        assert r["spilled"] > 0
+        assert r["save_growth_bytes"] <= r["chunk_bytes_max"], r
+
+
 def test_hf_export_of_a_two_rank_run_loads_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -33,6 +34,35 @@ def run_steps(engine, data, rank, world):
         engine.step()
         losses.append(mean_over_ranks(loss, world))
     return losses
+
+
+class HostPayloads:
+    """Counts the bytes of chunk payloads in CPU memory that are alive (their mappings: a
+    payload stays alive as long as anything holds a view of it), and the most at once."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def install(self) -> None:
+        import mmap
+        import weakref
+
+        from pstar_core import tiers
+
+        def counted(fileno: int, size: int) -> mmap.mmap:
+            m = mmap.mmap(fileno, size)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(m, self._gone, size)
+            return m
+
+        tiers.mmap = types.SimpleNamespace(mmap=counted)
+
+    def _gone(self, size: int) -> None:
+        self.live -= size
+
+
+HOST = HostPayloads()
 
 
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
@@ -68,7 +98,12 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["own_bytes"] = sum(c.nbytes for c in engine.manager.own_chunks())
     elif name == "resume":
         run_steps(engine, data[:8], rank, world)
+        HOST.peak = before = HOST.live
         engine.save_checkpoint(tmp / "ckpt")
+        out["save_growth_bytes"] = HOST.peak - before  # chunk memory the save added
+        out["host_budget"] = engine.stats()["tiers"]["host"]["budget"]
+        out["chunk_bytes_max"] = max(c.nbytes for c in engine.manager.chunks())
+        out["spilled"] = engine.stats()["bytes_moved"].get("host->disk", 0)
         fresh = pstar_core.initialize(model_fn, cfg)
         fresh.load_checkpoint(tmp / "ckpt")
         out["resumed"] = run_steps(fresh, data[8:12], rank, world)
@@ -96,6 +131,7 @@ def main(rank: int, world: int, tmp: str, name: str) -> None:
             backend, init_method=f"file://{tmp_path / 'pg'}", rank=rank, world_size=world
         )
     torch.set_num_threads(1)
+    HOST.install()
     result = scenario(name, rank, world, tmp_path)
     (tmp_path / f"result-{rank}.json").write_text(json.dumps(result))
     if world > 1:

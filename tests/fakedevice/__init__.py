@@ -218,3 +218,13 @@ def initial_seed() -> int:
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
+
+
+# Whether the device computes bf16 natively: an Ampere-or-later GPU does, a V100 or T4 does
+# not (`dtype: auto` then picks fp16 with loss scaling). Tests flip it to play either.
+bf16_native = True
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """As `torch.cuda.is_bf16_supported`: native bf16, or (with emulation) any bf16 at all."""
+    return bf16_native or including_emulation
