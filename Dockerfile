@@ -7,6 +7,14 @@
 ARG RAY_TAG=2.60.0-py311-cpu
 FROM rayproject/ray:${RAY_TAG}
 
+# a C++ compiler for the host AdamW kernel, built below for the image's CPU (distribution
+# packages follow the base image's release, so they are not pinned one by one)
+USER 0
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
+USER 1000
+
 # torch first and pinned: the CPU image takes the CPU wheel, the GPU image the CUDA one
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir "torch==2.13.0" --index-url "${TORCH_INDEX}"
@@ -22,5 +30,10 @@ RUN pip install --no-cache-dir .
 # the Ray image's unprivileged user (uid 1000); the manifests run every pod as non-root
 USER 1000
 ENV PSTAR_DATA_DIR=/data
+# The AdamW kernel built (-march=native) and the faster host kernel chosen for the CPU the
+# image is built on, so no job compiles inside its first step; a node with another CPU
+# type builds its own once, before its job trains, and the job says so in an event.
+ENV PSTAR_EXT_DIR=/opt/pstar/ext
+RUN pstar kernels
 EXPOSE 8000
 CMD ["pstar", "serve", "--host", "0.0.0.0", "--port", "8000"]

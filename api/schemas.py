@@ -155,7 +155,9 @@ class FineTuningJob(BaseModel):
     ray_submission_id: str | None = None
     hyperparameters_resolved: dict[str, Any] = Field(
         description="every hyperparameter the job runs with, 'auto' decided (a LoRA job's "
-        "adapter settings under `lora`)"
+        "adapter settings under `lora`); `compute_dtype` is the engine's dtype, 'auto' until "
+        "the workers have resolved it on their hardware, and `runtime` what they decided "
+        "(CPU capability, threads, host Adam kernel)"
     )
     resources: dict[str, Any]
 
@@ -193,9 +195,28 @@ class FineTuningJob(BaseModel):
             attempt=j.attempt,
             max_attempts=j.max_attempts,
             ray_submission_id=f"{j.id}-a{j.attempt}" if j.attempt else None,
-            hyperparameters_resolved={**hp, "lora": lora} if lora else hp,
+            hyperparameters_resolved=_resolved(hp, lora, (j.plan or {}).get("engine"), j.runtime),
             resources=(j.plan or {}).get("resources", {}),
         )
+
+
+def _resolved(
+    hp: dict[str, Any],
+    lora: dict[str, Any] | None,
+    engine: dict[str, Any] | None,
+    runtime: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The hyperparameters a job runs with: the plan's, the adapter settings, and the
+    compute dtype ('auto' until the workers have decided it on their hardware)."""
+    out = dict(hp)
+    if lora:
+        out["lora"] = lora
+    out["compute_dtype"] = (runtime or {}).get("compute_dtype") or (engine or {}).get(
+        "dtype", "auto"
+    )
+    if runtime:
+        out["runtime"] = runtime
+    return out
 
 
 class JobList(BaseModel):

@@ -100,7 +100,9 @@ def train(
 @app.command()
 def plan(
     model: Annotated[str, typer.Argument(help="a zoo name, or a HF config.json / model dir")],
-    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "bf16",
+    dtype: Annotated[
+        str, typer.Option(help="auto (what this machine computes fast), fp32, bf16 or fp16")
+    ] = "auto",
     chunk_size: Annotated[str, typer.Option(help="elements per chunk, or auto")] = "auto",
     nproc: Annotated[int, typer.Option(help="ZeRO ranks the chunks are sharded over")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
@@ -112,7 +114,7 @@ def plan(
         result = plan_model(model, dtype, chunk_size, nproc)
     except (ConfigError, ValueError, OSError) as e:
         _fail(str(e))
-    table = Table(title=f"chunk plan: {model} ({dtype})")
+    table = Table(title=f"chunk plan: {model} ({result['dtype']})")
     for col in ("list", "chunks", "GiB", "utilization"):
         table.add_column(col, justify="right" if col != "list" else "left")
     for name, row in result["lists"].items():
@@ -174,6 +176,34 @@ def doctor(
         raise typer.Exit(2)
     if result["failed"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def kernels(
+    threads: Annotated[
+        list[int] | None,
+        typer.Option(help="thread counts to measure at (default: 1 and this process's)"),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Build the AdamW kernel for this CPU and choose the faster host kernel (ours or
+    torch's fused) per chunk dtype and thread count, once per CPU type: set-up and the
+    image build run it, so no job compiles or measures inside its first step."""
+    from pstar_core.kernels.adam import prepare
+
+    result = prepare(threads)
+    built = f"built in {result['build_s']:.1f} s" if result["built"] else "could not be built"
+    table = Table(title=f"host AdamW on this CPU ({result['capability']}): C++ kernel {built}")
+    for col in ("chunks / threads", "C++ G elem/s", "fused G elem/s", "default"):
+        table.add_column(col, justify="right" if col != "chunks / threads" else "left")
+    for key, entry in result["choices"].items():
+        rates = entry["elems_per_s"]
+        cpp = f"{rates['cpp'] / 1e9:.2f}" if "cpp" in rates else "-"
+        table.add_row(key, cpp, f"{rates['fused'] / 1e9:.2f}", entry["backend"])
+    console.print(table)
+    console.print(f"kept in {result['path']}")
+    if json_out:
+        print(json.dumps(result))
 
 
 @app.command()

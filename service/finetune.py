@@ -126,12 +126,15 @@ def train_func(config: dict[str, Any]) -> None:
     batch, total, per_epoch = hp["batch_size"], run["total_steps"], run["steps_per_epoch"]
     local = batch // world
 
+    _prepare_kernels(rep)
     rep.phase("loading model")
     torch.manual_seed(run["seed"])
     engine = _build_engine(run)
     if _resume(engine, run, rep):
         rep.event(f"Attempt {attempt} resumed from the checkpoint at step {engine.global_step}")
     st = engine.stats()
+    if rank == 0:
+        rep.runtime(_runtime(st))
     _worker_log().info(
         "job %s attempt %d, rank %d of %d: %d chunks of %d elements, model data %.1f MiB on "
         "this rank, from step %d of %d",
@@ -168,12 +171,14 @@ def train_func(config: dict[str, Any]) -> None:
         mine = idx[rank * local : (rank + 1) * local]
         x, y = train_ids[mine].to(engine.device), train_labels[mine].to(engine.device)
         out = engine(input_ids=x, labels=y)
-        engine.backward(out.loss)
-        engine.step()
         c, k = token_stats(out.logits.detach(), y)
+        loss = out.loss
+        del out  # the logits (batch x seq x vocab) are not kept through backward and step
+        engine.backward(loss)
+        engine.step()
         real = int(lengths[mine].sum())  # tokens that are not padding
         loss_sum, correct, count, real_sum = all_sum(
-            [float(out.loss.detach()) * k, c, k, float(real)], engine.device
+            [float(loss.detach()) * k, c, k, float(real)], engine.device
         )
         dt = time.perf_counter() - t0
         trained_tokens += int(real_sum)
@@ -237,6 +242,51 @@ def train_func(config: dict[str, Any]) -> None:
         PreTrainedTokenizerFast.from_pretrained(run["tokenizer_dir"]).save_pretrained(str(out_dir))
     rep.stats(engine.stats())
     rep.finished(final)
+
+
+def _prepare_kernels(rep: Any) -> None:
+    """The host AdamW kernel for this CPU, built and measured before the job trains (set-up
+    and the image build do it once per CPU type; a node with a new CPU type pays it here,
+    and the job's events say so, with the time it took)."""
+    from pstar_core.kernels.adam import prepare, prepared
+
+    if prepared():
+        return
+    capability = torch.backends.cpu.get_cpu_capability()
+    threads = torch.get_num_threads()
+    rep.phase("preparing kernels")
+    note = (
+        f"The host AdamW kernel is not prepared for this CPU ({capability}, {threads} "
+        "threads): building and measuring it before training (`pstar kernels` does it once "
+        "per CPU type at set-up or in the image)"
+    )
+    rep.event(note)
+    _worker_log().info(note)
+    t0 = time.perf_counter()
+    result = prepare([threads])
+    choice = ", ".join(f"{k}: {v['backend']}" for k, v in result["choices"].items())
+    built = "built" if result["built"] else "could not be built (torch's fused AdamW runs)"
+    done = f"Host AdamW kernel {built}, measured in {time.perf_counter() - t0:.1f} s ({choice})"
+    rep.event(done)
+    _worker_log().info(done)
+
+
+def _runtime(stats: dict[str, Any]) -> dict[str, Any]:
+    """What the engine decided on this hardware (`dtype: auto` and the rest), for the job
+    object and the dashboard."""
+    from pstar_core.kernels.adam import kernel_backend
+
+    p = stats["precision"]
+    return {
+        "compute_dtype": stats["compute_dtype"],
+        "dtype_requested": p["requested"],
+        "dtype_reason": p["reason"],
+        "cpu_capability": p["cpu_capability"],
+        "threads": torch.get_num_threads(),
+        "host_adam": kernel_backend(torch.float32 if p["dtype"] == "fp32" else torch.bfloat16),
+        "device": stats.get("device", "cpu"),
+        "world_size": stats["world_size"],
+    }
 
 
 def _memory_values(stats: dict[str, Any]) -> dict[str, Any]:

@@ -94,6 +94,12 @@ class Reporter:
             "an event", self.store and self.store.add_event, self.job_id, message, data=data or None
         )
 
+    def runtime(self, values: dict[str, Any]) -> None:
+        """What the engine decided on this hardware (the job object shows it)."""
+        self._write(
+            "the runtime", self.store and self.store.update_job, self.job_id, runtime=values
+        )
+
     def running(self) -> None:
         self._write("the status", self.store and self.store.mark_running, self.job_id, self.attempt)
 

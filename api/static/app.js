@@ -228,6 +228,7 @@ function renderHead(job) {
     job.fine_tuned_model ? `→ ${job.fine_tuned_model}` : null,
     `step ${job.progress.step}/${job.progress.total}`,
     `attempt ${job.attempt}/${job.max_attempts}`,
+    computeFact(job.hyperparameters_resolved),
     `created ${age(job.created_at)} ago`,
     job.estimated_finish && job.status === "running" ? `ETA ${new Date(job.estimated_finish * 1000).toLocaleTimeString()}` : null,
   ].filter(Boolean);
@@ -241,6 +242,15 @@ function renderHead(job) {
     link.href = `${state.rayDashboard}/#/jobs/${job.ray_submission_id}`;
     link.hidden = false;
   }
+}
+
+// the compute dtype the engine chose (dtype 'auto') and on what: "bf16 (auto: CPU AVX512)"
+function computeFact(hp) {
+  if (!hp) return null;
+  const rt = hp.runtime;
+  if (!rt) return `dtype ${hp.compute_dtype || "auto"}`;
+  const how = rt.dtype_requested === "auto" ? "auto, " : "";
+  return `dtype ${rt.compute_dtype} (${how}${rt.cpu_capability}, ${rt.threads} thr, Adam ${rt.host_adam})`;
 }
 
 function addEvent(e) {

@@ -91,6 +91,9 @@ class Job(Base):
     started_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # what the engine decided on the workers' hardware (the compute dtype 'auto' became,
+    # the CPU it saw, threads, host Adam kernel), written by rank 0 when training starts
+    runtime: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Attempt(Base):

@@ -58,7 +58,7 @@ def jobs(serve):
     c = serve.client()
     # 512 rows: 64 steps an epoch, so the running job runs for minutes (it is cancelled)
     files = upload_chat_files(serve, train_rows=512)
-    done = create_job(serve, files, 20, suffix="dash")
+    done = create_job(serve, files, 20, suffix="dash", engine={})  # dtype auto
     wait_for(
         lambda: c.fine_tuning.jobs.retrieve(done.id).status == "succeeded", 600, "job to succeed"
     )
@@ -270,6 +270,11 @@ def test_the_job_page_plots_the_jobs_real_points(serve, jobs, browser):
     ray = browser.find_element("css selector", "#ray-link").get_attribute("href")
     job = serve.client().fine_tuning.jobs.retrieve(done)
     assert ray.endswith(f"/#/jobs/{job.ray_submission_id}")
+    # the compute dtype 'auto' became on the workers, shown on the page
+    runtime = job.model_extra["hyperparameters_resolved"]["runtime"]
+    assert runtime["compute_dtype"] in ("fp32", "bf16")
+    facts = browser.find_element("css selector", "#job-facts").text
+    assert f"dtype {runtime['compute_dtype']} (auto, {runtime['cpu_capability']}" in facts
     _shot(browser, "job-finished")
 
 
