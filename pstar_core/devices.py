@@ -1,9 +1,14 @@
 """The compute device: which one a rank uses, and the rules a GPU enforces, checked anywhere.
 
-Everything CUDA-specific that is not a tier or a collective sits here:
-- `resolve_device`: 'cuda' means this rank's GPU, `cuda:$LOCAL_RANK` (set as the current
-  device, as torchrun and Ray Train expect); an explicit 'cuda:N' is taken as given;
+Everything device-specific sits here, behind `Capabilities` (what a device can do:
+streams and events, page-locked host memory, allocator statistics, an RNG), so code
+elsewhere branches on a capability and never on `device.type == "cuda"`:
+- `resolve_device`: 'cuda' means this rank's GPU among the visible ones (set as the
+  current device, as torchrun and Ray Train expect); an explicit 'cuda:N' as given;
 - `to_device`: the inputs of a forward, moved by the engine (not left to the caller);
+- `register_host`: page-locking the pinned pool (memory this engine owns);
+- `plannable_bytes`: what an accelerator's memory can give the engine;
+- `CopyStream`: copies beside compute, on torch's device-generic streams and events;
 - the RNG state of this rank's device only, for checkpoints.
 
 [Note: device discipline] On a machine without a GPU the device tier is CPU memory, so
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,47 +50,170 @@ def check(ok: bool, what: str) -> None:
     raise DeviceDisciplineError(f"{what} (at {site.filename}:{site.lineno} in {site.name})")
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What the compute device can do. The engine branches on these, never on the device's
+    type, so every branch runs in the CPU tests on the test suite's second device (which
+    has them all) and on CUDA alike."""
+
+    accelerator: bool  # memory of its own, apart from the host's
+    streams: bool  # streams and events: a copy can run beside compute, ordered by events
+    pinned_host: bool  # host memory can be page-locked (registered) for async copies
+    allocator_stats: bool  # memory_allocated / max_memory_allocated / mem_get_info
+    rng: bool  # an RNG of its own (checkpoints keep its state)
+
+
+NO_CAPABILITIES = Capabilities(False, False, False, False, False)
+
+
+def capabilities(device: torch.device) -> Capabilities:
+    """Read off the device's torch module (`torch.cuda`, or another backend's)."""
+    if device.type == "cpu":
+        return NO_CAPABILITIES
+    module = device_module(device)
+    return Capabilities(
+        accelerator=True,
+        streams=hasattr(module, "Stream") and hasattr(module, "Event"),
+        pinned_host=_host_registrar(module) is not None,
+        allocator_stats=hasattr(module, "mem_get_info") and hasattr(module, "max_memory_allocated"),
+        rng=hasattr(module, "get_rng_state") and hasattr(module, "set_rng_state"),
+    )
+
+
+def _host_registrar(module: Any) -> tuple[Any, Any] | None:
+    """(register(ptr, nbytes), unregister(ptr)) page-locking host memory for `module`'s
+    device: cudaHostRegister for CUDA, the backend's own functions for others."""
+    if hasattr(module, "host_register") and hasattr(module, "host_unregister"):
+        return module.host_register, module.host_unregister
+    cudart = getattr(module, "cudart", None)
+    if cudart is None:
+        return None
+
+    def register(ptr: int, nbytes: int) -> None:  # pragma: no cover - CUDA only
+        err = cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {int(err)}")
+
+    def unregister(ptr: int) -> None:  # pragma: no cover - CUDA only
+        cudart().cudaHostUnregister(ptr)
+
+    return register, unregister
+
+
+def register_host(device: torch.device, buffer: torch.Tensor) -> None:
+    """Page-lock an ordinary host buffer for `device`'s copies (see [Note: one pinned pool]
+    in tiers.py): memory this engine owns, not the caching host allocator's."""
+    register, _ = _host_registrar(device_module(device))
+    register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+
+
+def unregister_host(device: torch.device, buffer: torch.Tensor) -> None:
+    _, unregister = _host_registrar(device_module(device))
+    unregister(buffer.data_ptr())
+
+
+def plannable_bytes(device: torch.device, safety: float) -> int:
+    """What an accelerator can give the engine: `safety` x the memory free now, plus what
+    its caching allocator already holds (ours to reuse). Called after the device context
+    and (under ZeRO) the communicator exist, so neither is counted as available; the
+    device's total would count both, and chunks filling `budget - N_i` exactly would then
+    run out of memory in the tight regime the engine is for."""
+    module = device_module(device)
+    free, _total = module.mem_get_info(device)
+    return int(safety * (free + module.memory_reserved(device)))
+
+
+def local_device_index(module: Any) -> int:
+    """This rank's device among the visible ones. One visible device: it (Ray Train and
+    Kubernetes narrow CUDA_VISIBLE_DEVICES to each worker's GPU, so LOCAL_RANK may be 3
+    with one device visible). Several: LOCAL_RANK's (torchrun), or the global rank's modulo
+    the count when only RANK is set; a rank without either uses the current device."""
+    count = module.device_count()
+    if count < 1:
+        raise RuntimeError("no device of this kind is visible to this process")
+    if count == 1:
+        return 0
+    if "LOCAL_RANK" in os.environ:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK is {local_rank} but only {count} devices are visible to this "
+                "process; start at most one rank per visible device, or narrow "
+                "CUDA_VISIBLE_DEVICES to one device per rank"
+            )
+        return local_rank
+    if "RANK" in os.environ:
+        log.warning(
+            "LOCAL_RANK is not set and %d devices are visible: rank %s takes device %d "
+            "(RANK modulo the count); set LOCAL_RANK (torchrun does) to choose",
+            count,
+            os.environ["RANK"],
+            int(os.environ["RANK"]) % count,
+        )
+        return int(os.environ["RANK"]) % count
+    return int(module.current_device())
+
+
 def resolve_device(spec: str) -> torch.device:
-    """The device a rank computes on, from the config's 'cpu', 'cuda' or 'cuda:N'."""
+    """The device a rank computes on, from the config's 'cpu', 'cuda' or 'cuda:N' (or
+    another loaded backend's name, as the test suite's second device): without an index,
+    this rank's device (`local_device_index`), made the current device as torchrun and
+    Ray Train expect; with one, as given."""
     if spec == "cpu":
         return torch.device("cpu")
-    if not spec.startswith("cuda"):
-        return _other_backend(spec)
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"device {spec!r} asked for, but torch sees no CUDA device (this is a CPU build "
-            f"or no GPU is visible); use device 'cpu'"
-        )
-    if spec == "cuda":  # pragma: no cover - CUDA only
-        index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        device = torch.device("cuda", index)
-    else:  # pragma: no cover - CUDA only
-        device = torch.device(spec)
-        shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
-        if shared and torch.cuda.device_count() > 1:
-            log.warning(
-                "device %s is fixed in the config while %s ranks share this host: they all "
-                "use it; say 'cuda' to give each rank cuda:$LOCAL_RANK",
-                spec,
-                os.environ["LOCAL_WORLD_SIZE"],
+    kind = spec.split(":", 1)[0]
+    module = getattr(torch, kind, None) if kind.isidentifier() else None
+    if module is None or not hasattr(module, "is_available") or not module.is_available():
+        if kind == "cuda":
+            raise RuntimeError(
+                f"device {spec!r} asked for, but torch sees no CUDA device (this is a CPU "
+                "build or no GPU is visible); use device 'cpu'"
             )
-    torch.cuda.set_device(device)  # pragma: no cover - CUDA only
-    return device  # pragma: no cover - CUDA only
-
-
-def _other_backend(spec: str) -> torch.device:
-    """A device of another backend torch has loaded: in this project, the test suite's
-    second device (`tests/fakedevice`, a `privateuse1` backend with its own memory)."""
+        raise RuntimeError(f"device {spec!r}: no backend for it is loaded; use 'cpu' or 'cuda'")
     try:
-        device = torch.device(spec)
+        asked = torch.device(spec)
     except RuntimeError as e:
         raise RuntimeError(
             f"device {spec!r} is not a torch device: {e}; use 'cpu' or 'cuda'"
         ) from e
-    module = getattr(torch, device.type, None)
-    if module is None or not module.is_available():
-        raise RuntimeError(f"device {spec!r}: no backend for it is loaded; use 'cpu' or 'cuda'")
-    return device if device.index is not None else torch.device(device.type, 0)
+    if asked.index is None:
+        device = torch.device(kind, local_device_index(module))
+    else:
+        device = asked
+        if device.index >= module.device_count():
+            raise RuntimeError(
+                f"device {spec!r}: only {module.device_count()} {kind} devices are visible to "
+                f"this process (indices 0..{module.device_count() - 1})"
+            )
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+        if shared and module.device_count() > 1:
+            log.warning(
+                "device %s is fixed in the config while %s ranks share this host with %d "
+                "devices visible: they all use it; say %r to give each rank its own",
+                spec,
+                os.environ["LOCAL_WORLD_SIZE"],
+                module.device_count(),
+                kind,
+            )
+    module.set_device(device)
+    _expandable_segments(module)
+    return device
+
+
+def _expandable_segments(module: Any) -> None:
+    """Ask the caching allocator for expandable segments unless the user configured it:
+    chunks of one size come and go all iteration, and with fixed segments the freed ones
+    fragment the device (reserved far above allocated); expandable segments map pages
+    into one growing range instead. The tracer reports reserved memory beside allocated
+    (`stats()['tracer']['peak_reserved_bytes']`) to show what is left of it."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    setter = getattr(getattr(module, "memory", None), "_set_allocator_settings", None)
+    if setter is None or "expandable_segments" in conf:
+        return
+    try:  # pragma: no cover - CUDA only (the test device has no caching allocator)
+        setter("expandable_segments:True")
+    except RuntimeError as e:  # pragma: no cover - an allocator without the option
+        log.info("expandable segments not available: %s", e)
 
 
 def device_module(device: torch.device) -> Any:
@@ -106,50 +235,52 @@ def to_device(tree: Any, device: torch.device) -> Any:
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """The RNG states a checkpoint keeps: the CPU's, and this rank's GPU's only."""
+    """The RNG states a checkpoint keeps: the CPU's, and this rank's device's only."""
     out = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":  # pragma: no cover - CUDA only
-        out["cuda"] = torch.cuda.get_rng_state(device)
+    if capabilities(device).rng:
+        out["device"] = device_module(device).get_rng_state(device)
     return out
 
 
 def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:  # pragma: no cover - CUDA only
-        torch.cuda.set_rng_state(state["cuda"], device)
+    saved = state.get("device", state.get("cuda"))  # "cuda": checkpoints before 2026-11
+    if capabilities(device).rng and saved is not None:
+        device_module(device).set_rng_state(saved, device)
 
 
 class CopyStream:
     """Host-to-device copies off the compute stream (see [Note: prefetch] in prefetch.py).
 
-    On CUDA a dedicated stream runs prefetch copies with `non_blocking=True` from pinned
-    host memory, so they overlap the kernels of the compute stream; an event marks each
-    copy's end. Elsewhere (`enabled` False) nothing is issued: there is no copy engine
-    to overlap with, and the move happens when the chunk is used. Not exercised on a
-    machine without a GPU.
+    On a device with streams a dedicated stream runs prefetch copies with
+    `non_blocking=True` from pinned host memory, so they overlap the kernels of the
+    compute stream; an event marks each copy's end. Elsewhere (`enabled` False) nothing is
+    issued: there is no copy engine to overlap with, and the move happens when the chunk
+    is used. Written with torch's device-generic `Stream`/`Event`, so the test suite's
+    second device (whose copies on a side stream only land once waited for) runs it.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cuda"
+        self.enabled = capabilities(device).streams
         self.device = device
-        # [CUDA] why a stream: copies on the compute stream would wait for its kernels
-        self.stream = torch.cuda.Stream(device) if self.enabled else None  # pragma: no cover
+        # why a stream: copies on the compute stream would wait for its kernels
+        self.stream = torch.Stream(device=device) if self.enabled else None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:  # pragma: no cover - CUDA
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Start `dst.copy_(src)` on the copy stream; the event to `wait` on."""
         assert self.stream is not None
         # dst was allocated on the compute stream, maybe from a block it freed a moment
         # ago: the copy starts after the compute stream's work issued so far
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with self.stream:
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.Event(device=self.device)
             done.record(self.stream)
         dst.record_stream(self.stream)  # freed later on the compute stream: wait for us too
         return done
 
-    def wait(self, done: Any) -> None:  # pragma: no cover - CUDA only
+    def wait(self, done: Any) -> None:
         """The compute stream waits for the copy; the host too, because the pinned source
         buffer goes back to the pool (and may be refilled from disk) right after."""
-        torch.cuda.current_stream(self.device).wait_event(done)
+        torch.accelerator.current_stream(self.device).wait_event(done)
         done.synchronize()

@@ -186,13 +186,16 @@ class Engine:
         """
         m = self.manager
         preloaded = False
+        staging = _Staging(self.slots.values(), m, self.dtype)
         for slot in self.slots.values():
             if slot.param.is_meta:
                 _rehome(slot.param, self.device)
             if self._lazy_frozen and not slot.trainable:
                 continue  # streamed into its chunk by load_tensor; no view needed
             kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-            view = m.chunk_of(kind, slot).view(slot)
+            chunk = m.chunk_of(kind, slot)
+            # another rank's tensor: initialized into the staging buffer and dropped
+            view = chunk.view(slot) if m.owned(chunk) else staging.view(slot)
             if not slot.param.is_meta and slot.param.numel():
                 view.copy_(slot.param.data)  # model_fn built real weights: keep them
                 preloaded = True
@@ -217,7 +220,8 @@ class Engine:
         for param, master in zip(
             m.lists[ChunkType.PARAM], m.lists[ChunkType.PARAM_FP32], strict=True
         ):
-            param.payload.copy_(master.payload)
+            if m.owned(param):
+                param.payload.copy_(master.payload)
         self.excluded.sync_from_masters()
         for slot in self.slots.values():
             if slot.state is not S.HOLD:  # a lazily loaded frozen one is HOLD already
@@ -318,9 +322,9 @@ class Engine:
     def _abandon_on_error(self) -> Iterator[None]:
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             try:
-                self.abandon_iteration()
+                self._abandon(e)
             except Exception:  # the original error is what the caller needs to see
                 log.exception("could not reset the engine after an error")
             raise
@@ -332,9 +336,16 @@ class Engine:
         again), and the profiler is stopped. The engine calls it itself when forward,
         backward or step raise; call it when your own code fails between them.
 
-        Under ZeRO every rank must abandon the same iteration: groups gathered for it are
-        dropped without collectives.
+        Under ZeRO every rank gives up the same iteration: the others raise
+        `pstar_core.zero.RankFailed` (with this rank's reason) at their next collective,
+        so a loop that catches it on every rank and goes on stays in step (see [Note:
+        ranks fail together] in zero.py).
         """
+        self._abandon(RuntimeError("abandon_iteration() was called"))
+
+    def _abandon(self, error: BaseException) -> None:
+        if self.zero.enabled:
+            self.zero.report_failure(error)
         m = self.manager
         m.tracer.abort()
         m.groups.drop_all()
@@ -351,7 +362,7 @@ class Engine:
         if self._closed:
             return
         if self.manager.phase is not P.IDLE or self.manager.tracer.mode is not Mode.IDLE:
-            self.abandon_iteration()
+            self._abandon(RuntimeError("the engine was closed inside an iteration"))
         for h in self._hooks:
             h.remove()
         self.manager.close()
@@ -608,6 +619,27 @@ def _unique_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Paramete
     for name, p in module.named_parameters(remove_duplicate=False):
         seen.setdefault(id(p), ([], p))[0].append(name)
     return [(tuple(names), p) for names, p in seen.values()]
+
+
+class _Staging:
+    """Where other ranks' tensors are initialized (and dropped) under ZeRO: the model's
+    init code runs over every parameter in order, so the random stream reaches this
+    rank's own tensors exactly as on one rank, but another rank's tensor only ever
+    occupies a buffer the size of the largest such tensor (one per dtype), reused by all
+    of them, instead of its chunk."""
+
+    def __init__(self, slots: Any, m: Any, dtype: torch.dtype) -> None:
+        need: dict[torch.dtype, int] = {}
+        for s in slots:
+            if not m.owned(m.param_chunk(s)):
+                dt = torch.float32 if s.trainable else dtype
+                need[dt] = max(need.get(dt, 0), s.numel)
+        self.dtype = dtype
+        self.buffers = {dt: torch.empty(n, dtype=dt, device="cpu") for dt, n in need.items()}
+
+    def view(self, slot: TensorSlot) -> torch.Tensor:
+        buf = self.buffers[torch.float32 if slot.trainable else self.dtype]
+        return buf[: slot.numel].view(slot.shape)
 
 
 def _rehome(param: nn.Parameter, device: torch.device) -> None:

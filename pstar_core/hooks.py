@@ -154,6 +154,9 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
             return x
         if x.chunk.tier != "device":
             manager.residency.make_resident([x.chunk], "device")
+        # a chunk already accounted on the device may still be on its way there (a
+        # prefetch on the copy stream): its payload is read only once it has arrived
+        manager.residency.arrive(x.chunk)
         payload = x.chunk.payload
         return payload.as_strided(x.size, x.stride, payload.storage_offset() + x.offset)
 

@@ -80,9 +80,12 @@ class Residency:
         self._clock += 1
 
     def allocate_all(self, streamed: bool = False) -> bool:
-        """Every chunk the weights are written into starts in host memory, zeroed (FREE
-        tensors read as 0); momentum and variance start as zeros without memory and are
-        allocated at their first use (`Chunk.zero_pending`).
+        """Every chunk of this rank the weights are written into starts in host memory,
+        zeroed (FREE tensors read as 0); momentum and variance start as zeros without
+        memory and are allocated at their first use (`Chunk.zero_pending`). Other ranks'
+        chunks never get memory here: under ZeRO a rank materializes only its own share
+        (their tensors are initialized into a staging buffer and dropped, see
+        `Engine._materialize`).
 
         `streamed` (the weights stream from files into the slots, one tensor at a time):
         frozen chunks, too, get memory only when their first tensor arrives, and once all
@@ -92,17 +95,20 @@ class Residency:
         flight; returns whether frozen chunks are lazy.
 
         Budgets are enforced right after the weights are materialized
-        (`enforce_budgets`), which may spill chunks to disk. With ZeRO, other ranks'
-        chunks exist here only until then (`drop_remote`).
+        (`enforce_budgets`), which may spill chunks to disk.
         """
         self._check_total_fits()
         host = self.tiers["host"]
         frozen = self.lists[ChunkType.FROZEN]
         eager = sum(
-            c.nbytes for c in self._chunks() if c.kind not in (*ZERO_AT_START, ChunkType.FROZEN)
+            c.nbytes
+            for c in self._chunks()
+            if self._owned(c) and c.kind not in (*ZERO_AT_START, ChunkType.FROZEN)
         )
         lazy = streamed and bool(frozen) and eager + 2 * frozen[0].nbytes <= host.budget_bytes
         for c in self._chunks():
+            if not self._owned(c):
+                continue
             if c.kind in ZERO_AT_START or (lazy and c.kind is ChunkType.FROZEN):
                 c.zero_pending = True
                 continue
@@ -165,7 +171,7 @@ class Residency:
             if host.used_bytes <= host.budget_bytes:
                 break
             self._move(c, "disk")
-        # Known limit: materialization holds every chunk in host memory before this
+        # Materialization holds all of this rank's chunks in host memory before this
         # spill (frozen chunks excepted when streamed, see `allocate_all`), so the
         # loading peaks are kept apart and training's are counted from here on.
         self.load_peak_bytes = {name: t.peak_bytes for name, t in self.tiers.items()}
@@ -437,7 +443,7 @@ class Residency:
             if a.src == "disk":
                 a.done.result()
                 self.tiers["disk"].spill_file().free(a.disk_offset, c.nbytes)
-            else:  # pragma: no cover - CUDA only
+            else:
                 self._copier.wait(a.done)
                 self.tiers["host"].release(a.source)
 
@@ -476,7 +482,7 @@ class Residency:
                 if c.tier == "disk" and spill is not None:
                     self._prefetch_from_disk(c)
                 elif c.tier == "host" and self._copier.enabled and c.kind in PARAM_LISTS:
-                    self._prefetch_to_device(c)  # pragma: no cover - CUDA only
+                    self._prefetch_to_device(c)
 
     def _prefetch_from_disk(self, c: Chunk) -> None:
         host = self.tiers["host"]
@@ -495,7 +501,7 @@ class Residency:
         self._account(c, "disk", "host")
         self.prefetched["disk->host"] = self.prefetched.get("disk->host", 0) + 1
 
-    def _prefetch_to_device(self, c: Chunk) -> None:  # pragma: no cover - CUDA only
+    def _prefetch_to_device(self, c: Chunk) -> None:
         device = self.tiers["device"]
         if device.used_bytes + c.nbytes > self._allowed("device"):
             return  # never evicts for a prefetch on the device: A_j is tight there

@@ -5,9 +5,9 @@ A tier allocates chunk payloads and counts the bytes it holds. The device tier i
 (eviction, placement, moves) runs on a machine without a GPU. A move between tiers is
 always a real copy into a fresh buffer, and the old buffer is dropped.
 
-[Note: CUDA] On CUDA the host tier would pin its buffers (`pin_memory=True`) so that
-copies to the device can overlap compute. No test on a CPU-only machine exercises that
-path; it is written to the torch documentation, not measured here.
+On a device that can page-lock host memory the host tier's chunks live in one pool the
+engine registers itself (see [Note: one pinned pool]); the test suite's second device
+has that capability, so the pool's pinned path runs in the CPU tests.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from pstar_core.config import Budget, MemoryConfig
-from pstar_core.devices import check
+from pstar_core.devices import capabilities, check, plannable_bytes, register_host, unregister_host
 
 
 class MemoryBudgetError(MemoryError):
@@ -126,21 +126,28 @@ _fallocate = None
 
 
 class HostArena:
-    """[Note: one pinned pool] Host chunks of a GPU rank live in one buffer, sliced.
+    """[Note: one pinned pool] Host chunks of a rank on an accelerator live in one buffer,
+    sliced.
 
-    Copies between pinned host memory and a GPU run asynchronously, so the host tier is
-    pinned. Pinning chunk by chunk goes through torch's caching host allocator, which
-    rounds each block up to a power of two and never returns it (about 2x the chunk bytes
-    for Llama-1B on 8 GPUs). Instead, once materialization is over and the other ranks'
-    chunks are gone, the rank pins one buffer of exactly the bytes its host tier can hold
-    (its own chunks, at most its budget) and slices it: a region per chunk, regions of one
-    size reused first (chunks come in two sizes, 2 and 4 bytes per element). A chunk that
-    finds no room (regions of the other size free, none of its own) gets an ordinary
-    buffer and is counted in `fallbacks`.
+    Copies between page-locked host memory and a device run asynchronously, so the host
+    tier is pinned. Pinning chunk by chunk would go through torch's caching host
+    allocator, which rounds each block up to a power of two and never gives it back (about
+    2x the chunk bytes for Llama-1B on 8 GPUs, for the life of the process). Instead, once
+    materialization is over, the rank maps one ordinary buffer of exactly the bytes its
+    host tier can hold (its own chunks, at most its budget), page-locks it itself
+    (`devices.register_host`: cudaHostRegister on CUDA) and slices it: a region per chunk,
+    regions of one size reused first (chunks come in two sizes, 2 and 4 bytes per
+    element). `close()` unlocks and unmaps it with the engine. A chunk that finds no room
+    (regions of the other size free, none of its own) gets an ordinary, unpinned buffer
+    (its copies are synchronous) and is counted in `fallbacks`.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    def __init__(self, nbytes: int, pin_for: torch.device | None) -> None:
+        self.buffer = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)
+        self.buffer = self.buffer[:nbytes]
+        self.pinned_for = pin_for  # the device it is page-locked for, or None
+        if pin_for is not None:
+            register_host(pin_for, self.buffer)
         self.nbytes = nbytes
         self._end = 0
         self._free: dict[int, list[int]] = {}  # region size -> free offsets
@@ -173,6 +180,12 @@ class HostArena:
         if region is not None:
             self._free.setdefault(region[1], []).append(region[0])
 
+    def close(self) -> None:
+        """Unlock the pool (its memory goes when the last view of it does)."""
+        if self.pinned_for is not None:
+            unregister_host(self.pinned_for, self.buffer)
+            self.pinned_for = None
+
 
 @dataclass
 class Tier:
@@ -188,9 +201,9 @@ class Tier:
     iteration_peak_bytes: int = 0  # the most held in the iteration under way
     last_iteration_peak_bytes: int = 0  # ... in the last complete iteration
     directory: Path | None = None  # disk only
-    pinned: bool = False
+    pin_for: torch.device | None = None  # host: the device its pool is page-locked for
     spill: SpillFile | None = None  # disk only, opened on first use
-    use_arena: bool = False  # host of a GPU rank: chunks sliced from one pinned buffer
+    use_arena: bool = False  # host of an accelerator rank: chunks sliced from one pool
     arena: HostArena | None = None  # made by `make_arena` once the rank's chunks are known
 
     def free_bytes(self) -> int:
@@ -221,20 +234,22 @@ class Tier:
         self.compute_low_bytes = self.used_bytes
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A chunk payload. In CPU memory (not pinned) it is its own anonymous mapping:
-        glibc's malloc keeps freed blocks below its moving mmap threshold (up to 32 MiB)
-        for reuse, so chunks that move between tiers would leave the process holding far
-        more than its budgets (seen: a 2 GiB cap reached with 1.6 GiB of chunks); a
-        mapping goes back to the system when the chunk lets it go."""
+        """A chunk payload. In host memory it is a slice of the pinned pool when there is
+        one and it has room, else its own anonymous mapping (never the caching host
+        allocator's pinned blocks, see [Note: one pinned pool]): glibc's malloc keeps freed
+        blocks below its moving mmap threshold (up to 32 MiB) for reuse, so chunks that
+        move between tiers would leave the process holding far more than its budgets
+        (seen: a 2 GiB cap reached with 1.6 GiB of chunks); a mapping goes back to the
+        system when the chunk lets it go."""
         assert self.device is not None, "the disk tier holds files, not tensors"
         if self.arena is not None:
             t = self.arena.allocate(numel, dtype)
             if t is not None:
                 return t
-        if self.device.type == "cpu" and not self.pinned:
+        if self.device.type == "cpu":
             size = numel * torch.empty((), dtype=dtype).element_size()
             return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=numel)
-        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def release(self, payload: torch.Tensor) -> None:
         """A payload leaves this tier (moved, forgotten or replaced): its arena region,
@@ -244,7 +259,7 @@ class Tier:
 
     def make_arena(self, nbytes: int) -> None:
         """The pinned pool, `nbytes` exactly (see [Note: one pinned pool])."""
-        self.arena = HostArena(nbytes, pin=self.pinned)
+        self.arena = HostArena(nbytes, pin_for=self.pin_for)
 
     def spill_file(self) -> SpillFile:
         assert self.directory is not None, "only the disk tier has a spill file"
@@ -256,6 +271,8 @@ class Tier:
         if self.spill is not None:
             self.spill.close()
             self.spill = None
+        if self.arena is not None:
+            self.arena.close()
 
 
 def return_freed_host_memory() -> None:
@@ -356,33 +373,20 @@ def _resolve(budget: Budget, whole: int) -> int:
     return int(budget)
 
 
-def cuda_plannable_bytes(device: torch.device, safety: float) -> int:  # pragma: no cover
-    """What a GPU can give the engine: `safety` x the memory free now, plus what torch's
-    caching allocator already holds (it is ours to reuse). Called after the CUDA context
-    and (under ZeRO) the NCCL communicator exist, so neither is counted as available;
-    `total_memory` would count both, and chunks filling `budget - N_i` exactly would then
-    run out of memory in the tight regime the engine is for."""
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(safety * (free + torch.cuda.memory_reserved(device)))
-
-
 def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[str, Tier]:
     """Resolve the configured budgets into the three tiers."""
     host_whole = host_memory_limit() // local_ranks()
-    if device.type == "cuda":  # pragma: no cover - CUDA only
-        dev_whole = cuda_plannable_bytes(device, cfg.device_safety)
-        pinned = True
-    else:
-        dev_whole = host_whole
-        pinned = False
+    caps = capabilities(device)
+    # an accelerator: what its memory can give us; the CPU as the device: the host's
+    dev_whole = plannable_bytes(device, cfg.device_safety) if caps.allocator_stats else host_whole
     tiers = {
         "device": Tier("device", device, _resolve(cfg.device_budget, dev_whole)),
         "host": Tier("host", torch.device("cpu"), _resolve(_host_budget(cfg), host_whole)),
     }
-    tiers["host"].pinned = pinned
+    tiers["host"].pin_for = device if caps.pinned_host else None
     # PSTAR_HOST_ARENA=1 slices the host tier from one (unpinned) buffer on a machine
     # without a GPU too, so the pool's bookkeeping runs in CPU tests
-    tiers["host"].use_arena = pinned or os.environ.get("PSTAR_HOST_ARENA") == "1"
+    tiers["host"].use_arena = caps.pinned_host or os.environ.get("PSTAR_HOST_ARENA") == "1"
     disk_dir = cfg.disk_dir or Path(os.environ.get("PSTAR_SPILL_DIR", "/tmp/pstar-spill"))
     disk_budget = 0
     if cfg.disk_budget:

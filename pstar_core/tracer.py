@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
-from pstar_core.devices import device_module
+from pstar_core.devices import capabilities, device_module
 from pstar_core.tiers import return_freed_host_memory
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ class Trace:
     chunk_compute: list[int] = field(default_factory=list)
     non_model: list[int] = field(default_factory=list)  # N_i
     uses: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    # on an accelerator, the caching allocator's reserved peak in window i (what the device
+    # really holds; above allocated by the blocks it caches, or fragmentation)
+    reserved_peak: list[int] = field(default_factory=list)
     shape: BatchShape | None = None  # the batch it was traced with (None: not known)
 
     @property
@@ -304,7 +307,7 @@ class MemoryTracer:
     # -- measuring -----------------------------------------------------------------------
 
     def _start_measuring(self) -> None:
-        if self.device.type == "cpu":
+        if not capabilities(self.device).allocator_stats:
             # the profiler has one session per process: another engine's unfinished
             # warm-up (never stepped) gives way and traces again when it goes on
             for other in [t for t in _ACTIVE if t is not self]:
@@ -352,9 +355,11 @@ class MemoryTracer:
         return p.device_peak()
 
     def _close_cuda_window(self) -> None:
-        """R of the moment that just ended: the allocator's peak since the last reset."""
+        """R of the moment that just ended: the allocator's peak since the last reset
+        (allocated; reserved kept beside it)."""
         accel = device_module(self.device)
         self._cuda_peaks.append(accel.max_memory_allocated(self.device))
+        self._pass.reserved_peak.append(accel.max_memory_reserved(self.device))
         accel.reset_peak_memory_stats(self.device)
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
@@ -375,6 +380,12 @@ class MemoryTracer:
             "traced_batch": {"tokens": t.shape.tokens, "seq": t.shape.seq}
             if t and t.shape
             else None,
+            "peak_reserved_bytes": max(t.reserved_peak, default=0) if t else 0,
+            "peak_allocated_bytes": max(
+                (n + c for n, c in zip(t.non_model, t.chunk_compute, strict=False)), default=0
+            )
+            if t
+            else 0,
             "departures": self.departures,
             "retraces": self.retraces,
             "untraced_passes": self.untraced_passes,

@@ -28,6 +28,8 @@ the engine issues goes through here, clipping norms and exports included.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,15 +38,34 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
-from pstar_core.devices import check
+from pstar_core.devices import capabilities, check
 
 S = TensorState
 Work = dist.Work
 
 
+class RankFailed(RuntimeError):
+    """Another rank's iteration failed: every rank gives up the same iteration (see
+    [Note: ranks fail together]); the message carries the failing rank's error."""
+
+
 @dataclass
 class ZeroGroup:
-    """The process group and this rank's place in it."""
+    """The process group and this rank's place in it.
+
+    [Note: ranks fail together] Every rank must issue the same collectives in the same
+    order. When one rank's iteration fails (an exception in its forward, an out-of-memory
+    on its device, or the caller's code between engine calls), the others would go on
+    into collectives it never issues: equal-sized all-gathers would then exchange
+    different groups, or hang. So every collective the engine issues is preceded by an
+    all-reduce (max) of a failure flag on a gloo group (host memory: no device sync), and
+    a failing rank, instead of abandoning alone, joins the others' next flag all-reduce
+    with its rank: all ranks then learn who failed and why (the message is broadcast),
+    and all give up the same iteration. Collectives are blocking or ordered per group, so
+    the flag all-reduce a failing rank joins is always the one the others are waiting in
+    or will reach next. A failure inside a collective itself (a lost peer) is not
+    reported: the others' collective fails as well.
+    """
 
     group: dist.ProcessGroup | None
     rank: int
@@ -57,6 +78,9 @@ class ZeroGroup:
     calls: dict[str, list[int]] = field(default_factory=dict)  # collective -> [calls, bytes]
     # chunk list -> collective -> bytes sent: with LoRA the frozen base is only gathered
     by_list: dict[str, dict[str, int]] = field(default_factory=dict)
+    flags: dist.ProcessGroup | None = None  # gloo: the failure flags (see the Note)
+    in_collective: bool = False  # a failure raised inside a collective is not reported
+    flag_checks: int = 0
 
     @classmethod
     def single(cls) -> ZeroGroup:
@@ -72,9 +96,18 @@ class ZeroGroup:
     ) -> ZeroGroup:
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 0, 1, device=device)
-        on = overlap == "on" or (overlap == "auto" and device.type != "cpu")
+        on = overlap == "on" or (overlap == "auto" and capabilities(device).accelerator)
         rank, nproc = dist.get_rank(group), dist.get_world_size(group)
-        return cls(group, rank, nproc, variant, on, device)
+        flags = None
+        if nproc > 1:
+            # the flags travel on a gloo group (host memory): on the CPU the group itself
+            backend = dist.get_backend(group)
+            if "gloo" in str(backend) and not capabilities(device).accelerator:
+                flags = group if group is not None else dist.group.WORLD
+            else:
+                ranks = None if group is None else dist.get_process_group_ranks(group)
+                flags = dist.new_group(ranks=ranks, backend="gloo")
+        return cls(group, rank, nproc, variant, on, device, flags=flags)
 
     @property
     def enabled(self) -> bool:
@@ -84,18 +117,71 @@ class ZeroGroup:
         g = chunk_index // self.nproc
         return range(g * self.nproc, (g + 1) * self.nproc)
 
+    # -- failures (see [Note: ranks fail together]) ---------------------------------------
+
+    def agree(self) -> None:
+        """Raise `RankFailed` if another rank has failed (before a collective whose
+        buffers the caller allocates first: a failure then leaves nothing half-made)."""
+        self._agree()
+
+    def _agree(self) -> None:
+        """Before a collective: raise `RankFailed` if another rank has failed."""
+        if self.flags is None:
+            return
+        flag = torch.zeros(1, dtype=torch.int64)
+        self.flag_checks += 1
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
+        failed = int(flag.item()) - 1
+        if failed >= 0:
+            raise RankFailed(f"rank {failed} failed: {self._message_from(failed, '')}")
+
+    def report_failure(self, error: BaseException) -> None:
+        """This rank's iteration failed: tell the others at their next collective (unless
+        it failed inside one, where the others fail too)."""
+        if self.flags is None or self.in_collective or isinstance(error, RankFailed):
+            return
+        flag = torch.tensor([self.rank + 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
+        failed = int(flag.item()) - 1  # the highest failing rank speaks for all
+        self._message_from(failed, f"{type(error).__name__}: {error}")
+
+    def _message_from(self, failed: int, mine: str) -> str:
+        data = torch.tensor(list(mine.encode()[:4000]), dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+        dist.broadcast(n, src=self._global(failed), group=self.flags)
+        if self.rank != failed:
+            data = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=self._global(failed), group=self.flags)
+        return bytes(data.tolist()).decode(errors="replace")
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        self.in_collective = True
+        try:
+            yield
+        finally:
+            self.in_collective = False
+
     # -- the engine's collectives ------------------------------------------------------
 
     def all_gather(
-        self, outputs: torch.Tensor | list[torch.Tensor], own: torch.Tensor, kind: str = ""
+        self,
+        outputs: torch.Tensor | list[torch.Tensor],
+        own: torch.Tensor,
+        kind: str = "",
+        agreed: bool = False,
     ) -> None:
         """ "collective" variant: every rank's chunk, into one buffer (nproc chunks in rank
-        order, `own` its slice: in place) or into a list of chunks (`own` separate)."""
+        order, `own` its slice: in place) or into a list of chunks (`own` separate).
+        `agreed`: the caller checked for failures itself (`agree`) before allocating."""
+        if not agreed:
+            self._agree()
         self._sent("all_gather", own, self.nproc - 1, kind)
-        if isinstance(outputs, list):
-            dist.all_gather(outputs, own, group=self.group)
-        else:
-            dist.all_gather_single(outputs, own, group=self.group)
+        with self._calling():
+            if isinstance(outputs, list):
+                dist.all_gather(outputs, own, group=self.group)
+            else:
+                dist.all_gather_single(outputs, own, group=self.group)
 
     def reduce_scatter_sum(
         self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], kind: str = ""
@@ -103,15 +189,21 @@ class ZeroGroup:
         """ "collective" variant, asynchronous: `own` becomes the sum over ranks of this
         rank's part of `inputs` (one buffer, `own` its slice; or a list, `own` its entry).
         Wait on the returned work before reading `own` or freeing the inputs."""
+        self._agree()
         self._sent("reduce_scatter", own, self.nproc - 1, kind)
-        if isinstance(inputs, list):
-            return dist.reduce_scatter(own, inputs, group=self.group, async_op=True)
-        return dist.reduce_scatter_single(
-            own, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        )
+        with self._calling():
+            if isinstance(inputs, list):
+                return dist.reduce_scatter(own, inputs, group=self.group, async_op=True)
+            return dist.reduce_scatter_single(
+                own, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
 
-    def broadcast_each(self, outputs: list[torch.Tensor], kind: str = "") -> None:
+    def broadcast_each(
+        self, outputs: list[torch.Tensor], kind: str = "", agreed: bool = False
+    ) -> None:
         """ "serial" variant of the gather: outputs[r] receives rank r's chunk."""
+        if not agreed:
+            self._agree()
         for r, out in enumerate(outputs):
             self._broadcast(out, r, kind)
 
@@ -120,45 +212,56 @@ class ZeroGroup:
     ) -> None:
         """ "serial" variant: out = mean over ranks of inputs[self.rank] (inputs[r] is the
         group's chunk r), by one reduction to each owner."""
+        self._agree()
         for r, t in enumerate(inputs):
             if r != self.rank:
                 self._sent("reduce", t, 1, kind)  # this rank's part goes to owner r
-            dist.reduce(t, dst=self._global(r), op=dist.ReduceOp.SUM, group=self.group)
+            with self._calling():
+                dist.reduce(t, dst=self._global(r), op=dist.ReduceOp.SUM, group=self.group)
         out.copy_(inputs[self.rank])
         out.div_(self.nproc)
 
     def all_reduce_sum(self, value: float) -> float:
+        self._agree()
         t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL: not CPU
         self._all_reduce(t)
         return float(t.item())
 
     def all_reduce_max(self, value: int) -> int:
         """The largest `value` over the ranks (ranks agreeing on a choice)."""
+        self._agree()
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._sent("all_reduce", t, 2 * (self.nproc - 1) / self.nproc)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with self._calling():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self._agree()
         self._broadcast(t, src)
 
     def all_reduce_mean_(self, t: torch.Tensor) -> None:
+        self._agree()
         self._all_reduce(t)
         t.div_(self.nproc)
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self._agree()
+        with self._calling():
+            dist.barrier(group=self.group)
 
     # -- counted wrappers -------------------------------------------------------------
 
     def _broadcast(self, t: torch.Tensor, src: int, kind: str = "") -> None:
         if src == self.rank:
             self._sent("broadcast", t, self.nproc - 1, kind)
-        dist.broadcast(t, src=self._global(src), group=self.group)
+        with self._calling():
+            dist.broadcast(t, src=self._global(src), group=self.group)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         self._sent("all_reduce", t, 2 * (self.nproc - 1) / self.nproc)
-        dist.all_reduce(t, group=self.group)
+        with self._calling():
+            dist.all_reduce(t, group=self.group)
 
     def _sent(self, name: str, t: torch.Tensor, times: float, kind: str = "") -> None:
         check(
@@ -233,7 +336,7 @@ class GatheredGroups:
     @property
     def contiguous(self) -> bool:
         """One buffer per gathered group: on a device (see the note above)."""
-        return self.zero.variant == "collective" and self.zero.device.type != "cpu"
+        return self.zero.variant == "collective" and capabilities(self.zero.device).accelerator
 
     def _key(self, c: Chunk) -> tuple[ChunkType, int]:
         return (c.kind, c.index // self.zero.nproc)
@@ -249,6 +352,7 @@ class GatheredGroups:
         if key in self.live:
             return
         self.settle()  # a group reduced a moment ago may be gathered again (accumulation)
+        self.zero.agree()  # before anything is stashed or allocated for the group
         members = self._members(c)
         own = members[self.zero.rank]
         for m in members:
@@ -277,15 +381,15 @@ class GatheredGroups:
                 for m, part in zip(members, slices, strict=True):
                     if m is not own:
                         r.adopt(m, part, "device")
-                self.zero.all_gather(buffer, own.payload, own.kind.value)
+                self.zero.all_gather(buffer, own.payload, own.kind.value, agreed=True)
             else:
                 for m in remote:
                     r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
                 outputs = [m.payload for m in members]
                 if self.zero.variant == "serial":
-                    self.zero.broadcast_each(outputs, own.kind.value)
+                    self.zero.broadcast_each(outputs, own.kind.value, agreed=True)
                 else:
-                    self.zero.all_gather(outputs, own.payload, own.kind.value)
+                    self.zero.all_gather(outputs, own.payload, own.kind.value, agreed=True)
         for m in members:
             m.pins += 1
         self.live[key] = members

@@ -194,11 +194,16 @@ def spawn_ranks(module: str, world: int, tmp: Path, *args: str, **env: str) -> l
     rank, gloo over a file in `tmp`); each writes `tmp/result-RANK.json`, returned in order."""
     tmp.mkdir(parents=True, exist_ok=True)
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+
+    def torchrun(r: int) -> dict[str, str]:  # what torchrun tells each rank
+        ranks = {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
+        return {k: str(v) for k, v in ranks.items()}
+
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", module, str(r), str(world), str(tmp), *args],
             cwd=ROOT,
-            env=environ,
+            env={**environ, **torchrun(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

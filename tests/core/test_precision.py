@@ -131,3 +131,13 @@ def test_a_bf16_checkpoint_resumes_in_fp32_from_the_same_masters(tmp_path):
     losses = run_engine(resumed, data[3:])
     assert all(torch.isfinite(torch.tensor(losses)))
     resumed.close()
+
+
+def test_ranks_agree_on_the_most_conservative_dtype(tmp_path):
+    """Rank 0 would pick bf16, rank 1 (a CPU without fast bf16) fp32: both compute in fp32,
+    and rank 0 says why."""
+    from tests.core.helpers import spawn_ranks
+
+    ranks = spawn_ranks("tests.core.zero_worker", 2, tmp_path, "precision")
+    assert [r["precision"]["dtype"] for r in ranks] == ["fp32", "fp32"]
+    assert "another rank" in ranks[0]["precision"]["reason"]

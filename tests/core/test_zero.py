@@ -107,6 +107,43 @@ def test_save_with_the_disk_tier_streams_chunk_by_chunk_and_resumes_bitwise(tmp_
         assert r["save_growth_bytes"] <= r["chunk_bytes_max"], r
 
 
+def test_a_rank_that_fails_takes_the_others_out_of_the_same_iteration(tmp_path):
+    """One rank's forward fails (batch 3), and one rank's own code fails between forward
+    and backward (batch 5): every rank raises, the other one `RankFailed` with the failing
+    rank's reason, and all go on in step, as if those batches had been left out."""
+    failed = launch("fail", 2, tmp_path / "f")
+    skipped = launch("skip", 2, tmp_path / "s")
+    assert failed[0]["losses"] == skipped[0]["losses"]
+    assert failed[1]["losses"] == skipped[1]["losses"]
+    assert [e[:2] for e in failed[1]["errors"]] == [[3, "MemoryError"], [5, "RankFailed"]]
+    assert [e[:2] for e in failed[0]["errors"]] == [[3, "RankFailed"], [5, "ValueError"]]
+    assert "rank 1 failed: MemoryError: out of memory in block 1" in failed[0]["errors"][0][2]
+    assert (
+        "rank 0 failed: RuntimeError: abandon_iteration() was called" in (failed[1]["errors"][1][2])
+    )
+
+
+def test_random_init_on_two_ranks_gives_the_one_rank_weights(tmp_path):
+    """Each rank initializes only its own chunks, but the model's init code still runs
+    over every tensor in order (others' into a staging buffer), so the weights are the
+    ones one rank would draw from the same seed."""
+    single = launch("init", 1, tmp_path / "1")[0]
+    ranks = launch("init", 2, tmp_path / "2")
+    assert ranks[0]["tensors"] == single["tensors"]
+    assert ranks[1]["tensors"] == single["tensors"]
+
+
+def test_a_rank_materializes_only_its_own_share(tmp_path):
+    """The peak memory `initialize` adds on each of 2 ranks (VmHWM, ~50M parameters in
+    fp32: 8 bytes each at init) is about half of one rank's: the other rank's chunks never
+    exist here."""
+    single = launch("init_memory", 1, tmp_path / "1")[0]["init_peak_growth"]
+    ranks = [r["init_peak_growth"] for r in launch("init_memory", 2, tmp_path / "2")]
+    assert single > 300 * 2**20  # the model data itself
+    for grown in ranks:
+        assert grown < 0.6 * single, (grown, single)
+
+
 def test_hf_export_of_a_two_rank_run_loads_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 

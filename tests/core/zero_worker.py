@@ -65,7 +65,64 @@ class HostPayloads:
 HOST = HostPayloads()
 
 
+def vm_hwm() -> int:
+    """This process's peak resident memory so far (VmHWM), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def init_scenario(name: str, rank: int, world: int) -> dict:
+    """Random init only: the peak memory `initialize` adds, and what the tensors hold."""
+    import hashlib
+
+    from pstar_core.models import GPTConfig, build
+
+    if name == "init_memory":  # ~50M parameters, no single tensor over 4 MB
+        cfg = GPTConfig(hidden_size=512, num_layers=16, num_heads=8, vocab_size=1024, seq_len=64)
+        model_fn = functools.partial(build, cfg)
+    else:
+        model_fn = MODELS["hf_gpt2"]
+    # the one-time costs of a first engine in a process (the precision probe's oneDNN
+    # kernels, thread pools, allocator arenas) are paid by a tiny one first
+    pstar_core.initialize(MODELS["gpt"], engine_config()).close()
+    torch.manual_seed(0)
+    before = vm_hwm()
+    engine = pstar_core.initialize(model_fn, engine_config())
+    out = {"init_peak_growth": vm_hwm() - before}
+    if name == "init":
+        out["tensors"] = {
+            k: hashlib.sha256(v.float().numpy().tobytes()).hexdigest()
+            for k, v in engine.state_dict().items()
+        }
+    return out
+
+
+def precision_scenario(rank: int) -> dict:
+    """dtype auto where rank 1's CPU has no fast bf16 and rank 0's has: both ranks must
+    compute in fp32 (the chunks of every rank have one layout and dtype)."""
+    from pstar_core import precision
+
+    decide = precision.decide
+
+    def slow_bf16(requested, device):
+        return precision.Precision(requested, "fp32", "no fast bf16 here", "AVX2", False)
+
+    def fast_bf16(requested, device):
+        p = decide(requested, device)
+        return precision.Precision(requested, "bf16", "native", "AVX512", True, p.probe_gflops)
+
+    precision.decide = slow_bf16 if rank == 1 else fast_bf16
+    engine = pstar_core.initialize(MODELS["gpt"], engine_config(dtype="auto"))
+    return {"precision": engine.stats()["precision"]}
+
+
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
+    if name.startswith("init"):
+        return init_scenario(name, rank, world)
+    if name == "precision":
+        return precision_scenario(rank)
     model_fn = MODELS["hf_gpt2"]
     if lora_on := os.environ.get("PSTAR_TEST_LORA"):  # peft adapters (test_lora): on which
         model_fn = functools.partial(lora_model, lora_on)
@@ -96,6 +153,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
         out["host_pool"] = engine.stats()["host_pool"]
         out["own_bytes"] = sum(c.nbytes for c in engine.manager.own_chunks())
+        out["device"] = str(engine.device)
     elif name == "resume":
         run_steps(engine, data[:8], rank, world)
         HOST.peak = before = HOST.live
@@ -108,6 +166,36 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         fresh.load_checkpoint(tmp / "ckpt")
         out["resumed"] = run_steps(fresh, data[8:12], rank, world)
         out["straight"] = run_steps(engine, data[8:12], rank, world)
+    elif name in ("fail", "skip"):
+        # batch 3 fails: inside rank 1's forward (a layer raises there), and batch 5 in
+        # rank 0's own code between forward and backward (it calls abandon_iteration);
+        # "skip" leaves both batches out on every rank: the runs must agree
+        from pstar_core.zero import RankFailed
+
+        layer = engine.module.transformer.h[1]
+        boom = {"on": False}
+
+        def hook(_mod, _args):
+            if boom["on"]:
+                raise MemoryError("out of memory in block 1 (simulated)")
+
+        layer.register_forward_pre_hook(hook)
+        out["losses"], out["errors"] = [], []
+        for i, x in enumerate(data[:8]):
+            if name == "skip" and i in (3, 5):
+                continue
+            part = x.chunk(world)[rank]
+            boom["on"] = name == "fail" and i == 3 and rank == 1
+            try:
+                loss = engine(input_ids=part, labels=part).loss
+                if name == "fail" and i == 5 and rank == 0:
+                    engine.abandon_iteration()  # the caller's own code failed here
+                    raise ValueError("a bad label in batch 5 (simulated)")
+                engine.backward(loss)
+                engine.step()
+                out["losses"].append(mean_over_ranks(loss, world))
+            except (RankFailed, MemoryError, ValueError) as e:
+                out["errors"].append([i, type(e).__name__, str(e)])
     elif name == "export":
         run_steps(engine, data[:3], rank, world)
         engine.export_hf(tmp / "hf", max_shard_bytes=64 * 1024)

@@ -2,12 +2,52 @@
 
 `load()` builds `fakegpu.cpp` (once per process, cached on disk like the AdamW kernel),
 renames PyTorch's PrivateUse1 backend to ``fakegpu`` and registers this module as
-``torch.fakegpu``, so ``t.to("fakegpu")``, ``torch.device("fakegpu:0")`` and
+``torch.fakegpu``, so ``t.to("fakegpu")``, ``torch.device("fakegpu:1")`` and
 ``t.is_fakegpu`` work. Tensors on it live in host memory, but mixing them with CPU tensors
-(other than 0-dim ones) raises CUDA's same-device error, ``.numpy()`` refuses them, and
-their bytes are counted (`memory_allocated`). It also registers the ``fakenccl`` c10d
-backend (see `tests.fakedevice.fakenccl`), so
+(other than 0-dim ones) or with another fakegpu device raises CUDA's same-device error,
+``.numpy()`` refuses them, and their bytes are counted per device (`memory_allocated`)
+against a capacity (`mem_get_info`; past it, ``torch.OutOfMemoryError``). It also
+registers the ``fakenccl`` c10d backend (see `tests.fakedevice.fakenccl`), so
 ``dist.init_process_group("cpu:gloo,fakegpu:fakenccl")`` behaves like gloo + NCCL.
+
+Devices: ``PSTAR_FAKEGPU_DEVICES`` of them (default 2), each with its own allocator counts,
+capacity (16 GiB, or ``PSTAR_FAKEGPU_CAPACITY`` bytes, or `set_capacity`), RNG and streams;
+the current device is per thread (`set_device`, `device`, ``torch.accelerator``).
+
+Streams and events are torch's generic ones (``torch.Stream(device="fakegpu:0")``,
+``torch.Event``, ``torch.accelerator.current_stream/set_stream``, ``Tensor.record_stream``)
+and order work as on a GPU, in the only way a device without concurrency can show:
+
+- Stream 0 of a device (the default stream) runs everything when it is issued.
+- A copy (``dst.copy_(src, non_blocking=...)``, ``.to(..., non_blocking=True)``, either
+  side on fakegpu) issued while another stream is current is queued on that stream. It
+  runs, in stream order, only when something waits for it: synchronizing an event
+  recorded after it, waiting on such an event (``stream.wait_event``: the copies queued up
+  to the event run then) or on its stream (``wait_stream``), synchronizing its stream
+  (``Stream.synchronize``) or its device (`synchronize`), or issuing any other op, or a
+  blocking host copy, on that same stream. Reading the destination from the default
+  stream does not run it: code that forgot to wait sees the old bytes. Until it ran,
+  ``event.query()`` (of an event recorded after it) and ``stream.query()`` are False.
+- Which copies, as on CUDA: a copy belongs to the current stream of its device side (the
+  source's, device to device); a blocking copy with a host side runs at once, after the
+  stream's queue (CUDA synchronizes the stream after it), a blocking device-to-device one
+  is queued; a pageable host source is read when the copy is issued (CUDA stages it), a
+  pinned one when the copy runs. Stricter than CUDA: a non-blocking device-to-host copy
+  into pageable memory is queued too (CUDA happens to finish it before returning).
+- Fakegpu memory a queued copy reads or writes stays allocated until the copy ran. Dropping
+  the last reference to such a tensor, or resizing its storage, while the copy is queued on
+  a stream other than the one the tensor was allocated on, without
+  ``tensor.record_stream(that_stream)``, is a hazard on a GPU (the caching allocator may
+  hand the block out again before the copy ran): `stream_hazards` counts them.
+- Only copies are queued; every other op runs when issued (after its stream's queue).
+
+Pinned host memory: ``pin_memory()`` and ``torch.empty(..., pin_memory=True)`` take blocks
+from a caching allocator shaped like torch's CUDA host allocator (each request rounded up
+to a power of two, freed blocks kept for reuse, never returned): `pinned_allocator_bytes`
+(live, as requested) and `pinned_allocator_held_bytes` (everything it holds) show what
+pinning through it costs. `host_register` / `host_unregister` page-lock a range of
+ordinary host memory as ``cudaHostRegister`` / ``cudaHostUnregister`` do (`pinned_bytes`);
+``is_pinned()`` is True for a CPU tensor inside either.
 
 Loading changes process-wide state for good, as a real accelerator would: the
 PrivateUse1 backend is the accelerator torch reports (``torch.accelerator``,
@@ -18,6 +58,7 @@ rename PrivateUse1 only once.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 import time
@@ -60,14 +101,32 @@ def _build() -> ModuleType:
         )
 
 
+def _env_int(name: str, low: int, high: int | None = None) -> int | None:
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}={text!r}: expected an integer {bound}")
+    return value
+
+
 def load() -> ModuleType:
     """Build and register the device (idempotent); return the device module (`torch.fakegpu`)."""
     global _ext, _initialized, build_seconds
     with _lock:
         if _ext is None:
+            _env_int("PSTAR_FAKEGPU_DEVICES", 1, 16)  # read by fakegpu.cpp; checked here
+            capacity = _env_int("PSTAR_FAKEGPU_CAPACITY", 0)
             start = time.perf_counter()
             ext = _build()
             ext.routed_to_cpu_kernels()  # see fakegpu.cpp: route_cpu_kernels
+            if capacity is not None:
+                ext.set_capacity(capacity, -1)
             build_seconds = time.perf_counter() - start
             if torch._C._get_privateuse1_backend_name() != DEVICE:
                 torch.utils.rename_privateuse1_backend(DEVICE)
@@ -108,6 +167,20 @@ def routed_to_cpu_kernels() -> list[str]:
 # The device module API (what torch and the engine call as torch.fakegpu.*)
 # ---------------------------------------------------------------------------------------
 
+_Device = torch.device | str | int | None
+
+
+def _index(device: _Device) -> int:
+    """A device index; -1 (the current device) for None or a device without an index."""
+    if device is None:
+        return -1
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != DEVICE:
+        raise ValueError(f"expected a {DEVICE} device, got {device}")
+    return -1 if device.index is None else device.index
+
 
 def is_available() -> bool:
     return _ext is not None
@@ -126,94 +199,163 @@ def _is_in_bad_fork() -> bool:
 
 
 def device_count() -> int:
-    return 1
+    """``PSTAR_FAKEGPU_DEVICES`` (default 2)."""
+    return int(_loaded().device_count())
 
 
 def current_device() -> int:
-    return 0
+    return int(_loaded().current_device())
 
 
-def set_device(device: torch.device | str | int) -> None:
-    index = device if isinstance(device, int) else torch.device(device).index
-    if index not in (None, 0):
-        raise RuntimeError(f"fakegpu has one device, got {device!r}")
+def set_device(device: _Device) -> None:
+    index = _index(device)
+    if index >= 0:
+        _loaded().set_device(index)
 
 
 class device:
-    """Context manager selecting a fakegpu device (index 0 only); named like
+    """Context manager selecting a fakegpu device for the block; named like
     torch.cuda.device, which torch.utils.checkpoint and fork_rng use."""
 
-    def __init__(self, device: torch.device | str | int | None) -> None:
-        if device is not None:
-            set_device(device)
+    def __init__(self, device: _Device) -> None:
+        self.index = _index(device)
+        self.previous = -1
 
     def __enter__(self) -> None:
-        return None
+        if self.index >= 0:
+            self.previous = int(_loaded().exchange_device(self.index))
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        if self.index >= 0:
+            _loaded().set_device(self.previous)
 
 
-def synchronize(device: torch.device | str | int | None = None) -> None:
-    """Nothing to wait for: every fakegpu kernel is synchronous."""
+def synchronize(device: _Device = None) -> None:
+    """Run every copy queued on the device's streams (see the module docstring)."""
+    _loaded().synchronize(_index(device))
 
 
-def memory_allocated(device: torch.device | str | int | None = None) -> int:
-    """Bytes held by live fakegpu tensors (exact: no caching allocator, no rounding)."""
-    return int(_loaded().memory_allocated())
+def current_stream(device: _Device = None) -> torch.Stream:
+    return _loaded().current_stream(_index(device))
 
 
-def max_memory_allocated(device: torch.device | str | int | None = None) -> int:
-    return int(_loaded().max_memory_allocated())
+def default_stream(device: _Device = None) -> torch.Stream:
+    return _loaded().default_stream(_index(device))
 
 
-def memory_reserved(device: torch.device | str | int | None = None) -> int:
+def pending_copies(device: _Device = None) -> int:
+    """Copies queued on the device's streams that nothing has waited for yet."""
+    return int(_loaded().pending_copies(_index(device)))
+
+
+def stream_hazards() -> int:
+    """How often a tensor was freed while a copy queued on another stream used its memory,
+    without ``record_stream`` on that stream (process-wide, never reset)."""
+    return int(_loaded().stream_hazards())
+
+
+def memory_allocated(device: _Device = None) -> int:
+    """Bytes held by live fakegpu tensors on the device (exact: no caching allocator, no
+    rounding), memory kept for a queued copy included."""
+    return int(_loaded().memory_allocated(_index(device)))
+
+
+def max_memory_allocated(device: _Device = None) -> int:
+    return int(_loaded().max_memory_allocated(_index(device)))
+
+
+def memory_reserved(device: _Device = None) -> int:
     """No caching allocator: what is reserved is what is allocated."""
     return memory_allocated(device)
 
 
-def max_memory_reserved(device: torch.device | str | int | None = None) -> int:
+def max_memory_reserved(device: _Device = None) -> int:
     return max_memory_allocated(device)
 
 
-def reset_peak_memory_stats(device: torch.device | str | int | None = None) -> None:
-    _loaded().reset_peak_memory_stats()
+def reset_peak_memory_stats(device: _Device = None) -> None:
+    _loaded().reset_peak_memory_stats(_index(device))
 
 
-def get_rng_state(device: torch.device | str | int = DEVICE) -> torch.Tensor:
-    return _loaded().get_rng_state()
+def mem_get_info(device: _Device = None) -> tuple[int, int]:
+    """(free, total) bytes, as torch.cuda.mem_get_info: total is the device's capacity,
+    free what allocated tensors leave of it."""
+    free, total = _loaded().mem_get_info(_index(device))
+    return int(free), int(total)
 
 
-def set_rng_state(new_state: torch.Tensor, device: torch.device | str | int = DEVICE) -> None:
-    _loaded().set_rng_state(new_state)
+def set_capacity(nbytes: int, device: _Device = None) -> None:
+    """The capacity of `device`, or of every device if None (default 16 GiB, or
+    ``PSTAR_FAKEGPU_CAPACITY``); an allocation past it raises ``torch.OutOfMemoryError``."""
+    _loaded().set_capacity(int(nbytes), _index(device))
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock `nbytes` of host memory at `ptr`, as ``cudaHostRegister(ptr, nbytes, 0)``;
+    raises if the range overlaps memory already pinned."""
+    _loaded().host_register(int(ptr), int(nbytes))
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo `host_register` (`ptr` its start), as ``cudaHostUnregister``; raises for a
+    pointer that starts no registered range."""
+    _loaded().host_unregister(int(ptr))
+
+
+def pinned_bytes() -> int:
+    """Host bytes page-locked now by `host_register`."""
+    return int(_loaded().pinned_bytes())
+
+
+def pinned_allocator_bytes() -> int:
+    """Bytes of live blocks from the pinned allocator (``pin_memory()``), as requested."""
+    return int(_loaded().pinned_allocator_bytes())
+
+
+def pinned_allocator_held_bytes() -> int:
+    """Bytes the pinned allocator holds: every block it took (rounded up to a power of
+    two), live or cached, since it never gives memory back."""
+    return int(_loaded().pinned_allocator_held_bytes())
+
+
+def get_rng_state(device: _Device = DEVICE) -> torch.Tensor:
+    return _loaded().get_rng_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device: _Device = DEVICE) -> None:
+    _loaded().set_rng_state(new_state, _index(device))
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [get_rng_state()]
+    return [get_rng_state(i) for i in range(device_count())]
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    set_rng_state(new_states[0])
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
 
 
 def manual_seed(seed: int) -> None:
-    _loaded().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    """Seed the current device's generator."""
+    _loaded().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF, -1)
 
 
 def manual_seed_all(seed: int) -> None:
-    manual_seed(seed)
+    for i in range(device_count()):
+        _loaded().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF, i)
 
 
 def seed() -> None:
-    _loaded().seed()
+    _loaded().seed(-1)
 
 
 def seed_all() -> None:
-    seed()
+    for i in range(device_count()):
+        _loaded().seed(i)
 
 
 def initial_seed() -> int:
-    return int(_loaded().initial_seed())
+    return int(_loaded().initial_seed(-1))
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -228,3 +370,10 @@ bf16_native = True
 def is_bf16_supported(including_emulation: bool = True) -> bool:
     """As `torch.cuda.is_bf16_supported`: native bf16, or (with emulation) any bf16 at all."""
     return bf16_native or including_emulation
+
+
+# The stream and event classes, as torch.cuda has them: the device module's way of saying
+# that the device orders work on streams (`pstar_core.devices.capabilities`). Streams and
+# events themselves are torch's device-generic ones, backed by fakegpu.cpp's guard.
+Stream = torch.Stream
+Event = torch.Event

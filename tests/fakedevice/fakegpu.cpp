@@ -1,12 +1,18 @@
 // fakegpu: a PrivateUse1 backend for CPU-only tests (built by tests/fakedevice/__init__.py).
 //
-// Tensors live in host memory but carry the device "fakegpu:0", so every rule a GPU
+// Tensors live in host memory but carry a device "fakegpu:N", so every rule a GPU
 // enforces (same device for all operands, no NumPy view, explicit copies both ways) fails
 // here as it would on CUDA, while the arithmetic is exactly torch's CPU kernels.
 //
 // Pieces:
-//   - an allocator that counts live and peak bytes (memory_allocated & co.);
-//   - the few kernels a backend must own (empty, copies, views, resize_, set_);
+//   - devices (PSTAR_FAKEGPU_DEVICES, default 2) with a per-thread current device;
+//   - streams and events: a default stream per device that runs everything at once, and
+//     new streams on which copies wait until something waits for them (see [Note: streams]);
+//   - an allocator per device that counts live and peak bytes against a capacity
+//     (memory_allocated, mem_get_info, OutOfMemoryError);
+//   - pinned host memory: a caching power-of-two allocator (pin_memory()) and registered
+//     host ranges (host_register, as cudaHostRegister);
+//   - the few kernels a backend must own (empty, copies, views, resize_, set_, record_stream);
 //   - a boxed fallback for every other op: check devices, alias each fakegpu tensor as a
 //     CPU tensor sharing its memory, run the CPU kernel, turn CPU results back into
 //     fakegpu tensors (views stay views, fresh results are copied);
@@ -17,10 +23,24 @@
 //   - device guard, hooks (generator, pinned host memory, storage resize) and an RNG;
 //   - FakeNcclBackend: a c10d Backend whose collectives are implemented in Python
 //     (tests/fakedevice/fakenccl.py), because c10d::Backend cannot be subclassed there.
+//
+// [Note: streams] Stream 0 of each device is the default stream: work on it runs when it
+// is issued. A copy (`_copy_from`, either side on fakegpu) issued while another stream is
+// current is queued on that stream instead, and runs only when something waits for it:
+// an event recorded after it is synchronized or waited on (wait_event, wait_stream), the
+// stream or the device is synchronized, a blocking host copy or any other op is issued on
+// that same stream (stream order). Nothing else runs it: a reader that forgot to wait
+// sees the old bytes, as it could on a GPU. As on CUDA, a blocking copy with a host side
+// runs at once (after the stream's queue), a device-to-device one is queued. Fakegpu
+// memory a queued copy uses stays allocated until the copy ran; if its tensor is dropped
+// before (a block allocated on another stream, without record_stream on the copy's
+// stream), that is a hazard on a GPU (the caching allocator may hand the block out
+// again): counted (stream_hazards), not raised, and the memory is still kept.
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -30,6 +50,8 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/view_native.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -37,62 +59,252 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
-#include <atomic>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <limits>
+#include <map>
 #include <mutex>
 #include <unordered_map>
-#include <unordered_set>
 
 namespace {
 
 constexpr auto kFake = c10::DeviceType::PrivateUse1;
-const c10::Device kFakeDevice(kFake, 0);
 
 bool is_fake(const at::Tensor& t) {
   return t.defined() && t.device().type() == kFake;
 }
 
 // ---------------------------------------------------------------------------------------
-// Allocators
+// Devices: how many (PSTAR_FAKEGPU_DEVICES, checked by load()), and the current one,
+// per thread as CUDA's
 // ---------------------------------------------------------------------------------------
 
-// Device memory: host memory, counted. The size of each live block is kept so a free
-// subtracts exactly what its allocation added.
-struct FakeAllocator final : c10::Allocator {
-  std::mutex mu;
-  std::unordered_map<void*, size_t> sizes;
-  std::atomic<int64_t> live{0};
-  std::atomic<int64_t> peak{0};
+constexpr int kMaxDevices = 16;
+
+c10::DeviceIndex device_count() {
+  static const c10::DeviceIndex n = [] {
+    const char* env = std::getenv("PSTAR_FAKEGPU_DEVICES");
+    const long v = env ? std::strtol(env, nullptr, 10) : 2;
+    return static_cast<c10::DeviceIndex>(v >= 1 && v <= kMaxDevices ? v : 2);
+  }();
+  return n;
+}
+
+thread_local c10::DeviceIndex t_device = 0;
+// the current stream of each device, per thread as CUDA's; 0 is the default stream
+thread_local std::array<c10::StreamId, kMaxDevices> t_stream{};
+
+c10::DeviceIndex check_index(c10::DeviceIndex i) {
+  TORCH_CHECK(
+      i >= 0 && i < device_count(), "fakegpu: invalid device ordinal ", static_cast<int>(i),
+      " (", static_cast<int>(device_count()), " devices; PSTAR_FAKEGPU_DEVICES sets how many)");
+  return i;
+}
+
+// -1 (a device without an index) is the current device
+c10::DeviceIndex resolve(c10::DeviceIndex i) {
+  return i < 0 ? t_device : check_index(i);
+}
+
+c10::Device fake_device(c10::DeviceIndex i) {
+  return c10::Device(kFake, i);
+}
+
+std::string format_bytes(uint64_t n) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[80];
+  if (u == 0) {
+    std::snprintf(buf, sizeof(buf), "%llu bytes", static_cast<unsigned long long>(n));
+  } else {
+    std::snprintf(
+        buf, sizeof(buf), "%.2f %s (%llu bytes)", v, units[u], static_cast<unsigned long long>(n));
+  }
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------
+// Streams (see [Note: streams]). One lock guards the queues and the device allocator's
+// blocks, because freeing a block asks whether a queued copy still uses it.
+// ---------------------------------------------------------------------------------------
+
+using StreamKey = std::pair<c10::DeviceIndex, c10::StreamId>;
+
+StreamKey key_of(const c10::Stream& s) {
+  return {resolve(s.device_index()), s.id()};
+}
+
+// A queued copy: CPU tensors over the fakegpu memory it reads or writes (non-owning) and
+// the host tensors themselves (owning), plus the fakegpu blocks, kept until it ran.
+struct PendingCopy {
+  int64_t seq;
+  at::Tensor dst;
+  at::Tensor src;
+  std::vector<void*> blocks;
+};
+
+struct StreamQueue {
+  int64_t issued = 0;  // seq of the last copy queued (events record it)
+  int64_t done = 0;  // seq of the last copy run
+  std::deque<PendingCopy> pending;
+};
+
+// Process-wide state is never destroyed (as torch's allocators): a tensor may outlive
+// static destruction at exit, and a queued copy may hold a pinned host tensor.
+std::recursive_mutex& g_mu = *new std::recursive_mutex();
+// created on first use, default streams too
+std::map<StreamKey, StreamQueue>& g_queues = *new std::map<StreamKey, StreamQueue>();
+c10::StreamId g_next_stream = 1;
+int64_t g_hazards = 0;
+
+bool queued_uses(const StreamQueue& q, void* block) {
+  for (const auto& c : q.pending) {
+    if (std::find(c.blocks.begin(), c.blocks.end(), block) != c.blocks.end()) return true;
+  }
+  return false;
+}
+
+void release_blocks(const std::vector<void*>& blocks);  // the allocator's, below
+
+// Run the copies queued on `key` up to and including `seq`, in order.
+void run_until(StreamKey key, int64_t seq) {
+  std::lock_guard<std::recursive_mutex> g(g_mu);
+  auto it = g_queues.find(key);
+  if (it == g_queues.end()) return;
+  StreamQueue& q = it->second;
+  at::AutoDispatchBelowADInplaceOrView no_autograd;  // autograd saw the copy when issued
+  while (!q.pending.empty() && q.pending.front().seq <= seq) {
+    PendingCopy& c = q.pending.front();
+    std::exception_ptr err;
+    try {
+      c.dst.copy_(c.src);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    std::vector<void*> blocks = std::move(c.blocks);
+    q.done = c.seq;
+    q.pending.pop_front();
+    release_blocks(blocks);  // frees those dropped while the copy was queued
+    if (err) std::rethrow_exception(err);
+  }
+}
+
+void run_all(StreamKey key) {
+  run_until(key, std::numeric_limits<int64_t>::max());
+}
+
+void synchronize_device(c10::DeviceIndex d) {
+  std::lock_guard<std::recursive_mutex> g(g_mu);
+  for (auto& [key, q] : g_queues) {
+    if (key.first == d) run_all(key);
+  }
+}
+
+// Work issued now on the device's current stream: a non-default stream first runs what is
+// queued on it (stream order).
+void before_work_on(c10::DeviceIndex d) {
+  if (t_stream[d] != 0) run_all({d, t_stream[d]});
+}
+
+struct FakeEvent {
+  StreamKey stream{0, 0};
+  int64_t seq = 0;
+  std::chrono::steady_clock::time_point recorded_at;
+};
+
+bool event_done(const FakeEvent* e) {
+  std::lock_guard<std::recursive_mutex> g(g_mu);
+  auto it = g_queues.find(e->stream);
+  return it == g_queues.end() || it->second.done >= e->seq;
+}
+
+// ---------------------------------------------------------------------------------------
+// Device memory: host memory, counted per device against a capacity. Each live block
+// keeps its size, device and the stream it was allocated on (for hazards).
+// ---------------------------------------------------------------------------------------
+
+constexpr int64_t kDefaultCapacity = int64_t{16} << 30;
+
+struct Block {
+  size_t nbytes;
+  StreamKey stream;  // allocated while this stream was current
+  std::vector<StreamKey> recorded;  // record_stream
+  bool dropped = false;  // freed by its owner while a queued copy used it
+};
+
+struct FakeAllocator final : c10::DeviceAllocator {
+  std::unordered_map<void*, Block> blocks;  // guarded by g_mu, as the counts below
+  std::array<int64_t, kMaxDevices> live{};
+  std::array<int64_t, kMaxDevices> peak{};
+  std::array<int64_t, kMaxDevices> capacity;
+
+  FakeAllocator() {
+    capacity.fill(kDefaultCapacity);
+  }
 
   static void deleter(void* p);
 
   c10::DataPtr allocate(size_t n) override {
-    void* p = n ? c10::alloc_cpu(n) : nullptr;
-    if (p) {
-      {
-        std::lock_guard<std::mutex> g(mu);
-        sizes[p] = n;
-      }
-      int64_t now = live.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
-      int64_t old = peak.load();
-      while (now > old && !peak.compare_exchange_weak(old, now)) {
-      }
-    }
-    return {p, p, &deleter, kFakeDevice};
+    const c10::DeviceIndex d = t_device;
+    if (n == 0) return {nullptr, nullptr, &deleter, fake_device(d)};
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    const auto want = static_cast<int64_t>(n);
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, live[d] + want <= capacity[d],
+        "fakegpu out of memory: tried to allocate ", format_bytes(n), "; ",
+        format_bytes(live[d]), " of ", format_bytes(capacity[d]), " in use on ", fake_device(d),
+        " (its capacity: torch.fakegpu.set_capacity or PSTAR_FAKEGPU_CAPACITY)");
+    void* p = c10::alloc_cpu(n);
+    blocks.emplace(p, Block{n, {d, t_stream[d]}, {}});
+    live[d] += want;
+    peak[d] = std::max(peak[d], live[d]);
+    return {p, p, &deleter, fake_device(d)};
   }
 
+  void free_block(std::unordered_map<void*, Block>::iterator it) {
+    live[it->second.stream.first] -= static_cast<int64_t>(it->second.nbytes);
+    c10::free_cpu(it->first);
+    blocks.erase(it);
+  }
+
+  // The owner dropped the block (last tensor gone, or its storage resized)
   void release(void* p) {
     if (!p) return;
-    size_t n;
-    {
-      std::lock_guard<std::mutex> g(mu);
-      auto it = sizes.find(p);
-      TORCH_INTERNAL_ASSERT(it != sizes.end(), "fakegpu: freeing an unknown pointer");
-      n = it->second;
-      sizes.erase(it);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    auto it = blocks.find(p);
+    TORCH_INTERNAL_ASSERT(it != blocks.end(), "fakegpu: freeing an unknown pointer");
+    Block& b = it->second;
+    for (const auto& [key, q] : g_queues) {
+      if (!queued_uses(q, p)) continue;
+      b.dropped = true;
+      const auto& rec = b.recorded;
+      if (key != b.stream && std::find(rec.begin(), rec.end(), key) == rec.end()) ++g_hazards;
     }
-    live.fetch_sub(static_cast<int64_t>(n));
-    c10::free_cpu(p);
+    if (!b.dropped) free_block(it);
+  }
+
+  void record_stream(void* p, StreamKey key) {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    auto it = blocks.find(p);
+    if (it == blocks.end() || it->second.stream == key) return;
+    auto& rec = it->second.recorded;
+    if (std::find(rec.begin(), rec.end(), key) == rec.end()) rec.push_back(key);
+  }
+
+  c10::Device device_of(void* p) {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    auto it = blocks.find(p);
+    return fake_device(it == blocks.end() ? t_device : it->second.stream.first);
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -102,35 +314,147 @@ struct FakeAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
+
+  // c10::DeviceAllocator: what torch.accelerator.memory_* and get_memory_info read
+  bool initialized() override {
+    return true;
+  }
+  void emptyCache(c10::MempoolId_t) override {}  // nothing is cached
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    record_stream(ptr.get(), key_of(stream));
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex d) override {
+    d = resolve(d);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    for (auto* s : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
+                    &stats.requested_bytes}) {
+      auto& agg = (*s)[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+      agg.current = live[d];
+      agg.peak = peak[d];
+    }
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  void resetPeakStats(c10::DeviceIndex d) override {
+    d = resolve(d);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    peak[d] = live[d];
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override {
+    d = resolve(d);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    const int64_t free = std::max<int64_t>(capacity[d] - live[d], 0);
+    return {static_cast<size_t>(free), static_cast<size_t>(capacity[d])};
+  }
 };
 
-FakeAllocator g_alloc;
+FakeAllocator& g_alloc = *new FakeAllocator();
 void FakeAllocator::deleter(void* p) {
   g_alloc.release(p);
 }
 // what c10::GetAllocator(PrivateUse1) returns (torch.UntypedStorage(n, device=...), ...)
 REGISTER_ALLOCATOR(kFake, &g_alloc)
 
-// "Pinned" host memory: plain CPU memory whose pointers are remembered, so
-// tensor.pin_memory() / is_pinned() behave as with CUDA.
-struct PinnedAllocator final : c10::Allocator {
+// After a copy ran: free the blocks dropped meanwhile that no other queued copy uses.
+void release_blocks(const std::vector<void*>& blocks) {
+  for (void* p : blocks) {
+    auto it = g_alloc.blocks.find(p);
+    if (it == g_alloc.blocks.end() || !it->second.dropped) continue;
+    bool used = false;
+    for (const auto& [key, q] : g_queues) used = used || queued_uses(q, p);
+    if (!used) g_alloc.free_block(it);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Pinned host memory. pin_memory() / torch.empty(pin_memory=True) take blocks from a
+// caching allocator shaped like torch's CUDA host allocator: each request rounded up to a
+// power of two, freed blocks kept for reuse, never returned to the system. host_register
+// page-locks a range of ordinary host memory, as cudaHostRegister. is_pinned() is true
+// inside either.
+// ---------------------------------------------------------------------------------------
+
+struct PinnedBlock {
+  size_t held;  // rounded size
+  size_t requested;
+  bool live;
+};
+
+struct PinnedMemory final : c10::Allocator {
   std::mutex mu;
-  std::unordered_set<void*> ptrs;
+  std::map<uintptr_t, PinnedBlock> blocks;  // every block taken from the system
+  std::unordered_map<size_t, std::vector<void*>> cached;  // free blocks by rounded size
+  std::map<uintptr_t, size_t> registered;  // host_register: start -> bytes
+  int64_t requested_bytes = 0;  // live allocator blocks, as requested
+  int64_t held_bytes = 0;  // every allocator block, rounded
+  int64_t registered_bytes = 0;
 
   static void deleter(void* p);
 
   c10::DataPtr allocate(size_t n) override {
-    void* p = n ? c10::alloc_cpu(n) : nullptr;
-    if (p) {
-      std::lock_guard<std::mutex> g(mu);
-      ptrs.insert(p);
+    if (n == 0) return {nullptr, nullptr, &deleter, c10::Device(c10::kCPU)};
+    size_t rounded = 1;
+    while (rounded < n) rounded <<= 1;
+    std::lock_guard<std::mutex> g(mu);
+    void* p;
+    auto& free_list = cached[rounded];
+    if (!free_list.empty()) {
+      p = free_list.back();
+      free_list.pop_back();
+    } else {
+      p = c10::alloc_cpu(rounded);
+      held_bytes += static_cast<int64_t>(rounded);
     }
+    blocks[reinterpret_cast<uintptr_t>(p)] = {rounded, n, true};
+    requested_bytes += static_cast<int64_t>(n);
     return {p, p, &deleter, c10::Device(c10::kCPU)};
   }
 
-  bool contains(const void* p) {
+  void release(void* p) {
+    if (!p) return;
     std::lock_guard<std::mutex> g(mu);
-    return ptrs.count(const_cast<void*>(p)) > 0;
+    PinnedBlock& b = blocks.at(reinterpret_cast<uintptr_t>(p));
+    b.live = false;
+    requested_bytes -= static_cast<int64_t>(b.requested);
+    cached[b.held].push_back(p);
+  }
+
+  template <typename Map, typename SizeOf>
+  static bool overlaps(const Map& m, uintptr_t start, size_t n, SizeOf size_of) {
+    auto it = m.lower_bound(start + n);  // first range starting at or after the end
+    if (it == m.begin()) return false;
+    --it;
+    return it->first + size_of(it->second) > start;
+  }
+
+  bool contains(const void* ptr) {
+    std::lock_guard<std::mutex> g(mu);
+    const auto p = reinterpret_cast<uintptr_t>(ptr);
+    return ptr && (overlaps(registered, p, 1, [](size_t n) { return n; }) ||
+                   overlaps(blocks, p, 1, [](const PinnedBlock& b) { return b.held; }));
+  }
+
+  void host_register(uintptr_t p, size_t n) {
+    TORCH_CHECK(p != 0 && n > 0, "fakegpu host_register: invalid range (cudaErrorInvalidValue)");
+    std::lock_guard<std::mutex> g(mu);
+    TORCH_CHECK(
+        !overlaps(registered, p, n, [](size_t m) { return m; }) &&
+            !overlaps(blocks, p, n, [](const PinnedBlock& b) { return b.held; }),
+        "fakegpu host_register: ", n, " bytes at 0x", std::hex, p,
+        " overlap memory already page-locked (cudaErrorHostMemoryAlreadyRegistered)");
+    registered[p] = n;
+    registered_bytes += static_cast<int64_t>(n);
+  }
+
+  void host_unregister(uintptr_t p) {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = registered.find(p);
+    TORCH_CHECK(
+        it != registered.end(), "fakegpu host_unregister: 0x", std::hex, p,
+        " is not the start of a registered range (cudaErrorHostMemoryNotRegistered)");
+    registered_bytes -= static_cast<int64_t>(it->second);
+    registered.erase(it);
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -142,26 +466,22 @@ struct PinnedAllocator final : c10::Allocator {
   }
 };
 
-PinnedAllocator g_pinned;
-void PinnedAllocator::deleter(void* p) {
-  if (!p) return;
-  {
-    std::lock_guard<std::mutex> g(g_pinned.mu);
-    g_pinned.ptrs.erase(p);
-  }
-  c10::free_cpu(p);
+PinnedMemory& g_pinned = *new PinnedMemory();
+void PinnedMemory::deleter(void* p) {
+  g_pinned.release(p);
 }
 
 // ---------------------------------------------------------------------------------------
-// Random numbers: the device has its own generator state (as CUDA does), kept in a CPU
+// Random numbers: each device has its own generator state (as CUDA does), kept in a CPU
 // generator so torch's CPU kernels can use it.
 // ---------------------------------------------------------------------------------------
 
 struct FakeGeneratorImpl final : c10::GeneratorImpl {
   at::Generator inner;  // a CPUGeneratorImpl
 
-  explicit FakeGeneratorImpl(at::Generator cpu = at::detail::createCPUGenerator())
-      : c10::GeneratorImpl(kFakeDevice, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+  explicit FakeGeneratorImpl(
+      c10::DeviceIndex d, at::Generator cpu = at::detail::createCPUGenerator())
+      : c10::GeneratorImpl(fake_device(d), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
         inner(std::move(cpu)) {}
 
   void set_current_seed(uint64_t seed) override {
@@ -188,13 +508,19 @@ struct FakeGeneratorImpl final : c10::GeneratorImpl {
 
  private:
   FakeGeneratorImpl* clone_impl() const override {
-    return new FakeGeneratorImpl(inner.clone());
+    return new FakeGeneratorImpl(device().index(), inner.clone());
   }
 };
 
-const at::Generator& default_generator() {
-  static at::Generator gen = at::make_generator<FakeGeneratorImpl>();
-  return gen;
+const at::Generator& default_generator(c10::DeviceIndex d) {
+  static const std::vector<at::Generator> gens = [] {
+    std::vector<at::Generator> out;
+    for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
+      out.push_back(at::make_generator<FakeGeneratorImpl>(i));
+    }
+    return out;
+  }();
+  return gens[resolve(d)];
 }
 
 FakeGeneratorImpl* fake_gen(const at::Generator& g) {
@@ -206,7 +532,9 @@ FakeGeneratorImpl* fake_gen(const at::Generator& g) {
 // ---------------------------------------------------------------------------------------
 
 void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
-  // resize_bytes_cpu allocates with the storage's own allocator (ours) and memcpy's
+  // resize_bytes_cpu allocates with the storage's own allocator (ours, on the current
+  // device: the storage's) and memcpy's
+  c10::DeviceGuard guard(storage->device());
   at::native::resize_bytes_cpu(storage, nbytes);
 }
 
@@ -221,28 +549,30 @@ struct FakeHooks final : at::PrivateUse1HooksInterface {
     return true;
   }
   c10::DeviceIndex deviceCount() const override {
-    return 1;
+    return device_count();
   }
   void setCurrentDevice(c10::DeviceIndex d) const override {
-    TORCH_CHECK(d == 0, "fakegpu has one device, got index ", static_cast<int>(d));
+    t_device = check_index(d);
   }
   c10::DeviceIndex getCurrentDevice() const override {
-    return 0;
+    return t_device;
   }
-  c10::DeviceIndex exchangeDevice(c10::DeviceIndex) const override {
-    return 0;
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    const c10::DeviceIndex old = t_device;
+    if (d >= 0) t_device = check_index(d);
+    return old;
   }
-  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex) const override {
-    return 0;
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override {
+    return exchangeDevice(d);
   }
-  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
-    return default_generator();
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex d) const override {
+    return default_generator(d);
   }
-  at::Generator getNewGenerator(c10::DeviceIndex) const override {
-    return at::make_generator<FakeGeneratorImpl>();
+  at::Generator getNewGenerator(c10::DeviceIndex d) const override {
+    return at::make_generator<FakeGeneratorImpl>(resolve(d));
   }
-  at::Device getDeviceFromPtr(void*) const override {
-    return kFakeDevice;
+  at::Device getDeviceFromPtr(void* p) const override {
+    return g_alloc.device_of(p);
   }
   bool isPinnedPtr(const void* data) const override {
     return g_pinned.contains(data);
@@ -262,47 +592,102 @@ struct RegisterHooks {
   }
 } g_register_hooks;
 
-// One device (index 0), one stream, synchronous: events are no-ops.
+// Devices, streams and events (see [Note: streams]) as torch's generic stream and event
+// machinery (torch.Stream, torch.Event, torch.accelerator, autograd) drives them.
 struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override {
     return kFake;
   }
-  c10::Device exchangeDevice(c10::Device) const override {
-    return kFakeDevice;
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const c10::DeviceIndex old = t_device;
+    if (d.index() >= 0) t_device = check_index(d.index());
+    return fake_device(old);
   }
   c10::Device getDevice() const override {
-    return kFakeDevice;
+    return fake_device(t_device);
   }
   void setDevice(c10::Device d) const override {
-    TORCH_CHECK(d.index() <= 0, "fakegpu has one device, got ", d);
+    if (d.index() >= 0) t_device = check_index(d.index());
   }
-  void uncheckedSetDevice(c10::Device) const noexcept override {}
-  c10::Stream getStream(c10::Device) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, kFakeDevice);
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < device_count()) t_device = d.index();
   }
-  c10::Stream getNewStream(c10::Device, int) const override {
-    return c10::Stream(c10::Stream::DEFAULT, kFakeDevice);
+  c10::Stream getStream(c10::Device d) const override {
+    const c10::DeviceIndex i = resolve(d.index());
+    return c10::Stream(c10::Stream::UNSAFE, fake_device(i), t_stream[i]);
   }
-  c10::Stream exchangeStream(c10::Stream) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, kFakeDevice);
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, fake_device(resolve(d.index())));
+  }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    const c10::DeviceIndex i = resolve(d.index());
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    const c10::StreamId id = g_next_stream++;
+    g_queues[{i, id}];
+    return c10::Stream(c10::Stream::UNSAFE, fake_device(i), id);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return getNewStream(d, 0);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    const c10::DeviceIndex i = resolve(s.device_index());
+    const c10::Stream old(c10::Stream::UNSAFE, fake_device(i), t_stream[i]);
+    t_stream[i] = s.id();
+    return old;
   }
   c10::DeviceIndex deviceCount() const noexcept override {
-    return 1;
+    return device_count();
   }
-  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag)
-      const override {}
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override {
-    return true;
+  void record(
+      void** event, const c10::Stream& s, const c10::DeviceIndex index,
+      const c10::EventFlag) const override {
+    TORCH_CHECK(
+        index == -1 || index == s.device_index(), "Event device index ", static_cast<int>(index),
+        " does not match recording stream's device index ", static_cast<int>(s.device_index()));
+    auto* e = static_cast<FakeEvent*>(*event);
+    if (!e) *event = e = new FakeEvent();
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    e->stream = key_of(s);
+    e->seq = g_queues[e->stream].issued;
+    e->recorded_at = std::chrono::steady_clock::now();
   }
-  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
-  bool queryStream(const c10::Stream&) const override {
-    return true;
+  // `stream` waits for the event: what is queued up to it runs now (no concurrency here)
+  void block(void* event, const c10::Stream& s) const override {
+    const auto* e = static_cast<const FakeEvent*>(event);
+    if (e && e->stream != key_of(s)) run_until(e->stream, e->seq);
   }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
-  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  bool queryEvent(void* event) const override {
+    return !event || event_done(static_cast<const FakeEvent*>(event));
+  }
+  void synchronizeEvent(void* event) const override {
+    const auto* e = static_cast<const FakeEvent*>(event);
+    if (e) run_until(e->stream, e->seq);
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<FakeEvent*>(event);
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    const auto* a = static_cast<const FakeEvent*>(start);
+    const auto* b = static_cast<const FakeEvent*>(end);
+    TORCH_CHECK(
+        a && b && event_done(a) && event_done(b),
+        "Both events must be recorded and completed before calculating elapsed time.");
+    return std::chrono::duration<double, std::milli>(b->recorded_at - a->recorded_at).count();
+  }
+  bool queryStream(const c10::Stream& s) const override {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    auto it = g_queues.find(key_of(s));
+    return it == g_queues.end() || it->second.pending.empty();
+  }
+  void synchronizeStream(const c10::Stream& s) const override {
+    run_all(key_of(s));
+  }
+  void synchronizeDevice(const c10::DeviceIndex d) const override {
+    synchronize_device(resolve(d));
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& ptr, const c10::Stream& s) const override {
+    g_alloc.record_stream(ptr.get(), key_of(s));
+  }
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeGuardImpl);
@@ -321,7 +706,8 @@ struct AliasMap {
     const c10::Storage& st = t.storage();
     auto it = cpu_of.find(st.unsafeGetStorageImpl());
     if (it == cpu_of.end()) {
-      // non-owning, not resizable: the fakegpu tensor keeps the memory alive
+      // non-owning, not resizable: the fakegpu tensor keeps the memory alive (or, for a
+      // queued copy, the allocator: see FakeAllocator::release)
       c10::Storage cpu(
           c10::Storage::use_byte_size_t(), st.nbytes(),
           c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)), nullptr, false);
@@ -351,7 +737,8 @@ struct AliasMap {
   }
 };
 
-// A fresh fakegpu tensor holding a copy of a CPU tensor (dense layouts keep their strides).
+// A fresh fakegpu tensor (on the current device) holding a copy of a CPU tensor (dense
+// layouts keep their strides).
 at::Tensor to_fake(const at::Tensor& cpu) {
   at::Tensor out = cpu.is_non_overlapping_and_dense()
       ? at::detail::empty_strided_generic(
@@ -366,12 +753,15 @@ at::Tensor to_fake(const at::Tensor& cpu) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Kernels a backend must own
+// Kernels a backend must own. Out-of-tree kernels get no device guard from the dispatcher:
+// the ones that allocate set it to the tensor's device themselves.
 // ---------------------------------------------------------------------------------------
 
 at::Tensor fake_empty(
     c10::IntArrayRef size, std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
-    std::optional<at::Device>, std::optional<bool>, std::optional<at::MemoryFormat> fmt) {
+    std::optional<at::Device> device, std::optional<bool>,
+    std::optional<at::MemoryFormat> fmt) {
+  c10::OptionalDeviceGuard guard(device);
   return at::detail::empty_generic(
       size, &g_alloc, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
       c10::dtype_or_default(dtype), fmt);
@@ -379,30 +769,66 @@ at::Tensor fake_empty(
 
 at::Tensor fake_empty_strided(
     c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
-    std::optional<at::Layout>, std::optional<at::Device>, std::optional<bool>) {
+    std::optional<at::Layout>, std::optional<at::Device> device, std::optional<bool>) {
+  c10::OptionalDeviceGuard guard(device);
   return at::detail::empty_strided_generic(
       size, stride, &g_alloc, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
       c10::dtype_or_default(dtype));
 }
 
-// dst.copy_(self) where either side is on fakegpu (CPU<->fakegpu, fakegpu<->fakegpu):
-// CPU copy_ between aliases handles dtype casts, broadcasting and any strides.
-at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+// dst.copy_(self) with both sides CPU aliases or host tensors: CPU copy_ handles dtype
+// casts, broadcasting and any strides.
+void copy_now(const at::Tensor& self, const at::Tensor& dst) {
+  AliasMap m;
+  at::Tensor src = is_fake(self) ? m.alias(self) : self;
+  at::Tensor out = is_fake(dst) ? m.alias(dst) : dst;
+  out.copy_(src);
+}
+
+// dst.copy_(self) where either side is on fakegpu (CPU<->fakegpu, fakegpu<->fakegpu). As
+// on CUDA it belongs to the current stream of the device side (the source's, device to
+// device); on a stream other than the default one it is queued ([Note: streams]), except a
+// blocking copy with a host side, which CUDA runs and then synchronizes the stream.
+at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   for (const auto* t : {&self, &dst}) {
     TORCH_CHECK(
         t->is_cpu() || is_fake(*t), "fakegpu: copy between ", self.device(), " and ",
         dst.device(), " is not supported");
   }
+  const c10::DeviceIndex d = (is_fake(self) ? self : dst).device().index();
+  const StreamKey key{d, t_stream[d]};
+  const bool host_side = !is_fake(self) || !is_fake(dst);
+  if (key.second == 0 || (host_side && !non_blocking)) {
+    if (key.second != 0) run_all(key);
+    copy_now(self, dst);
+    return dst;
+  }
+  TORCH_CHECK(
+      at::is_expandable_to(self.sizes(), dst.sizes()), "fakegpu: cannot copy a tensor of shape ",
+      self.sizes(), " into one of shape ", dst.sizes());
   AliasMap m;
-  at::Tensor src = is_fake(self) ? m.alias(self) : self;
-  at::Tensor out = is_fake(dst) ? m.alias(dst) : dst;
-  out.copy_(src);
+  PendingCopy c{0, is_fake(dst) ? m.alias(dst) : dst, at::Tensor(), {}};
+  if (is_fake(self)) {
+    c.src = m.alias(self);
+  } else if (g_pinned.contains(self.storage().data())) {
+    c.src = self;  // read when the copy runs, as a DMA from page-locked memory would
+  } else {
+    c.src = self.clone(at::MemoryFormat::Preserve);  // CUDA stages pageable memory at once
+  }
+  for (const auto* t : {&self, &dst}) {
+    if (is_fake(*t) && t->storage().data()) c.blocks.push_back(t->storage().mutable_data());
+  }
+  std::lock_guard<std::recursive_mutex> g(g_mu);
+  StreamQueue& q = g_queues[key];
+  c.seq = ++q.issued;
+  q.pending.push_back(std::move(c));
   return dst;
 }
 
 const at::Tensor& fake_resize_(
     const at::Tensor& self, c10::IntArrayRef size, std::optional<at::MemoryFormat> fmt) {
-  // grows the storage through its allocator (ours) when needed
+  // grows the storage through its allocator (ours, on the tensor's device) when needed
+  c10::DeviceGuard guard(self.device());
   at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, std::nullopt);
   if (fmt.has_value()) {
     TORCH_CHECK(*fmt != at::MemoryFormat::Preserve, "unsupported memory format ", *fmt);
@@ -432,8 +858,17 @@ at::Tensor& fake_set_source_tensor(at::Tensor& self, const at::Tensor& src) {
 }
 
 at::Tensor& fake_set_empty(at::Tensor& self) {
+  c10::DeviceGuard guard(self.device());
   c10::Storage st(c10::Storage::use_byte_size_t(), 0, &g_alloc, true);
   return fake_set_storage(self, std::move(st), 0, {0}, {});
+}
+
+// tensor.record_stream(s): the block may be freed while `s` still has work queued on it
+void fake_record_stream(at::Tensor& self, c10::Stream s) {
+  TORCH_CHECK(
+      s.device_type() == kFake && s.device_index() == self.device().index(),
+      "record_stream: the stream is on ", s.device(), ", the tensor on ", self.device());
+  if (self.storage().data()) g_alloc.record_stream(self.storage().mutable_data(), key_of(s));
 }
 
 // `param.data = t` across CPU and fakegpu: allowed between dense CPU and CUDA tensors, so
@@ -475,6 +910,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", TORCH_FN(fake_set_source_tensor));
   m.impl("set_", TORCH_FN(fake_set_empty));
   m.impl("_has_compatible_shallow_copy_type", TORCH_FN(fake_has_compatible_shallow_copy_type));
+  m.impl("record_stream", TORCH_FN(fake_record_stream));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -483,19 +919,26 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 
 // CUDA's rule: all tensors on one device, except 0-dim CPU tensors (scalars) and CPU
 // index tensors in `Tensor?[] indices` (index / index_put_ move them to the device).
-// Returns whether any argument is a fakegpu tensor.
-bool check_same_device(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+// Returns the device of the fakegpu tensors, or of a fakegpu device argument (factories).
+std::optional<c10::Device> check_same_device(
+    const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
   const auto& schema = op.schema();
-  const char* fake_arg = nullptr;
+  std::optional<c10::Device> fake;
   const char* cpu_arg = nullptr;
   auto visit = [&](const at::Tensor& t, const std::string& name, bool cpu_ok) {
     if (!t.defined()) return;
     if (is_fake(t)) {
-      if (!fake_arg) fake_arg = name.c_str();
+      if (!fake) fake = t.device();
+      TORCH_CHECK(
+          t.device() == *fake,
+          "Expected all tensors to be on the same device, but found at least two devices, ",
+          *fake, " and ", t.device(), "! (when checking argument for argument ", name,
+          " in method ", schema.operator_name(), ")");
     } else if (t.is_cpu() && t.dim() > 0 && !cpu_ok) {
       if (!cpu_arg) cpu_arg = name.c_str();
     }
   };
+  std::optional<c10::Device> device_arg;
   for (size_t i = 0; i < args.size(); ++i) {
     const auto& iv = args[i];
     const auto& name = schema.arguments()[i].name();
@@ -507,22 +950,24 @@ bool check_same_device(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue>
       for (const std::optional<at::Tensor>& t : iv.toOptionalTensorList()) {
         if (t.has_value()) visit(*t, name, true);
       }
+    } else if (iv.isDevice() && iv.toDevice().type() == kFake && !device_arg) {
+      device_arg = fake_device(resolve(iv.toDevice().index()));
     }
   }
   TORCH_CHECK(
-      !(fake_arg && cpu_arg),
-      "Expected all tensors to be on the same device, but found at least two devices, "
-      "fakegpu:0 and cpu! (when checking argument for argument ",
-      cpu_arg, " in method ", schema.operator_name(), ")");
-  return fake_arg != nullptr;
+      !(fake && cpu_arg),
+      "Expected all tensors to be on the same device, but found at least two devices, ", *fake,
+      " and cpu! (when checking argument for argument ", cpu_arg, " in method ",
+      schema.operator_name(), ")");
+  return fake ? fake : device_arg;
 }
 
 // While a random op runs on the CPU, the CPU default generator holds the fakegpu state.
 struct RngSwap {
   at::Generator cpu = at::detail::getDefaultCPUGenerator();
-  at::Generator fake = default_generator();
+  at::Generator fake;
   at::Tensor saved;
-  RngSwap() {
+  explicit RngSwap(c10::DeviceIndex d) : fake(default_generator(d)) {
     saved = cpu.get_state();
     cpu.set_state(fake.get_state());
   }
@@ -571,8 +1016,13 @@ void fake_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t first = stack->size() - nargs;
-  const bool has_fake =
+  const std::optional<c10::Device> device =
       check_same_device(op, c10::ArrayRef<c10::IValue>(stack->data() + first, nargs));
+  const bool has_fake = device.has_value();
+  // on the op's device: fresh results are allocated there; on a non-default stream, what
+  // is queued on it runs first (stream order)
+  c10::OptionalDeviceGuard guard(device);
+  if (has_fake) before_work_on(device->index());
 
   AliasMap m;
   std::vector<OutCopy> outs;
@@ -613,12 +1063,12 @@ void fake_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // random ops without a generator argument (native_dropout) use the default one too
     if (op.hasTag(at::Tag::nondeterministic_seeded)) default_rng = true;
     std::optional<RngSwap> swap;
-    if (default_rng) swap.emplace();
+    if (default_rng) swap.emplace(has_fake ? device->index() : t_device);
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
   for (auto& o : outs) {
     if (o.fake.sizes() != o.cpu.sizes()) o.fake.resize_(o.cpu.sizes());
-    fake_copy_from(o.cpu, o.fake, false);
+    copy_now(o.cpu, o.fake);
   }
   const size_t nret = schema.returns().size();
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) {
@@ -704,6 +1154,7 @@ const std::vector<std::string> kKernels = {
     "set_.source_Tensor",
     "set_",
     "_has_compatible_shallow_copy_type",
+    "record_stream",
 };
 
 // ---------------------------------------------------------------------------------------
@@ -800,29 +1251,94 @@ REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &fake_sdp_choice)
 }  // namespace at::native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using Index = c10::DeviceIndex;
   m.doc() = "fakegpu: a PrivateUse1 device in host memory, for CPU-only tests";
-  m.def("memory_allocated", [] { return g_alloc.live.load(); });
-  m.def("max_memory_allocated", [] { return g_alloc.peak.load(); });
-  m.def("reset_peak_memory_stats", [] { g_alloc.peak.store(g_alloc.live.load()); });
+  // devices (an index of -1 is the current device)
+  m.def("device_count", [] { return device_count(); });
+  m.def("current_device", [] { return t_device; });
+  m.def("set_device", [](Index d) { t_device = check_index(d); });
+  m.def("exchange_device", [](Index d) {
+    const Index old = t_device;
+    t_device = resolve(d);
+    return old;
+  });
+  // streams
+  m.def("synchronize", [](Index d) {
+    py::gil_scoped_release no_gil;
+    synchronize_device(resolve(d));
+  });
+  m.def("current_stream", [](Index d) {
+    const Index i = resolve(d);
+    return c10::Stream(c10::Stream::UNSAFE, fake_device(i), t_stream[i]);
+  });
+  m.def("default_stream", [](Index d) {
+    return c10::Stream(c10::Stream::DEFAULT, fake_device(resolve(d)));
+  });
+  m.def("pending_copies", [](Index d) {
+    const Index i = resolve(d);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    size_t n = 0;
+    for (const auto& [key, q] : g_queues) n += key.first == i ? q.pending.size() : 0;
+    return n;
+  });
+  m.def("stream_hazards", [] {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    return g_hazards;
+  });
+  // device memory
+  m.def("memory_allocated", [](Index d) {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    return g_alloc.live[resolve(d)];
+  });
+  m.def("max_memory_allocated", [](Index d) {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    return g_alloc.peak[resolve(d)];
+  });
+  m.def("reset_peak_memory_stats", [](Index d) { g_alloc.resetPeakStats(d); });
+  m.def("mem_get_info", [](Index d) { return g_alloc.getMemoryInfo(d); });
+  m.def("set_capacity", [](int64_t nbytes, Index d) {
+    TORCH_CHECK(nbytes >= 0, "fakegpu: a capacity is a number of bytes >= 0, got ", nbytes);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    for (Index i = 0; i < device_count(); ++i) {
+      if (d < 0 || i == check_index(d)) g_alloc.capacity[i] = nbytes;
+    }
+  });
+  // pinned host memory
+  m.def("host_register", [](uintptr_t p, size_t n) { g_pinned.host_register(p, n); });
+  m.def("host_unregister", [](uintptr_t p) { g_pinned.host_unregister(p); });
+  m.def("pinned_bytes", [] {
+    std::lock_guard<std::mutex> g(g_pinned.mu);
+    return g_pinned.registered_bytes;
+  });
+  m.def("pinned_allocator_bytes", [] {
+    std::lock_guard<std::mutex> g(g_pinned.mu);
+    return g_pinned.requested_bytes;
+  });
+  m.def("pinned_allocator_held_bytes", [] {
+    std::lock_guard<std::mutex> g(g_pinned.mu);
+    return g_pinned.held_bytes;
+  });
+  // kernels
   m.def("registered_kernels", [] { return kKernels; });
   m.def("routed_to_cpu_kernels", [] { return route_cpu_kernels(); });
-  m.def("get_rng_state", [] { return default_generator().get_state(); });
-  m.def("set_rng_state", [](const at::Tensor& s) {
-    at::Generator g = default_generator();
+  // random numbers
+  m.def("get_rng_state", [](Index d) { return default_generator(d).get_state(); });
+  m.def("set_rng_state", [](const at::Tensor& s, Index d) {
+    at::Generator g = default_generator(d);
     std::lock_guard<std::mutex> lock(g.mutex());
     g.set_state(s);
   });
-  m.def("manual_seed", [](uint64_t seed) {
-    at::Generator g = default_generator();
+  m.def("manual_seed", [](uint64_t seed, Index d) {
+    at::Generator g = default_generator(d);
     std::lock_guard<std::mutex> lock(g.mutex());
     g.set_current_seed(seed);
   });
-  m.def("seed", [] {
-    at::Generator g = default_generator();
+  m.def("seed", [](Index d) {
+    at::Generator g = default_generator(d);
     std::lock_guard<std::mutex> lock(g.mutex());
     return g.seed();
   });
-  m.def("initial_seed", [] { return default_generator().current_seed(); });
+  m.def("initial_seed", [](Index d) { return default_generator(d).current_seed(); });
   py::class_<FakeNcclBackend, c10d::Backend, c10::intrusive_ptr<FakeNcclBackend>>(
       m, "FakeNcclBackend")
       .def(py::init<int, int, py::object>(), py::arg("rank"), py::arg("size"), py::arg("impl"));

@@ -25,6 +25,7 @@ def fake():
 def make(name: str, device: str, memory: dict | None = None, dtype: str = "fp32"):
     ref = reference_model(MODELS[name])
     cfg = engine_config(dtype=dtype, chunk_size=CHUNK, device=device, memory=memory or {})
+    cfg["memory"].setdefault("prefetch_moments", 2)
     engine = pstar_core.initialize(MODELS[name], cfg)
     engine.load_state_dict(ref.state_dict())
     return engine
@@ -168,6 +169,8 @@ def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
         torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0
     )
     assert ranks[0]["overlapped"] > 0  # on a device, reductions overlap by default
+    # 'fakegpu' without an index: each rank its own device, from LOCAL_RANK
+    assert [r["device"] for r in ranks] == [f"{DEV}:0", f"{DEV}:1"]
     exported = launch("export", 2, "export", PSTAR_TEST_DEVICE=DEV)
     from transformers import AutoModelForCausalLM
 
@@ -176,3 +179,86 @@ def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
         logits = model(input_ids=batches(1, seed=9)[0]).logits
     expected = torch.tensor(exported[0]["logits"])
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pinned_pool_is_memory_the_engine_registers_and_gives_back(fake):
+    """The host tier's chunks live in one pool the engine page-locks itself (the device's
+    host_register, cudaHostRegister on CUDA), exactly its own chunks' size, never through
+    the caching pinned allocator (which rounds up to powers of two and keeps all)."""
+    registered, through_allocator = fake.pinned_bytes(), fake.pinned_allocator_held_bytes()
+    engine = make("gpt", DEV)
+    pool = engine.stats()["host_pool"]
+    own = sum(c.nbytes for c in engine.manager.own_chunks())
+    assert fake.pinned_bytes() - registered == pool["bytes"]
+    assert (
+        own
+        <= pool["bytes"]
+        <= own
+        + 4 * sum(c.capacity for c in engine.manager.own_chunks([pstar_core.chunk.ChunkType.PARAM]))
+    )
+    run_engine(engine, batches(2))
+    assert engine.stats()["host_pool"]["fallbacks"] == 0
+    assert fake.pinned_allocator_held_bytes() == through_allocator
+    engine.close()
+    assert fake.pinned_bytes() == registered  # unregistered at close
+
+
+def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fake):
+    """Under a budget that evicts, chunks the next operators use are copied host->device
+    on a side stream while the current one computes. The fake device holds such a copy
+    until it is waited for (a read before that sees the old bytes), so results equal to
+    the CPU-as-device run show every use waited; and no buffer a copy still read was
+    freed without `record_stream`."""
+    probe = make("gpt", DEV)
+    run_engine(probe, batches(1))
+    st = probe.stats()
+    probe.close()
+    budget = int(st["tracer"]["peak_non_model_bytes"] + 0.5 * st["chunks"]["param"]["bytes"])
+    data = batches(4)
+    on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data)
+    hazards = fake.stream_hazards()
+    engine = make("gpt", DEV, {"device_budget": budget})
+    on_dev = run_engine(engine, data)
+    torch.testing.assert_close(torch.tensor(on_dev), torch.tensor(on_cpu), rtol=1e-5, atol=0)
+    assert engine.stats()["prefetched"].get("host->device", 0) > 0
+    assert fake.stream_hazards() == hazards
+    assert fake.pending_copies() == 0
+    engine.close()
+
+
+def test_the_device_budget_is_the_memory_free_on_the_device(fake):
+    """Without memory.device_budget the device tier plans with device_safety x (what
+    mem_get_info reports free + what the allocator holds), read once the device is up."""
+    fake.set_capacity(64 * 2**20)
+    try:
+        free, _ = fake.mem_get_info(0)
+        engine = make("gpt", DEV)
+        budget = engine.stats()["tiers"]["device"]["budget"]
+        engine.close()
+    finally:
+        fake.set_capacity(16 * 2**30)
+    assert budget == pytest.approx(0.9 * free, rel=0.02)
+
+
+def test_a_rank_takes_the_device_of_its_local_rank_among_the_visible_ones(fake, monkeypatch):
+    from pstar_core.devices import local_device_index
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_device_index(fake) == 1
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is 5 but only 2 devices are visible"):
+        local_device_index(fake)
+    monkeypatch.setattr(fake, "device_count", lambda: 1)  # a narrowed CUDA_VISIBLE_DEVICES
+    assert local_device_index(fake) == 0
+
+
+def test_a_checkpoint_keeps_and_restores_the_devices_rng(tmp_path, fake):
+    engine = make("gpt", DEV)
+    run_engine(engine, batches(1))
+    torch.fakegpu.manual_seed(1234)
+    engine.save_checkpoint(tmp_path / "ck")
+    expected = torch.rand(8, device=f"{DEV}:0").cpu()
+    torch.fakegpu.manual_seed(99)
+    engine.load_checkpoint(tmp_path / "ck")
+    assert torch.equal(torch.rand(8, device=f"{DEV}:0").cpu(), expected)
+    engine.close()

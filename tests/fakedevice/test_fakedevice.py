@@ -31,7 +31,8 @@ def test_device_identity_and_module(fake):
     assert x.is_fakegpu
     assert not x.is_cpu
     assert torch.fakegpu is fake is fakedevice.load()  # idempotent
-    assert (fake.is_available(), fake.device_count(), fake.current_device()) == (True, 1, 0)
+    devices = int(os.environ.get("PSTAR_FAKEGPU_DEVICES", "2"))
+    assert (fake.is_available(), fake.device_count(), fake.current_device()) == (True, devices, 0)
     assert torch.ones(2).fakegpu().device.type == DEV  # generated methods
     assert nn.Linear(2, 2).fakegpu().weight.device.type == DEV
     assert {"empty.memory_format", "_copy_from", "as_strided"} <= set(fake.registered_kernels())
@@ -291,3 +292,308 @@ def test_autocast_follows_the_cuda_policy():
     assert y.dtype == torch.bfloat16
     assert torch.equal(y.cpu(), ref)
     assert probs.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------
+# Streams and events: a copy on a side stream happens when something waits for it
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def side(fake):
+    """A new stream on fakegpu:0; whatever a test leaves queued runs afterwards."""
+    yield torch.Stream(device="fakegpu:0")
+    for i in range(fake.device_count()):
+        fake.synchronize(i)
+
+
+def _queued_h2d(side: torch.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+    """dst (fakegpu, zeros) and src (pinned host) with dst.copy_(src) queued on `side`."""
+    src = torch.arange(1.0, 9.0).pin_memory()
+    dst = torch.zeros(8, device=DEV)
+    with side:
+        dst.copy_(src, non_blocking=True)
+    return dst, src
+
+
+def test_default_stream_copies_run_when_issued(fake):
+    assert torch.accelerator.current_stream(0).stream_id == 0
+    dst = torch.zeros(4, device=DEV)
+    dst.copy_(torch.arange(4.0).pin_memory(), non_blocking=True)
+    assert fake.pending_copies() == 0
+    assert dst.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def _event_synchronize(side: torch.Stream, ev: torch.Event) -> None:
+    ev.synchronize()
+
+
+def _wait_event(side: torch.Stream, ev: torch.Event) -> None:
+    torch.accelerator.current_stream(0).wait_event(ev)
+
+
+def _wait_stream(side: torch.Stream, ev: torch.Event) -> None:
+    torch.accelerator.current_stream(0).wait_stream(side)
+
+
+def _stream_synchronize(side: torch.Stream, ev: torch.Event) -> None:
+    side.synchronize()
+
+
+def _device_synchronize(side: torch.Stream, ev: torch.Event) -> None:
+    torch.fakegpu.synchronize(0)
+
+
+@pytest.mark.parametrize(
+    "wait",
+    [_event_synchronize, _wait_event, _wait_stream, _stream_synchronize, _device_synchronize],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_a_side_stream_copy_is_invisible_until_waited_on(fake, side, wait):
+    dst, src = _queued_h2d(side)
+    ev = side.record_event()
+    assert fake.pending_copies() == 1
+    assert dst.cpu().tolist() == [0.0] * 8  # read without waiting: the old bytes
+    wait(side, ev)
+    assert fake.pending_copies() == 0
+    assert torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.parametrize("direction", ["host->device", "device->host", "device->device"])
+def test_side_stream_copies_are_queued_in_every_direction(fake, side, direction):
+    values = torch.arange(1.0, 7.0)
+    src = values.to(DEV) if direction.startswith("device") else values.pin_memory()
+    dst = torch.zeros(6, device=DEV) if direction.endswith("device") else torch.zeros(6)
+    torch.accelerator.set_stream(side)  # as `with side:`
+    try:
+        assert torch.accelerator.current_stream(0) == side
+        dst.copy_(src, non_blocking=True)
+    finally:
+        torch.accelerator.set_stream(fake.default_stream(0))
+    assert dst.cpu().tolist() == [0.0] * 6
+    side.synchronize()
+    assert torch.equal(dst.cpu(), values)
+
+
+def test_event_and_stream_queries_are_false_while_a_copy_is_queued(side):
+    before = torch.Event(device="fakegpu:0")
+    before.record(side)  # nothing queued yet
+    _queued_h2d(side)
+    after = torch.Event(device="fakegpu:0")
+    after.record(side)
+    assert before.query()
+    assert not after.query()
+    assert not side.query()
+    after.synchronize()
+    assert after.query()
+    assert side.query()
+
+
+def test_ops_issued_on_the_side_stream_run_after_its_queued_copies(side):
+    dst, src = _queued_h2d(side)
+    with side:
+        dst.mul_(2)  # stream order: after the copy, not overwritten by it
+        back = dst.cpu()  # a blocking copy on the stream sees what the stream did
+    assert torch.equal(back, src * 2)
+    assert torch.equal(dst.cpu(), src * 2)
+
+
+def test_a_queued_copy_reads_pinned_memory_when_it_runs_and_pageable_when_issued(side):
+    pinned, pageable = torch.ones(4).pin_memory(), torch.ones(4)
+    to_pinned, to_pageable = torch.zeros(4, device=DEV), torch.zeros(4, device=DEV)
+    with side:
+        to_pinned.copy_(pinned, non_blocking=True)
+        to_pageable.copy_(pageable, non_blocking=True)
+    pinned.fill_(7)  # a race on a GPU: the DMA may not have read it yet
+    pageable.fill_(7)  # fine on a GPU: CUDA staged pageable memory at the call
+    side.synchronize()
+    assert to_pinned.cpu().tolist() == [7.0] * 4
+    assert to_pageable.cpu().tolist() == [1.0] * 4
+
+
+def test_dropping_a_tensor_a_queued_copy_reads_counts_a_hazard(fake, side):
+    src = torch.arange(256.0, device=DEV)  # allocated on the default stream
+    host = torch.zeros(256).pin_memory()
+    hazards, allocated = fake.stream_hazards(), fake.memory_allocated(0)
+    with side:
+        host.copy_(src, non_blocking=True)
+    del src
+    assert fake.stream_hazards() == hazards + 1
+    assert fake.memory_allocated(0) == allocated  # kept until the copy ran
+    side.synchronize()
+    assert fake.memory_allocated(0) == allocated - 1024
+    assert torch.equal(host, torch.arange(256.0))
+
+
+def test_releasing_the_storage_of_a_queued_copy_destination_counts_a_hazard(fake, side):
+    dst, _src = _queued_h2d(side)
+    hazards = fake.stream_hazards()
+    dst.untyped_storage().resize_(0)  # how the engine releases a chunk's memory
+    assert fake.stream_hazards() == hazards + 1
+
+
+def test_record_stream_makes_dropping_a_tensor_a_queued_copy_uses_legal(fake, side):
+    src = torch.arange(256.0, device=DEV)
+    host = torch.zeros(256).pin_memory()
+    hazards, allocated = fake.stream_hazards(), fake.memory_allocated(0)
+    with side:
+        host.copy_(src, non_blocking=True)
+    src.record_stream(side)
+    del src
+    assert fake.stream_hazards() == hazards
+    assert fake.memory_allocated(0) == allocated
+    side.synchronize()
+    assert fake.memory_allocated(0) == allocated - 1024
+    assert torch.equal(host, torch.arange(256.0))
+
+
+def test_dropping_a_tensor_allocated_on_the_copy_stream_is_legal(fake, side):
+    hazards = fake.stream_hazards()
+    with side:
+        dev = torch.ones(64).pin_memory().to(DEV, non_blocking=True)
+    assert fake.pending_copies() == 1
+    del dev
+    assert fake.stream_hazards() == hazards
+
+
+# ---------------------------------------------------------------------------------------
+# Pinned host memory
+# ---------------------------------------------------------------------------------------
+
+
+def test_host_register_pins_a_range_and_counts_its_bytes(fake):
+    buf, other = torch.zeros(4096, dtype=torch.uint8), torch.zeros(16)
+    before = fake.pinned_bytes()
+    assert not buf.is_pinned()
+    fake.host_register(buf.data_ptr(), buf.nbytes)
+    try:
+        assert fake.pinned_bytes() == before + 4096
+        assert buf.is_pinned()
+        assert buf[1000:].is_pinned()  # a view inside the range
+        assert not other.is_pinned()
+    finally:
+        fake.host_unregister(buf.data_ptr())
+    assert fake.pinned_bytes() == before
+    assert not buf.is_pinned()
+
+
+def test_host_register_refuses_overlaps_and_unknown_pointers(fake):
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    fake.host_register(buf.data_ptr(), 2048)
+    try:
+        with pytest.raises(RuntimeError, match="cudaErrorHostMemoryAlreadyRegistered"):
+            fake.host_register(buf.data_ptr() + 1024, 2048)
+        with pytest.raises(RuntimeError, match="cudaErrorHostMemoryAlreadyRegistered"):
+            fake.host_register(torch.empty(8).pin_memory().data_ptr(), 32)
+        with pytest.raises(RuntimeError, match="cudaErrorHostMemoryNotRegistered"):
+            fake.host_unregister(buf.data_ptr() + 1024)
+    finally:
+        fake.host_unregister(buf.data_ptr())
+    with pytest.raises(RuntimeError, match="cudaErrorHostMemoryNotRegistered"):
+        fake.host_unregister(buf.data_ptr())
+
+
+def test_pinned_allocator_rounds_up_to_a_power_of_two_and_never_gives_back(fake):
+    mib = 1 << 20
+    requested, held = fake.pinned_allocator_bytes(), fake.pinned_allocator_held_bytes()
+    # 100 MiB: a size class (128 MiB) nothing else pins; never touched, so never resident
+    t = torch.empty(100 * mib, dtype=torch.uint8, pin_memory=True)
+    assert t.is_pinned()
+    assert fake.pinned_allocator_bytes() == requested + 100 * mib
+    assert fake.pinned_allocator_held_bytes() == held + 128 * mib
+    del t
+    assert fake.pinned_allocator_bytes() == requested
+    assert fake.pinned_allocator_held_bytes() == held + 128 * mib  # cached, not freed
+    again = torch.empty(120 * mib, dtype=torch.uint8, pin_memory=True)  # the cached block
+    assert fake.pinned_allocator_held_bytes() == held + 128 * mib
+    assert fake.pinned_allocator_bytes() == requested + 120 * mib
+    del again
+
+
+# ---------------------------------------------------------------------------------------
+# Memory capacity
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def capacity(fake):
+    """Lets a test set capacities; puts the previous ones back."""
+    totals = [fake.mem_get_info(i)[1] for i in range(fake.device_count())]
+    yield fake.set_capacity
+    for i, total in enumerate(totals):
+        fake.set_capacity(total, i)
+
+
+def test_mem_get_info_is_capacity_minus_allocated(fake, capacity):
+    capacity(64 << 20)
+    free, total = fake.mem_get_info(0)
+    assert total == 64 << 20
+    assert free == total - fake.memory_allocated(0)
+    t = torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
+    assert fake.mem_get_info("fakegpu:0") == (free - (1 << 20), total)
+    assert torch.accelerator.get_memory_info(0) == (free - (1 << 20), total)
+    del t
+
+
+def test_allocating_past_the_capacity_raises_out_of_memory(fake, capacity):
+    mib = 1 << 20
+    capacity(fake.memory_allocated(0) + mib, 0)
+    with pytest.raises(
+        torch.OutOfMemoryError, match=r"fakegpu out of memory: tried to allocate 2\.00 MiB"
+    ):
+        torch.empty(2 * mib, dtype=torch.uint8, device=DEV)
+    assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+    fits = torch.empty(mib, dtype=torch.uint8, device=DEV)
+    assert fake.mem_get_info(0)[0] == 0
+    del fits
+
+
+# ---------------------------------------------------------------------------------------
+# Two devices
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two(fake):
+    if fake.device_count() < 2:
+        pytest.skip("PSTAR_FAKEGPU_DEVICES=1")
+    return fake
+
+
+def test_each_device_counts_its_own_memory_and_computes_in_place(two):
+    zero, one = two.memory_allocated(0), two.memory_allocated(1)
+    x = torch.ones(100, device="fakegpu:1")
+    assert (two.memory_allocated(0), two.memory_allocated(1)) == (zero, one + 400)
+    y = (x * 2).sum()  # the CPU kernels' results come back on the inputs' device
+    assert y.device == torch.device("fakegpu:1")
+    assert y.item() == 200.0
+    del y
+    moved = x.to("fakegpu:0")
+    assert moved.device == torch.device("fakegpu:0")
+    assert (two.memory_allocated(0), two.memory_allocated(1)) == (zero + 400, one + 400)
+    assert torch.accelerator.memory_allocated(1) == one + 400
+
+
+def test_mixing_two_devices_raises_the_cuda_error(two):
+    x0, x1 = torch.ones(4, device="fakegpu:0"), torch.ones(4, device="fakegpu:1")
+    same = "Expected all tensors to be on the same device, but found at least two devices"
+    with pytest.raises(RuntimeError, match=f"{same}, fakegpu:0 and fakegpu:1!"):
+        x0 + x1
+    with pytest.raises(RuntimeError, match=f"{same}, fakegpu:1 and fakegpu:0!"):
+        x1.add_(x0)
+
+
+def test_the_current_device_places_tensors_without_an_index(two):
+    assert two.current_device() == 0
+    with two.device(1):
+        assert two.current_device() == 1
+        assert torch.accelerator.current_device_index() == 1
+        assert torch.empty(2, device=DEV).device == torch.device("fakegpu:1")
+    assert torch.empty(2, device=DEV).device == torch.device("fakegpu:0")
+    two.set_device(1)
+    try:
+        assert torch.arange(3, device=DEV).device == torch.device("fakegpu:1")
+    finally:
+        two.set_device(0)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        two.set_device(two.device_count())
