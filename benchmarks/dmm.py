@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
-from benchmarks.report import finish, load_avg, median
+from benchmarks.report import bench_dtype, finish, load_avg, machine, median
 from pstar_core.mapping import pack
 from pstar_core.models import GPT, build, get_config, num_params
 from pstar_core.tiers import MemoryBudgetError
@@ -247,6 +246,7 @@ def run_eviction(
     vocab: int | None = 1024,
     fractions: tuple[float, ...] = BUDGET_FRACTIONS,
     policies: tuple[str, ...] = POLICIES,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Host<->device bytes per steady iteration for each eviction policy and device budget.
 
@@ -259,8 +259,10 @@ def run_eviction(
     Adam always there. `vocab` overrides the model's
     vocabulary (None keeps it): a chunk must hold the largest tensor, and gpt-small's
     8192 x 256 embedding would otherwise allow at most 4 param chunks at 8 layers, leaving
-    eviction no choices. `chunk_size` None picks one giving ~12-20 param chunks.
+    eviction no choices. `chunk_size` None picks one giving ~12-20 param chunks. `dtype`
+    is the engine's (auto: what it picks on this CPU).
     """
+    dtype = bench_dtype(dtype)
     if iters < 3:
         raise ValueError("iters must be >= 3: iteration 1 traces, 2 places, 3+ are steady")
     cfg, model_fn, chunk_size, batches = _workload(
@@ -269,7 +271,7 @@ def run_eviction(
 
     def engine_cfg(memory: dict[str, Any]) -> dict[str, Any]:
         return {
-            "dtype": "bf16",
+            "dtype": dtype,
             "chunk_size": chunk_size,
             "optimizer": {"lr": 1e-4},
             "memory": {"disk_budget": 0, **memory},
@@ -371,12 +373,11 @@ def run_eviction(
         "lower_bound_trace": lower_bound_trace,
         "runs": runs,
         "seconds": time.perf_counter() - t_start,
+        **machine(dtype),
         "load_avg": {"before": load_before, "after": load_after},
     }
     _print_eviction(console, result)
-    if json_out:
-        print(json.dumps(result))
-    return result
+    return finish(console, result, load_before, load_after, json_out)
 
 
 def _ratio_of_sums(runs: dict[str, Any], a: str, b: str, key: str) -> float | None:
@@ -402,8 +403,9 @@ def _print_eviction(console: Console, r: dict[str, Any]) -> None:
     table = Table(
         title=(
             f"eviction traffic per steady iteration: {r['model']} ({r['layers']} layers, "
-            f"vocab {r['vocab']}, {r['params'] / 1e6:.1f}M params), bf16, batch {r['batch']} x "
-            f"seq {r['seq']}, {r['param_chunks']} param chunks of {_mib(r['chunk_bytes'])} MiB"
+            f"vocab {r['vocab']}, {r['params'] / 1e6:.1f}M params), {r['compute_dtype']} on CPU "
+            f"{r['cpu_capability']}, batch {r['batch']} x seq {r['seq']}, {r['param_chunks']} "
+            f"param chunks of {_mib(r['chunk_bytes'])} MiB"
         )
     )
     cols = (
@@ -453,7 +455,6 @@ def _print_eviction(console: Console, r: dict[str, Any]) -> None:
         "host must be fetched again before its next use (see _trace_bound); both assume the "
         "budget is respected.\nover budget: max over moments of chunk bytes on the device + "
         "traced non-model bytes - budget (0 = within budget).\n"
-        f"load avg before {r['load_avg']['before']}, after {r['load_avg']['after']}; "
         f"{r['seconds']:.0f} s in all"
     )
 
@@ -472,6 +473,7 @@ def run_disk_prefetch(
     depth: int = 2,
     json_out: bool = False,
     vocab: int | None = 1024,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Step time with model data spilled to disk, prefetch off vs on ([Note: prefetch]).
 
@@ -480,8 +482,10 @@ def run_disk_prefetch(
     (`trials` pairs, in one process); each run's steady iterations (3+) give its s/iter,
     and the ratio on/off is taken per pair, the median reported. The spill file is read
     through the page cache, so a read is mostly a memory copy here: on a real disk the
-    reads cost more and prefetch has more to hide.
+    reads cost more and prefetch has more to hide. `dtype` is the engine's (auto: what it
+    picks on this CPU).
     """
+    dtype = bench_dtype(dtype)
     if iters < 3:
         raise ValueError("iters must be >= 3: iteration 1 traces, 2 places, 3+ are steady")
     cfg, model_fn, chunk_size, batches = _workload(
@@ -490,7 +494,7 @@ def run_disk_prefetch(
     console = _console()
     load_before = load_avg()
     t_start = time.perf_counter()
-    base_cfg = {"dtype": "bf16", "chunk_size": chunk_size, "optimizer": {"lr": 1e-4}}
+    base_cfg = {"dtype": dtype, "chunk_size": chunk_size, "optimizer": {"lr": 1e-4}}
     base = _run_engine(model_fn, {**base_cfg, "memory": {"disk_budget": 0}}, batches)
     N = base.stats["tracer"]["peak_non_model_bytes"]
     M = base.stats["chunk_bytes"]
@@ -533,12 +537,14 @@ def run_disk_prefetch(
         "ratios": ratios,
         "trials": trials,
         "seconds": time.perf_counter() - t_start,
+        **machine(dtype),
         "load_avg": {"before": load_before, "after": load_after},
     }
     table = Table(
         title=(
             f"disk spill, prefetch off vs on: {model} ({layers} layers, "
-            f"{num_params(cfg) / 1e6:.1f}M params), bf16, batch {batch} x seq {seq}; device "
+            f"{num_params(cfg) / 1e6:.1f}M params), {dtype} on CPU {result['cpu_capability']}, "
+            f"batch {batch} x seq {seq}; device "
             f"{_mib(memory['device_budget'])} MiB, host {_mib(memory['host_budget'])} MiB, "
             f"model data {_mib(M)} MiB"
         )

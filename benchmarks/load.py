@@ -1,14 +1,15 @@
 """`pstar bench load DIR`: peak host memory and time of loading a pretrained HF directory.
 
 Each loader runs in a fresh subprocess so peaks do not mix: ours (stream safetensors into
-chunks) and transformers' `from_pretrained`. Reported per loader: time, the process's
-peak RSS above its RSS right before loading, and for ours the part of that peak beyond
-the chunks themselves (what streaming costs on top of the model data it must hold).
+chunks) and transformers' `from_pretrained`, both in one dtype (`--dtype`, default auto:
+what the engine picks on this CPU). Reported per loader: time, the process's peak RSS
+above its RSS right before loading, the dtype it holds the weights in, and for ours the
+part of that peak beyond the chunks themselves (what streaming costs on top of the model
+data it must hold).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import last_json
+from benchmarks.report import bench_dtype, finish, last_json, load_avg, machine
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -32,17 +33,20 @@ proc = psutil.Process()
 before = proc.memory_info().rss
 peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t0 = time.perf_counter()
+names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 if which == "engine":
     engine = pstar_core.initialize(path, {"dtype": dtype})
     held = engine.stats()["chunk_bytes"]
+    held_dtype = engine.stats()["precision"]["dtype"]
 else:
     tdt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=tdt)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held_dtype = "/".join(sorted({names.get(p.dtype, str(p.dtype)) for p in model.parameters()}))
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"seconds": seconds, "rss_before": before, "peak_before": peak_before,
-                  "peak": peak, "held_bytes": held}))
+                  "peak": peak, "held_bytes": held, "dtype": held_dtype}))
 """
 
 
@@ -57,16 +61,29 @@ def _child(path: Path, which: str, dtype: str) -> dict[str, Any]:
     return got
 
 
-def run(path: Path, dtype: str = "bf16", repeats: int = 2, json_out: bool = False) -> dict:
+def run(path: Path, dtype: str = "auto", repeats: int = 2, json_out: bool = False) -> dict:
+    dtype = bench_dtype(dtype)
+    before = load_avg()
     files = list(path.glob("*.safetensors"))
     file_bytes = sum(f.stat().st_size for f in files)
     rows: dict[str, list[dict[str, Any]]] = {"engine": [], "transformers": []}
     for _ in range(repeats):  # interleaved: engine, transformers, engine, ...
         for which in rows:
             rows[which].append(_child(path, which, dtype))
-    result: dict[str, Any] = {"model_dir": str(path), "dtype": dtype, "file_bytes": file_bytes}
-    table = Table(title=f"loading {path.name} ({file_bytes / 2**20:.0f} MiB of safetensors)")
-    for col in ("loader", "median s", "peak RSS above start (MiB)", "held (MiB)", "beyond held"):
+    after = load_avg()
+    result: dict[str, Any] = {
+        "model_dir": str(path),
+        "dtype": dtype,
+        "file_bytes": file_bytes,
+        **machine(dtype),
+        "load_avg": {"before": before, "after": after},
+    }
+    table = Table(
+        title=f"loading {path.name} ({file_bytes / 2**20:.0f} MiB of safetensors) in {dtype}, "
+        f"CPU {result['cpu_capability']}, median of {repeats}"
+    )
+    cols = ("loader", "median s", "peak RSS above start (MiB)", "held (MiB)", "held in", "beyond")
+    for col in cols:
         table.add_column(col, justify="right" if col != "loader" else "left")
     for which, runs in rows.items():
         runs.sort(key=lambda r: r["seconds"])
@@ -78,21 +95,21 @@ def run(path: Path, dtype: str = "bf16", repeats: int = 2, json_out: bool = Fals
             "peak_rss_growth_bytes": grow,
             "held_bytes": mid["held_bytes"],
             "beyond_held_bytes": beyond,
+            "held_dtype": mid["dtype"],
         }
         table.add_row(
             which,
             f"{mid['seconds']:.2f}",
             f"{grow / 2**20:.0f}",
             f"{mid['held_bytes'] / 2**20:.0f}",
+            mid["dtype"],
             f"{beyond / 2**20:.0f} MiB",
         )
-    result["load_avg"] = os.getloadavg()
     console = Console()
     console.print(table)
     console.print(
         "peak RSS is the process peak (ru_maxrss) minus its RSS just before loading; "
-        f"held = chunks (engine) or parameters (transformers); load avg {result['load_avg']}"
+        "held = chunks (engine) or parameters (transformers); beyond = peak RSS above start "
+        "- held"
     )
-    if json_out:
-        print(json.dumps(result))
-    return result
+    return finish(console, result, before, after, json_out)

@@ -1,21 +1,25 @@
 """LoRA benchmark: the engine's LoRA against full fine-tuning and against peft + plain torch.
 
+Every recipe runs in one dtype (``--dtype``, default auto: what the engine picks on this
+CPU); each reports the dtype its first linear layer was seen computing in.
+
 Part 1, step and model data, on a real pretrained directory (SmolLM2-135M): three recipes
 with the same base weights and the same token batches, interleaved one step each per
 round with the order alternating (A B C, C B A, ...):
 
-- ``engine lora``: ``pstar_core.initialize(dir, {"lora": ...})``: the base in bf16 frozen
-  chunks, adapters in bf16 param chunks with fp32 masters and Adam state;
+- ``engine lora``: ``pstar_core.initialize(dir, {"lora": ...})``: the base in frozen
+  chunks of the dtype, adapters in param chunks of the dtype with fp32 masters and Adam
+  state;
 - ``engine full``: the same engine training every weight;
-- ``peft + torch``: ``from_pretrained(dtype=bf16)`` + ``get_peft_model`` (peft keeps the
+- ``peft + torch``: ``from_pretrained(dtype=...)`` + ``get_peft_model`` (peft keeps the
   adapters in fp32) + ``torch.optim.AdamW`` over the adapters: the usual recipe.
 
 Part 2, scale under a fixed cap: pretrained Llama directories (hidden 512, random bf16
-weights written as safetensors shards) of growing depth, each loaded and trained with LoRA
-for two steps by each recipe in a fresh process that is killed when its resident memory
-passes the cap (`pstar bench scale`'s trials: doubling, then a binary search). Ours
-streams the base into frozen chunks with a disk tier behind host memory; peft + torch
-holds the whole bf16 base in memory. Reported: the largest base per recipe, and the ratio.
+weights written as safetensors shards, loaded in the dtype) of growing depth, each loaded
+and trained with LoRA for two steps by each recipe in a fresh process that is killed when
+its resident memory passes the cap (`pstar bench scale`'s trials: doubling, then a binary
+search). Ours streams the base into frozen chunks with a disk tier behind host memory;
+peft + torch holds the whole base in memory. Reported: the largest base per recipe, and the ratio.
 
     pstar bench lora --json
 """
@@ -34,7 +38,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import finish, load_avg, median
+from benchmarks.report import (
+    bench_dtype,
+    finish,
+    load_avg,
+    machine,
+    median,
+    torch_dtype,
+    watch_compute_dtype,
+)
 
 __all__ = ["run"]
 
@@ -44,10 +56,10 @@ SCALE_OURS, SCALE_PEFT = "ours_lora", "peft_lora"  # trial systems of benchmarks
 _LR = 1e-4
 
 
-def _engine(model_dir: Path, lora: bool) -> tuple[Any, Any]:
+def _engine(model_dir: Path, lora: bool, dtype: str) -> tuple[Any, Any]:
     import pstar_core
 
-    cfg: dict[str, Any] = {"dtype": "bf16", "optimizer": {"lr": _LR}}
+    cfg: dict[str, Any] = {"dtype": dtype, "optimizer": {"lr": _LR}}
     if lora:
         cfg["lora"] = LORA
     engine = pstar_core.initialize(model_dir, cfg)
@@ -61,11 +73,11 @@ def _engine(model_dir: Path, lora: bool) -> tuple[Any, Any]:
     return engine, step
 
 
-def _peft(model_dir: Path) -> tuple[Any, Any]:
+def _peft(model_dir: Path, dtype: str) -> tuple[Any, Any]:
     import peft
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype))
     model = peft.get_peft_model(
         base,
         peft.LoraConfig(
@@ -93,13 +105,25 @@ def _peft_model_bytes(model: Any) -> int:
 
 
 def step_and_memory(
-    model_dir: Path, rounds: int, warmup: int, batch: int, seq: int, console: Console
+    model_dir: Path,
+    rounds: int,
+    warmup: int,
+    batch: int,
+    seq: int,
+    console: Console,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
+    dtype = bench_dtype(dtype)
     torch.manual_seed(0)
-    eng_lora, step_lora = _engine(model_dir, lora=True)
-    eng_full, step_full = _engine(model_dir, lora=False)
-    peft_model, step_peft = _peft(model_dir)
+    eng_lora, step_lora = _engine(model_dir, lora=True, dtype=dtype)
+    eng_full, step_full = _engine(model_dir, lora=False, dtype=dtype)
+    peft_model, step_peft = _peft(model_dir, dtype)
     steps = {ENGINE_LORA: step_lora, ENGINE_FULL: step_full, PEFT: step_peft}
+    seen = {
+        ENGINE_LORA: watch_compute_dtype(eng_lora.module),
+        ENGINE_FULL: watch_compute_dtype(eng_full.module),
+        PEFT: watch_compute_dtype(peft_model),
+    }
     times: dict[str, list[float]] = {k: [] for k in steps}
     losses: dict[str, list[float]] = {k: [] for k in steps}
     vocab = peft_model.config.vocab_size
@@ -133,16 +157,26 @@ def step_and_memory(
         "bytes_per_param_split": st_lora["bytes_per_param"],
         "bytes_per_param_full": st_full["model_data_bytes_per_param"],
         "first_losses": {k: v[0] for k, v in losses.items()},
+        "compute_dtype_seen": {k: f() for k, f in seen.items()},
+        "engine_dtype": st_lora["precision"]["dtype"],
     }
-    table = Table(title=f"LoRA r={LORA['r']} on {model_dir.name}: {batch}x{seq} tokens per step")
-    for col in ("recipe", "s/step (median)", "model data", "bytes/param"):
+    table = Table(
+        title=f"LoRA r={LORA['r']} on {model_dir.name}: {batch}x{seq} tokens per step, {dtype}"
+    )
+    for col in ("recipe", "s/step (median)", "model data", "bytes/param", "computed in"):
         table.add_column(col, justify="right")
     n = out["params"]
     params = {ENGINE_LORA: n, ENGINE_FULL: st_full["params"], PEFT: n}  # full: no adapters
     for k in steps:
         b = out["model_data_bytes"][k]
         per = b / params[k]
-        table.add_row(k, f"{out['s_per_step'][k]:.3f}", f"{b / 2**20:.0f} MiB", f"{per:.2f}")
+        table.add_row(
+            k,
+            f"{out['s_per_step'][k]:.3f}",
+            f"{b / 2**20:.0f} MiB",
+            f"{per:.2f}",
+            out["compute_dtype_seen"][k] or "-",
+        )
     console.print(table)
     split = out["bytes_per_param_split"]
     console.print(
@@ -220,12 +254,14 @@ def scale(
     timeout_s: float = 900.0,
     start_layers: int = 4,
     shape: dict[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """The largest pretrained base each LoRA recipe loads and trains for two steps in a
     fresh process killed at the cap: ours with the disk tier, peft + torch in memory."""
     from benchmarks.scale import GIB, largest, trial_logger
 
     shape = shape or SCALE_SHAPE
+    dtype = bench_dtype(dtype)
     results: dict[str, Any] = {}
     with (
         tempfile.TemporaryDirectory(prefix="pstar-bench-lora-") as disk_dir,
@@ -239,6 +275,7 @@ def scale(
             "batch": 1,
             "steps": 2,
             "threads": max(1, os.cpu_count() or 1),
+            "dtype": dtype,
             "cap_bytes": int(cap_gib * GIB),
             "disk_bytes": int(disk_gib * GIB),
             "disk_dir": disk_dir,
@@ -268,9 +305,10 @@ def scale(
             )
     table = Table(
         title=f"largest pretrained base fine-tuned with LoRA under a {cap_gib:g} GiB cap per "
-        f"process (Llama, hidden 512); ours with a disk tier of {disk_gib:g} GiB"
+        f"process (Llama, hidden {shape['hidden_size']}), {dtype}; ours with a disk tier of "
+        f"{disk_gib:g} GiB"
     )
-    for col in ("recipe", "layers", "params", "peak RSS", "first failure"):
+    for col in ("recipe", "layers", "params", "peak RSS", "init peak", "first failure"):
         table.add_column(col, justify="right")
     for system, r in results.items():
         table.add_row(
@@ -278,6 +316,7 @@ def scale(
             f"{r['layers']}{'+' if r['at_least'] else ''}",
             f"{r['params']:,}",
             f"{(r['peak_rss_bytes'] or 0) / GIB:.2f} GiB",
+            "-" if r["init_peak_bytes"] is None else f"{r['init_peak_bytes'] / GIB:.2f} GiB",
             str(r["failure"] or "-")[:60],
         )
     console.print(table)
@@ -287,6 +326,8 @@ def scale(
         "disk_bytes": spec["disk_bytes"],
         "largest_params": {s: r["params"] for s, r in results.items()},
         "at_least": {s: r["at_least"] for s, r in results.items()},
+        "scale_init_peak_bytes": {s: r["init_peak_bytes"] for s, r in results.items()},
+        "scale_compute_dtype_seen": {s: r["compute_dtype_seen"] for s, r in results.items()},
         "ratio_scale_vs_peft": ours / theirs if theirs else float("nan"),
         "runs": {s: r["trials"] for s, r in results.items()},
     }
@@ -304,13 +345,21 @@ def run(
     json_out: bool = False,
     start_layers: int = 4,
     scale_shape: dict[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
+    dtype = bench_dtype(dtype)
     console = Console()
     before = load_avg()
-    part1 = step_and_memory(model_dir, rounds, warmup, batch, seq, console)
+    part1 = step_and_memory(model_dir, rounds, warmup, batch, seq, console, dtype)
     gc.collect()
     part2 = scale(
-        cap_gib, disk_gib, max_layers, console, start_layers=start_layers, shape=scale_shape
+        cap_gib,
+        disk_gib,
+        max_layers,
+        console,
+        start_layers=start_layers,
+        shape=scale_shape,
+        dtype=dtype,
     )
     result = {
         "benchmark": "lora",
@@ -319,11 +368,10 @@ def run(
         **part1,
         **{k: v for k, v in part2.items() if k != "runs"},
         "scale_runs": part2["runs"],
-        "torch_threads": torch.get_num_threads(),
-        "load_before": before,
-        "load_after": load_avg(),
+        **machine(dtype),
+        "load_avg": {"before": before, "after": load_avg()},
         "bytes_per_param_lora": part1["bytes_per_param_lora"],
         "ratio_step_vs_peft": part1["ratio_step_vs_peft"],
         "ratio_scale_vs_peft": part2["ratio_scale_vs_peft"],
     }
-    return finish(console, result, before, result["load_after"], json_out)
+    return finish(console, result, before, result["load_avg"]["after"], json_out)

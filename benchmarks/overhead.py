@@ -1,20 +1,24 @@
 """Engine overhead benchmark: pstar_core engine step time vs. plain PyTorch, same GPT.
 
-Three training recipes of the same zoo GPT, with the same initial weights and the same
-token batches, are timed step by step (forward + backward + optimizer step each):
+Training recipes of the same zoo GPT, with the same initial weights and the same token
+batches, are timed step by step (forward + backward + optimizer step each), all in one
+dtype (``--dtype``, default auto: what the engine picks on this CPU):
 
-- ``engine``: ``pstar_core.initialize`` (params in bf16 chunks, fp32 masters/moments in
-  chunks, hooks, fused C++ chunk AdamW);
-- ``torch bf16+fp32 master``: the equivalent plain recipe and the fair baseline: bf16
-  params (compute in bf16), fp32 master copies updated by ``torch.optim.AdamW(fused=True)``
-  from ``.float()`` grads, then copied back into the bf16 params;
-- ``torch fp32``: plain fp32 model with ``torch.optim.AdamW(fused=True)``.
+- ``engine``: ``pstar_core.initialize`` (params in chunks of the dtype, fp32
+  masters/moments in chunks, hooks, the host AdamW kernel chosen for this CPU);
+- ``torch <dtype>+fp32 master`` (bf16 or fp16 only): the equivalent plain recipe and the
+  fair baseline there: params in the dtype, fp32 master copies updated by
+  ``torch.optim.AdamW(fused=True)`` from ``.float()`` grads, then copied back;
+- ``torch fp32``: plain fp32 model with ``torch.optim.AdamW(fused=True)``. In fp32 it is
+  the fair baseline (the engine's fp32 is fp32 params + fp32 masters, and a master copy of
+  an fp32 param would be the param itself), and the master recipe is not run.
 
-All three models live at once and the runs are interleaved in one process, one whole step
+All models live at once and the runs are interleaved in one process, one whole step
 each per round, with the order alternating between rounds (A B C, C B A, ...) so slow
 drift of a shared, noisy machine hits every recipe alike. Reported: medians of per-step
 times, the ratio engine ÷ baseline of the medians, the min/max of the paired per-round
-ratios (spread), the load average before/after and torch's thread count.
+ratios (spread), the dtype each recipe was seen computing in, the load average
+before/after, the CPU's capability and torch's thread count.
 
     python -c "from benchmarks.overhead import run; run(json_out=True)"
 """
@@ -22,7 +26,6 @@ ratios (spread), the load average before/after and torch's thread count.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,14 +36,26 @@ from rich.console import Console
 from rich.table import Table
 
 import pstar_core
-from benchmarks.report import finish, median
+from benchmarks.report import (
+    bench_dtype,
+    finish,
+    load_avg,
+    machine,
+    median,
+    torch_dtype,
+    watch_compute_dtype,
+)
 from pstar_core.models import build, get_config, num_params
 
 __all__ = ["run"]
 
-ENGINE, MASTER, FP32 = "engine", "torch bf16+fp32 master", "torch fp32"
+ENGINE, FP32 = "engine", "torch fp32"
 _LR, _WD = 1e-4, 0.0
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def master_recipe(dtype: str) -> str:
+    """The name of the plain recipe with `dtype` params and fp32 masters."""
+    return f"torch {dtype}+fp32 master"
 
 
 @dataclass
@@ -51,6 +66,7 @@ class _Runner:
     fwd: Callable[[torch.Tensor], torch.Tensor]
     bwd: Callable[[torch.Tensor], None]
     opt: Callable[[], None]
+    seen_dtype: Callable[[], str | None]  # what its first linear layer computed in
     steps: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)  # process CPU seconds (all threads)
     phases: list[tuple[float, float, float]] = field(default_factory=list)
@@ -71,26 +87,28 @@ class _Runner:
             self.losses.append(float(loss.detach()))
 
 
-def _engine_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> _Runner:
+def _engine_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> tuple[_Runner, Any]:
     engine = pstar_core.initialize(
         lambda: build(model),
         {"dtype": dtype, "chunk_size": "auto", "optimizer": {"lr": _LR, "weight_decay": _WD}},
     )
     engine.load_state_dict(state)
+    seen = watch_compute_dtype(engine.module)
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
         return engine(input_ids=x, labels=x).loss
 
-    return _Runner(ENGINE, fwd, engine.backward, engine.step)
+    return _Runner(ENGINE, fwd, engine.backward, engine.step, seen), engine
 
 
 def _master_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> _Runner:
-    """bf16 params + fp32 masters + fused AdamW on the masters, copied back (the engine's math)."""
+    """Params in `dtype` + fp32 masters + fused AdamW on the masters, copied back (the
+    engine's math in bf16/fp16)."""
     net = build(model)
     net.load_state_dict(state)
     params = list(net.parameters())  # deduplicated: the tied wte/lm_head weight once
     masters = [p.detach().clone().float() for p in params]
-    net.to(_DTYPES[dtype])  # in place (param.data), so the weight tie survives
+    net.to(torch_dtype(dtype))  # in place (param.data), so the weight tie survives
     opt = torch.optim.AdamW(masters, lr=_LR, weight_decay=_WD, fused=True)
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +127,7 @@ def _master_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> _R
         with torch.no_grad():
             torch._foreach_copy_(params, masters)
 
-    return _Runner(MASTER, fwd, bwd, step)
+    return _Runner(master_recipe(dtype), fwd, bwd, step, watch_compute_dtype(net))
 
 
 def _fp32_runner(model: str, state: dict[str, torch.Tensor]) -> _Runner:
@@ -127,7 +145,7 @@ def _fp32_runner(model: str, state: dict[str, torch.Tensor]) -> _Runner:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _Runner(FP32, fwd, bwd, step)
+    return _Runner(FP32, fwd, bwd, step, watch_compute_dtype(net))
 
 
 def run(
@@ -136,31 +154,32 @@ def run(
     seq: int = 320,
     steps: int = 5,
     warmup: int = 2,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     json_out: bool = False,
 ) -> dict[str, Any]:
     """Time engine vs. plain-PyTorch training steps of ``model``; print a table, return a dict.
 
-    ``ratio`` is engine ÷ the bf16+fp32-master baseline (the equivalent recipe);
-    ``ratio_vs_fp32`` is engine ÷ plain fp32 PyTorch. With ``json_out`` the last line
-    printed is one JSON object with the returned numbers.
+    ``ratio`` is engine ÷ the fair baseline (``baseline``: the dtype+fp32-master recipe in
+    bf16/fp16, plain fp32 torch in fp32); ``ratio_vs_fp32`` is engine ÷ plain fp32
+    PyTorch. With ``json_out`` the last line printed is one JSON object with the numbers.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    dtype = bench_dtype(dtype)
     if steps < 1 or warmup < 0 or batch < 1 or seq < 2:
         raise ValueError("need steps >= 1, warmup >= 0, batch >= 1, seq >= 2")
     cfg = get_config(model)
     if seq > cfg.seq_len:
         raise ValueError(f"seq {seq} exceeds {model}'s seq_len {cfg.seq_len}")
     n_params = num_params(cfg)
+    master = master_recipe(dtype)
 
     torch.manual_seed(0)
-    state = build(model).state_dict()  # one fp32 init shared by all three recipes
-    runners = [
-        _engine_runner(model, dtype, state),
-        _master_runner(model, dtype, state),
-        _fp32_runner(model, state),
-    ]
+    state = build(model).state_dict()  # one fp32 init shared by all recipes
+    engine_runner, engine = _engine_runner(model, dtype, state)
+    runners = [engine_runner]
+    if dtype != "fp32":
+        runners.append(_master_runner(model, dtype, state))
+    runners.append(_fp32_runner(model, state))
+    baseline = runners[1]
     del state
     gc.collect()
 
@@ -176,19 +195,19 @@ def run(
             r.step(x, record=False)
     gc.collect()
 
-    load_before = os.getloadavg()
-    threads = torch.get_num_threads()
+    load_before = load_avg()
     for i in range(steps):
         x = batch_ids()
         order = runners if i % 2 == 0 else runners[::-1]
         for r in order:
             r.step(x, record=True)
-    load_after = os.getloadavg()
+    load_after = load_avg()
 
-    eng, mst, f32 = runners
+    eng = runners[0]
     med = {r.name: median(r.steps) for r in runners}
-    paired = [e / b for e, b in zip(eng.steps, mst.steps, strict=True)]
-    paired32 = [e / b for e, b in zip(eng.steps, f32.steps, strict=True)]
+    spreads = {
+        r.name: [e / b for e, b in zip(eng.steps, r.steps, strict=True)] for r in runners[1:]
+    }
     tokens = batch * seq
     result: dict[str, Any] = {
         "model": model,
@@ -198,16 +217,18 @@ def run(
         "seq": seq,
         "steps": steps,
         "warmup": warmup,
+        "baseline": baseline.name,
         "engine_s": med[ENGINE],
-        "torch_s": med[MASTER],
+        "baseline_s": med[baseline.name],
+        "torch_master_s": med.get(master),  # None in fp32: not run
         "torch_fp32_s": med[FP32],
-        "ratio": med[ENGINE] / med[MASTER],
+        "ratio": med[ENGINE] / med[baseline.name],
         "ratio_vs_fp32": med[ENGINE] / med[FP32],
         # CPU time is less sensitive than wall time to other processes on a shared machine.
         "cpu_s": {r.name: median(r.cpu) for r in runners},
-        "ratio_cpu": median(eng.cpu) / median(mst.cpu),
-        "ratio_spread": [min(paired), max(paired)],
-        "ratio_vs_fp32_spread": [min(paired32), max(paired32)],
+        "ratio_cpu": median(eng.cpu) / median(baseline.cpu),
+        "ratio_spread": [min(spreads[baseline.name]), max(spreads[baseline.name])],
+        "ratio_vs_fp32_spread": [min(spreads[FP32]), max(spreads[FP32])],
         "tokens_per_s": {r.name: tokens / med[r.name] for r in runners},
         "phases_s": {
             r.name: dict(
@@ -221,14 +242,21 @@ def run(
         },
         "step_times_s": {r.name: r.steps for r in runners},
         "final_loss": {r.name: r.losses[-1] for r in runners},
-        "load_avg": {"before": list(load_before), "after": list(load_after)},
-        "threads": threads,
+        # what each recipe's first linear layer computed in, and what the engine resolved
+        "seen_compute_dtype": {r.name: r.seen_dtype() for r in runners},
+        "engine_dtype": engine.stats()["precision"]["dtype"],
+        "not_run": {master: "fp32: the params are the masters"} if dtype == "fp32" else {},
+        **machine(dtype),
+        "load_avg": {"before": load_before, "after": load_after},
     }
+    engine.close()
 
     table = Table(
         title=(
-            f"pstar engine overhead: {model} ({n_params / 1e6:.1f}M params), {dtype}, "
-            f"batch {batch} x seq {seq}, {steps} interleaved steps after {warmup} warm-up"
+            f"pstar engine overhead: {model} ({n_params / 1e6:.1f}M params), {dtype} on CPU "
+            f"{result['cpu_capability']} ({result['torch_threads']} threads), batch {batch} x "
+            f"seq {seq}, {steps} interleaved steps after {warmup} warm-up; baseline "
+            f"{baseline.name}"
         )
     )
     for col in (
@@ -244,12 +272,11 @@ def run(
         "loss",
     ):
         table.add_column(col, justify="left" if col == "recipe" else "right")
-    spreads = {ENGINE: None, MASTER: paired, FP32: paired32}
     for r in runners:
         ph = result["phases_s"][r.name]
-        sp = spreads[r.name]
+        sp = spreads.get(r.name)
         table.add_row(
-            r.name,
+            r.name + (" (baseline)" if r is baseline else ""),
             f"{med[r.name]:.3f}",
             f"{median(r.cpu):.3f}",
             f"{ph['fwd']:.3f}",
@@ -260,9 +287,15 @@ def run(
             "-" if sp is None else f"{min(sp):.3f}..{max(sp):.3f}",
             f"{r.losses[-1]:.4f}",
         )
+    if dtype == "fp32":
+        table.add_row(f"{master}: not run", *["-"] * 9)
+        table.caption = (
+            f"{master} is not run in fp32: the params are the masters (the engine's fp32 is "
+            f"fp32 params + fp32 masters), so its fair baseline is plain {FP32} + fused AdamW"
+        )
     console = Console(width=max(Console().width, 150))
     console.print(table)
-    return finish(console, result, load_before, load_after, json_out, f"torch threads {threads}; ")
+    return finish(console, result, load_before, load_after, json_out)
 
 
 if __name__ == "__main__":

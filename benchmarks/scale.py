@@ -7,8 +7,16 @@ Systems, each trained for `steps` (>= 2) steps with a finite loss at every step:
 - `deepspeed`: DeepSpeed ZeRO-3 with parameters and optimizer states offloaded to the CPU
   (built under `deepspeed.zero.Init`, its CPU Adam), when `import deepspeed` works (the
   optional `[bench]` extra, `bash scripts/setup-bench.sh`);
-- `fsdp2`: PyTorch FSDP2 `fully_shard` with `CPUOffloadPolicy` and bf16 mixed precision,
-  built on the meta device and materialized on the CPU.
+- `fsdp2`: PyTorch FSDP2 `fully_shard` with `CPUOffloadPolicy` and mixed precision in
+  the dtype, built on the meta device and materialized on the CPU.
+
+All systems train in one dtype (`--dtype`, default auto: what the engine picks on this
+CPU): the engine's `dtype`, DeepSpeed's bf16/fp16 section (neither in fp32), FSDP2's
+`MixedPrecisionPolicy(param_dtype=...)` (none in fp32); each trial reports the dtype its
+first linear layer was seen computing in. Each trial also reports `init_peak_bytes`: how
+far its peak resident memory rose while the model was set up (ours: across
+`pstar_core.initialize`; the peers: building and wrapping it), see
+`benchmarks.report.peak_rss_growth`.
 
 The cap is enforced per trial: every trial is a fresh process whose resident memory the
 parent samples every 20 ms and kills at the cap (its peak RSS, from the kernel, is
@@ -26,6 +34,7 @@ as "too big"; a system whose largest tried size succeeded is reported `at_least`
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -36,13 +45,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import finish, last_json
+from benchmarks.report import (
+    bench_dtype,
+    deepspeed_precision,
+    finish,
+    fsdp2_precision,
+    last_json,
+    load_avg,
+    machine,
+    peak_rss_growth,
+    torch_dtype,
+    watch_compute_dtype,
+)
 
 __all__ = ["SYSTEMS", "run_scale"]
 
@@ -85,7 +106,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux
 
 
-def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
+def _train_ours(spec: dict[str, Any], base_rss: int, out: dict[str, Any]) -> list[float]:
     import torch
 
     import pstar_core
@@ -102,13 +123,25 @@ def _train_ours(spec: dict[str, Any], base_rss: int) -> list[float]:
     memory: dict[str, Any] = {"device_budget": device, "host_budget": host, "disk_budget": 0}
     if spec["system"] in ("ours_disk", "ours_lora"):
         memory.update(disk_budget=spec["disk_bytes"], disk_dir=spec["disk_dir"])
-    config: dict[str, Any] = {"dtype": "bf16", "optimizer": {"lr": 1e-4}, "memory": memory}
-    if spec["system"] == "ours_lora":  # a pretrained base directory, see benchmarks.lora
-        config["lora"] = {"r": spec["lora_r"], "alpha": 2 * spec["lora_r"]}
-        engine = pstar_core.initialize(spec["model_dir"], config)
-    else:
-        engine = pstar_core.initialize(lambda: build(cfg), config)
-    return _loop(spec, lambda x: _engine_step(engine, x), torch)
+    config: dict[str, Any] = {"dtype": spec["dtype"], "optimizer": {"lr": 1e-4}, "memory": memory}
+    with _init_peak(out):
+        if spec["system"] == "ours_lora":  # a pretrained base directory, see benchmarks.lora
+            config["lora"] = {"r": spec["lora_r"], "alpha": 2 * spec["lora_r"]}
+            engine = pstar_core.initialize(spec["model_dir"], config)
+        else:
+            engine = pstar_core.initialize(lambda: build(cfg), config)
+    return _loop(spec, lambda x: _engine_step(engine, x), torch, out, engine.module)
+
+
+@contextlib.contextmanager
+def _init_peak(out: dict[str, Any]) -> Iterator[None]:
+    """`out["init_peak_bytes"]`: the rise of the peak RSS while the block sets the model
+    up; the peak before it is kept, so the trial's own peak still covers the whole run."""
+    with peak_rss_growth() as grew:
+        yield
+    out["init_peak_bytes"] = grew["bytes"]
+    out["init_new_modules"] = grew["new_modules"]
+    out["prior_peak_bytes"] = grew["prior_peak_bytes"]
 
 
 def _engine_step(engine: Any, x: Any) -> float:
@@ -118,7 +151,7 @@ def _engine_step(engine: Any, x: Any) -> float:
     return float(out.loss.detach())
 
 
-def _train_deepspeed(spec: dict[str, Any], _base_rss: int) -> list[float]:
+def _train_deepspeed(spec: dict[str, Any], _base_rss: int, out: dict[str, Any]) -> list[float]:
     import deepspeed
     import torch
 
@@ -130,17 +163,20 @@ def _train_deepspeed(spec: dict[str, Any], _base_rss: int) -> list[float]:
         "train_batch_size": spec["batch"],
         "train_micro_batch_size_per_gpu": spec["batch"],
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        **deepspeed_precision(spec["dtype"]),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload},
         "steps_per_print": 10**9,
     }
-    with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu"):
-        net = build(_config(spec))
-    # the model's own init ran on already partitioned parameters: run it again one module
-    # at a time, gathered, so DeepSpeed trains the same GPT-2 init as the others
-    net.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    with _init_peak(out):
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu"):
+            net = build(_config(spec))
+        # the model's own init ran on already partitioned parameters: run it again one
+        # module at a time, gathered, so DeepSpeed trains the same GPT-2 init as the others
+        net.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
+        engine, *_ = deepspeed.initialize(
+            model=net, model_parameters=net.parameters(), config=config
+        )
 
     def step(x: Any) -> float:
         loss = engine(input_ids=x, labels=x).loss
@@ -148,49 +184,53 @@ def _train_deepspeed(spec: dict[str, Any], _base_rss: int) -> list[float]:
         engine.step()
         return float(loss.detach())
 
-    return _loop(spec, step, torch)
+    return _loop(spec, step, torch, out, net)
 
 
-def _train_fsdp2(spec: dict[str, Any], _base_rss: int) -> list[float]:
+def _train_fsdp2(spec: dict[str, Any], _base_rss: int, out: dict[str, Any]) -> list[float]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from pstar_core.models import build
 
     dist.init_process_group("gloo", init_method="env://")
     mesh = init_device_mesh("cpu", (1,))
-    with torch.device("meta"):
-        net = build(_config(spec))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=False)
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    fully_shard(net, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    net.to_empty(device="cpu")
-    with torch.no_grad():
-        net.init_weights()
+    with _init_peak(out):
+        with torch.device("meta"):
+            net = build(_config(spec))
+        mp = fsdp2_precision(spec["dtype"])
+        offload = CPUOffloadPolicy(pin_memory=False)
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(net, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        net.to_empty(device="cpu")
+        with torch.no_grad():
+            net.init_weights()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
-    return _loop(spec, _torch_step(net, opt), torch)
+    return _loop(spec, _torch_step(net, opt), torch, out, net)
 
 
-def _train_peft_lora(spec: dict[str, Any], _base_rss: int) -> list[float]:
-    """The usual LoRA recipe on a pretrained base directory: `from_pretrained` in bf16,
-    peft's fp32 adapters on every linear layer, torch AdamW."""
+def _train_peft_lora(spec: dict[str, Any], _base_rss: int, out: dict[str, Any]) -> list[float]:
+    """The usual LoRA recipe on a pretrained base directory: `from_pretrained` in the
+    dtype, peft's fp32 adapters on every linear layer, torch AdamW."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.bfloat16)
-    config = peft.LoraConfig(
-        r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"
-    )
-    net = peft.get_peft_model(base, config)
+    with _init_peak(out):
+        base = AutoModelForCausalLM.from_pretrained(
+            spec["model_dir"], dtype=torch_dtype(spec["dtype"])
+        )
+        config = peft.LoraConfig(
+            r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"
+        )
+        net = peft.get_peft_model(base, config)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4)
 
-    return _loop(spec, _torch_step(net, opt), torch)
+    return _loop(spec, _torch_step(net, opt), torch, out, net)
 
 
 def _torch_step(net: Any, opt: Any) -> Any:
@@ -206,12 +246,17 @@ def _torch_step(net: Any, opt: Any) -> Any:
     return step
 
 
-def _loop(spec: dict[str, Any], step: Any, torch: Any) -> list[float]:
+def _loop(
+    spec: dict[str, Any], step: Any, torch: Any, out: dict[str, Any], module: Any
+) -> list[float]:
+    """`spec["steps"]` steps; `out["compute_dtype_seen"]`: what `module` computed in."""
+    seen = watch_compute_dtype(module)
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(spec["steps"]):
         x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=gen)
         losses.append(step(x))
+        out["compute_dtype_seen"] = seen()
     return losses
 
 
@@ -239,7 +284,7 @@ def trial_main(spec_json: str) -> None:
     base = _rss_bytes()
     t0 = time.perf_counter()
     try:
-        losses = TRAINERS[spec["system"]](spec, base)
+        losses = TRAINERS[spec["system"]](spec, base, out)
         out["losses"] = losses
         out["ok"] = len(losses) >= 2 and all(math.isfinite(v) for v in losses)
         if not out["ok"]:
@@ -248,7 +293,8 @@ def trial_main(spec_json: str) -> None:
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     out["seconds"] = time.perf_counter() - t0
     out["base_rss_bytes"] = base
-    out["peak_rss_bytes"] = _peak_rss_bytes()
+    # the peak before the set-up's reset (if any) counts too
+    out["peak_rss_bytes"] = max(_peak_rss_bytes(), out.pop("prior_peak_bytes", None) or 0)
     sys.stdout.write("\n" + json.dumps(out) + "\n")
     sys.stdout.flush()
     os._exit(0)  # skip finalization: a gloo run-loop thread may still hold tensors
@@ -382,6 +428,8 @@ def largest(
         "layers": good,
         "params": best["params"] if best else 0,
         "peak_rss_bytes": best["peak_rss_bytes"] if best else None,
+        "init_peak_bytes": best.get("init_peak_bytes") if best else None,
+        "compute_dtype_seen": best.get("compute_dtype_seen") if best else None,
         "at_least": bad is None and good == max_layers,
         "failed_at": first_failure["layers"] if first_failure else None,
         "failure": first_failure["error"] if first_failure else None,
@@ -403,8 +451,10 @@ def run_scale(
     systems: tuple[str, ...] = SYSTEMS,
     threads: int = 2,
     trial_timeout_s: float = 900.0,
+    dtype: str = "auto",
     json_out: bool = False,
 ) -> dict[str, Any]:
+    dtype = bench_dtype(dtype)
     if steps < 2:
         raise ValueError("steps must be >= 2 (a step after the first shows training goes on)")
     unknown = set(systems) - set(SYSTEMS)
@@ -415,7 +465,7 @@ def run_scale(
     if "deepspeed" in systems and not deepspeed_available():
         systems = tuple(s for s in systems if s != "deepspeed")
         note += "DeepSpeed is not installed (bash scripts/setup-bench.sh): not run. "
-    load_before = os.getloadavg()
+    load_before = load_avg()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pstar-scale-") as disk_dir:
         base = {
@@ -426,6 +476,7 @@ def run_scale(
             "batch": batch,
             "steps": steps,
             "threads": threads,
+            "dtype": dtype,
             "cap_bytes": int(cap_gib * GIB),
             "disk_bytes": int(disk_gib * GIB),
             "disk_dir": disk_dir,
@@ -436,7 +487,7 @@ def run_scale(
         for system in systems:
             spec = {**base, "system": system}
             results[system] = largest(spec, start_layers, max_layers, trial_timeout_s, log)
-    load_after = os.getloadavg()
+    load_after = load_avg()
     peers = [results[p]["params"] for p in ("deepspeed", "fsdp2") if p in results]
     best_peer = max(peers) if peers else 0
 
@@ -455,17 +506,25 @@ def run_scale(
         "largest_params": {s: r["params"] for s, r in results.items()},
         "largest_layers": {s: r["layers"] for s, r in results.items()},
         "peak_rss_bytes": {s: r["peak_rss_bytes"] for s, r in results.items()},
+        # one rank per trial: the set-up's peak growth of each system's largest model
+        "init_peak_bytes": {s: r["init_peak_bytes"] for s, r in results.items()},
+        "compute_dtype_seen": {s: r["compute_dtype_seen"] for s, r in results.items()},
         "at_least": {s: r["at_least"] for s, r in results.items()},
         "best_peer_params": best_peer or None,
         "ratio_vs_best_peer": ratio("ours"),
         "ratio_with_disk": ratio("ours_disk"),
         "systems": results,
+        **machine(dtype),
+        "trial_threads": threads,
+        "load_avg": {"before": load_before, "after": load_after},
     }
     table = Table(
         title=f"largest GPT under a {cap_gib:g} GiB cap per process (hidden {hidden}, seq {seq}, "
-        f"batch {batch}, {steps} steps, {threads} threads)"
+        f"batch {batch}, {steps} steps, {threads} threads), {dtype} on CPU "
+        f"{result['cpu_capability']}"
     )
-    for col in ("system", "layers", "params (M)", "peak RSS GiB", "first failure"):
+    cols = ("system", "layers", "params (M)", "peak RSS GiB", "init peak GiB", "computed in")
+    for col in (*cols, "first failure"):
         table.add_column(col, justify="left" if col in ("system", "first failure") else "right")
     for system, r in results.items():
         failure = (
@@ -478,8 +537,14 @@ def run_scale(
             f"{'≥' if r['at_least'] else ''}{r['layers']}",
             f"{r['params'] / 1e6:.1f}",
             f"{(r['peak_rss_bytes'] or 0) / GIB:.2f}",
+            "-" if r["init_peak_bytes"] is None else f"{r['init_peak_bytes'] / GIB:.3f}",
+            r["compute_dtype_seen"] or "-",
             failure[:80],
         )
+    table.caption = (
+        "init peak: how far the trial's peak RSS rose while the model was set up (ours: "
+        "pstar_core.initialize; peers: building and wrapping it), for the largest model"
+    )
     console.print(table)
     for key in ("ratio_vs_best_peer", "ratio_with_disk"):
         if result[key] is not None:

@@ -5,10 +5,17 @@ steps of
 
 - ours, 1 rank with the global batch (2 torch threads: the whole machine);
 - ours, 2 gloo ranks, "collective" variant (1 thread each);
-- FSDP2 (`fully_shard` on every block, then the root; bf16 params, fp32 gradient
-  reduction; foreach AdamW), 2 gloo ranks x 1 thread;
-- DeepSpeed ZeRO-3 with parameter and optimizer CPU offload, bf16, 2 gloo ranks x 1
-  thread, when `import deepspeed` works (it is not a project dependency).
+- FSDP2 (`fully_shard` on every block, then the root; params cast to the dtype, fp32
+  gradient reduction; foreach AdamW), 2 gloo ranks x 1 thread;
+- DeepSpeed ZeRO-3 with parameter and optimizer CPU offload, its bf16/fp16 section for
+  the dtype (neither in fp32), 2 gloo ranks x 1 thread, when `import deepspeed` works (it
+  is not a project dependency).
+
+All run in one dtype (`--dtype`, default auto: what the engine picks on this CPU); each
+run reports what its first linear layer was seen computing in, and per rank
+`init_peak_bytes`: how far the rank's peak resident memory rose while its model was set
+up (ours: across `pstar_core.initialize`, where a rank materializes only its own share;
+the peers: building and wrapping the model), see `benchmarks.report.peak_rss_growth`.
 
 Every configuration runs in fresh worker processes started here, torchrun-style
 (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE in the environment). Ranks meet at a barrier
@@ -27,8 +34,8 @@ F that of the frozen list (gathered twice, never reduced):
 `comm_bytes_wire` counts the same thing independently by wrapping torch.distributed's
 collectives in the worker (the same wrapper gives the FSDP2/DeepSpeed byte columns).
 
-`run_collectives` isolates the communication pattern: the bytes of a GPT's bf16
-parameters are all-gathered over 2 gloo ranks either as chunk-sized all-gathers (the
+`run_collectives` isolates the communication pattern: the bytes of a GPT's parameters (in
+the dtype) are all-gathered over 2 gloo ranks either as chunk-sized all-gathers (the
 engine's chunk size from `make_plan`, each rank contributing one chunk per group) or as
 one all-gather per parameter tensor (each rank contributing 1/N of it), runs interleaved.
 
@@ -49,14 +56,25 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import finish, median
+from benchmarks.report import (
+    bench_dtype,
+    deepspeed_precision,
+    finish,
+    fsdp2_precision,
+    load_avg,
+    machine,
+    median,
+    peak_rss_growth,
+    torch_dtype,
+    watch_compute_dtype,
+)
 
 __all__ = ["run_collectives", "run_zero"]
 
@@ -164,6 +182,9 @@ class _WireCounter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        # all-reduce and broadcast: the small control messages (flags, norms) beside the
+        # all-gathers and reduce-scatters that move model data
+        self.control_bytes = 0
         self.by_call: dict[str, list[int]] = {}  # name -> [calls, bytes], to see the path
         self._depth = threading.local()
 
@@ -187,6 +208,8 @@ class _WireCounter:
                 t = args[pos] if len(args) > pos else next(kwargs[k] for k in keys if k in kwargs)
                 sent = self._sent(kind, t, args, kwargs)
                 self.bytes += sent
+                if kind in ("all_reduce", "broadcast"):
+                    self.control_bytes += sent
                 entry = self.by_call.setdefault(name, [0, 0])
                 entry[0] += 1
                 entry[1] += sent
@@ -271,15 +294,17 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter
     from pstar_core.models import build
 
     torch.manual_seed(0)
-    engine = pstar_core.initialize(
-        lambda: build(spec["model"]),
-        {
-            "dtype": spec["dtype"],
-            "chunk_size": spec.get("chunk_size") or "auto",
-            "optimizer": {"lr": _LR},
-            "zero": {"variant": spec.get("variant", "collective")},
-        },
-    )
+    with peak_rss_growth() as init:
+        engine = pstar_core.initialize(
+            lambda: build(spec["model"]),
+            {
+                "dtype": spec["dtype"],
+                "chunk_size": spec.get("chunk_size") or "auto",
+                "optimizer": {"lr": _LR},
+                "zero": {"variant": spec.get("variant", "collective")},
+            },
+        )
+    seen = watch_compute_dtype(engine.module)
 
     def step(x: torch.Tensor) -> float:
         out = engine(input_ids=x, labels=x)
@@ -289,9 +314,14 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter
 
     marks: dict[str, int] = {}
 
+    def flag_bytes() -> int:  # the failure flags before each collective (zero.py's Note)
+        return engine.stats()["comm_calls"].get("failure_flag", {}).get("bytes", 0)
+
     def on_warm() -> None:
         marks["engine"] = engine.stats()["comm_bytes_sent"]
+        marks["flags"] = flag_bytes()
         marks["wire"] = wire.bytes
+        marks["control"] = wire.control_bytes
 
     times, losses = _timed_loop(spec, world, _batches(spec, rank, world), step, on_warm)
     stats = engine.stats()
@@ -303,7 +333,12 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter
         "times": times,
         "losses": losses,
         "comm_bytes": (stats["comm_bytes_sent"] - marks["engine"]) / spec["steps"],
+        # of which the failure flags (an 8-byte all-reduce before each collective)
+        "comm_bytes_flags": (flag_bytes() - marks["flags"]) / spec["steps"],
         "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
+        # of which all-reduces and broadcasts (control messages, not model data)
+        "comm_bytes_wire_control": (wire.control_bytes - marks["control"]) / spec["steps"],
+        "wire_by_call": wire.by_call,  # whole run, warm-up and set-up included
         "theory_bytes": 3 * share * param_bytes + 2 * share * frozen_bytes,
         "param_list_bytes": param_bytes,
         "chunk_size": stats["chunk_size"],
@@ -311,23 +346,28 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter
         "own_param_chunks": stats["chunks"]["param"]["count"],
         "own_param_used_bytes": stats["chunks"]["param"]["used_bytes"],
         "threads": torch.get_num_threads(),
+        "init_peak_bytes": init["bytes"],
+        "init_new_modules": init["new_modules"],
+        "compute_dtype_seen": seen(),
+        "engine_dtype": stats["precision"]["dtype"],
     }
 
 
 def _worker_fsdp2(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from pstar_core.models import build
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    net = build(spec["model"])
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(net, mesh=mesh, mp_policy=mp)  # the root: wte (= lm_head), wpe, ln_f
+    with peak_rss_growth() as init:
+        net = build(spec["model"])
+        mp = fsdp2_precision(spec["dtype"])
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(net, mesh=mesh, mp_policy=mp)  # the root: wte (= lm_head), wpe, ln_f
     opt = torch.optim.AdamW(net.parameters(), lr=_LR, foreach=True)
 
     def step(x: torch.Tensor) -> float:
@@ -337,7 +377,7 @@ def _worker_fsdp2(spec: dict[str, Any], rank: int, world: int, wire: _WireCounte
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return _peer_result(spec, rank, world, wire, step)
+    return _peer_result(spec, rank, world, wire, step, net, init["bytes"])
 
 
 def _worker_deepspeed(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter) -> dict:
@@ -348,13 +388,12 @@ def _worker_deepspeed(spec: dict[str, Any], rank: int, world: int, wire: _WireCo
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    net = build(spec["model"])
     offload = {"device": "cpu", "pin_memory": False}
     config = {
         "train_batch_size": spec["global_batch"],
         "train_micro_batch_size_per_gpu": spec["global_batch"] // world,
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        **deepspeed_precision(spec["dtype"]),
         "optimizer": {"type": "AdamW", "params": {"lr": _LR, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3,
@@ -364,7 +403,11 @@ def _worker_deepspeed(spec: dict[str, Any], rank: int, world: int, wire: _WireCo
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    with peak_rss_growth() as init:
+        net = build(spec["model"])
+        engine, *_ = deepspeed.initialize(
+            model=net, model_parameters=net.parameters(), config=config
+        )
 
     def step(x: torch.Tensor) -> float:
         loss = engine(input_ids=x, labels=x).loss
@@ -372,14 +415,21 @@ def _worker_deepspeed(spec: dict[str, Any], rank: int, world: int, wire: _WireCo
         engine.step()
         return float(loss.detach())
 
-    return _peer_result(spec, rank, world, wire, step)
+    return _peer_result(spec, rank, world, wire, step, engine.module, init["bytes"])
 
 
 def _peer_result(
-    spec: dict[str, Any], rank: int, world: int, wire: _WireCounter, step: Callable[[Any], float]
+    spec: dict[str, Any],
+    rank: int,
+    world: int,
+    wire: _WireCounter,
+    step: Callable[[Any], float],
+    module: Any,
+    init_peak_bytes: int | None,
 ) -> dict:
     import torch
 
+    seen = watch_compute_dtype(module)
     marks: dict[str, int] = {}
 
     def on_warm() -> None:
@@ -392,6 +442,8 @@ def _peer_result(
         "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
         "wire_by_call": wire.by_call,  # whole run, warm-up and set-up included
         "threads": torch.get_num_threads(),
+        "init_peak_bytes": init_peak_bytes,
+        "compute_dtype_seen": seen(),
     }
 
 
@@ -406,7 +458,10 @@ def _worker_collectives(spec: dict[str, Any], rank: int, world: int, wire: _Wire
         params = list(build(spec["model"]).parameters())  # tied weights once
     numels = [p.numel() for p in params]
     names = [str(i) for i in range(len(params))]
-    plan = make_plan(numels, [True] * len(params), names, "bf16", spec.get("chunk_size") or "auto")
+    dtype = torch_dtype(spec["dtype"])
+    esize = dtype.itemsize
+    chunk_size = spec.get("chunk_size") or "auto"
+    plan = make_plan(numels, [True] * len(params), names, spec["dtype"], chunk_size)
     size, total = plan.chunk_size, sum(numels)
     # Chunked: a communication group per all-gather, each rank giving one chunk (the last
     # group trimmed to what is left), so both variants gather the model's bytes.
@@ -420,8 +475,8 @@ def _worker_collectives(spec: dict[str, Any], rank: int, world: int, wire: _Wire
     def buffers(shards: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         out = []
         for n in shards:
-            own = torch.full((n,), float(rank), dtype=torch.bfloat16)
-            out.append((own, [torch.empty(n, dtype=torch.bfloat16) for _ in range(world)]))
+            own = torch.full((n,), float(rank), dtype=dtype)
+            out.append((own, [torch.empty(n, dtype=dtype) for _ in range(world)]))
         return out
 
     variants = {"chunked": buffers(chunked), "per_tensor": buffers(per_tensor)}
@@ -447,9 +502,9 @@ def _worker_collectives(spec: dict[str, Any], rank: int, world: int, wire: _Wire
         "chunk_size": size,
         "calls": {"chunked": len(chunked), "per_tensor": len(per_tensor)},
         "bytes": {
-            k: 2 * world * sum(v) for k, v in (("chunked", chunked), ("per_tensor", per_tensor))
+            k: esize * world * sum(v) for k, v in (("chunked", chunked), ("per_tensor", per_tensor))
         },
-        "model_bytes": 2 * total,
+        "model_bytes": esize * total,
         "gathered_ok": ok,
     }
 
@@ -509,9 +564,9 @@ def run_zero(
     seq: int = 256,
     steps: int = 4,
     warmup: int = 1,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     json_out: bool = False,
-    peers: bool = True,
+    peers: bool | Sequence[str] = True,
     chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """Time ours (1 and 2 ranks) vs FSDP2 and DeepSpeed ZeRO-3; print a table, return a dict.
@@ -519,11 +574,14 @@ def run_zero(
     ``ratio_vs_fsdp2`` = ours 2-rank s/step ÷ FSDP2 s/step (< 1: we are faster), likewise
     ``ratio_vs_deepspeed``. ``comm_bytes`` is what one of our ranks sends per step and
     ``theory_bytes`` = 3 x (N-1)/N x (bytes of the padded param chunk list), see the
-    module docstring. ``peers=False`` skips FSDP2 and DeepSpeed (for tests);
-    ``chunk_size`` overrides the engine's "auto" choice (elements per chunk).
+    module docstring. ``peers=False`` skips FSDP2 and DeepSpeed, a tuple of
+    names ("fsdp2", "deepspeed") runs only those (for tests);
+    ``chunk_size`` overrides the engine's "auto" choice (elements per chunk). ``dtype``
+    is every run's (auto: what the engine picks on this CPU).
     """
     from pstar_core.models import get_config, num_params
 
+    dtype = bench_dtype(dtype)
     cfg = get_config(model)
     if seq > cfg.seq_len or seq < 2:
         raise ValueError(f"seq must be in [2, {cfg.seq_len}] for {model}, got {seq}")
@@ -535,20 +593,22 @@ def run_zero(
         "model": model, "global_batch": global_batch, "seq": seq, "steps": steps,
         "warmup": warmup, "dtype": dtype, "chunk_size": chunk_size,
     }  # fmt: skip
-    load_before = os.getloadavg()
+    load_before = load_avg()
     runs: dict[str, list[dict[str, Any]] | str] = {}
     runs[OURS_1] = _launch("ours", 1, 2, spec)
     runs[OURS_2] = _launch("ours", 2, 1, {**spec, "variant": "collective"})
-    if peers:
-        for name, kind in ((FSDP2, "fsdp2"), (DEEPSPEED, "deepspeed")):
-            if kind == "deepspeed" and not deepspeed_available():
-                runs[name] = "not installed"
-                continue
-            try:
-                runs[name] = _launch(kind, 2, 1, spec)
-            except RuntimeError as e:  # a peer failing should not hide our numbers
-                runs[name] = f"failed: {str(e).strip().splitlines()[-1][:200]}"
-    load_after = os.getloadavg()
+    wanted = {"fsdp2", "deepspeed"} if peers is True else set(peers or ())
+    for name, kind in ((FSDP2, "fsdp2"), (DEEPSPEED, "deepspeed")):
+        if kind not in wanted:
+            continue
+        if kind == "deepspeed" and not deepspeed_available():
+            runs[name] = "not installed"
+            continue
+        try:
+            runs[name] = _launch(kind, 2, 1, spec)
+        except RuntimeError as e:  # a peer failing should not hide our numbers
+            runs[name] = f"failed: {str(e).strip().splitlines()[-1][:200]}"
+    load_after = load_avg()
 
     secs = {k: _stepmedian(v) if isinstance(v, list) else None for k, v in runs.items()}
     ours2 = runs[OURS_2]
@@ -571,6 +631,9 @@ def run_zero(
         "comm_bytes": ours2[0]["comm_bytes"],
         "comm_bytes_per_rank": [r["comm_bytes"] for r in ours2],
         "comm_bytes_wire": ours2[0]["comm_bytes_wire"],
+        "comm_bytes_wire_control": ours2[0]["comm_bytes_wire_control"],
+        "comm_bytes_flags": ours2[0]["comm_bytes_flags"],
+        "wire_by_call": ours2[0]["wire_by_call"],
         "theory_bytes": ours2[0]["theory_bytes"],
         "param_list_bytes": ours2[0]["param_list_bytes"],
         "comm_vs_theory": ours2[0]["comm_bytes"] / ours2[0]["theory_bytes"],
@@ -591,30 +654,47 @@ def run_zero(
         "step_times_s": {k: [max(ts) for ts in zip(*(r["times"] for r in v), strict=True)]
                          for k, v in runs.items() if isinstance(v, list)},
         "final_loss": {k: v[0]["losses"][-1] for k, v in runs.items() if isinstance(v, list)},
-        "load_avg": {"before": list(load_before), "after": list(load_after)},
+        # per rank: how far its peak RSS rose while its model was set up
+        "init_peak_bytes": {k: [r["init_peak_bytes"] for r in v] for k, v in runs.items()
+                            if isinstance(v, list)},
+        # modules pstar_core.initialize imported (its first call pays for them in the peak)
+        "init_new_modules": ours2[0]["init_new_modules"],
+        "compute_dtype_seen": {k: v[0]["compute_dtype_seen"] for k, v in runs.items()
+                               if isinstance(v, list)},
+        "engine_dtype": ours2[0]["engine_dtype"],
+        **machine(dtype),
+        "load_avg": {"before": load_before, "after": load_after},
     }  # fmt: skip
 
     table = Table(
         title=(
             f"chunk ZeRO-DP on CPU (gloo): {model} ({result['params'] / 1e6:.1f}M params), "
-            f"{dtype}, global batch {global_batch} x seq {seq}, median of {steps} steps "
-            f"after {warmup} warm-up"
+            f"{dtype} on CPU {result['cpu_capability']}, global batch {global_batch} x seq "
+            f"{seq}, median of {steps} steps after {warmup} warm-up"
         )
     )
-    for col in ("run", "threads/rank", "s/step", "ours-2 ÷ row", "bytes sent/step/rank"):
+    cols = ("run", "threads/rank", "s/step", "ours-2 ÷ row", "bytes sent/step/rank")
+    for col in (*cols, "init peak/rank", "computed in"):
         table.add_column(col, justify="left" if col == "run" else "right")
     rows = [OURS_1, OURS_2, FSDP2, DEEPSPEED]
     for name in rows:
         v = runs.get(name, "skipped")
         if isinstance(v, str):
-            table.add_row(name, "-", v, "-", "-")
+            table.add_row(name, "-", v, "-", "-", "-", "-")
             continue
         s = secs[name]
         sent = v[0]["comm_bytes"] if name.startswith("ours") else v[0]["comm_bytes_wire"]
+        init = " / ".join(_fmt_bytes(r["init_peak_bytes"]) for r in v)
         table.add_row(
-            name, str(v[0]["threads"]), f"{s:.3f}", f"{secs[OURS_2] / s:.3f}", _fmt_bytes(sent)
-        )
-    console = Console(width=max(Console().width, 130))
+            name, str(v[0]["threads"]), f"{s:.3f}", f"{secs[OURS_2] / s:.3f}", _fmt_bytes(sent),
+            init, v[0]["compute_dtype_seen"] or "-",
+        )  # fmt: skip
+    table.caption = (
+        "init peak/rank: how far each rank's peak RSS rose while its model was set up (ours: "
+        f"pstar_core.initialize, which imported {result['init_new_modules']} modules on the "
+        "way; peers: building and wrapping the model)"
+    )
+    console = Console(width=max(Console().width, 160))
     console.print(table)
     console.print(
         f"ours 2 ranks: chunk size {result['chunk_size']:,} elements, "
@@ -622,7 +702,8 @@ def run_zero(
         f"{result['own_param_chunks']} holding "
         f"{[_fmt_bytes(b) for b in result['own_param_used_bytes']]} of params; comm "
         f"{_fmt_bytes(result['comm_bytes'])}/step (wire count "
-        f"{_fmt_bytes(result['comm_bytes_wire'])}) vs theory 3 x (N-1)/N x list = "
+        f"{_fmt_bytes(result['comm_bytes_wire'])}, of which {result['comm_bytes_wire_control']:.0f}"
+        " bytes all-reduce/broadcast control) vs theory 3 x (N-1)/N x list = "
         f"{_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}"
     )
     return finish(console, result, load_before, load_after, json_out)
@@ -633,22 +714,25 @@ def run_collectives(
     repeats: int = 5,
     json_out: bool = False,
     chunk_size: int | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Chunk-sized all-gathers vs one per parameter tensor, same bytes, 2 gloo ranks.
 
     ``ratio`` = chunked throughput ÷ per-tensor throughput (> 1: chunks move faster).
     Rounds are interleaved (chunked, per-tensor, chunked, ...) after one warm-up round;
-    each time is the slower rank's, medians are reported.
+    each time is the slower rank's, medians are reported. The params are gathered in
+    ``dtype`` (auto: what the engine picks on this CPU), chunked as the engine would.
     """
     from pstar_core.models import get_config, num_params
 
+    dtype = bench_dtype(dtype)
     cfg = get_config(model)
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    load_before = os.getloadavg()
-    spec = {"model": model, "repeats": repeats, "chunk_size": chunk_size}
+    load_before = load_avg()
+    spec = {"model": model, "repeats": repeats, "chunk_size": chunk_size, "dtype": dtype}
     r0 = _launch("collectives", 2, 1, spec)[0]
-    load_after = os.getloadavg()
+    load_after = load_avg()
     med = {k: median(v) for k, v in r0["times"].items()}
     gbps = {k: r0["bytes"][k] / med[k] / 1e9 for k in med}
     result: dict[str, Any] = {
@@ -666,12 +750,15 @@ def run_collectives(
         "times_s": r0["times"],
         "gathered_ok": r0["gathered_ok"],
         "repeats": repeats,
-        "load_avg": {"before": list(load_before), "after": list(load_after)},
+        "dtype": dtype,
+        **machine(dtype),
+        "load_avg": {"before": load_before, "after": load_after},
     }
     table = Table(
         title=(
-            f"all-gather of {model}'s bf16 params ({_fmt_bytes(r0['model_bytes'])}), 2 gloo "
-            f"ranks x 1 thread, median of {repeats} interleaved rounds"
+            f"all-gather of {model}'s {dtype} params ({_fmt_bytes(r0['model_bytes'])}), 2 "
+            f"gloo ranks x 1 thread, CPU {result['cpu_capability']}, median of {repeats} "
+            "interleaved rounds"
         )
     )
     for col in ("pattern", "calls", "bytes gathered", "s", "GB/s", "÷ per-tensor"):

@@ -40,7 +40,7 @@ _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # the probe: one matmul of this shape per dtype, best of a few (about 0.2 ms in fp32 on one
 # core, 7 ms where bf16 is emulated)
 _PROBE_SHAPE = (128, 256, 256)
-_PROBE_REPEATS = 3
+_PROBE_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,22 @@ def _matmul_gflops(dtype: torch.dtype, device: torch.device) -> float:
 
 
 @functools.lru_cache(maxsize=8)
-def probe_cpu(threads: int) -> dict[str, float]:
-    """Matmul GFLOP/s of fp32, bf16 and fp16 on the CPU with `threads` threads (cached per
-    thread count: the answer does not change within a process)."""
+def probe_cpu(threads: int, names: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+    """Matmul GFLOP/s of the dtypes `names` on one CPU thread (cached: the answer does
+    not change within a process; `threads` keys the cache only). About 1 ms a dtype where
+    it is native, 30 ms where it is emulated.
+
+    One thread: the question is what the ISA does with each dtype, and a team of threads
+    on a busy machine waits for its slowest member (seen: fp32 at 1.5 GFLOP/s instead of
+    90 with 2 threads while another process held a core), which a single thread does not.
+    """
     cpu = torch.device("cpu")
-    return {name: round(_matmul_gflops(dt, cpu), 2) for name, dt in _TORCH.items()}
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: round(_matmul_gflops(_TORCH[name], cpu), 2) for name in names}
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _accelerator_has_bf16(device: torch.device) -> bool:
@@ -130,7 +141,8 @@ def decide(requested: str, device: torch.device) -> Precision:
     if requested == "fp32" or (requested == AUTO and not promise):
         reason = "configured" if requested == "fp32" else f"CPU {capability} has no native bf16"
         return Precision(requested, "fp32", reason, capability, False)
-    rates = probe_cpu(torch.get_num_threads())
+    names = ("fp32", "bf16", "fp16") if requested == "fp16" else ("fp32", "bf16")
+    rates = probe_cpu(torch.get_num_threads(), names)
     native = promise and rates["bf16"] >= rates["fp32"]
     if requested != AUTO:
         return Precision(requested, requested, "configured", capability, native, rates)

@@ -130,6 +130,7 @@ class ZeroGroup:
             return
         flag = torch.zeros(1, dtype=torch.int64)
         self.flag_checks += 1
+        self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
         failed = int(flag.item()) - 1
         if failed >= 0:
@@ -141,6 +142,7 @@ class ZeroGroup:
         if self.flags is None or self.in_collective or isinstance(error, RankFailed):
             return
         flag = torch.tensor([self.rank + 1], dtype=torch.int64)
+        self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
         failed = int(flag.item()) - 1  # the highest failing rank speaks for all
         self._message_from(failed, f"{type(error).__name__}: {error}")
@@ -263,9 +265,11 @@ class ZeroGroup:
         with self._calling():
             dist.all_reduce(t, group=self.group)
 
-    def _sent(self, name: str, t: torch.Tensor, times: float, kind: str = "") -> None:
+    def _sent(
+        self, name: str, t: torch.Tensor, times: float, kind: str = "", host: bool = False
+    ) -> None:
         check(
-            t.device == self.device,
+            host or t.device == self.device,
             f"{name} handed a tensor on {t.device}; collectives take the compute device's "
             f"({self.device})",
         )

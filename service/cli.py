@@ -221,16 +221,49 @@ def models() -> None:
     console.print(table)
 
 
+_DTYPE_HELP = (
+    "auto (what the engine picks on this CPU), fp32, bf16 or fp16: the engine's and every "
+    "peer's dtype"
+)
+
+
 @bench_app.command("adam")
 def bench_adam(
     numel: Annotated[int, typer.Option(help="elements updated per run")] = 100_000_000,
-    repeats: Annotated[int, typer.Option(help="interleaved runs of each variant")] = 7,
+    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant")] = 7,
+    threads: Annotated[
+        list[str] | None,
+        typer.Option(help="thread counts, repeatable or comma-separated (default: 1,N)"),
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="the engine's dtype here (its chunks are the headline)")
+    ] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
-    """Chunk AdamW (bf16 grads in, fp32 states, bf16 params out) vs torch AdamW."""
+    """The engine's host AdamW kernels (ours vs torch's fused, as the engine calls them)
+    per chunk dtype and thread count, and torch's AdamW(fused) as a reference."""
     from benchmarks.adam import run
 
-    run(numel=numel, repeats=repeats, json_out=json_out)
+    try:
+        run(numel=numel, repeats=repeats, threads=threads, dtype=dtype, json_out=json_out)
+    except ValueError as e:
+        _fail(str(e))
+
+
+@bench_app.command("precision")
+def bench_precision(
+    model: Annotated[str, typer.Option(help="zoo model")] = "gpt-small",
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 2,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    steps: Annotated[int, typer.Option(help="timed steps of each dtype")] = 3,
+    warmup: Annotated[int, typer.Option(help="untimed steps first")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Step time with dtype bf16 vs fp32 vs auto, interleaved; what auto picked here and
+    auto_vs_best (its time over the faster fixed choice's)."""
+    from benchmarks.precision import run
+
+    run(model=model, batch=batch, seq=seq, steps=steps, warmup=warmup, json_out=json_out)
 
 
 @bench_app.command("overhead")
@@ -240,12 +273,19 @@ def bench_overhead(
     warmup: Annotated[int, typer.Option(help="untimed steps per side first")] = 2,
     batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
     seq: Annotated[int, typer.Option(help="tokens per sequence")] = 320,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
-    """Engine step time / plain PyTorch step time, runs interleaved."""
+    """Engine step time / plain PyTorch step time (same dtype), runs interleaved."""
     from benchmarks.overhead import run
 
-    run(model=model, steps=steps, warmup=warmup, batch=batch, seq=seq, json_out=json_out)
+    try:
+        run(
+            model=model, steps=steps, warmup=warmup, batch=batch, seq=seq, dtype=dtype,
+            json_out=json_out,
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
 
 
 @bench_app.command("load")
@@ -253,7 +293,7 @@ def bench_load(
     model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
         ".cache/models/SmolLM2-135M-Instruct"
     ),
-    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "bf16",
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
     repeats: Annotated[int, typer.Option(help="interleaved loads of each loader")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
@@ -262,7 +302,10 @@ def bench_load(
 
     if not (model_dir / "config.json").is_file():
         _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
-    run(model_dir, dtype=dtype, repeats=repeats, json_out=json_out)
+    try:
+        run(model_dir, dtype=dtype, repeats=repeats, json_out=json_out)
+    except ValueError as e:
+        _fail(str(e))
 
 
 @bench_app.command("eviction")
@@ -285,6 +328,7 @@ def bench_eviction(
         ),
     ] = False,
     trials: Annotated[int, typer.Option(help="--disk: interleaved off/on pairs")] = 3,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Bytes moved host<->device per iteration: eviction policies opt/lru/static vs budgets
@@ -296,11 +340,12 @@ def bench_eviction(
             run_disk_prefetch(
                 model=model, layers=layers, batch=batch, seq=seq, chunk_size=chunk_size,
                 iters=max(iters, 5), trials=trials, json_out=json_out, vocab=vocab or None,
+                dtype=dtype,
             )  # fmt: skip
             return
         run_eviction(
             model=model, layers=layers, batch=batch, seq=seq, chunk_size=chunk_size,
-            iters=iters, json_out=json_out, vocab=vocab or None,
+            iters=iters, json_out=json_out, vocab=vocab or None, dtype=dtype,
         )  # fmt: skip
     except (ConfigError, ValueError) as e:
         _fail(str(e))
@@ -319,6 +364,7 @@ def bench_scale(
     systems: Annotated[
         str, typer.Option(help="comma-separated: ours, ours_disk, deepspeed, fsdp2")
     ] = "ours,ours_disk,deepspeed,fsdp2",
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Largest GPT each system trains under one memory cap: ours (host; host + disk),
@@ -330,7 +376,7 @@ def bench_scale(
             cap_gib=cap_gib, disk_gib=disk_gib, hidden=hidden, seq=seq, batch=batch,
             steps=steps, start_layers=start_layers, max_layers=max_layers,
             systems=tuple(x.strip() for x in systems.split(",") if x.strip()),
-            json_out=json_out,
+            dtype=dtype, json_out=json_out,
         )  # fmt: skip
     except ValueError as e:
         _fail(str(e))
@@ -347,6 +393,7 @@ def bench_zero(
     chunk_size: Annotated[
         int | None, typer.Option(help="elements per chunk for ours (default: auto)")
     ] = None,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Chunk ZeRO-DP step time and bytes sent: ours 1/2 ranks vs FSDP2, DeepSpeed (CPU, gloo)."""
@@ -355,7 +402,7 @@ def bench_zero(
     try:
         run_zero(
             model=model, global_batch=global_batch, seq=seq, steps=steps, warmup=warmup,
-            json_out=json_out, peers=peers, chunk_size=chunk_size,
+            json_out=json_out, peers=peers, chunk_size=chunk_size, dtype=dtype,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         _fail(str(e))
@@ -365,13 +412,16 @@ def bench_zero(
 def bench_collectives(
     model: Annotated[str, typer.Option(help="zoo model whose params are gathered")] = "gpt-45m",
     repeats: Annotated[int, typer.Option(help="interleaved rounds of each pattern")] = 5,
+    dtype: Annotated[
+        str, typer.Option(help="dtype of the gathered params: " + _DTYPE_HELP)
+    ] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """All-gather throughput: engine-sized chunks vs one all-gather per parameter tensor."""
     from benchmarks.zero import run_collectives
 
     try:
-        run_collectives(model=model, repeats=repeats, json_out=json_out)
+        run_collectives(model=model, repeats=repeats, dtype=dtype, json_out=json_out)
     except (ValueError, RuntimeError) as e:
         _fail(str(e))
 
@@ -387,6 +437,7 @@ def bench_lora(
     cap_gib: Annotated[float, typer.Option(help="memory cap per scale trial process")] = 2.0,
     disk_gib: Annotated[float, typer.Option(help="the engine's disk tier in scale trials")] = 6.0,
     max_layers: Annotated[int, typer.Option(help="deepest base tried in the scale part")] = 512,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """LoRA: step and model data vs full fine-tuning and peft + torch; largest base per cap."""
@@ -394,16 +445,13 @@ def bench_lora(
 
     if not (model_dir / "config.json").is_file():
         _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
-    run(
-        model_dir,
-        rounds=rounds,
-        batch=batch,
-        seq=seq,
-        cap_gib=cap_gib,
-        disk_gib=disk_gib,
-        max_layers=max_layers,
-        json_out=json_out,
-    )
+    try:
+        run(
+            model_dir, rounds=rounds, batch=batch, seq=seq, cap_gib=cap_gib, disk_gib=disk_gib,
+            max_layers=max_layers, dtype=dtype, json_out=json_out,
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
 
 
 @bench_app.command("api")

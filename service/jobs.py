@@ -339,6 +339,17 @@ def invalid_from(e: ValidationError, prefix: str = "") -> InvalidRequest:
 # -- deciding the plan --------------------------------------------------------------------
 
 
+def gpu_cpus_per_worker(nodes: list[dict[str, float]] | None) -> float | None:
+    """CPUs for each GPU worker: the CPUs per GPU of the GPU node that has the fewest, so a
+    worker fits on every GPU node (the host-side AdamW of the chunks that do not fit the
+    GPU runs on them: one CPU for it was a single-threaded Adam). None when the cluster
+    does not say (the default, 1, then stays)."""
+    shares = [n.get("CPU", 0) / n["GPU"] for n in nodes or [] if n.get("GPU", 0) >= 1]
+    if not shares:
+        return None
+    return float(max(1, int(min(shares))))
+
+
 def auto_batch_size(examples: int, workers: int) -> int:
     b = max(1, min(8, examples))
     return -(-b // workers) * workers
@@ -541,12 +552,17 @@ class JobService:
 
     def _with_default_resources(self, req: JobRequest) -> JobRequest:
         """The deployment's default resources (PSTAR_DEFAULT_RESOURCES) under the fields
-        the request gives."""
-        defaults = self.settings.default_resources
-        if not defaults:
-            return req
+        the request gives; a GPU job that says nothing about CPUs gets its share of a GPU
+        node's (`gpu_cpus_per_worker`), for the host Adam and the loading threads."""
+        defaults = self.settings.default_resources or {}
         given = req.resources.model_fields_set if "resources" in req.model_fields_set else set()
         merged = {**defaults, **req.resources.model_dump(include=given)}
+        if merged.get("use_gpu") and "cpus_per_worker" not in merged:
+            share = gpu_cpus_per_worker(getattr(self.launcher, "cluster_nodes", lambda: None)())
+            if share is not None:
+                merged["cpus_per_worker"] = share
+        if not merged:
+            return req
         return req.model_copy(update={"resources": Resources(**merged)})
 
     def create(self, tenant: str, req: JobRequest, idempotency_key: str | None) -> tuple[Job, bool]:

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 import pstar_core
 from benchmarks.dmm import choose_chunk_size, run_eviction
+from benchmarks.report import bench_dtype
 from pstar_core.models import build
 from service.cli import app
 from service.plot_trace import plot_run_dir, plot_trace
@@ -37,6 +38,8 @@ def test_run_eviction_returns_the_documented_keys(eviction):
     assert eviction["model"] == "gpt-tiny"
     assert eviction["peak_non_model_bytes"] > 0
     assert 12 <= eviction["param_chunks"] <= 20
+    assert eviction["compute_dtype"] == bench_dtype("auto")  # the default: auto, resolved
+    assert eviction["cpu_capability"]
 
 
 def test_opt_beats_lru_everywhere_and_moves_nothing_once_everything_fits(eviction):
@@ -111,7 +114,7 @@ def test_plot_trace_rejects_stats_without_a_trace(tmp_path):
 def test_disk_prefetch_bench_prints_both_modes_and_one_json_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PSTAR_SPILL_DIR", str(tmp_path))
     args = ["bench", "eviction", "--disk", "--model", "gpt-tiny", "--layers", "4", "--vocab"]
-    args += ["256", "--batch", "2", "--seq", "32", "--trials", "1", "--json"]
+    args += ["256", "--batch", "2", "--seq", "32", "--trials", "1", "--dtype", "fp32", "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.output.strip().splitlines()[-1])
@@ -121,3 +124,5 @@ def test_disk_prefetch_bench_prints_both_modes_and_one_json_line(tmp_path, monke
     assert data["disk_bytes_moved"]["off"]["disk->host"] > 0  # the disk tier is in use
     assert data["ratio_on_over_off"] > 0
     assert "prefetch off vs on" in result.output
+    assert data["compute_dtype"] == "fp32"
+    assert "fp32 on CPU" in result.output

@@ -1,12 +1,16 @@
 """`pstar bench adam | overhead | load` on tiny configurations: the last line is one JSON
-object with the documented keys, and the numbers in it are measurements (positive)."""
+object; every recipe runs in the dtype asked for (or the one auto resolves to here), and
+says so; adam reports each host kernel per chunk dtype and thread count."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 from typer.testing import CliRunner
 
+from benchmarks.report import bench_dtype
 from service.cli import app
 from tests.tiny import make_tiny_llama
 
@@ -19,30 +23,95 @@ def last_json(args: list[str]) -> dict:
     return json.loads(res.output.strip().splitlines()[-1])
 
 
-def test_bench_adam_reports_elements_per_second_against_torch():
-    r = last_json(["bench", "adam", "--numel", "200000", "--repeats", "2", "--json"])
-    for key in ("ours_elems_per_s", "torch_fused_elems_per_s", "torch_foreach_elems_per_s"):
-        assert r[key] > 0, key
-    assert r["ratio_vs_torch_fused"] == r["ours_elems_per_s"] / r["torch_fused_elems_per_s"]
-    assert r["backend"] == "cpp"
-    assert not any("gb" in k.lower() for k in r)  # nominal bytes are not reported
+ADAM = ["bench", "adam", "--numel", "20000", "--repeats", "1", "--json"]
 
 
-def test_bench_overhead_times_the_engine_and_both_torch_recipes():
-    r = last_json(
-        ["bench", "overhead", "--model", "gpt-tiny", "--seq", "16", "--steps", "2",
-         "--warmup", "1", "--json"]
-    )  # fmt: skip
-    for key in ("engine_s", "torch_s", "torch_fp32_s", "ratio", "ratio_vs_fp32"):
-        assert r[key] > 0, key
-    assert len(r["step_times_s"]["engine"]) == 2
+@pytest.fixture(scope="module")
+def adam() -> dict:
+    return last_json([*ADAM, "--threads", "1", "--threads", "2"])
+
+
+def test_bench_adam_times_both_host_kernels_per_chunk_dtype_and_thread_count(adam):
+    assert adam["threads"] == [1, 2]
+    assert set(adam["elems_per_s"]) == {"bf16", "fp32"}
+    for dtype, by_threads in adam["elems_per_s"].items():
+        assert set(by_threads) == {"1", "2"}, dtype
+        for rates in by_threads.values():
+            assert set(rates) == set(adam["backends_run"])
+            assert all(r > 0 for r in rates.values())
+    assert set(adam["torch_adamw_fused_elems_per_s"]) == {"1", "2"}
+    if "cpp" in adam["backends_run"]:
+        assert set(adam["ratio_cpp_vs_fused"]["bf16"]) == {"1", "2"}
+
+
+def test_bench_adam_reports_the_engines_default_kernel_per_dtype_and_threads(adam):
+    for dtype in ("bf16", "fp32"):
+        assert set(adam["default_backend"][dtype]) == {"1", "2"}
+        assert set(adam["default_backend"][dtype].values()) <= {"cpp", "fused"}
+    assert adam["forced_by_env"] is None
+    assert adam["compute_dtype"] == bench_dtype("auto")
+    assert adam["cpu_capability"]
+    assert not any("gb" in k.lower() for k in adam)  # nominal bytes are not reported
+
+
+def test_bench_adam_forcing_a_backend_shows_in_the_default_and_is_restored(monkeypatch):
+    monkeypatch.setenv("PSTAR_ADAM_BACKEND", "fused")
+    r = last_json([*ADAM, "--threads", "1", "--dtype", "fp16"])
+    assert r["forced_by_env"] == "fused"
+    assert r["default_backend"] == {d: {"1": "fused"} for d in ("bf16", "fp32", "fp16")}
+    assert r["compute_dtype"] == "fp16"
+    assert set(r["elems_per_s"]) == {"bf16", "fp32", "fp16"}  # fp16 chunks when asked for
+    # timing each backend set the variable per call; the user's setting is back
+    assert os.environ["PSTAR_ADAM_BACKEND"] == "fused"
+
+
+def test_bench_adam_rejects_a_bad_thread_count_and_dtype():
+    assert runner.invoke(app, [*ADAM, "--threads", "0"]).exit_code == 2
+    bad = runner.invoke(app, [*ADAM, "--dtype", "fp8"])
+    assert bad.exit_code == 2
+    assert "fp8" in bad.output
+
+
+OVERHEAD = ["bench", "overhead", "--model", "gpt-tiny", "--seq", "16", "--steps", "1"]
+OVERHEAD += ["--warmup", "1", "--json"]
+
+
+def test_bench_overhead_in_fp32_runs_every_recipe_in_fp32_against_plain_torch():
+    res = runner.invoke(app, [*OVERHEAD, "--dtype", "fp32"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output.strip().splitlines()[-1])
+    assert r["compute_dtype"] == r["engine_dtype"] == "fp32"
+    assert r["seen_compute_dtype"] == {"engine": "fp32", "torch fp32": "fp32"}
+    # no bf16+master recipe in fp32: the baseline is plain fp32 torch, and the table says so
+    assert r["baseline"] == "torch fp32"
+    assert r["torch_master_s"] is None
+    assert "torch fp32+fp32 master" in r["not_run"]
+    assert "not run" in res.output
+    assert r["engine_s"] > 0
+    assert r["baseline_s"] > 0
+    assert "fp32 on CPU" in res.output
+
+
+def test_bench_overhead_in_bf16_compares_with_the_bf16_master_recipe():
+    r = last_json([*OVERHEAD, "--dtype", "bf16"])
+    assert r["compute_dtype"] == r["engine_dtype"] == "bf16"
+    assert r["baseline"] == "torch bf16+fp32 master"
+    assert r["seen_compute_dtype"] == {
+        "engine": "bf16",
+        "torch bf16+fp32 master": "bf16",
+        "torch fp32": "fp32",
+    }
+    assert r["torch_master_s"] > 0
     assert all(v == v for v in r["final_loss"].values())  # finite (not NaN)
 
 
-def test_bench_load_measures_both_loaders_on_a_real_directory(tmp_path):
+def test_bench_load_loads_both_sides_in_the_dtype_asked_for(tmp_path):
     d = make_tiny_llama(tmp_path / "tiny")
-    r = last_json(["bench", "load", str(d), "--repeats", "1", "--json"])
-    assert r["file_bytes"] > 0
+    r = last_json(["bench", "load", str(d), "--repeats", "1", "--dtype", "fp32", "--json"])
+    assert r["compute_dtype"] == "fp32"
     for loader in ("engine", "transformers"):
+        assert r[loader]["held_dtype"] == "fp32", loader
         assert r[loader]["seconds"] > 0
         assert r[loader]["held_bytes"] > 0
+    assert r["load_avg"]["before"]
+    assert r["load_avg"]["after"]

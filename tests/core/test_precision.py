@@ -46,7 +46,7 @@ def test_a_cpu_whose_flags_lack_bf16_computes_in_fp32_without_probing(monkeypatc
 )
 def test_the_probe_decides_where_the_flags_promise_bf16(monkeypatch, rates, expected):
     monkeypatch.setattr(precision, "cpu_flags_promise_bf16", lambda: True)
-    monkeypatch.setattr(precision, "probe_cpu", lambda threads: rates)
+    monkeypatch.setattr(precision, "probe_cpu", lambda threads, names: rates)
     p = precision.decide("auto", CPU)
     assert p.dtype == expected
     assert p.probe_gflops == rates
@@ -54,7 +54,7 @@ def test_the_probe_decides_where_the_flags_promise_bf16(monkeypatch, rates, expe
 
 
 def test_the_probe_measures_this_cpu():
-    rates = precision.probe_cpu(torch.get_num_threads())
+    rates = precision.probe_cpu(torch.get_num_threads(), ("fp32", "bf16", "fp16"))
     assert set(rates) == {"fp32", "bf16", "fp16"}
     assert all(r > 0 for r in rates.values())
 
@@ -63,7 +63,9 @@ def test_explicit_bf16_on_a_slow_cpu_runs_with_one_warning_saying_how_much_slowe
     monkeypatch, caplog
 ):
     monkeypatch.setattr(precision, "cpu_flags_promise_bf16", lambda: False)
-    monkeypatch.setattr(precision, "probe_cpu", lambda t: {"fp32": 90.0, "bf16": 3.0, "fp16": 3.0})
+    monkeypatch.setattr(
+        precision, "probe_cpu", lambda t, n: {"fp32": 90.0, "bf16": 3.0, "fp16": 3.0}
+    )
     with caplog.at_level(logging.WARNING, logger="pstar_core.precision"):
         engine = pstar_core.initialize(MODELS["gpt"], engine_config("bf16"))
     assert engine.stats()["compute_dtype"] == "bf16"

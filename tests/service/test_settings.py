@@ -84,3 +84,23 @@ def test_default_job_resources_from_the_environment_under_what_a_request_says(tm
 def test_bad_default_resources_are_refused(tmp_path, raw):
     with pytest.raises(SettingsError, match="PSTAR_DEFAULT_RESOURCES must be a JSON object"):
         Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_DEFAULT_RESOURCES": raw})
+
+
+class _Cluster:
+    """A launcher that reports a cluster: two GPU nodes of different shapes, one CPU node."""
+
+    def cluster_nodes(self):
+        return [{"CPU": 96.0, "GPU": 8.0}, {"CPU": 32.0, "GPU": 4.0}, {"CPU": 64.0}]
+
+
+def test_a_gpu_job_that_names_no_cpus_gets_its_share_of_a_gpu_node(tmp_path):
+    from service.jobs import JobRequest, JobService
+
+    service = JobService(Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)}), None, _Cluster())
+    base = {"model": "m", "training_file": "file-1"}
+    gpu = service._with_default_resources(JobRequest(**base, resources={"use_gpu": True}))
+    assert gpu.resources.cpus_per_worker == 8.0  # min(96/8, 32/4): fits either GPU node
+    told = JobRequest(**base, resources={"use_gpu": True, "cpus_per_worker": 2})
+    assert service._with_default_resources(told).resources.cpus_per_worker == 2
+    cpu = service._with_default_resources(JobRequest(**base))
+    assert cpu.resources.cpus_per_worker == 1.0  # CPU jobs: as asked (default 1)
