@@ -58,6 +58,9 @@ class Trace:
     # on an accelerator, the caching allocator's reserved peak in window i (what the device
     # really holds; above allocated by the blocks it caches, or fragmentation)
     reserved_peak: list[int] = field(default_factory=list)
+    # on an accelerator, non-chunk memory live at the start of moment i (see [Note: memory
+    # carried into an iteration])
+    live_start: list[int] = field(default_factory=list)
     shape: BatchShape | None = None  # the batch it was traced with (None: not known)
 
     @property
@@ -141,6 +144,15 @@ class MemoryTracer:
         self._measuring_cuda = False  # measuring with the CUDA allocator's peaks
         self._cuda_peaks: list[int] = []
         self._logged: set[str] = set()
+        self._allocator = capabilities(device).allocator_stats  # memory counters to read
+        # [Note: memory carried into an iteration] The trace's N_j are what the warm-up
+        # saw, but a caller can hold device memory the warm-up did not have: `out =
+        # engine(x)` in a loop keeps the last step's logits alive until the next forward
+        # returns (B x S x V values). So on an accelerator the tracer reads, at each
+        # moment's start, the device memory that is not chunks, and what exceeds the
+        # warm-up's at the same moment is carried on top of N_j for that moment (off the
+        # trace: on top of the peak, against the first moment's). One counter read each.
+        self.carry_bytes = 0
 
     @property
     def tracing(self) -> bool:
@@ -179,8 +191,27 @@ class MemoryTracer:
         self.untraced_passes += 1
         self._begin(Mode.OFF_TRACE if self.trace is not None else Mode.IDLE, shape)
 
+    def _note_live(self, device_chunk_bytes: int) -> None:
+        """At a moment's start: record (tracing) or compare (otherwise) the device memory
+        that is not chunks (see [Note: memory carried into an iteration])."""
+        if not self._allocator:
+            return
+        allocated = device_module(self.device).memory_allocated(self.device)
+        live = max(0, allocated - device_chunk_bytes)
+        self._pass.live_start.append(live)
+        self.carry_bytes = self._carry(self.moment, live, self.mode)
+
+    def _carry(self, moment: int, live: int, mode: Mode) -> int:
+        t = self.trace
+        if mode is Mode.TRACING or t is None or not t.live_start:
+            return 0
+        if mode is Mode.FOLLOWING and moment < len(t.live_start):
+            return max(0, live - t.live_start[moment])
+        return max(0, live - t.live_start[0])
+
     def _begin(self, mode: Mode, shape: BatchShape | None) -> None:
         self.moment = -1
+        self.carry_bytes = 0
         self.mode = mode
         self._pass = Trace(shape=shape)
         t = self.trace
@@ -198,7 +229,7 @@ class MemoryTracer:
         if mode is Mode.TRACING:
             self.trace = p
         else:  # the chunk peaks are this pass's, the non-model bytes the trace's estimate
-            p.non_model = self._estimated_non_model(p.moments)
+            p.non_model = self._estimated_non_model(p.moments, mode)
         peak = p.device_peak()
         self.peak_device_bytes = max(self.peak_device_bytes, peak)
         self.last_peak_device_bytes = peak
@@ -254,6 +285,7 @@ class MemoryTracer:
                     name,
                     expected,
                 )
+        self._note_live(device_chunk_bytes)
         if self._profiler is not None:
             with record_function(MOMENT):
                 pass
@@ -284,16 +316,20 @@ class MemoryTracer:
         if t is None:
             return 0
         if self.mode is Mode.FOLLOWING:
-            return t.non_model_around(self.moment)
-        return int(t.peak_non_model * self.scale)
+            return t.non_model_around(self.moment) + self.carry_bytes
+        return int(t.peak_non_model * self.scale) + self.carry_bytes
 
-    def _estimated_non_model(self, moments: int) -> list[int]:
+    def _estimated_non_model(self, moments: int, mode: Mode) -> list[int]:
+        """A pass that did not measure: the trace's N_i (or its scaled peak off the trace),
+        plus what was carried into each moment."""
         t = self.trace
         if t is None:
             return [0] * moments
-        if self.mode is Mode.FOLLOWING or (moments <= t.moments and self.scale == 1.0):
-            return [t.non_model[min(i, t.moments - 1)] for i in range(moments)]
-        return [int(t.peak_non_model * self.scale)] * moments
+        live = self._pass.live_start
+        carry = [self._carry(i, live[i], mode) if i < len(live) else 0 for i in range(moments)]
+        if mode is Mode.FOLLOWING or (moments <= t.moments and self.scale == 1.0):
+            return [t.non_model[min(i, t.moments - 1)] + carry[i] for i in range(moments)]
+        return [int(t.peak_non_model * self.scale) + carry[i] for i in range(moments)]
 
     @contextlib.contextmanager
     def chunk_memory(self) -> Iterator[None]:
@@ -386,6 +422,7 @@ class MemoryTracer:
             )
             if t
             else 0,
+            "carried_bytes": self.carry_bytes,  # see [Note: memory carried into ...]
             "departures": self.departures,
             "retraces": self.retraces,
             "untraced_passes": self.untraced_passes,

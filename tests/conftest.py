@@ -21,7 +21,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     after that cannot run backward (an internal assert in torch's engine). Registering it
     changes what torch reports as the accelerator for the rest of the session, as a GPU
     would; the other tests pass either way."""
-    if any(item.nodeid.startswith("tests/fakedevice/") for item in session.items):
+    if any(
+        item.nodeid.startswith("tests/fakedevice/") or item.get_closest_marker("fakegpu")
+        for item in session.items
+    ):
         from tests import fakedevice
 
         fakedevice.load()

@@ -22,6 +22,8 @@ def tiny(monkeypatch):
     monkeypatch.setattr(doctor, "MODEL", model)
     monkeypatch.setattr(doctor, "SEQ", 32)
     monkeypatch.setattr(doctor, "CHUNK", 1 << 14)
+    monkeypatch.setattr(doctor, "DTYPE", "fp32")
+    monkeypatch.setattr(doctor, "ADAM_ELEMS", 1 << 20)
 
 
 def test_without_a_gpu_doctor_says_so_and_exits_2():
@@ -50,6 +52,42 @@ def test_checks_run_on_the_cpu_and_claim_nothing_for_cuda(tiny):
     for name in ("parity", "tracer", "pinned", "overlap", "nccl"):
         assert checks[name]["status"].startswith("skip"), name
     assert checks["adam"]["ours_GBps"] > 0
+
+
+@pytest.mark.fakegpu
+def test_on_a_device_with_a_gpus_capabilities_every_check_but_cudas_own_runs(tiny):
+    """On the test suite's second device (streams, page-locked host memory, allocator
+    statistics and a memory limit, an RNG) the GPU checks execute and pass: placement in
+    the registered pool, parity with the CPU, the tracer's N_i against the allocator, the
+    budget under a device limited to it (reserved memory within the limit), device Adam
+    against torch ops; only CUDA's profiler (overlap) and two CUDA devices (nccl) skip."""
+    from tests import fakedevice
+
+    fakedevice.load()
+    result = doctor.run(device="fakegpu")
+    checks = result["checks"]
+    assert result["failed"] == [], {k: v for k, v in checks.items() if v["status"] == "fail"}
+    assert set(result["passed"]) == {"placement", "parity", "tracer", "budget", "pinned", "adam"}
+    assert checks["budget"]["reserved_peak"] <= checks["budget"]["limit"]
+    assert checks["budget"]["evicted_bytes"] > 0
+    assert checks["pinned"]["outside_pool"] == 0
+    assert checks["overlap"]["status"].startswith("skip")
+    assert checks["nccl"]["status"].startswith("skip")
+    assert result["capabilities"]["streams"]
+    assert result["capabilities"]["pinned_host"]
+
+
+def test_a_check_that_runs_past_its_limit_fails_instead_of_hanging(tiny, monkeypatch):
+    import time as _time
+
+    def hangs(device):
+        _time.sleep(30)
+
+    monkeypatch.setattr(doctor, "CHECKS", (hangs,))
+    monkeypatch.setattr(doctor, "CHECK_SECONDS", 1)
+    result = doctor.run(device="cpu")
+    assert result["failed"] == ["hangs"]
+    assert "past its 1 s limit" in result["checks"]["hangs"]["detail"]
 
 
 def test_a_crashing_check_is_a_failure_with_its_reason(tiny, monkeypatch):

@@ -290,6 +290,21 @@ def set_capacity(nbytes: int, device: _Device = None) -> None:
     _loaded().set_capacity(int(nbytes), _index(device))
 
 
+_full_capacity: dict[int, int] = {}  # device -> its capacity before a memory fraction
+
+
+def set_per_process_memory_fraction(fraction: float, device: _Device = None) -> None:
+    """As torch.cuda's: allocations past `fraction` of the device raise out of memory.
+    (Here it lowers the capacity, so mem_get_info's total shrinks with it; 1.0 restores.)"""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    index = _index(device)
+    full = _full_capacity.setdefault(index, mem_get_info(index)[1])
+    set_capacity(int(fraction * full), index)
+    if fraction == 1.0:
+        _full_capacity.pop(index, None)
+
+
 def host_register(ptr: int, nbytes: int) -> None:
     """Page-lock `nbytes` of host memory at `ptr`, as ``cudaHostRegister(ptr, nbytes, 0)``;
     raises if the range overlaps memory already pinned."""

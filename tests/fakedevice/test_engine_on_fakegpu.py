@@ -262,3 +262,32 @@ def test_a_checkpoint_keeps_and_restores_the_devices_rng(tmp_path, fake):
     engine.load_checkpoint(tmp_path / "ck")
     assert torch.equal(torch.rand(8, device=f"{DEV}:0").cpu(), expected)
     engine.close()
+
+
+def test_outputs_the_caller_keeps_from_the_last_step_are_reserved_on_the_device(fake):
+    """`out = engine(x)` in a loop keeps the last step's logits alive until the next
+    forward returns: device memory the warm-up never saw. The engine measures what is
+    live at each iteration's start beyond the trace's, and leaves room for it, so the
+    device's own count stays within the budget (it did not without)."""
+    data = batches(4, batch=32)  # logits of 512 KB, 8 chunks' worth
+    probe = make("gpt", DEV)
+    run_engine(probe, data[:1])
+    st = probe.stats()
+    probe.close()
+    logits = data[0].numel() * 128 * 4  # batch x seq x vocab, fp32
+    budget = int(st["tracer"]["peak_non_model_bytes"] + logits)
+    budget += int(0.5 * st["chunks"]["param"]["bytes"])
+    fake.reset_peak_memory_stats()
+    before = fake.memory_allocated()
+    engine = make("gpt", DEV, {"device_budget": budget})
+    carried = 0
+    for x in data:
+        out = engine(input_ids=x, labels=x)  # the last step's `out` lives until here
+        carried = max(carried, engine.stats()["tracer"]["carried_bytes"])
+        engine.backward(out.loss)
+        engine.step()
+    assert out.logits.nbytes == logits
+    peak = fake.max_memory_allocated() - before
+    assert carried >= logits
+    assert peak <= budget, (peak, budget)
+    engine.close()
