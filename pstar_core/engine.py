@@ -186,7 +186,12 @@ class Engine:
         """
         m = self.manager
         preloaded = False
-        staging = _Staging(self.slots.values(), m, self.dtype)
+        # Another rank's tensor is initialized into a staging buffer and dropped, where
+        # init code will write it: a random init writes every tensor, a weights source
+        # only the adapters peft initializes; the others stay empty here.
+        adapters = lora.is_peft(self.module)
+        written = [s for s in self.slots.values() if weights is None or (adapters and s.trainable)]
+        staging = _Staging(written, m, self.dtype)
         for slot in self.slots.values():
             if slot.param.is_meta:
                 _rehome(slot.param, self.device)
@@ -194,12 +199,13 @@ class Engine:
                 continue  # streamed into its chunk by load_tensor; no view needed
             kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
             chunk = m.chunk_of(kind, slot)
-            # another rank's tensor: initialized into the staging buffer and dropped
             view = chunk.view(slot) if m.owned(chunk) else staging.view(slot)
             if not slot.param.is_meta and slot.param.numel():
-                view.copy_(slot.param.data)  # model_fn built real weights: keep them
+                if view is not None:
+                    view.copy_(slot.param.data)  # model_fn built real weights: keep them
                 preloaded = True
-            slot.param.data = view
+            if view is not None:
+                slot.param.data = view
         preloaded |= self.excluded.materialize()
         for mod in self.module.modules():
             for name, buf in mod._buffers.items():
@@ -626,18 +632,25 @@ class _Staging:
     init code runs over every parameter in order, so the random stream reaches this
     rank's own tensors exactly as on one rank, but another rank's tensor only ever
     occupies a buffer the size of the largest such tensor (one per dtype), reused by all
-    of them, instead of its chunk."""
+    of them, instead of its chunk. A pretrained load writes only this rank's tensors, so
+    it needs none (but for a LoRA model's adapters, which peft initializes)."""
 
     def __init__(self, slots: Any, m: Any, dtype: torch.dtype) -> None:
         need: dict[torch.dtype, int] = {}
+        self.slots = set()  # of the tensors init code writes, other ranks' (by id)
         for s in slots:
             if not m.owned(m.param_chunk(s)):
                 dt = torch.float32 if s.trainable else dtype
                 need[dt] = max(need.get(dt, 0), s.numel)
+                self.slots.add(id(s))
         self.dtype = dtype
         self.buffers = {dt: torch.empty(n, dtype=dt, device="cpu") for dt, n in need.items()}
 
-    def view(self, slot: TensorSlot) -> torch.Tensor:
+    def view(self, slot: TensorSlot) -> torch.Tensor | None:
+        """Where another rank's tensor is written while initializing (None: nothing writes
+        it here, so it stays empty)."""
+        if id(slot) not in self.slots:
+            return None
         buf = self.buffers[torch.float32 if slot.trainable else self.dtype]
         return buf[: slot.numel].view(slot.shape)
 

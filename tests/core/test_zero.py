@@ -123,6 +123,18 @@ def test_a_rank_that_fails_takes_the_others_out_of_the_same_iteration(tmp_path):
     )
 
 
+def test_two_ranks_from_a_pretrained_directory_equal_one_full_and_lora(tmp_path):
+    from tests.core.helpers import MODELS, reference_model
+
+    reference_model(MODELS["hf_gpt2"]).save_pretrained(tmp_path / "src")
+    single = launch("from_dir", 1, tmp_path / "1")[0]
+    ranks = launch("from_dir", 2, tmp_path / "2")
+    for name in ("full", "lora"):
+        torch.testing.assert_close(
+            torch.tensor(ranks[0][name]), torch.tensor(single[name]), rtol=1e-5, atol=0
+        )
+
+
 def test_random_init_on_two_ranks_gives_the_one_rank_weights(tmp_path):
     """Each rank initializes only its own chunks, but the model's init code still runs
     over every tensor in order (others' into a staging buffer), so the weights are the

@@ -118,7 +118,23 @@ def precision_scenario(rank: int) -> dict:
     return {"precision": engine.stats()["precision"]}
 
 
+def from_dir_scenario(rank: int, world: int, tmp: Path) -> dict:
+    """A pretrained directory (written beforehand by the test), full and LoRA: a rank
+    streams only its own tensors in (others' stay empty, no staging for them)."""
+    out = {}
+    data = batches(4, batch=8)
+    for name, extra in (("full", {}), ("lora", {"lora": {"r": 4}})):
+        cfg = engine_config(chunk_size=8192, **extra)
+        torch.manual_seed(0)  # peft draws the adapters' A: the same stream on every rank
+        engine = pstar_core.initialize(tmp.parent / "src", cfg)
+        out[name] = run_steps(engine, data, rank, world)
+        engine.close()
+    return out
+
+
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
+    if name == "from_dir":
+        return from_dir_scenario(rank, world, tmp)
     if name.startswith("init"):
         return init_scenario(name, rank, world)
     if name == "precision":
