@@ -158,8 +158,10 @@ def check_parity(device: str) -> Check:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         data = _batches(STEPS)
-        on_device = _train(_engine(device, dtype="fp32"), data)
-        on_cpu = _train(_engine("cpu", dtype="fp32"), data)
+        with _engine(device, dtype="fp32") as engine:
+            on_device = _train(engine, data)
+        with _engine("cpu", dtype="fp32") as engine:
+            on_cpu = _train(engine, data)
     finally:  # the other checks run as training would
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
     rel = max(abs(a - b) / abs(b) for a, b in zip(on_device, on_cpu, strict=True))
@@ -224,6 +226,8 @@ def check_budget(device: str) -> Check:
         engine = _engine(device, {"device_budget": budget})
         losses = _train(engine, _batches(STEPS))
     except torch.OutOfMemoryError as e:
+        if engine is not None:
+            engine.close()
         return Check("budget", "fail", {"budget": budget, "limit": limit}, f"out of memory: {e}")
     finally:
         if caps.allocator_stats:
