@@ -131,7 +131,7 @@ def _run_engine(
             if steady:
                 j = m.tracer.moment
                 resident[j] = max(resident.get(j, 0), m.residency.tiers["device"].used_bytes)
-            cum.append(dict(m.residency.bytes_moved))
+            cum.append(dict(m.residency.transfers.bytes_moved))
         stats = engine.stats()
         trace = m.tracer.trace
         names = trace.names if trace is not None else []

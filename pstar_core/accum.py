@@ -36,7 +36,7 @@ class GradAccumulator:
         master = self.lists[ChunkType.PARAM_FP32][chunk.index]
         if acc is None:
             acc = Chunk(ChunkType.GRAD_ACCUM, chunk.index, chunk.capacity, torch.float32)
-            r._make_room(chunk.tier, acc.nbytes, {id(chunk), id(master)})
+            r.reserve(chunk.tier, acc.nbytes, {id(chunk), id(master)})
             with r.tracer.chunk_memory():
                 payload = r.tiers[chunk.tier].allocate(acc.capacity, acc.dtype).zero_()
             r.adopt(acc, payload, chunk.tier)

@@ -43,6 +43,7 @@ from safetensors import safe_open
 
 from pstar_core.chunk import Chunk, ChunkType
 from pstar_core.devices import rng_state, set_rng_state
+from pstar_core.tiers import TierName
 
 if TYPE_CHECKING:
     from pstar_core.engine import Engine
@@ -144,7 +145,7 @@ def _write_rank_files(engine: Engine, directory: Path) -> None:
         # continues (a fused device kernel and the host's differ in the last bits)
         "placement": {
             "device": engine.device.type,
-            "device_budget": m.residency.tiers["device"].budget_bytes,
+            "device_budget": m.residency.tiers[TierName.DEVICE].budget_bytes,
             "device_adam": sorted(m.device_adam),
         },
     }
@@ -272,7 +273,7 @@ def _restore_placement(engine: Engine, saved: dict[str, Any] | None) -> None:
     m = engine.manager
     if saved is None or m.tracer.trace is not None or saved["device"] != engine.device.type:
         return
-    if m.residency.tiers["device"].budget_bytes < saved["device_budget"]:
+    if m.residency.tiers[TierName.DEVICE].budget_bytes < saved["device_budget"]:
         return
     m.device_adam = {i for i in saved["device_adam"] if i < len(m.lists[ChunkType.PARAM])}
 

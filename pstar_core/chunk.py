@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pstar_core.tiers import TierName
+
 
 class ChunkType(enum.Enum):
     PARAM = "param"  # compute dtype (fp16/bf16/fp32); after backward, slots hold grads
@@ -92,7 +94,7 @@ class Chunk:
     dtype: torch.dtype
     slots: list[TensorSlot] = field(default_factory=list)
     payload: torch.Tensor | None = None
-    tier: str | None = None  # "device", "host", "disk", or None before allocation
+    tier: TierName | None = None  # None before allocation
     pins: int = 0  # > 0 while a collective needs the payload where it is
     disk_offset: int | None = None  # where its bytes are in the disk tier's spill file
     nbytes: int = 0

@@ -32,7 +32,7 @@ from pstar_core.manager import TrainingPhase as P
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
-from pstar_core.tiers import FreedMemory, return_freed_host_memory
+from pstar_core.tiers import FreedMemory, TierName, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
@@ -472,7 +472,7 @@ class Engine:
             return  # another rank owns this tensor and loads it there
         if slot.trainable:
             chunks = [m.chunk_of(k, slot) for k in (ChunkType.PARAM_FP32, ChunkType.PARAM)]
-            m.residency.make_resident([c for c in chunks if c.tier == "disk"], "host")
+            m.residency.make_resident([c for c in chunks if c.tier == TierName.DISK], TierName.HOST)
             master = chunks[0].view(slot)
             master.copy_(value)
             chunks[1].view(slot).copy_(master)
@@ -564,11 +564,11 @@ class Engine:
             "bytes_per_param": _bytes_per_param(chunks, self.plan, self.zero.nproc),
             "grad_accum_bytes": m.grad_accum.bytes,
             "peak_grad_accum_bytes": m.grad_accum.peak_bytes,
-            "bytes_moved": dict(m.residency.bytes_moved),
-            "prefetched": dict(m.residency.prefetched),
-            "moves": dict(m.residency.moves),
-            "bytes_moved_last_iteration": dict(m.residency.last_iteration_bytes_moved),
-            "moves_last_iteration": dict(m.residency.last_iteration_moves),
+            "bytes_moved": dict(m.residency.transfers.bytes_moved),
+            "prefetched": dict(m.residency.transfers.prefetched),
+            "moves": dict(m.residency.transfers.moves),
+            "bytes_moved_last_iteration": dict(m.residency.transfers.last_iteration_bytes_moved),
+            "moves_last_iteration": dict(m.residency.transfers.last_iteration_moves),
             "tiers": m.residency.tier_bytes(),
             "load_peak_bytes": dict(m.residency.load_peak_bytes),  # per tier, while loading
             "tracer": self.manager.tracer.stats(),

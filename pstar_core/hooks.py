@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from pstar_core.chunk import TensorSlot, TensorState
 from pstar_core.manager import ChunkManager
+from pstar_core.tiers import TierName
 
 S = TensorState
 
@@ -152,8 +153,8 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
     def unpack(x: Any) -> torch.Tensor:
         if not isinstance(x, ChunkRef):
             return x
-        if x.chunk.tier != "device":
-            manager.residency.make_resident([x.chunk], "device")
+        if x.chunk.tier != TierName.DEVICE:
+            manager.residency.make_resident([x.chunk], TierName.DEVICE)
         # a chunk already accounted on the device may still be on its way there (a
         # prefetch on the copy stream): its payload is read only once it has arrived
         manager.residency.arrive(x.chunk)

@@ -6,7 +6,10 @@ Release (Algorithm 2) sets the HOLD-like state and points `param.data` at an emp
 placeholder, so a parameter has real storage only while an operator needs it.
 
 The rest lives beside it, one concern a module:
-- `residency.Residency`: tiers, budgets, moves between tiers, the eviction driver;
+- `residency.Residency`: Algorithm 1's memory half, where `access_slots` continues: bring
+  chunks to a tier, the limit A_j, making room by eviction (OPT), letting chunks go;
+- `transfers.Transfers`: the copies between tiers, prefetch arrivals, move counters;
+- `tiers`: the tiers (`TierName`) and their budgets;
 - `zero.GatheredGroups`: the ZeRO communication groups' gather / reduce / release;
 - `accum.GradAccumulator`: gradients kept across micro-batches;
 - `placement`: which optimizer-state chunks live (and are updated) on the device;
@@ -28,7 +31,7 @@ from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import MemoryConfig
 from pstar_core.mapping import Plan
 from pstar_core.residency import PARAM_LISTS, Residency
-from pstar_core.tiers import MemoryBudgetError, gib
+from pstar_core.tiers import MemoryBudgetError, TierName, gib
 from pstar_core.tracer import MemoryTracer
 from pstar_core.zero import GatheredGroups, ZeroGroup
 
@@ -135,13 +138,13 @@ class ChunkManager:
         for c in self.chunks():
             if self.owned(c):
                 continue
-            if c.payload is not None or c.tier == "disk":  # disk: spilled while loading
+            if c.payload is not None or c.tier == TierName.DISK:  # disk: spilled while loading
                 self.residency.forget(c)
             c.zero_pending = False  # gathered from its owner, never made here
 
     def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:
         """Fail before training if one operator's chunks cannot fit on the device at all."""
-        budget = self.residency.tiers["device"].budget_bytes
+        budget = self.residency.tiers[TierName.DEVICE].budget_bytes
         if self.memory.policy == "static":
             budget = int(self.memory.static_model_share * budget)
         for slots in operators:
@@ -158,7 +161,7 @@ class ChunkManager:
 
     def begin_operator(self, name: str) -> None:
         """A new moment: an operator is about to start."""
-        device = self.residency.tiers["device"]
+        device = self.residency.tiers[TierName.DEVICE]
         low = device.compute_low_bytes
         self.tracer.new_moment(name, device.used_bytes, device.new_window(), low)
         device.start_compute()  # until its chunks are in place (an operator without any)
@@ -168,7 +171,7 @@ class ChunkManager:
     def end_pass(self) -> bool:
         """The iteration (or evaluation forward) is over: close the tracer's pass; True if
         it recorded a new trace (placement is then decided again from it)."""
-        device = self.residency.tiers["device"]
+        device = self.residency.tiers[TierName.DEVICE]
         self.tracer.close_window(device.new_window(), device.compute_low_bytes)
         traced = self.tracer.end_pass()
         if traced:
@@ -196,8 +199,8 @@ class ChunkManager:
             for s in slots:
                 if s.state is S.HOLD_AFTER_BWD:
                     self.grad_accum.stash(self.param_chunk(s))
-            self.residency.make_resident(chunks, "device")
-            self.residency.tiers["device"].start_compute()
+            self.residency.make_resident(chunks, TierName.DEVICE)
+            self.residency.tiers[TierName.DEVICE].start_compute()
             self.residency.prefetch()
             for s in slots:
                 chunk = self.param_chunk(s)
@@ -244,7 +247,7 @@ class ChunkManager:
         if slot.state is not S.COMPUTE:
             # A gradient for a tensor not accessed in backward (used outside its module's
             # forward): bring its chunk back first; the slot still holds the value.
-            self.residency.make_resident([chunk], "device")
+            self.residency.make_resident([chunk], TierName.DEVICE)
             slot.set_state(S.COMPUTE)
         chunk.view(slot).copy_(grad)
         slot.compute_refs = 0
@@ -295,7 +298,7 @@ class ChunkManager:
         if acc is not None:
             chunks.append(acc)
         self.residency.make_resident(chunks, placement.adam_tier(self, index))
-        self.residency.tiers["device"].start_compute()
+        self.residency.tiers[TierName.DEVICE].start_compute()
         self.residency.prefetch()
 
     def free_grad_accum(self) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pstar_core.chunk import ChunkType
 from pstar_core.kernels import adam_temporary_bytes
+from pstar_core.tiers import TierName
 
 ADAM_MOMENT = "adam."  # the moment of Adam on trainable chunk i is named f"adam.{i}"
 
@@ -46,7 +47,7 @@ def place_optimizer_states(m: ChunkManager) -> int:
         (n for name, n in zip(trace.names, trace.non_model, strict=False) if not _is_adam(name)),
         default=0,
     )
-    margin = m.residency.tiers["device"].budget_bytes - peak - params
+    margin = m.residency.tiers[TierName.DEVICE].budget_bytes - peak - params
     temporary = adam_temporary_bytes(m.plan.chunk_size, m.device)
     left = margin - temporary
     for i, chunk in enumerate(m.lists[ChunkType.PARAM]):
@@ -75,6 +76,6 @@ def _reserve_adam_temporaries(trace, device_adam: set[int], temporary: int) -> N
             trace.non_model[j] = max(trace.non_model[j], temporary)
 
 
-def adam_tier(m: ChunkManager, index: int) -> str:
+def adam_tier(m: ChunkManager, index: int) -> TierName:
     """Where Adam runs for trainable chunk `index` (the host until a trace exists)."""
-    return "device" if index in m.device_adam else "host"
+    return TierName.DEVICE if index in m.device_adam else TierName.HOST

@@ -9,7 +9,7 @@ begins, those that sit a tier too far are sent on their way in the background:
   (`devices.CopyStream`), so the copy overlaps the compute stream's kernels.
 A chunk on its way is accounted on its new tier at once (budgets hold from the start)
 and `arrive` waits for it before anything reads its payload; every path that reads a
-payload goes through `Residency.make_resident`, `in_memory` or `_move`, which call it.
+payload goes through `Residency.make_resident`, `in_memory` or `move`, which call it.
 A prefetch only fills free room: it never evicts (evicting chunks needed later to make
 room was measured to move more bytes and run slower); a chunk that does not fit is left
 for the ordinary move at its use, where OPT makes the room. Waiting, not
@@ -23,13 +23,13 @@ from typing import NamedTuple
 
 import torch
 
-from pstar_core.tiers import SpillFile
+from pstar_core.tiers import SpillFile, TierName
 
 
 class Arrival(NamedTuple):
     """A move issued and not yet waited on."""
 
-    src: str  # the tier it comes from ("disk" or "host")
+    src: TierName  # the tier it comes from (disk or host)
     done: Future | object  # a Future (disk read) or the copy stream's event (CUDA)
     disk_offset: int | None  # the spill region to give back once read
     source: torch.Tensor | None  # the host buffer a device copy reads (kept until done)

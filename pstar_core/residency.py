@@ -1,9 +1,16 @@
-"""`Residency`: where each chunk's payload lives, and the budgets of the tiers.
+"""`Residency`: which tier holds each chunk, and the room-making of Algorithm 1.
 
-It owns the three tiers (device, host, disk) and every move between them: a chunk is
-brought to a tier with `make_resident`, which first makes room by evicting others (never
-the ones asked for) with the policy's victim choice, and every move is a real copy,
-counted per direction. How much chunk memory the device may hold:
+The memory layer is three parts:
+- `tiers`: the tiers (`TierName`: device, host, disk) and their budgets;
+- `transfers`: the copies between tiers (one hop each), arrivals of prefetched chunks,
+  the copy stream, the disk reader and the move counters;
+- here: bringing chunks to a tier (`make_resident`), making room for them (`reserve`)
+  by evicting others, and letting chunks go (`forget`).
+
+Algorithm 1's memory half reads top to bottom in this file: `make_resident` -> `allowed`
+(how much chunk memory the tier may hold now) -> `reserve` (evict until the chunks fit)
+-> `victim` (which chunk goes) -> `move` (host room made by spilling, hops through the
+host). How much chunk memory the device may hold:
 - at moment j of an iteration that follows the trace, A_j = L - max(N_j, N_{j+1});
 - off the trace (a departed iteration, an evaluation forward), L - peak N x batch scale;
 - in warm-up (or a re-trace) `warmup_ratio * L`, and under the 'static' policy always
@@ -15,21 +22,21 @@ warm-up. When the host tier is over budget, chunks spill to disk by the same pol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
-from pstar_core.devices import CopyStream, check
+from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
-from pstar_core.prefetch import Arrival, DiskReader
-from pstar_core.tiers import MemoryBudgetError, Tier, gib, make_tiers
+from pstar_core.tiers import MemoryBudgetError, Tier, TierName, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
+from pstar_core.transfers import PARAM_LISTS, PayloadIndex, Transfers
 
-PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 ZERO_AT_START = (ChunkType.MOMENTUM, ChunkType.VARIANCE)
+__all__ = ["PARAM_LISTS", "Residency"]
 
 
 class Residency:
@@ -45,32 +52,25 @@ class Residency:
         self.lists = lists
         self.memory = memory
         self.tracer = tracer
-        self.tiers: dict[str, Tier] = make_tiers(memory, device)
+        self.tiers: dict[TierName, Tier] = make_tiers(memory, device)
+        self.payloads = PayloadIndex()
+        self.transfers = Transfers(self.tiers, tracer, self.payloads, device)
         self._owned = owned  # ZeRO: chunks this rank keeps
         self._extra = extra  # chunks outside the lists that may be evicted (grad accum)
-        self.bytes_moved: dict[str, int] = {}  # in total
         self.load_peak_bytes: dict[str, int] = {}  # per tier, until training starts
-        self.moves: dict[str, int] = {}
-        self.iteration_bytes_moved: dict[str, int] = {}  # in the iteration under way
-        self.iteration_moves: dict[str, int] = {}
-        self.last_iteration_bytes_moved: dict[str, int] = {}  # in the last complete one
-        self.last_iteration_moves: dict[str, int] = {}
         self._last_use: dict[int, int] = {}  # LRU: the clock at each chunk's last use
         self._clock = 0  # operators started so far
-        # storage address -> the chunks whose payload lies in it (one each, except a
-        # gathered ZeRO group: its chunks are slices of one buffer); for saved tensors
-        self._by_storage: dict[int, list[Chunk]] = {}
         # waits for collectives still in flight and frees their buffers; True if it freed
-        # anything (set by ZeRO's gathered groups: their reductions run asynchronously)
-        self.settle: Callable[[], bool] = lambda: False
-        # [Note: prefetch] moves under way, by chunk id; the reader and the copy stream
-        self._arriving: dict[int, Arrival] = {}
-        self._reader = DiskReader()
-        self._copier = CopyStream(device)
-        self.prefetched: dict[str, int] = {}  # direction -> chunks prefetched in total
+        # anything (ZeRO's gathered groups register theirs: their reductions run async)
+        self._settle: Callable[[], bool] = lambda: False
         self._by_moment: tuple[object, list[list[tuple[str, int]]]] | None = None
 
-    def _chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterable[Chunk]:
+    def settle_with(self, settle: Callable[[], bool]) -> None:
+        """What to call when the device is short of room and nothing can be evicted:
+        wait for in-flight collectives, True if that freed memory (ZeRO's reductions)."""
+        self._settle = settle
+
+    def _chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterator[Chunk]:
         for kind, chunks in self.lists.items():
             if kinds is None or kind in kinds:
                 yield from chunks
@@ -78,6 +78,180 @@ class Residency:
     def tick(self) -> None:
         """An operator starts (the LRU clock)."""
         self._clock += 1
+
+    # -- Algorithm 1: bring chunks to a tier, making room by eviction ---------------------
+
+    def make_resident(self, chunks: Sequence[Chunk], tier: TierName) -> None:
+        """Bring `chunks` to `tier`, evicting others (never these) to make room."""
+        for c in chunks:
+            self.transfers.arrive(c)
+            self.tracer.note_use((c.kind.value, c.index))
+            self._last_use[id(c)] = self._clock
+        need = sum(c.nbytes for c in chunks if c.tier != tier)
+        if need or tier == DEVICE:
+            # On the device the limit changes per moment (A_j shrinks when activations
+            # grow), so it is enforced at every operator start, not only on a fetch.
+            self.reserve(tier, need, protect={id(c) for c in chunks})
+            for c in chunks:
+                self.move(c, tier)
+
+    def allowed(self, tier: TierName) -> int:
+        """Chunk bytes `tier` may hold now: its budget; on the device, A_j."""
+        t = self.tiers[tier]
+        if tier != DEVICE:
+            return t.budget_bytes
+        if self.memory.policy == "static":
+            return int(self.memory.static_model_share * t.budget_bytes)
+        if self.tracer.trace is None or self.tracer.tracing:
+            return int(self.memory.warmup_ratio * t.budget_bytes)
+        return t.budget_bytes - self.tracer.non_model_allowance()
+
+    def reserve(self, tier: TierName, need: int, protect: set[int]) -> None:
+        """Make room for `need` more chunk bytes on `tier` by evicting chunks (never those
+        whose ids are in `protect`) one tier down, until they fit `allowed(tier)`."""
+        t = self.tiers[tier]
+        allowed = self.allowed(tier)
+        if tier == DEVICE and not self.tracer.following:
+            # warm-up, or a pass off the trace: the operator's whole working set, and
+            # gathered groups still in use, may exceed the conservative limit
+            held = sum(
+                c.nbytes
+                for c in self._chunks()
+                if c.tier == tier and (c.pins or id(c) in protect or not self._evictable(c, set()))
+            )
+            allowed = max(allowed, held + need)
+        while t.used_bytes + need > allowed:
+            candidates = [
+                c for c in self._chunks() if c.tier == tier and self._evictable(c, protect)
+            ]
+            candidates += [c for c in self._extra() if c.tier == tier and id(c) not in protect]
+            if not candidates:
+                if tier == DEVICE and self._settle():
+                    continue  # a reduction in flight held memory; it is done now
+                raise MemoryBudgetError(
+                    f"cannot fit {gib(need)} more chunk memory on the {tier} tier at moment "
+                    f"{self.tracer.moment}: {gib(t.used_bytes)} in use by chunks that are "
+                    f"needed now, {gib(allowed)} allowed (budget {gib(t.budget_bytes)}); "
+                    f"raise memory.{tier}_budget"
+                )
+            victim = self.victim(candidates)
+            self.move(victim, HOST if tier == DEVICE else DISK, protect)
+
+    def _evictable(self, c: Chunk, protect: set[int]) -> bool:
+        if id(c) in protect or c.pins:
+            return False
+        # COMPUTE tensors pin their param chunk; optimizer-state chunks are protected
+        # explicitly while Adam runs on them.
+        return c.kind not in PARAM_LISTS or all(s.state in HOLD_LIKE for s in c.slots)
+
+    def victim(self, candidates: list[Chunk]) -> Chunk:
+        """The chunk to evict: OPT while the trace is followed, else LRU (list order in
+        warm-up, when no use has a history yet)."""
+        trace = self.tracer.trace
+        if self.memory.policy in ("lru", "static"):
+            return choose_lru(candidates, self._last_use)
+        if trace is None or self.tracer.tracing:
+            return choose_in_list_order(candidates)
+        if not self.tracer.following:  # the traced future does not hold for this pass
+            return choose_lru(candidates, self._last_use)
+        return choose_opt(
+            candidates,
+            lambda c: self.tracer.uses_of((c.kind.value, c.index)),
+            self.tracer.moment,
+            trace.moments,
+        )
+
+    def move(self, c: Chunk, tier: TierName, protect: set[int] | None = None) -> None:
+        """Move `c` to `tier`: through the host between disk and device (the spill file
+        reads and writes host memory only), spilling to disk for room on the host."""
+        self.transfers.arrive(c)
+        if c.tier == tier:
+            return
+        if {c.tier, tier} == {DISK, DEVICE}:
+            self.move(c, HOST, protect)
+        dst = self.tiers[tier]
+        if tier == HOST and dst.used_bytes + c.nbytes > dst.budget_bytes:
+            self.reserve(HOST, c.nbytes, (protect or set()) | {id(c)})
+        if tier == DISK and dst.used_bytes + c.nbytes > dst.budget_bytes:
+            raise MemoryBudgetError(
+                f"the disk tier is full ({gib(dst.used_bytes)} of {gib(dst.budget_bytes)}); "
+                "raise memory.disk_budget"
+            )
+        if c.tier is None:  # a zero_pending chunk's first use: not a move
+            self._materialize_zeros(c, tier)
+            return
+        self.transfers.hop(c, tier)
+
+    def forget(self, c: Chunk) -> None:
+        """Drop a chunk's payload from whatever tier holds it (memory or disk)."""
+        self.transfers.arrive(c)
+        if c.tier == DISK:
+            self.tiers[DISK].spill_file().free(c.disk_offset, c.nbytes)
+            c.disk_offset = None
+        elif c.payload is not None:
+            self.payloads.remove(c)
+            self.tiers[c.tier].release(c.payload)
+            with self.tracer.chunk_memory():
+                c.payload = None
+        if c.tier is not None:
+            self.tiers[c.tier].remove(c.nbytes)
+        c.tier = None
+
+    # -- payloads made outside a move ------------------------------------------------------
+
+    def _materialize_zeros(self, c: Chunk, tier: TierName) -> None:
+        assert c.zero_pending, f"{c.kind.value} chunk {c.index} has no memory and no contents"
+        with self.tracer.chunk_memory():
+            zeros = self.tiers[HOST if tier == DISK else tier].allocate(c.capacity, c.dtype)
+            zeros.zero_()
+        c.zero_pending = False
+        if tier == DISK:
+            c.disk_offset = self.tiers[DISK].spill_file().write(zeros)
+            c.tier = DISK
+            self.tiers[DISK].add(c.nbytes)
+        else:
+            self.adopt(c, zeros, tier)
+
+    def adopt(self, c: Chunk, payload: torch.Tensor, tier: TierName) -> None:
+        """Register a payload made outside a move (a gathered remote chunk, an accum chunk)."""
+        c.payload = payload
+        c.tier = tier
+        self.tiers[tier].add(c.nbytes)
+        self.payloads.add(c)
+
+    def rehome(self, c: Chunk, payload: torch.Tensor) -> None:
+        """Swap the payload of a chunk for another on the same tier holding the same bytes
+        (a chunk entering or leaving a gathered group's buffer); its old one is dropped."""
+        check(
+            payload.device == c.payload.device,
+            f"{c.kind.value} chunk {c.index} rehomed from {c.payload.device} to {payload.device}",
+        )
+        self.payloads.remove(c)
+        self.tiers[c.tier].release(c.payload)
+        c.payload = payload
+        self.payloads.add(c)
+
+    def in_memory(self, c: Chunk) -> Chunk:
+        """Make sure `c` has a payload (bring it from disk to host if spilled, allocate it
+        zeroed on the host if it has never been used)."""
+        if c.tier == DISK or c.zero_pending:
+            self.make_resident([c], HOST)
+        return c
+
+    def colocate(self, chunks: Sequence[Chunk]) -> None:
+        """Bring `chunks` into memory on the first one's tier (host if it is spilled), so
+        an operation can read them together."""
+        tier = chunks[0].tier
+        self.make_resident(chunks, HOST if tier == DISK else tier)
+
+    def chunk_of_tensor(self, t: torch.Tensor) -> Chunk | None:
+        return self.payloads.chunk_of_tensor(t)
+
+    def arrive(self, c: Chunk) -> None:
+        """Wait until `c`'s payload holds its bytes (a prefetch of it may be under way)."""
+        self.transfers.arrive(c)
+
+    # -- where chunks start ---------------------------------------------------------------
 
     def allocate_all(self, streamed: bool = False) -> bool:
         """Every chunk of this rank the weights are written into starts in host memory,
@@ -98,7 +272,7 @@ class Residency:
         (`enforce_budgets`), which may spill chunks to disk.
         """
         self._check_total_fits()
-        host = self.tiers["host"]
+        host = self.tiers[HOST]
         frozen = self.lists[ChunkType.FROZEN]
         eager = sum(
             c.nbytes
@@ -114,7 +288,7 @@ class Residency:
                 continue
             with self.tracer.chunk_memory():
                 payload = host.allocate(c.capacity, c.dtype).zero_()
-            self.adopt(c, payload, "host")
+            self.adopt(c, payload, HOST)
         return lazy
 
     def _device_share(self) -> int:
@@ -124,7 +298,7 @@ class Residency:
             if self.memory.policy == "static"
             else (self.memory.warmup_ratio)
         )
-        return int(ratio * self.tiers["device"].budget_bytes)
+        return int(ratio * self.tiers[DEVICE].budget_bytes)
 
     def _check_total_fits(self) -> None:
         """Fail before training when the chunks cannot all pass through host and disk.
@@ -134,28 +308,26 @@ class Residency:
         device budget cannot count here without risking a failure mid-run.
         """
         need = sum(c.nbytes for c in self._chunks() if self._owned(c))
-        t = self.tiers
-        have = t["host"].budget_bytes + t["disk"].budget_bytes
-        if need > have:
+        host, disk = self.tiers[HOST].budget_bytes, self.tiers[DISK].budget_bytes
+        if need > host + disk:
             raise MemoryBudgetError(
                 f"the model needs {gib(need)} of chunks (model data), the budgets give "
-                f"{gib(have)} (host {gib(t['host'].budget_bytes)}, disk "
-                f"{gib(t['disk'].budget_bytes)}; the warm-up step updates every chunk on the "
-                "host, so the device budget does not count here); raise memory.host_budget "
-                "or memory.disk_budget (with memory.disk_dir), or use a smaller model / "
-                "fewer trainable parameters"
+                f"{gib(host + disk)} (host {gib(host)}, disk {gib(disk)}; the warm-up step "
+                "updates every chunk on the host, so the device budget does not count "
+                "here); raise memory.host_budget or memory.disk_budget (with "
+                "memory.disk_dir), or use a smaller model / fewer trainable parameters"
             )
 
     def enforce_budgets(self) -> None:
         """After materialization: what the host budget cannot hold goes to the device (up
         to the share model data may use in warm-up), then to disk."""
-        host, device = self.tiers["host"], self.tiers["device"]
+        host, device = self.tiers[HOST], self.tiers[DEVICE]
         share = self._device_share()
         for c in self._chunks(PARAM_LISTS):
             if host.used_bytes <= host.budget_bytes:
                 break
-            if c.tier == "host" and device.used_bytes + c.nbytes <= share:
-                self._move(c, "device")
+            if c.tier == HOST and device.used_bytes + c.nbytes <= share:
+                self.move(c, DEVICE)
         order = [
             c
             for kind in (
@@ -165,23 +337,23 @@ class Residency:
                 *PARAM_LISTS[::-1],
             )
             for c in self.lists[kind]
-            if c.tier == "host"  # what the host cannot hold; chunks on the device stay there
+            if c.tier == HOST  # what the host cannot hold; chunks on the device stay there
         ]
         for c in reversed(order):  # the last chunks of the optimizer lists are needed last
             if host.used_bytes <= host.budget_bytes:
                 break
-            self._move(c, "disk")
+            self.move(c, DISK)
         # Materialization holds all of this rank's chunks in host memory before this
         # spill (frozen chunks excepted when streamed, see `allocate_all`), so the
         # loading peaks are kept apart and training's are counted from here on.
-        self.load_peak_bytes = {name: t.peak_bytes for name, t in self.tiers.items()}
+        self.load_peak_bytes = {str(name): t.peak_bytes for name, t in self.tiers.items()}
         for t in self.tiers.values():
             t.peak_bytes = t.iteration_peak_bytes = t.used_bytes
 
     def pin_host_chunks(self) -> None:
         """After materialization (remote chunks dropped, budgets enforced): the host
         tier's chunks move into its pool, sized to what this rank can ever hold there."""
-        host = self.tiers["host"]
+        host = self.tiers[HOST]
         if not host.use_arena:
             return
         own = sum(c.nbytes for c in self._chunks() if self._owned(c))
@@ -189,263 +361,32 @@ class Residency:
         own += sum(4 * c.capacity for c in self.lists[ChunkType.PARAM] if self._owned(c))
         host.make_arena(min(own, host.budget_bytes))
         for c in self._chunks():
-            if c.tier == "host" and c.payload is not None:
+            if c.tier == HOST and c.payload is not None:
                 with self.tracer.chunk_memory():
                     pinned = host.allocate(c.capacity, c.dtype)
                     pinned.copy_(c.payload)
                     self.rehome(c, pinned)
 
-    def make_resident(self, chunks: Sequence[Chunk], tier: str) -> None:
-        """Bring `chunks` to `tier`, evicting others (never these) to make room."""
-        for c in chunks:
-            self.arrive(c)
-            self.tracer.note_use((c.kind.value, c.index))
-            self._last_use[id(c)] = self._clock
-        need = sum(c.nbytes for c in chunks if c.tier != tier)
-        if need or tier == "device":
-            # On the device the limit changes per moment (A_j shrinks when activations
-            # grow), so it is enforced at every operator start, not only on a fetch.
-            self._make_room(tier, need, protect={id(c) for c in chunks})
-            for c in chunks:
-                self._move(c, tier)
-
-    def _allowed(self, tier: str) -> int:
-        t = self.tiers[tier]
-        if tier != "device":
-            return t.budget_bytes
-        if self.memory.policy == "static":
-            return int(self.memory.static_model_share * t.budget_bytes)
-        if self.tracer.trace is None or self.tracer.tracing:
-            return int(self.memory.warmup_ratio * t.budget_bytes)
-        return t.budget_bytes - self.tracer.non_model_allowance()
-
-    def _evictable(self, c: Chunk, protect: set[int]) -> bool:
-        if id(c) in protect or c.pins:
-            return False
-        # COMPUTE tensors pin their param chunk; optimizer-state chunks are protected
-        # explicitly while Adam runs on them.
-        return c.kind not in PARAM_LISTS or all(s.state in HOLD_LIKE for s in c.slots)
-
-    def _choose(self, candidates: list[Chunk]) -> Chunk:
-        trace = self.tracer.trace
-        if self.memory.policy in ("lru", "static"):
-            return choose_lru(candidates, self._last_use)
-        if trace is None or self.tracer.tracing:
-            return choose_in_list_order(candidates)
-        if not self.tracer.following:  # the traced future does not hold for this pass
-            return choose_lru(candidates, self._last_use)
-        return choose_opt(
-            candidates,
-            lambda c: self.tracer.uses_of((c.kind.value, c.index)),
-            self.tracer.moment,
-            trace.moments,
-        )
-
-    def _make_room(self, tier: str, need: int, protect: set[int]) -> None:
-        t = self.tiers[tier]
-        allowed = self._allowed(tier)
-        if tier == "device" and not self.tracer.following:
-            # warm-up, or a pass off the trace: the operator's whole working set, and
-            # gathered groups still in use, may exceed the conservative limit
-            held = sum(
-                c.nbytes
-                for c in self._chunks()
-                if c.tier == tier and (c.pins or id(c) in protect or not self._evictable(c, set()))
-            )
-            allowed = max(allowed, held + need)
-        while t.used_bytes + need > allowed:
-            candidates = [
-                c for c in self._chunks() if c.tier == tier and self._evictable(c, protect)
-            ]
-            candidates += [c for c in self._extra() if c.tier == tier and id(c) not in protect]
-            if not candidates:
-                if tier == "device" and self.settle():
-                    continue  # a reduction in flight held memory; it is done now
-                raise MemoryBudgetError(
-                    f"cannot fit {gib(need)} more chunk memory on the {tier} tier at moment "
-                    f"{self.tracer.moment}: {gib(t.used_bytes)} in use by chunks that are "
-                    f"needed now, {gib(allowed)} allowed (budget {gib(t.budget_bytes)}); "
-                    f"raise memory.{tier}_budget"
-                )
-            victim = self._choose(candidates)
-            self._move(victim, "host" if tier == "device" else "disk", protect)
-
-    def _move(self, c: Chunk, tier: str, protect: set[int] | None = None) -> None:
-        self.arrive(c)
-        src = c.tier
-        if src == tier:
-            return
-        if {src, tier} == {"disk", "device"}:
-            # moves go disk <-> host <-> device: the spill file reads and writes host
-            # memory only (a GPU buffer cannot be read as NumPy or filled from a file)
-            self._move(c, "host", protect)
-            src = c.tier
-        dst = self.tiers[tier]
-        if tier == "host" and dst.used_bytes + c.nbytes > dst.budget_bytes:
-            self._make_room("host", c.nbytes, (protect or set()) | {id(c)})
-        if tier == "disk" and dst.used_bytes + c.nbytes > dst.budget_bytes:
-            raise MemoryBudgetError(
-                f"the disk tier is full ({gib(dst.used_bytes)} of {gib(dst.budget_bytes)}); "
-                "raise memory.disk_budget"
-            )
-        if src is None:  # a zero_pending chunk's first use: not a move
-            self._materialize_zeros(c, tier)
-            return
-        with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{tier}"):
-            if tier == "disk":
-                c.disk_offset = dst.spill_file().write(c.payload)
-                self._unregister(c)
-                self.tiers[src].release(c.payload)
-                c.payload = None
-            else:
-                new = dst.allocate(c.capacity, c.dtype)
-                if src == "disk":
-                    spill = self.tiers["disk"].spill_file()
-                    spill.read(c.disk_offset, new)
-                    spill.free(c.disk_offset, c.nbytes)
-                    c.disk_offset = None
-                else:
-                    new.copy_(c.payload)
-                    self._unregister(c)
-                    self.tiers[src].release(c.payload)
-                c.payload = new
-                self._register(c)
-        self._account(c, src, tier)
-
-    def end_iteration(self) -> None:
-        """Close the per-iteration move counters (called at the end of `step()`)."""
-        self.last_iteration_bytes_moved = self.iteration_bytes_moved
-        self.last_iteration_moves = self.iteration_moves
-        self.iteration_bytes_moved, self.iteration_moves = {}, {}
-        for t in self.tiers.values():
-            t.new_iteration()
-
-    def _register(self, c: Chunk) -> None:
-        self._by_storage.setdefault(c.payload.untyped_storage().data_ptr(), []).append(c)
-
-    def _unregister(self, c: Chunk) -> None:
-        ptr = c.payload.untyped_storage().data_ptr()
-        chunks = self._by_storage.get(ptr, [])
-        if c in chunks:
-            chunks.remove(c)
-        if not chunks:
-            self._by_storage.pop(ptr, None)
-
-    def chunk_of_tensor(self, t: torch.Tensor) -> Chunk | None:
-        """The chunk whose current payload holds `t` (a view of it), or None. A freed
-        chunk's old address may be reused by any tensor, so entries are checked against
-        the payloads they name."""
-        ptr, start = t.untyped_storage().data_ptr(), t.storage_offset()
-        for c in self._by_storage.get(ptr, ()):
-            p = c.payload
-            if (
-                p is not None
-                and p.dtype == t.dtype
-                and p.untyped_storage().data_ptr() == ptr
-                and p.storage_offset() <= start < p.storage_offset() + c.capacity
-            ):
-                return c
-        return None
-
-    def in_memory(self, c: Chunk) -> Chunk:
-        """Make sure `c` has a payload (bring it from disk to host if spilled, allocate it
-        zeroed on the host if it has never been used)."""
-        if c.tier == "disk" or c.zero_pending:
-            self.make_resident([c], "host")
-        return c
-
-    def colocate(self, chunks: Sequence[Chunk]) -> None:
-        """Bring `chunks` into memory on the first one's tier (host if it is spilled), so
-        an operation can read them together."""
-        tier = chunks[0].tier
-        self.make_resident(chunks, "host" if tier == "disk" else tier)
-
-    def host_pool(self) -> dict[str, int] | None:
-        """The pinned pool's size, bytes in use, and chunks that found no room in it."""
-        arena = self.tiers["host"].arena
-        if arena is None:
-            return None
-        return {"bytes": arena.nbytes, "live": arena.live_bytes, "fallbacks": arena.fallbacks}
-
-    def tier_bytes(self) -> dict[str, dict[str, int]]:
-        return {
-            name: {
-                "budget": t.budget_bytes,
-                "used": t.used_bytes,
-                "peak": t.peak_bytes,
-                "peak_last_iteration": t.last_iteration_peak_bytes,
-            }
-            for name, t in self.tiers.items()
-        }
-
-    def _materialize_zeros(self, c: Chunk, tier: str) -> None:
-        assert c.zero_pending, f"{c.kind.value} chunk {c.index} has no memory and no contents"
-        with self.tracer.chunk_memory():
-            zeros = self.tiers["host" if tier == "disk" else tier].allocate(c.capacity, c.dtype)
-            zeros.zero_()
-        c.zero_pending = False
-        if tier == "disk":
-            c.disk_offset = self.tiers["disk"].spill_file().write(zeros)
-            c.tier = "disk"
-            self.tiers["disk"].add(c.nbytes)
-        else:
-            self.adopt(c, zeros, tier)
-
-    def forget(self, c: Chunk) -> None:
-        """Drop a chunk's payload from whatever tier holds it (memory or disk)."""
-        self.arrive(c)
-        if c.tier == "disk":
-            self.tiers["disk"].spill_file().free(c.disk_offset, c.nbytes)
-            c.disk_offset = None
-        elif c.payload is not None:
-            self._unregister(c)
-            self.tiers[c.tier].release(c.payload)
-            with self.tracer.chunk_memory():
-                c.payload = None
-        if c.tier is not None:
-            self.tiers[c.tier].remove(c.nbytes)
-        c.tier = None
-
-    def adopt(self, c: Chunk, payload: torch.Tensor, tier: str) -> None:
-        """Register a payload made outside a move (a gathered remote chunk, an accum chunk)."""
-        c.payload = payload
-        c.tier = tier
-        self.tiers[tier].add(c.nbytes)
-        self._register(c)
-
-    def rehome(self, c: Chunk, payload: torch.Tensor) -> None:
-        """Swap the payload of a chunk for another on the same tier holding the same bytes
-        (a chunk entering or leaving a gathered group's buffer); its old one is dropped."""
-        check(
-            payload.device == c.payload.device,
-            f"{c.kind.value} chunk {c.index} rehomed from {c.payload.device} to {payload.device}",
-        )
-        self._unregister(c)
-        self.tiers[c.tier].release(c.payload)
-        c.payload = payload
-        self._register(c)
-
-    def close(self) -> None:
-        for c in list(self._chunks()):
-            self.arrive(c)
-        self._reader.close()
-        for t in self.tiers.values():
-            t.close()
-
     # -- prefetch (see [Note: prefetch] in prefetch.py) -----------------------------------
 
-    def arrive(self, c: Chunk) -> None:
-        """Wait until a prefetched chunk's payload holds its bytes (no-op otherwise)."""
-        a = self._arriving.pop(id(c), None)
-        if a is None:
+    def prefetch(self) -> None:
+        """The current operator's chunks are in place: start moving those the next
+        `memory.prefetch_moments` moments use (only while the trace is followed)."""
+        depth = self.memory.prefetch_moments
+        trace = self.tracer.trace
+        if not depth or trace is None or not self.tracer.following:
             return
-        with record_function("pstar::wait prefetch"):
-            if a.src == "disk":
-                a.done.result()
-                self.tiers["disk"].spill_file().free(a.disk_offset, c.nbytes)
-            else:
-                self._copier.wait(a.done)
-                self.tiers["host"].release(a.source)
+        if self.tiers[DISK].spill is None and not self.transfers.copy_stream:
+            return  # nothing is ever far away: no disk tier, no copy stream
+        by_moment = self._uses_by_moment()
+        now = self.tracer.moment
+        upcoming = (
+            c
+            for m in range(now + 1, min(now + depth, trace.moments - 1) + 1)
+            for key in by_moment[m]
+            if (c := self._chunk_of_key(key)) is not None
+        )
+        self.transfers.prefetch(upcoming, self._owned, self.allowed(DEVICE))
 
     def _uses_by_moment(self) -> list[list[tuple[str, int]]]:
         trace = self.tracer.trace
@@ -462,70 +403,35 @@ class Residency:
         chunks = self.lists.get(ChunkType(key[0]))
         return chunks[key[1]] if chunks is not None and key[1] < len(chunks) else None
 
-    def prefetch(self) -> None:
-        """The current operator's chunks are in place: start moving those the next
-        `memory.prefetch_moments` moments use (only while the trace is followed)."""
-        depth = self.memory.prefetch_moments
-        trace = self.tracer.trace
-        if not depth or trace is None or not self.tracer.following:
-            return
-        spill = self.tiers["disk"].spill
-        if spill is None and not self._copier.enabled:
-            return  # nothing is ever far away: no disk tier, no copy stream
-        by_moment = self._uses_by_moment()
-        now = self.tracer.moment
-        for m in range(now + 1, min(now + depth, trace.moments - 1) + 1):
-            for key in by_moment[m]:
-                c = self._chunk_of_key(key)
-                if c is None or id(c) in self._arriving or c.pins or not self._owned(c):
-                    continue
-                if c.tier == "disk" and spill is not None:
-                    self._prefetch_from_disk(c)
-                elif c.tier == "host" and self._copier.enabled and c.kind in PARAM_LISTS:
-                    self._prefetch_to_device(c)
+    # -- iterations, reports, close -------------------------------------------------------
 
-    def _prefetch_from_disk(self, c: Chunk) -> None:
-        host = self.tiers["host"]
-        if host.used_bytes + c.nbytes > host.budget_bytes:
-            # no eviction for a prefetch: measured, evicting chunks needed later to make
-            # room moved 17% more bytes per step and made it slower, not faster
-            return
-        disk = self.tiers["disk"]
-        with self.tracer.chunk_memory():
-            new = host.allocate(c.capacity, c.dtype)
-        done = self._reader.submit(disk.spill_file(), c.disk_offset, new)
-        self._arriving[id(c)] = Arrival("disk", done, c.disk_offset, None)
-        c.disk_offset = None
-        c.payload = new
-        self._register(c)
-        self._account(c, "disk", "host")
-        self.prefetched["disk->host"] = self.prefetched.get("disk->host", 0) + 1
+    def end_iteration(self) -> None:
+        """Close the per-iteration counters (called at the end of `step()`)."""
+        self.transfers.end_iteration()
+        for t in self.tiers.values():
+            t.new_iteration()
 
-    def _prefetch_to_device(self, c: Chunk) -> None:
-        device = self.tiers["device"]
-        if device.used_bytes + c.nbytes > self._allowed("device"):
-            return  # never evicts for a prefetch on the device: A_j is tight there
-        with self.tracer.chunk_memory():
-            new = device.allocate(c.capacity, c.dtype)
-        source = c.payload
-        done = self._copier.copy(new, source)
-        self._unregister(c)
-        self._arriving[id(c)] = Arrival("host", done, None, source)
-        c.payload = new
-        self._register(c)
-        self._account(c, "host", "device")
-        self.prefetched["host->device"] = self.prefetched.get("host->device", 0) + 1
+    def host_pool(self) -> dict[str, int] | None:
+        """The pinned pool's size, bytes in use, and chunks that found no room in it."""
+        arena = self.tiers[HOST].arena
+        if arena is None:
+            return None
+        return {"bytes": arena.nbytes, "live": arena.live_bytes, "fallbacks": arena.fallbacks}
 
-    def _account(self, c: Chunk, src: str, dst: str) -> None:
-        """A move of `c` from tier `src` to `dst`: the tiers' bytes and the move counters."""
-        self.tiers[src].remove(c.nbytes)
-        self.tiers[dst].add(c.nbytes)
-        c.tier = dst
-        key = f"{src}->{dst}"
-        for counter, n in (
-            (self.bytes_moved, c.nbytes),
-            (self.moves, 1),
-            (self.iteration_bytes_moved, c.nbytes),
-            (self.iteration_moves, 1),
-        ):
-            counter[key] = counter.get(key, 0) + n
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        return {
+            str(name): {
+                "budget": t.budget_bytes,
+                "used": t.used_bytes,
+                "peak": t.peak_bytes,
+                "peak_last_iteration": t.last_iteration_peak_bytes,
+            }
+            for name, t in self.tiers.items()
+        }
+
+    def close(self) -> None:
+        for c in list(self._chunks()):
+            self.transfers.arrive(c)
+        self.transfers.close()
+        for t in self.tiers.values():
+            t.close()

@@ -12,6 +12,7 @@ has that capability, so the pool's pinned path runs in the CPU tests.
 
 from __future__ import annotations
 
+import enum
 import mmap
 import os
 import shutil
@@ -24,6 +25,15 @@ import torch
 
 from pstar_core.config import Budget, MemoryConfig
 from pstar_core.devices import capabilities, check, plannable_bytes, register_host, unregister_host
+
+
+class TierName(enum.StrEnum):
+    """The three tiers, nearest to the compute first. A `str` too, so stats, JSON and
+    configuration keys (`memory.host_budget`) keep the plain names."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
 
 
 class MemoryBudgetError(MemoryError):
@@ -191,7 +201,7 @@ class HostArena:
 class Tier:
     """One memory tier: a budget and the chunk bytes it holds now."""
 
-    name: str  # "device", "host" or "disk"
+    name: TierName
     device: torch.device | None  # None for disk
     budget_bytes: int
     used_bytes: int = 0
@@ -205,9 +215,6 @@ class Tier:
     spill: SpillFile | None = None  # disk only, opened on first use
     use_arena: bool = False  # host of an accelerator rank: chunks sliced from one pool
     arena: HostArena | None = None  # made by `make_arena` once the rank's chunks are known
-
-    def free_bytes(self) -> int:
-        return self.budget_bytes - self.used_bytes
 
     def add(self, nbytes: int) -> None:
         self.used_bytes += nbytes
@@ -373,24 +380,23 @@ def _resolve(budget: Budget, whole: int) -> int:
     return int(budget)
 
 
-def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[str, Tier]:
+def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[TierName, Tier]:
     """Resolve the configured budgets into the three tiers."""
     host_whole = host_memory_limit() // local_ranks()
     caps = capabilities(device)
     # an accelerator: what its memory can give us; the CPU as the device: the host's
     dev_whole = plannable_bytes(device, cfg.device_safety) if caps.allocator_stats else host_whole
-    tiers = {
-        "device": Tier("device", device, _resolve(cfg.device_budget, dev_whole)),
-        "host": Tier("host", torch.device("cpu"), _resolve(_host_budget(cfg), host_whole)),
-    }
-    tiers["host"].pin_for = device if caps.pinned_host else None
+    device_budget, host_budget = _resolve(cfg.device_budget, dev_whole), _host_budget(cfg)
+    host = Tier(TierName.HOST, torch.device("cpu"), _resolve(host_budget, host_whole))
+    tiers = {TierName.DEVICE: Tier(TierName.DEVICE, device, device_budget), TierName.HOST: host}
+    host.pin_for = device if caps.pinned_host else None
     # PSTAR_HOST_ARENA=1 slices the host tier from one (unpinned) buffer on a machine
     # without a GPU too, so the pool's bookkeeping runs in CPU tests
-    tiers["host"].use_arena = caps.pinned_host or os.environ.get("PSTAR_HOST_ARENA") == "1"
+    host.use_arena = caps.pinned_host or os.environ.get("PSTAR_HOST_ARENA") == "1"
     disk_dir = cfg.disk_dir or Path(os.environ.get("PSTAR_SPILL_DIR", "/tmp/pstar-spill"))
     disk_budget = 0
     if cfg.disk_budget:
         disk_dir.mkdir(parents=True, exist_ok=True)
         disk_budget = _resolve(cfg.disk_budget, shutil.disk_usage(disk_dir).free)
-    tiers["disk"] = Tier("disk", None, disk_budget, directory=disk_dir)
+    tiers[TierName.DISK] = Tier(TierName.DISK, None, disk_budget, directory=disk_dir)
     return tiers

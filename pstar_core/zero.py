@@ -39,6 +39,7 @@ from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.devices import capabilities, check
+from pstar_core.tiers import TierName
 
 S = TensorState
 Work = dist.Work
@@ -335,7 +336,7 @@ class GatheredGroups:
         self.live: dict[tuple[ChunkType, int], list[Chunk]] = {}
         self.in_flight: list[InFlight] = []  # reduce-scatters issued, oldest first
         self._buffers: dict[int, torch.Tensor] = {}  # own chunk id -> its group's buffer
-        residency.settle = self.settle
+        residency.settle_with(self.settle)
 
     @property
     def contiguous(self) -> bool:
@@ -369,12 +370,13 @@ class GatheredGroups:
                             s.set_state(S.HOLD)
         remote = [m for m in members if m is not own]
         r = self.residency
-        r.make_resident([own], "device")
+        r.make_resident([own], TierName.DEVICE)
         check(
-            own.tier == "device", f"{_name(own)} goes into an all-gather from the {own.tier} tier"
+            own.tier == TierName.DEVICE,
+            f"{_name(own)} goes into an all-gather from the {own.tier} tier",
         )
-        r._make_room("device", sum(m.nbytes for m in remote), {id(m) for m in members})
-        device = r.tiers["device"]
+        r.reserve(TierName.DEVICE, sum(m.nbytes for m in remote), {id(m) for m in members})
+        device = r.tiers[TierName.DEVICE]
         with r.tracer.chunk_memory(), record_function("pstar::all_gather"):
             if self.contiguous:
                 buffer = device.allocate(own.capacity * self.zero.nproc, own.dtype)
@@ -384,11 +386,11 @@ class GatheredGroups:
                 self._buffers[id(own)] = buffer
                 for m, part in zip(members, slices, strict=True):
                     if m is not own:
-                        r.adopt(m, part, "device")
+                        r.adopt(m, part, TierName.DEVICE)
                 self.zero.all_gather(buffer, own.payload, own.kind.value, agreed=True)
             else:
                 for m in remote:
-                    r.adopt(m, device.allocate(m.capacity, m.dtype), "device")
+                    r.adopt(m, device.allocate(m.capacity, m.dtype), TierName.DEVICE)
                 outputs = [m.payload for m in members]
                 if self.zero.variant == "serial":
                     self.zero.broadcast_each(outputs, own.kind.value, agreed=True)
@@ -434,7 +436,7 @@ class GatheredGroups:
         if self.contiguous:
             self._buffers.pop(id(own), None)
             with r.tracer.chunk_memory():
-                alone = r.tiers["device"].allocate(own.capacity, own.dtype)
+                alone = r.tiers[TierName.DEVICE].allocate(own.capacity, own.dtype)
                 alone.copy_(own.payload)
                 r.rehome(own, alone)
         for m in members:
@@ -451,11 +453,12 @@ class GatheredGroups:
         r = self.residency
         for m in members:
             check(
-                m.tier == "device", f"{_name(m)} goes into a reduce-scatter from the {m.tier} tier"
+                m.tier == TierName.DEVICE,
+                f"{_name(m)} goes into a reduce-scatter from the {m.tier} tier",
             )
         if self.zero.variant == "serial":
             with r.tracer.chunk_memory():
-                out = r.tiers["device"].allocate(own.capacity, own.dtype)
+                out = r.tiers[TierName.DEVICE].allocate(own.capacity, own.dtype)
             with record_function("pstar::reduce_scatter"):
                 self.zero.reduce_each_mean([m.payload for m in members], out, own.kind.value)
             own.payload.copy_(out)

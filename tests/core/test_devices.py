@@ -68,12 +68,13 @@ def test_a_spilled_chunk_goes_to_the_device_through_the_host(tmp_path):
     engine = pstar_core.initialize(lambda: ref, engine_config(chunk_size=16384, memory=memory))
     run_engine(engine, batches(2))
     r = engine.manager.residency
+    moves = r.transfers.bytes_moved
     spilled = next(c for c in engine.manager.chunks() if c.tier == "disk")
-    before = dict(r.bytes_moved)
+    before = dict(moves)
     r.make_resident([spilled], "device")
-    moved = {k: v - before.get(k, 0) for k, v in r.bytes_moved.items() if v != before.get(k, 0)}
+    moved = {k: v - before.get(k, 0) for k, v in moves.items() if v != before.get(k, 0)}
     assert spilled.tier == "device"
     assert moved.get("disk->host", 0) >= spilled.nbytes
     assert moved.get("host->device", 0) >= spilled.nbytes
-    assert "disk->device" not in r.bytes_moved
-    assert "device->disk" not in r.bytes_moved  # evictions from the device stop at the host
+    assert "disk->device" not in moves
+    assert "device->disk" not in moves  # evictions from the device stop at the host

@@ -97,7 +97,7 @@ def test_prefetch_from_disk_overlaps_and_changes_nothing(ref, unconstrained, tmp
         assert prefetched == 0
     host = engine.manager.residency.tiers["host"]
     assert host.peak_bytes <= host.budget_bytes  # a prefetch never breaks the budget
-    assert not engine.manager.residency._arriving or engine.manager.tracer.following
+    assert not engine.manager.residency.transfers.arriving or engine.manager.tracer.following
     engine.close()
 
 
@@ -226,7 +226,7 @@ def test_storage_map_never_points_at_freed_chunks_after_accumulation(ref):
         for mb in x.chunk(2):
             engine.backward(engine(input_ids=mb, labels=mb).loss)
         engine.step()
-        for ptr, chunks in engine.manager.residency._by_storage.items():
+        for ptr, chunks in engine.manager.residency.payloads.items():
             assert chunks
             for chunk in chunks:
                 assert chunk.payload is not None, chunk.kind

@@ -1,0 +1,209 @@
+"""`Transfers`: the copies that move a chunk's payload between tiers, and their counters.
+
+A transfer is one hop, disk <-> host or host <-> device, into room the caller has made
+(`Residency` decides what moves and where, and makes the room); here the bytes are
+copied, the tiers' accounts and the move counters updated, and the payload index kept
+true. Moves issued ahead of their use (see [Note: prefetch] in prefetch.py) are arrivals:
+accounted on their new tier at once, waited for (`arrive`) before anything reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.autograd.profiler import record_function
+
+from pstar_core.chunk import Chunk, ChunkType
+from pstar_core.devices import CopyStream
+from pstar_core.prefetch import Arrival, DiskReader
+from pstar_core.tiers import Tier, TierName
+from pstar_core.tracer import MemoryTracer
+
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
+
+
+class PayloadIndex:
+    """Storage address -> the chunks whose payload lies in it (one each, except a gathered
+    ZeRO group: its chunks are slices of one buffer). The saved-tensor hooks ask it which
+    chunk an activation autograd kept is a view of."""
+
+    def __init__(self) -> None:
+        self._by_storage: dict[int, list[Chunk]] = {}
+
+    def add(self, c: Chunk) -> None:
+        self._by_storage.setdefault(c.payload.untyped_storage().data_ptr(), []).append(c)
+
+    def remove(self, c: Chunk) -> None:
+        ptr = c.payload.untyped_storage().data_ptr()
+        chunks = self._by_storage.get(ptr, [])
+        if c in chunks:
+            chunks.remove(c)
+        if not chunks:
+            self._by_storage.pop(ptr, None)
+
+    def items(self) -> Iterable[tuple[int, list[Chunk]]]:
+        return self._by_storage.items()
+
+    def chunk_of_tensor(self, t: torch.Tensor) -> Chunk | None:
+        """The chunk whose current payload holds `t` (a view of it), or None. A freed
+        chunk's old address may be reused by any tensor, so entries are checked against
+        the payloads they name."""
+        ptr, start = t.untyped_storage().data_ptr(), t.storage_offset()
+        for c in self._by_storage.get(ptr, ()):
+            p = c.payload
+            if (
+                p is not None
+                and p.dtype == t.dtype
+                and p.untyped_storage().data_ptr() == ptr
+                and p.storage_offset() <= start < p.storage_offset() + c.capacity
+            ):
+                return c
+        return None
+
+
+class Transfers:
+    def __init__(
+        self,
+        tiers: dict[TierName, Tier],
+        tracer: MemoryTracer,
+        payloads: PayloadIndex,
+        device: torch.device,
+    ) -> None:
+        self.tiers = tiers
+        self.tracer = tracer
+        self.payloads = payloads
+        self.bytes_moved: dict[str, int] = {}  # direction -> bytes, in total
+        self.moves: dict[str, int] = {}
+        self.iteration_bytes_moved: dict[str, int] = {}  # in the iteration under way
+        self.iteration_moves: dict[str, int] = {}
+        self.last_iteration_bytes_moved: dict[str, int] = {}  # in the last complete one
+        self.last_iteration_moves: dict[str, int] = {}
+        self.prefetched: dict[str, int] = {}  # direction -> chunks prefetched in total
+        self.arriving: dict[int, Arrival] = {}  # moves under way, by chunk id
+        self._reader = DiskReader()
+        self._copier = CopyStream(device)
+
+    @property
+    def copy_stream(self) -> bool:
+        """Host-to-device copies can run beside compute (a device with streams)."""
+        return self._copier.enabled
+
+    def hop(self, c: Chunk, dst: TierName) -> None:
+        """Copy `c` one tier over (disk <-> host <-> device) into room already made there;
+        its old payload or spill region is given back."""
+        self.arrive(c)
+        src = c.tier
+        assert {src, dst} != {DISK, DEVICE}, "disk <-> device goes through the host"
+        tier = self.tiers[dst]
+        with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{dst}"):
+            if dst == DISK:
+                c.disk_offset = tier.spill_file().write(c.payload)
+                self.payloads.remove(c)
+                self.tiers[src].release(c.payload)
+                c.payload = None
+            else:
+                new = tier.allocate(c.capacity, c.dtype)
+                if src == DISK:
+                    spill = self.tiers[DISK].spill_file()
+                    spill.read(c.disk_offset, new)
+                    spill.free(c.disk_offset, c.nbytes)
+                    c.disk_offset = None
+                else:
+                    new.copy_(c.payload)
+                    self.payloads.remove(c)
+                    self.tiers[src].release(c.payload)
+                c.payload = new
+                self.payloads.add(c)
+        self.account(c, src, dst)
+
+    def account(self, c: Chunk, src: TierName, dst: TierName) -> None:
+        """A move of `c` from tier `src` to `dst`: the tiers' bytes and the move counters."""
+        self.tiers[src].remove(c.nbytes)
+        self.tiers[dst].add(c.nbytes)
+        c.tier = dst
+        key = f"{src}->{dst}"
+        for counter, n in (
+            (self.bytes_moved, c.nbytes),
+            (self.moves, 1),
+            (self.iteration_bytes_moved, c.nbytes),
+            (self.iteration_moves, 1),
+        ):
+            counter[key] = counter.get(key, 0) + n
+
+    def end_iteration(self) -> None:
+        """Close the per-iteration move counters (called at the end of `step()`)."""
+        self.last_iteration_bytes_moved = self.iteration_bytes_moved
+        self.last_iteration_moves = self.iteration_moves
+        self.iteration_bytes_moved, self.iteration_moves = {}, {}
+
+    # -- arrivals (see [Note: prefetch] in prefetch.py) --------------------------------
+
+    def arrive(self, c: Chunk) -> None:
+        """Wait until a prefetched chunk's payload holds its bytes (no-op otherwise)."""
+        a = self.arriving.pop(id(c), None)
+        if a is None:
+            return
+        with record_function("pstar::wait prefetch"):
+            if a.src == DISK:
+                a.done.result()
+                self.tiers[DISK].spill_file().free(a.disk_offset, c.nbytes)
+            else:
+                self._copier.wait(a.done)
+                self.tiers[HOST].release(a.source)
+
+    def prefetch(
+        self,
+        upcoming: Iterable[Chunk],
+        owned: Callable[[Chunk], bool],
+        device_allowed: int,
+    ) -> None:
+        """Start moving the chunks the next moments use (`upcoming`) a tier closer: from
+        disk into free host room, from host into free device room within
+        `device_allowed`. Never evicts: a chunk that does not fit moves at its use."""
+        spill = self.tiers[DISK].spill
+        if spill is None and not self._copier.enabled:
+            return  # nothing is ever far away: no disk tier, no copy stream
+        for c in upcoming:
+            if id(c) in self.arriving or c.pins or not owned(c):
+                continue
+            if c.tier == DISK and spill is not None:
+                self._from_disk(c)
+            elif c.tier == HOST and self._copier.enabled and c.kind in PARAM_LISTS:
+                self._to_device(c, device_allowed)
+
+    def _from_disk(self, c: Chunk) -> None:
+        host = self.tiers[HOST]
+        if host.used_bytes + c.nbytes > host.budget_bytes:
+            # no eviction for a prefetch: measured, evicting chunks needed later to make
+            # room moved 17% more bytes per step and made it slower, not faster
+            return
+        disk = self.tiers[DISK]
+        with self.tracer.chunk_memory():
+            new = host.allocate(c.capacity, c.dtype)
+        done = self._reader.submit(disk.spill_file(), c.disk_offset, new)
+        self.arriving[id(c)] = Arrival(DISK, done, c.disk_offset, None)
+        c.disk_offset = None
+        c.payload = new
+        self.payloads.add(c)
+        self.account(c, DISK, HOST)
+        self.prefetched["disk->host"] = self.prefetched.get("disk->host", 0) + 1
+
+    def _to_device(self, c: Chunk, allowed: int) -> None:
+        device = self.tiers[DEVICE]
+        if device.used_bytes + c.nbytes > allowed:
+            return  # never evicts for a prefetch on the device: A_j is tight there
+        with self.tracer.chunk_memory():
+            new = device.allocate(c.capacity, c.dtype)
+        source = c.payload
+        done = self._copier.copy(new, source)
+        self.payloads.remove(c)
+        self.arriving[id(c)] = Arrival(HOST, done, None, source)
+        c.payload = new
+        self.payloads.add(c)
+        self.account(c, HOST, DEVICE)
+        self.prefetched["host->device"] = self.prefetched.get("host->device", 0) + 1
+
+    def close(self) -> None:
+        self._reader.close()
