@@ -84,10 +84,12 @@ def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> 
             manager.release(s, target)
         if torch.is_grad_enabled():
             tensors = _needing_grad(output)
-            if tensors:
+            if len(tensors) == 1:  # the usual case: a tensor hook is half the cost
+                tensors[0].register_hook(pre_backward)
+            elif tensors:
                 register_multi_grad_hook(tensors, pre_backward, mode="any")
-                if frozen:
-                    _after_input_grads(_needing_grad(args), frozen, manager)
+            if tensors and frozen:
+                _after_input_grads(_needing_grad(args), frozen, manager)
 
     return hook
 
@@ -115,6 +117,8 @@ def _after_input_grads(
 
 
 def _needing_grad(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # most modules return one tensor: no pytree walk
+        return [tree] if tree.requires_grad else []
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 

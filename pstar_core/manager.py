@@ -23,7 +23,6 @@ import logging
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch.autograd.profiler import record_function
 
 from pstar_core import placement
 from pstar_core.accum import GradAccumulator
@@ -32,7 +31,7 @@ from pstar_core.config import MemoryConfig
 from pstar_core.mapping import Plan
 from pstar_core.residency import PARAM_LISTS, Residency
 from pstar_core.tiers import MemoryBudgetError, TierName, gib
-from pstar_core.tracer import MemoryTracer
+from pstar_core.tracer import MemoryTracer, profiled
 from pstar_core.zero import GatheredGroups, ZeroGroup
 
 log = logging.getLogger(__name__)
@@ -186,7 +185,7 @@ class ChunkManager:
     def access_slots(self, slots: Sequence[TensorSlot], forward: bool = False) -> None:
         """Algorithm 1 for every tensor one operator needs: gather the ZeRO groups, make
         the chunks resident on the device, then point each parameter at its slot."""
-        with record_function("pstar::access"):
+        with profiled("pstar::access"):
             chunks = list({id(c): c for c in (self.param_chunk(s) for s in slots)}.values())
             if self.zero.enabled:
                 for c in chunks:

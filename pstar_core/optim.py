@@ -13,12 +13,11 @@ import math
 import re
 from dataclasses import dataclass
 
-from torch.autograd.profiler import record_function
-
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import EngineConfig, LossScaleConfig, SchedulerConfig
 from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm, grad_sq_norm_device
 from pstar_core.manager import ChunkManager
+from pstar_core.tracer import profiled
 
 S = TensorState
 
@@ -166,7 +165,7 @@ class ChunkAdamW:
                 continue
             i = chunk.index
             self.manager.prepare_adam(i)
-            with record_function("pstar::adam"):
+            with profiled("pstar::adam"):
                 self._adam(i, chunk, segs, grad_scale)
         self.end_step()
 

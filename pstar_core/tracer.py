@@ -31,6 +31,7 @@ import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.profiler import record_function
@@ -42,6 +43,16 @@ log = logging.getLogger(__name__)
 
 CHUNK_MEM = "pstar.chunk_mem"
 MOMENT = "pstar.moment"
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A `record_function` range called `name` while a profiler runs (so `pstar::access`,
+    `pstar::adam`, moves and collectives show in traces), else nothing: opening and
+    closing a range goes through the dispatcher even with no profiler, 6 us alone and
+    ~45 us inside a step (the other core spinning in OpenMP), at ~160 Accesses a step."""
+    if torch.autograd._profiler_enabled():
+        return record_function(name)
+    return contextlib.nullcontext()
 
 
 @dataclass

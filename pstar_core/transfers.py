@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import Chunk, ChunkType
 from pstar_core.devices import CopyStream
 from pstar_core.prefetch import Arrival, DiskReader
 from pstar_core.tiers import Tier, TierName
-from pstar_core.tracer import MemoryTracer
+from pstar_core.tracer import MemoryTracer, profiled
 
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
@@ -97,7 +96,7 @@ class Transfers:
         src = c.tier
         assert {src, dst} != {DISK, DEVICE}, "disk <-> device goes through the host"
         tier = self.tiers[dst]
-        with self.tracer.chunk_memory(), record_function(f"pstar::move {src}->{dst}"):
+        with self.tracer.chunk_memory(), profiled(f"pstar::move {src}->{dst}"):
             if dst == DISK:
                 c.disk_offset = tier.spill_file().write(c.payload)
                 self.payloads.remove(c)
@@ -145,7 +144,7 @@ class Transfers:
         a = self.arriving.pop(id(c), None)
         if a is None:
             return
-        with record_function("pstar::wait prefetch"):
+        with profiled("pstar::wait prefetch"):
             if a.src == DISK:
                 a.done.result()
                 self.tiers[DISK].spill_file().free(a.disk_offset, c.nbytes)

@@ -35,11 +35,11 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.devices import capabilities, check
 from pstar_core.tiers import TierName
+from pstar_core.tracer import profiled
 
 S = TensorState
 Work = dist.Work
@@ -377,7 +377,7 @@ class GatheredGroups:
         )
         r.reserve(TierName.DEVICE, sum(m.nbytes for m in remote), {id(m) for m in members})
         device = r.tiers[TierName.DEVICE]
-        with r.tracer.chunk_memory(), record_function("pstar::all_gather"):
+        with r.tracer.chunk_memory(), profiled("pstar::all_gather"):
             if self.contiguous:
                 buffer = device.allocate(own.capacity * self.zero.nproc, own.dtype)
                 slices = list(buffer.chunk(self.zero.nproc))
@@ -459,14 +459,14 @@ class GatheredGroups:
         if self.zero.variant == "serial":
             with r.tracer.chunk_memory():
                 out = r.tiers[TierName.DEVICE].allocate(own.capacity, own.dtype)
-            with record_function("pstar::reduce_scatter"):
+            with profiled("pstar::reduce_scatter"):
                 self.zero.reduce_each_mean([m.payload for m in members], out, own.kind.value)
             own.payload.copy_(out)
             self._finish_reduce(members, own, averaged=True)
             return
         # in place: own is its slice of the group's buffer, or its entry in the list
         inputs = self._buffers.pop(id(own)) if self.contiguous else [m.payload for m in members]
-        with record_function("pstar::reduce_scatter"):
+        with profiled("pstar::reduce_scatter"):
             work = self.zero.reduce_scatter_sum(own.payload, inputs, own.kind.value)
         self.in_flight.append(InFlight(work, members, own))
         if not self.zero.overlap:
@@ -493,7 +493,7 @@ class GatheredGroups:
             return False
         pending, self.in_flight = self.in_flight, []
         for work, members, own in pending:
-            with record_function("pstar::wait reduce_scatter"):
+            with profiled("pstar::wait reduce_scatter"):
                 work.wait()
             self._finish_reduce(members, own)
         return True
