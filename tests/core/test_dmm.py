@@ -258,3 +258,27 @@ def test_trace_records_the_chunk_bytes_each_operator_computes_with(ref):
     assert engine.manager.tracer.trace.names[0].startswith("fwd:")
     assert start[0] == 0
     assert compute[0] >= CHUNK * 2  # a bf16 param chunk
+
+
+def test_a_slot_view_follows_its_chunk_and_never_keeps_an_evicted_buffer(ref):
+    """Parameters point at views of their chunk made once per payload: after an eviction
+    (a new payload), Access points them at the new buffer, and the old one is freed."""
+    import gc
+    import weakref
+
+    engine = pstar_core.initialize(lambda: ref, engine_config(chunk_size=16384))
+    run_engine(engine, batches(2))
+    m = engine.manager
+    moved = [c for c in m.chunks([ChunkType.PARAM]) if c.payload is not None and c.slots]
+    chunk = moved[0]
+    slot = chunk.slots[0]
+    old = weakref.ref(chunk.payload.untyped_storage())
+    assert chunk.view(slot).untyped_storage().data_ptr() == chunk.payload.data_ptr()
+    target = "host" if chunk.tier == "device" else "device"
+    m.residency.move(chunk, target)
+    gc.collect()
+    assert old() is None  # no cached view held the evicted buffer
+    view = chunk.view(slot)
+    assert view.untyped_storage().data_ptr() == chunk.payload.untyped_storage().data_ptr()
+    torch.testing.assert_close(view, chunk.payload[slot.offset : slot.end].view(slot.shape))
+    engine.close()
