@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pstar_core import lora
+from pstar_core import lora, startup
 from pstar_core.chunk import ChunkType, TensorSlot, TensorState
 from pstar_core.config import ConfigError, EngineConfig, missing_unexpected
 from pstar_core.devices import resolve_device, to_device
@@ -132,7 +132,7 @@ class Engine:
             self.zero.nproc,
         )
         self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
-        self._lazy_frozen = self.manager.residency.allocate_all(streamed=weights is not None)
+        self._lazy_frozen = startup.allocate(self.manager.residency, weights is not None)
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
         )
@@ -159,8 +159,8 @@ class Engine:
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
         self._materialize(weights)
         self.manager.drop_remote()
-        self.manager.residency.enforce_budgets()
-        self.manager.residency.pin_host_chunks()
+        self.load_peak_bytes = startup.enforce_budgets(self.manager.residency)
+        startup.pin_host_chunks(self.manager.residency)
         self.manager.check_working_sets(
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
@@ -570,7 +570,7 @@ class Engine:
             "bytes_moved_last_iteration": dict(m.residency.transfers.last_iteration_bytes_moved),
             "moves_last_iteration": dict(m.residency.transfers.last_iteration_moves),
             "tiers": m.residency.tier_bytes(),
-            "load_peak_bytes": dict(m.residency.load_peak_bytes),  # per tier, while loading
+            "load_peak_bytes": dict(self.load_peak_bytes),  # per tier, while loading
             "tracer": self.manager.tracer.stats(),
             "margin_bytes": self.manager.margin_bytes,
             "device_adam_chunks": len(m.device_adam),

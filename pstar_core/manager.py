@@ -9,7 +9,7 @@ The rest lives beside it, one concern a module:
 - `residency.Residency`: Algorithm 1's memory half, where `access_slots` continues: bring
   chunks to a tier, the limit A_j, making room by eviction (OPT), letting chunks go;
 - `transfers.Transfers`: the copies between tiers, prefetch arrivals, move counters;
-- `tiers`: the tiers (`TierName`) and their budgets;
+- `tiers`: the tiers (`TierName`) and their budgets; `startup`: where chunks start;
 - `zero.GatheredGroups`: the ZeRO communication groups' gather / reduce / release;
 - `accum.GradAccumulator`: gradients kept across micro-batches;
 - `placement`: which optimizer-state chunks live (and are updated) on the device;

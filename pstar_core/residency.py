@@ -5,7 +5,8 @@ The memory layer is three parts:
 - `transfers`: the copies between tiers (one hop each), arrivals of prefetched chunks,
   the copy stream, the disk reader and the move counters;
 - here: bringing chunks to a tier (`make_resident`), making room for them (`reserve`)
-  by evicting others, and letting chunks go (`forget`).
+  by evicting others, and letting chunks go (`forget`);
+- `startup`: where a rank's chunks start, within the budgets, before training.
 
 Algorithm 1's memory half reads top to bottom in this file: `make_resident` -> `allowed`
 (how much chunk memory the tier may hold now) -> `reserve` (evict until the chunks fit)
@@ -35,7 +36,6 @@ from pstar_core.tracer import MemoryTracer
 from pstar_core.transfers import PARAM_LISTS, PayloadIndex, Transfers
 
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
-ZERO_AT_START = (ChunkType.MOMENTUM, ChunkType.VARIANCE)
 __all__ = ["PARAM_LISTS", "Residency"]
 
 
@@ -57,7 +57,6 @@ class Residency:
         self.transfers = Transfers(self.tiers, tracer, self.payloads, device)
         self._owned = owned  # ZeRO: chunks this rank keeps
         self._extra = extra  # chunks outside the lists that may be evicted (grad accum)
-        self.load_peak_bytes: dict[str, int] = {}  # per tier, until training starts
         self._last_use: dict[int, int] = {}  # LRU: the clock at each chunk's last use
         self._clock = 0  # operators started so far
         # waits for collectives still in flight and frees their buffers; True if it freed
@@ -70,10 +69,14 @@ class Residency:
         wait for in-flight collectives, True if that freed memory (ZeRO's reductions)."""
         self._settle = settle
 
-    def _chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterator[Chunk]:
+    def chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterator[Chunk]:
         for kind, chunks in self.lists.items():
             if kinds is None or kind in kinds:
                 yield from chunks
+
+    def owned(self, c: Chunk) -> bool:
+        """ZeRO: whether this rank keeps `c` (always, on one rank)."""
+        return self._owned(c)
 
     def tick(self) -> None:
         """An operator starts (the LRU clock)."""
@@ -116,13 +119,13 @@ class Residency:
             # gathered groups still in use, may exceed the conservative limit
             held = sum(
                 c.nbytes
-                for c in self._chunks()
+                for c in self.chunks()
                 if c.tier == tier and (c.pins or id(c) in protect or not self._evictable(c, set()))
             )
             allowed = max(allowed, held + need)
         while t.used_bytes + need > allowed:
             candidates = [
-                c for c in self._chunks() if c.tier == tier and self._evictable(c, protect)
+                c for c in self.chunks() if c.tier == tier and self._evictable(c, protect)
             ]
             candidates += [c for c in self._extra() if c.tier == tier and id(c) not in protect]
             if not candidates:
@@ -251,122 +254,6 @@ class Residency:
         """Wait until `c`'s payload holds its bytes (a prefetch of it may be under way)."""
         self.transfers.arrive(c)
 
-    # -- where chunks start ---------------------------------------------------------------
-
-    def allocate_all(self, streamed: bool = False) -> bool:
-        """Every chunk of this rank the weights are written into starts in host memory,
-        zeroed (FREE tensors read as 0); momentum and variance start as zeros without
-        memory and are allocated at their first use (`Chunk.zero_pending`). Other ranks'
-        chunks never get memory here: under ZeRO a rank materializes only its own share
-        (their tensors are initialized into a staging buffer and dropped, see
-        `Engine._materialize`).
-
-        `streamed` (the weights stream from files into the slots, one tensor at a time):
-        frozen chunks, too, get memory only when their first tensor arrives, and once all
-        their tensors are in, they may spill to disk to make room for the next ones, so
-        loading a frozen base (a LoRA model's) holds no more than the host budget. This
-        needs room in the host budget for the trainable lists and one frozen chunk in
-        flight; returns whether frozen chunks are lazy.
-
-        Budgets are enforced right after the weights are materialized
-        (`enforce_budgets`), which may spill chunks to disk.
-        """
-        self._check_total_fits()
-        host = self.tiers[HOST]
-        frozen = self.lists[ChunkType.FROZEN]
-        eager = sum(
-            c.nbytes
-            for c in self._chunks()
-            if self._owned(c) and c.kind not in (*ZERO_AT_START, ChunkType.FROZEN)
-        )
-        lazy = streamed and bool(frozen) and eager + 2 * frozen[0].nbytes <= host.budget_bytes
-        for c in self._chunks():
-            if not self._owned(c):
-                continue
-            if c.kind in ZERO_AT_START or (lazy and c.kind is ChunkType.FROZEN):
-                c.zero_pending = True
-                continue
-            with self.tracer.chunk_memory():
-                payload = host.allocate(c.capacity, c.dtype).zero_()
-            self.adopt(c, payload, HOST)
-        return lazy
-
-    def _device_share(self) -> int:
-        """Chunk bytes the device may hold before the trace exists (warm-up or static)."""
-        ratio = (
-            self.memory.static_model_share
-            if self.memory.policy == "static"
-            else (self.memory.warmup_ratio)
-        )
-        return int(ratio * self.tiers[DEVICE].budget_bytes)
-
-    def _check_total_fits(self) -> None:
-        """Fail before training when the chunks cannot all pass through host and disk.
-
-        The warm-up step runs Adam on the host for every chunk (placement is decided
-        from its trace), so at its end every chunk is in host memory or on disk; the
-        device budget cannot count here without risking a failure mid-run.
-        """
-        need = sum(c.nbytes for c in self._chunks() if self._owned(c))
-        host, disk = self.tiers[HOST].budget_bytes, self.tiers[DISK].budget_bytes
-        if need > host + disk:
-            raise MemoryBudgetError(
-                f"the model needs {gib(need)} of chunks (model data), the budgets give "
-                f"{gib(host + disk)} (host {gib(host)}, disk {gib(disk)}; the warm-up step "
-                "updates every chunk on the host, so the device budget does not count "
-                "here); raise memory.host_budget or memory.disk_budget (with "
-                "memory.disk_dir), or use a smaller model / fewer trainable parameters"
-            )
-
-    def enforce_budgets(self) -> None:
-        """After materialization: what the host budget cannot hold goes to the device (up
-        to the share model data may use in warm-up), then to disk."""
-        host, device = self.tiers[HOST], self.tiers[DEVICE]
-        share = self._device_share()
-        for c in self._chunks(PARAM_LISTS):
-            if host.used_bytes <= host.budget_bytes:
-                break
-            if c.tier == HOST and device.used_bytes + c.nbytes <= share:
-                self.move(c, DEVICE)
-        order = [
-            c
-            for kind in (
-                ChunkType.VARIANCE,
-                ChunkType.MOMENTUM,
-                ChunkType.PARAM_FP32,
-                *PARAM_LISTS[::-1],
-            )
-            for c in self.lists[kind]
-            if c.tier == HOST  # what the host cannot hold; chunks on the device stay there
-        ]
-        for c in reversed(order):  # the last chunks of the optimizer lists are needed last
-            if host.used_bytes <= host.budget_bytes:
-                break
-            self.move(c, DISK)
-        # Materialization holds all of this rank's chunks in host memory before this
-        # spill (frozen chunks excepted when streamed, see `allocate_all`), so the
-        # loading peaks are kept apart and training's are counted from here on.
-        self.load_peak_bytes = {str(name): t.peak_bytes for name, t in self.tiers.items()}
-        for t in self.tiers.values():
-            t.peak_bytes = t.iteration_peak_bytes = t.used_bytes
-
-    def pin_host_chunks(self) -> None:
-        """After materialization (remote chunks dropped, budgets enforced): the host
-        tier's chunks move into its pool, sized to what this rank can ever hold there."""
-        host = self.tiers[HOST]
-        if not host.use_arena:
-            return
-        own = sum(c.nbytes for c in self._chunks() if self._owned(c))
-        # gradient accumulation adds an fp32 chunk per trainable chunk while it runs
-        own += sum(4 * c.capacity for c in self.lists[ChunkType.PARAM] if self._owned(c))
-        host.make_arena(min(own, host.budget_bytes))
-        for c in self._chunks():
-            if c.tier == HOST and c.payload is not None:
-                with self.tracer.chunk_memory():
-                    pinned = host.allocate(c.capacity, c.dtype)
-                    pinned.copy_(c.payload)
-                    self.rehome(c, pinned)
-
     # -- prefetch (see [Note: prefetch] in prefetch.py) -----------------------------------
 
     def prefetch(self) -> None:
@@ -430,7 +317,7 @@ class Residency:
         }
 
     def close(self) -> None:
-        for c in list(self._chunks()):
+        for c in list(self.chunks()):
             self.transfers.arrive(c)
         self.transfers.close()
         for t in self.tiers.values():

@@ -217,7 +217,7 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
     return out
 
 
-# Where `Residency.enforce_budgets` puts a rank's chunks at start, by list: all on the
+# Where `startup.enforce_budgets` puts a rank's chunks at start, by list: all on the
 # host; while the host is over its budget, chunks of the param lists move to the device
 # (up to its warm-up share), then chunks spill to disk in this order
 TO_DEVICE_FIRST = ("param", "frozen")
