@@ -24,6 +24,7 @@ const state = {
   metrics: new Map(), // step -> {name: value}
   memory: null,
   seenEvents: new Set(),
+  view: 0, // counts route() calls: a page render that a newer one replaced stops
 };
 window.pstar = state;
 
@@ -108,6 +109,7 @@ function mount(tpl) {
 
 function route() {
   cleanup();
+  state.view += 1;
   $("#signout").hidden = !state.token;
   if (!state.token) return renderSignin();
   const m = location.hash.match(/^#\/jobs\/([A-Za-z0-9_-]+)$/);
@@ -142,6 +144,7 @@ function renderSignin(message = "") {
 }
 
 async function renderList() {
+  const view = state.view;
   mount("list");
   const refresh = async () => {
     const page = await api("/fine_tuning/jobs?limit=100");
@@ -160,6 +163,7 @@ async function renderList() {
     $("#jobs-empty").hidden = page.data.length > 0;
   };
   await refresh().catch(showError);
+  if (view !== state.view) return; // another page was opened meanwhile: no timer of ours
   state.timers.push(setInterval(() => refresh().catch(showError), LIST_REFRESH_MS));
 }
 
@@ -174,11 +178,18 @@ function showError(e) {
 }
 
 async function renderJob(id) {
+  // Two renders of one page can overlap (a sign-in finishing while the address changes):
+  // each one that a newer route() replaced stops at its next await, or both would draw
+  // every chart into the same page, twice.
+  const view = state.view;
+  const current = () => view === state.view;
   mount("job");
   let job;
   try {
     job = await api(`/fine_tuning/jobs/${id}`);
+    if (!current()) return;
   } catch (e) {
+    if (!current()) return;
     if (e instanceof AuthError) return;
     $("#main").replaceChildren(el("section", { class: "card" },
       el("h1", {}, e.status === 404 ? "No such job" : "Cannot load the job"),
@@ -203,7 +214,7 @@ async function renderJob(id) {
     api(`/fine_tuning/jobs/${id}/events?limit=200`),
     api(`/fine_tuning/jobs/${id}/checkpoints?limit=100`),
   ]).catch((e) => { showError(e); return []; });
-  if (!metrics) return;
+  if (!metrics || !current()) return;
   addMetrics(metrics);
   state.memory = memory;
   makeCharts();
@@ -340,6 +351,8 @@ function makeChart(key) {
   const { names, raw, data } = chartData(key);
   const target = $(`#chart-${key}`);
   if (!target) return;
+  if (state.charts[key]) { state.charts[key].destroy(); delete state.charts[key]; }
+  target.replaceChildren(); // one chart per card, whoever drew here before
   const series = [{ label: "step" }];
   names.forEach((n, i) => {
     const color = COLORS[i % COLORS.length];
@@ -401,6 +414,7 @@ function renderTrace(memory) {
   const target = $("#chart-trace");
   if (!target) return;
   if (state.charts.trace) { state.charts.trace.destroy(); delete state.charts.trace; }
+  target.replaceChildren();
   const note = $("#trace-note");
   if (!memory || !memory.available) {
     note.textContent = "The warm-up iteration's trace appears here once the first statistics arrive.";

@@ -275,7 +275,30 @@ def test_the_job_page_plots_the_jobs_real_points(serve, jobs, browser):
     assert runtime["compute_dtype"] in ("fp32", "bf16")
     facts = browser.find_element("css selector", "#job-facts").text
     assert f"dtype {runtime['compute_dtype']} (auto, {runtime['cpu_capability']}" in facts
+    assert _charts_per_card(browser) == [1] * 7
     _shot(browser, "job-finished")
+
+
+def _charts_per_card(browser) -> list[int]:
+    return browser.execute_script(
+        "return [...document.querySelectorAll('[id^=chart-]')]"
+        ".map((e) => e.querySelectorAll('.uplot').length)"
+    )
+
+
+def test_two_renders_of_a_job_page_that_overlap_draw_each_chart_once(serve, jobs, browser):
+    """A second route() while the first render still awaits the API (a sign-in finishing
+    as the address changes did it): every chart was drawn twice into the page."""
+    done, _ = jobs
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{done}")
+    _wait(browser, "return window.pstar.streamState === 'ended'", "the finished job's stream end")
+    browser.execute_script(
+        "window.dispatchEvent(new HashChangeEvent('hashchange'));"
+        "window.dispatchEvent(new HashChangeEvent('hashchange'));"
+    )
+    _wait(browser, "return window.pstar.streamState === 'ended'", "the stream end, again")
+    assert _charts_per_card(browser) == [1] * 7
 
 
 def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_first(
