@@ -25,6 +25,9 @@ class ChunkType(enum.Enum):
     GRAD_ACCUM = "grad_accum"  # fp32, exists only while gradients accumulate
 
 
+PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)  # the lists whose chunks hold parameters
+
+
 class TensorState(enum.Enum):
     FREE = "FREE"
     COMPUTE = "COMPUTE"

@@ -147,8 +147,11 @@ class ChunkRef:
 
 
 def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tensors_hooks:
+    residency = manager.residency
+    chunk_of_tensor = residency.payloads.chunk_of_tensor  # called for every saved tensor
+
     def pack(t: torch.Tensor) -> Any:
-        chunk = manager.residency.chunk_of_tensor(t)
+        chunk = chunk_of_tensor(t)
         if chunk is None:
             return t
         offset = t.storage_offset() - chunk.payload.storage_offset()  # within the chunk
@@ -158,10 +161,10 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
         if not isinstance(x, ChunkRef):
             return x
         if x.chunk.tier != TierName.DEVICE:
-            manager.residency.make_resident([x.chunk], TierName.DEVICE)
+            residency.make_resident([x.chunk], TierName.DEVICE)
         # a chunk already accounted on the device may still be on its way there (a
         # prefetch on the copy stream): its payload is read only once it has arrived
-        manager.residency.arrive(x.chunk)
+        residency.transfers.arrive(x.chunk)
         payload = x.chunk.payload
         return payload.as_strided(x.size, x.stride, payload.storage_offset() + x.offset)
 

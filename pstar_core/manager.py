@@ -26,10 +26,10 @@ import torch
 
 from pstar_core import placement
 from pstar_core.accum import GradAccumulator
-from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
+from pstar_core.chunk import PARAM_LISTS, Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import MemoryConfig
 from pstar_core.mapping import Plan
-from pstar_core.residency import PARAM_LISTS, Residency
+from pstar_core.residency import Residency
 from pstar_core.tiers import MemoryBudgetError, TierName, gib
 from pstar_core.tracer import MemoryTracer, profiled
 from pstar_core.zero import GatheredGroups, ZeroGroup

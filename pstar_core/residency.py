@@ -1,6 +1,6 @@
 """`Residency`: which tier holds each chunk, and the room-making of Algorithm 1.
 
-The memory layer is three parts:
+The memory layer is four parts:
 - `tiers`: the tiers (`TierName`: device, host, disk) and their budgets;
 - `transfers`: the copies between tiers (one hop each), arrivals of prefetched chunks,
   the copy stream, the disk reader and the move counters;
@@ -27,16 +27,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from pstar_core.chunk import HOLD_LIKE, Chunk, ChunkType
+from pstar_core.chunk import HOLD_LIKE, PARAM_LISTS, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
 from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
-from pstar_core.tiers import MemoryBudgetError, Tier, TierName, gib, make_tiers
+from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, Tier, TierName, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
-from pstar_core.transfers import PARAM_LISTS, PayloadIndex, Transfers
+from pstar_core.transfers import PayloadIndex, Transfers
 
-DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
-__all__ = ["PARAM_LISTS", "Residency"]
+__all__ = ["Residency"]
 
 
 class Residency:
@@ -247,13 +246,6 @@ class Residency:
         tier = chunks[0].tier
         self.make_resident(chunks, HOST if tier == DISK else tier)
 
-    def chunk_of_tensor(self, t: torch.Tensor) -> Chunk | None:
-        return self.payloads.chunk_of_tensor(t)
-
-    def arrive(self, c: Chunk) -> None:
-        """Wait until `c`'s payload holds its bytes (a prefetch of it may be under way)."""
-        self.transfers.arrive(c)
-
     # -- prefetch (see [Note: prefetch] in prefetch.py) -----------------------------------
 
     def prefetch(self) -> None:
@@ -263,8 +255,8 @@ class Residency:
         trace = self.tracer.trace
         if not depth or trace is None or not self.tracer.following:
             return
-        if self.tiers[DISK].spill is None and not self.transfers.copy_stream:
-            return  # nothing is ever far away: no disk tier, no copy stream
+        if not self.transfers.prefetch_possible:
+            return
         by_moment = self._uses_by_moment()
         now = self.tracer.moment
         upcoming = (

@@ -7,11 +7,10 @@ From then on `Residency` moves chunks as the iterations need them.
 
 from __future__ import annotations
 
-from pstar_core.chunk import ChunkType
-from pstar_core.residency import PARAM_LISTS, Residency
-from pstar_core.tiers import MemoryBudgetError, TierName, gib
+from pstar_core.chunk import PARAM_LISTS, ChunkType
+from pstar_core.residency import Residency
+from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, gib
 
-DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 ZERO_AT_START = (ChunkType.MOMENTUM, ChunkType.VARIANCE)
 
 

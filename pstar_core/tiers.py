@@ -37,6 +37,9 @@ class TierName(enum.StrEnum):
     DISK = "disk"
 
 
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+
+
 class MemoryBudgetError(MemoryError):
     """The model cannot be trained within the configured budgets; the message says why."""
 

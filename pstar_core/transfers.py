@@ -13,14 +13,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from pstar_core.chunk import Chunk, ChunkType
+from pstar_core.chunk import PARAM_LISTS, Chunk
 from pstar_core.devices import CopyStream
 from pstar_core.prefetch import Arrival, DiskReader
-from pstar_core.tiers import Tier, TierName
+from pstar_core.tiers import DEVICE, DISK, HOST, Tier, TierName
 from pstar_core.tracer import MemoryTracer, profiled
-
-DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
-PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)
 
 
 class PayloadIndex:
@@ -85,9 +82,10 @@ class Transfers:
         self._copier = CopyStream(device)
 
     @property
-    def copy_stream(self) -> bool:
-        """Host-to-device copies can run beside compute (a device with streams)."""
-        return self._copier.enabled
+    def prefetch_possible(self) -> bool:
+        """Whether anything is ever far away: a disk tier in use, or a copy stream (a
+        device with streams) to move host chunks beside compute."""
+        return self.tiers[DISK].spill is not None or self._copier.enabled
 
     def hop(self, c: Chunk, dst: TierName) -> None:
         """Copy `c` one tier over (disk <-> host <-> device) into room already made there;
@@ -162,8 +160,6 @@ class Transfers:
         disk into free host room, from host into free device room within
         `device_allowed`. Never evicts: a chunk that does not fit moves at its use."""
         spill = self.tiers[DISK].spill
-        if spill is None and not self._copier.enabled:
-            return  # nothing is ever far away: no disk tier, no copy stream
         for c in upcoming:
             if id(c) in self.arriving or c.pins or not owned(c):
                 continue
