@@ -1,12 +1,15 @@
 """The Ray job driver of one attempt: `python -m service.driver JOB_ID ATTEMPT`.
 
-Ray runs it as the entrypoint of Ray job `<job-id>-a<attempt>`, with the store's URL and
-the data dir in its environment. It prepares the data (once per job: the encoded rows
+Ray runs it as the entrypoint of Ray job `<job-id>-a<attempt>`; its environment names the
+data dir and the file that holds the store's URL (never the URL: the Ray dashboard shows
+a job's environment). It prepares the data (once per job: the encoded rows
 are cached in the job's directory), runs `TorchTrainer` with the fine-tuning worker loop
 (`service.finetune.train_func`), and reports the end: `succeeded` with the fine-tuned
 model, trained tokens and a metrics CSV, or `failed` with the reason. A driver that dies
 before reporting leaves the job active; the reconciler then starts the next attempt,
 which resumes from the run's last checkpoint (same run name and storage path).
+Every write of a driver is fenced to its attempt: one that the reconciler has replaced
+writes nothing, and stops itself once it notices (`watch_currency`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from service.files import file_path
 from service.prepare import prepare
 from service.registry import fine_tuned_name
 from service.settings import Settings
-from service.store import TERMINAL, File, Job, Store
+from service.store import File, Job, StaleAttempt, Store
 
 log = logging.getLogger("pstar.driver")
 CHECKPOINTS_TO_KEEP = 3
@@ -56,7 +59,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     data_file = _data_file(settings, job, train, valid)
     meta_file = data_file.with_suffix(".json")
     if not meta_file.is_file():
-        store.update_job(job.id, status_detail="preparing data")
+        store.update_job(job.id, attempt=attempt, status_detail="preparing data")
         prep = prepare(
             job.plan,
             file_path(settings, train),
@@ -86,6 +89,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
             f"{prep.seq_len} tokens ({tr.loss_tokens} trained on; {tr.truncated} truncated, "
             f"{tr.dropped} dropped); {prep.total_steps} steps",
             data=meta,
+            attempt=attempt,
         )
     meta = json.loads(meta_file.read_text())
     plan = job.plan
@@ -95,7 +99,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
     method = plan.get("method") or {"type": "supervised"}
     flops = _flops_per_token(plan["model"], meta["seq_len"], meta["vocab_size"], method)
-    store.update_job(job.id, progress_total=total)
+    store.update_job(job.id, attempt=attempt, progress_total=total)
     return {
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
         "model": plan["model"],
@@ -146,7 +150,7 @@ def _flops_per_token(
     return 6 * n + attention
 
 
-def run_trainer(run: dict[str, Any], job: Job, attempt: int, db_url: str) -> Any:
+def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -155,7 +159,9 @@ def run_trainer(run: dict[str, Any], job: Job, attempt: int, db_url: str) -> Any
     res = job.plan["resources"]
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"job_id": job.id, "attempt": attempt, "db_url": db_url, "run": run},
+        # no store address in here: Ray shows a trainer's config on its dashboard; the
+        # workers read it as the driver does
+        train_loop_config={"job_id": job.id, "attempt": attempt, "run": run},
         torch_config=TorchConfig(backend="nccl" if res["use_gpu"] else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=res["num_workers"],
@@ -200,55 +206,77 @@ def results_file_id(job_id: str) -> str:
     return "file-" + hashlib.sha256(f"{job_id}:results".encode()).hexdigest()[:24]
 
 
-def finish_success(settings: Settings, store: Store, job: Job) -> None:
+def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> None:
+    """Attempt `attempt` succeeded: the metrics CSV, the fine-tuned model's name and the
+    job's end in one fenced write. A stale attempt (`StaleAttempt`) writes nothing."""
     data = metrics_csv(store, job.id)
     fid = results_file_id(job.id)
     settings.files_dir.mkdir(parents=True, exist_ok=True)
-    store.delete_file(job.tenant, fid)
-    (settings.files_dir / fid).write_bytes(data)
-    store.add_file(
-        File(
-            id=fid,
-            tenant=job.tenant,
-            filename=f"{job.id}-metrics.csv",
-            purpose="fine-tune-results",
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            created_at=int(time.time()),
-            status="processed",
-            format="csv",
-            examples=0,
-            storage_name=fid,
-        )
-    )
+    tmp = settings.files_dir / f".{fid}.a{attempt}.part"
+    tmp.write_bytes(data)
     points = store.metric_points(job.id)
     trained = int(points[-1].values.get("trained_tokens", 0)) if points else 0
     name = fine_tuned_name(job.plan.get("base_model", job.model), job.suffix, job.id)
-    ended = store.update_job(
-        job.id,
-        event=f"The job has successfully completed; fine-tuned model {name}",
-        status="succeeded",
-        status_detail=None,
-        fine_tuned_model=name,
-        trained_tokens=trained,
-        result_files=[fid],
-        progress_step=job.progress_total or (points[-1].step if points else 0),
+    results = File(
+        id=fid,
+        tenant=job.tenant,
+        filename=f"{job.id}-metrics.csv",
+        purpose="fine-tune-results",
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        created_at=int(time.time()),
+        status="processed",
+        format="csv",
+        examples=0,
+        storage_name=fid,
     )
-    now = store.get_job(job.id)
-    if not ended and (now is None or now.status != "succeeded"):
-        # cancelled meanwhile: terminal states never change, so it has no results
-        store.delete_file(job.tenant, fid)
-        (settings.files_dir / fid).unlink(missing_ok=True)
+    try:
+        store.finish_job(
+            job.id,
+            attempt,
+            results,
+            lambda: os.replace(tmp, settings.files_dir / fid),
+            f"The job has successfully completed; fine-tuned model {name}",
+            status_detail=None,
+            fine_tuned_model=name,
+            trained_tokens=trained,
+            result_files=[fid],
+            progress_step=job.progress_total or (points[-1].step if points else 0),
+        )
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def fail(store: Store, job_id: str, code: str, message: str) -> None:
+def fail(store: Store, job_id: str, attempt: int, code: str, message: str) -> None:
     store.update_job(
         job_id,
         event=f"The job failed: {message}",
+        attempt=attempt,
         status="failed",
         status_detail=None,
         error={"code": code, "message": message, "param": None},
     )
+
+
+def watch_currency(store: Store, job_id: str, attempt: int, every_s: float = 5.0) -> None:
+    """End this driver (and with it the Ray job's trainer and workers) as soon as the
+    store says the attempt is no longer current: the reconciler ended it and started
+    another, or the job finished. A store that cannot be read proves nothing."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                current = store.attempt_is_current(job_id, attempt)
+            except Exception as e:
+                log.warning("could not ask the store whether attempt %d is current: %s", attempt, e)
+                continue
+            if not current:
+                log.error("job %s attempt %d is no longer current; stopping", job_id, attempt)
+                os._exit(4)
+
+    threading.Thread(target=watch, name="pstar-currency", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
@@ -257,17 +285,29 @@ def main(argv: list[str]) -> int:
     # already says what happened (cancelled) or the reconciler will (a new attempt)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     job_id, attempt = argv[0], int(argv[1])
+    # the store's address: from the file the job's environment names, never the URL
+    # itself (see service.settings.job_env)
     settings = Settings.from_env()
     store = Store(settings.db_url, pool_size=2)
     job = store.get_job(job_id)
-    if job is None or job.status in TERMINAL or job.attempt != attempt:
+    if job is None or not store.attempt_is_current(job_id, attempt):
         log.info("job %s attempt %s is not current; nothing to do", job_id, attempt)
         return 0
+    watch_currency(store, job_id, attempt)
+    try:
+        return _run(settings, store, job, attempt)
+    except StaleAttempt as e:
+        log.error("%s; this driver stops without writing", e)
+        return 4
+
+
+def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
+    job_id = job.id
     log.info("job %s attempt %d: preparing", job_id, attempt)
     try:
         run = prepare_run(settings, store, job, attempt)
     except DataError as e:
-        fail(store, job_id, "invalid_training_data", str(e))
+        fail(store, job_id, attempt, "invalid_training_data", str(e))
         return 1
     log.info(
         "job %s attempt %d: %d steps on %s worker(s)",
@@ -277,10 +317,13 @@ def main(argv: list[str]) -> int:
         job.plan["resources"]["num_workers"],
     )
     try:
-        result = run_trainer(run, job, attempt, settings.db_url)
+        result = run_trainer(run, job, attempt)
         error = getattr(result, "error", None)
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
+    if error is not None and not store.attempt_is_current(job_id, attempt):
+        # a worker's write was refused (StaleAttempt): another attempt owns the job now
+        raise StaleAttempt(job_id, attempt, "a worker's write was refused")
     if error is not None and lost_cluster(error):
         # not the training's fault: the head, a node or the controller went away under
         # this attempt. Leave the job active; the reconciler starts the next attempt.
@@ -289,9 +332,9 @@ def main(argv: list[str]) -> int:
     if error is not None:
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         log.error("job %s attempt %d failed: %s", job_id, attempt, text)
-        fail(store, job_id, "training_failed", _short(text))
+        fail(store, job_id, attempt, "training_failed", _short(text))
         return 1
-    finish_success(settings, store, store.get_job(job_id) or job)
+    finish_success(settings, store, store.get_job(job_id) or job, attempt)
     log.info("job %s attempt %d: succeeded", job_id, attempt)
     return 0
 

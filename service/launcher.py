@@ -2,7 +2,8 @@
 
 `RayLauncher` talks to a cluster through the Ray Job Submission API (the dashboard's
 HTTP port): one Ray job per attempt, submission id `<job-id>-a<attempt>`, entrypoint
-`python -m service.driver`, with the store's URL and the data dir in its environment.
+`python -m service.driver`, with the data dir and the path of the store's URL in its
+environment (`service.settings.job_env`; never a secret: the dashboard shows it).
 Submitting the same id twice is refused by Ray, which is what makes a retried
 submission after a crash safe. `DryLauncher` accepts submissions and runs nothing (the
 API benchmark and API tests use it).
@@ -21,6 +22,14 @@ from typing import Any
 from service.errors import Unavailable
 
 log = logging.getLogger(__name__)
+
+
+class SubmissionRefused(Exception):
+    """Ray is reachable and refused to take one attempt (a bad runtime environment, a
+    name clash): the reconciler retries that job alone, then fails it with this text."""
+
+    code = "submission_refused"
+
 
 # Ray's job states; PENDING and RUNNING are live
 LIVE = ("PENDING", "RUNNING")
@@ -123,7 +132,8 @@ class RayLauncher:
         except Exception as e:
             if self.status(submission_id) is not None:
                 return  # already submitted (a retry after a crash): that is the attempt
-            raise Unavailable(f"Ray refused the submission {submission_id}: {e}") from None
+            # Ray answered (status() just did) and said no: this job's problem, not Ray's
+            raise SubmissionRefused(f"Ray refused the submission {submission_id}: {e}") from None
 
     def status(self, submission_id: str) -> str | None:
         """Ray's status of a submission, or None when Ray does not know it."""

@@ -10,7 +10,10 @@ The store says what should run; Ray says what runs. For each unfinished job:
 - an attempt Ray no longer knows (the head was lost) counts as ended.
 Attempts of finished jobs that Ray still runs (a cancel whose stop did not reach Ray) are
 stopped. Everything here is idempotent: running two reconcilers, or one twice, does no
-harm, because every step is a conditional write.
+harm, because every step is a conditional write. The end of an attempt and what follows
+(the next attempt or the failure) are one write; keeping its log comes after and cannot
+change the outcome. Each job is reconciled in its own error boundary: one that keeps
+raising is retried with backoff, then failed with the cause, and never holds up the rest.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 from service.errors import Unavailable
 from service.launcher import ENDED, LIVE
-from service.settings import Settings
-from service.store import TERMINAL, ActiveAttempt, ActiveJob, Attempt, Store
+from service.settings import Settings, job_env
+from service.store import ActiveAttempt, ActiveJob, Attempt, Store
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,10 @@ class Reconciler:
         self._thread: threading.Thread | None = None
         self.ticks = 0
         self.ray_ok = True
+        self._trouble: dict[str, _Trouble] = {}  # jobs whose reconcile raised, by id
+        # file checks hash whole files: off this thread, one at a time
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix="pstar-file-check")
+        self._checking: dict[str, Future[str | None]] = {}
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -56,6 +64,7 @@ class Reconciler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._checks.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -87,10 +96,60 @@ class Reconciler:
             for job, att in pairs:
                 if self._stop.is_set():
                     return
-                self.reconcile(job, att, ray)
+                self._guarded(job, att, ray)
             self._stop_orphans(ray)
-        except Unavailable as e:
+        except Unavailable as e:  # Ray went away mid-tick: every job waits, none is blamed
             log.warning("Ray not reachable: %s", e.message)
+
+    def _guarded(self, job: ActiveJob, att: ActiveAttempt | None, ray: RayView) -> None:
+        """`reconcile` in the job's own error boundary: a job that raises is retried with
+        backoff on later ticks and failed after `MAX_JOB_ERRORS` in a row, naming the
+        cause; the other jobs of the tick go on either way."""
+        trouble = self._trouble.get(job.id)
+        if trouble is not None and time.monotonic() < trouble.retry_at:
+            return
+        try:
+            self.reconcile(job, att, ray)
+        except Unavailable:
+            raise
+        except Exception as e:
+            self._job_raised(job, e)
+        else:
+            self._trouble.pop(job.id, None)
+
+    def _job_raised(self, job: ActiveJob, e: Exception) -> None:
+        n = (self._trouble[job.id].errors if job.id in self._trouble else 0) + 1
+        cause = f"{type(e).__name__}: {e}"
+        if n < MAX_JOB_ERRORS:
+            delay = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** (n - 1))
+            log.warning(
+                "job %s: reconciling it failed (%d of %d, next try in %.0f s): %s",
+                job.id,
+                n,
+                MAX_JOB_ERRORS,
+                delay,
+                cause,
+                exc_info=e,
+            )
+            self._trouble[job.id] = _Trouble(n, time.monotonic() + delay)
+            return
+        log.error("job %s: reconciling it failed %d times; failing it: %s", job.id, n, cause)
+        self._trouble.pop(job.id, None)
+        code = getattr(e, "code", None) or "control_plane_error"
+        message = (
+            f"the control plane could not move this job on ({n} tries over "
+            f"{sum(min(BACKOFF_CAP_S, BACKOFF_S * 2**i) for i in range(n - 1)):.0f} s): {cause}"
+        )
+        try:
+            self.store.update_job(
+                job.id,
+                event=f"The job failed: {message}",
+                status="failed",
+                status_detail=None,
+                error={"code": code, "message": message[:2000], "param": None},
+            )
+        except Exception:  # the store refuses this job's row too: nothing more to do here
+            log.exception("job %s: could not record its failure", job.id)
 
     # -- one job ------------------------------------------------------------------------
 
@@ -110,69 +169,93 @@ class Reconciler:
             else:
                 self.store.update_attempt(job.id, att.number, state="submitted")
             return
-        if att.state != "submitted":
-            return
-        status = ray.status(att.submission_id)
-        if status in LIVE:
-            return
-        # ended, or unknown to the snapshot: make sure with Ray itself before acting
-        status = self.launcher.status(att.submission_id)
-        if status in LIVE:
+        if att.state == "submitted":
+            status = ray.status(att.submission_id)
+            if status in LIVE:
+                return
+            # ended, or unknown to the snapshot: make sure with Ray itself before acting
+            status = self.launcher.status(att.submission_id)
+            if status in LIVE:
+                return
+        elif att.state == "ended":
+            # ended by a control plane that died before writing what follows (older
+            # versions wrote the two apart): carry it forward now
+            status = self.launcher.status(att.submission_id)
+        else:
             return
         # Ray says the attempt ended (or no longer knows it) and the job is not finished:
-        # the driver did not report an end, so it or the head was lost
-        fresh = self.store.get_job(job.id)
-        if fresh is None or fresh.status in TERMINAL:
-            self._end_attempt(att, status)
-            return
-        self._end_attempt(att, status)
+        # the driver did not report an end, so it or the head was lost. The end and what
+        # follows are one write; the log is kept after it and cannot change the outcome.
         what = "Ray no longer knows it (head restarted)" if status is None else f"Ray says {status}"
         if att.number >= job.max_attempts:
+            self.store.close_attempt(
+                job.id,
+                att.number,
+                status,
+                failure={
+                    "event": f"Attempt {att.number} ended without a result ({what}); "
+                    "no attempts left",
+                    "error": {
+                        "code": "attempts_exhausted",
+                        "message": f"the job's driver was lost {att.number} time(s) ({what}); "
+                        "see GET .../logs",
+                        "param": None,
+                    },
+                },
+            )
+            self._keep_log(att)
+            return
+        nxt = self.store.close_attempt(
+            job.id,
+            att.number,
+            status,
+            next_reason=f"Attempt {att.number} ended without a result ({what}); attempt "
+            f"{att.number + 1} resumes from the last checkpoint",
+        )
+        self._keep_log(att)
+        if nxt is not None:
+            self._submit(job, nxt)
+
+    def _validate_files(self, job: ActiveJob) -> None:
+        """Check the job's files (present, stored size and checksum) on the file-check
+        thread; the verdict is acted on at the first tick after it is in."""
+        check = self._checking.get(job.id)
+        if check is None:
+            self._checking[job.id] = self._checks.submit(self._file_problem, job)
+            return
+        if not check.done():
+            return
+        del self._checking[job.id]
+        problem = check.result()  # a check that raised goes to the job's error boundary
+        if problem:
             self.store.update_job(
                 job.id,
-                event=f"Attempt {att.number} ended without a result ({what}); no attempts left",
+                event=f"File validation failed: {problem}",
                 status="failed",
-                status_detail=None,
                 error={
-                    "code": "attempts_exhausted",
-                    "message": f"the job's driver was lost {att.number} time(s) ({what}); "
-                    "see GET .../logs",
-                    "param": None,
+                    "code": "invalid_training_file",
+                    "message": problem,
+                    "param": "training_file",
                 },
             )
             return
-        self.store.update_job(job.id, status_detail="recovering")
-        self._next_attempt(
-            job,
-            f"Attempt {att.number} ended without a result ({what}); attempt {att.number + 1} "
-            "resumes from the last checkpoint",
-        )
+        self.store.update_job(job.id, event="Files validated; the job is queued", status="queued")
 
-    def _validate_files(self, job: ActiveJob) -> None:
+    def _file_problem(self, job: ActiveJob) -> str | None:
         from service.files import file_path
 
         for fid in filter(None, (job.training_file, job.validation_file)):
             f = self.store.get_file(job.tenant, fid)
-            problem = None
             if f is None:
-                problem = f"file {fid} was deleted"
-            elif not file_path(self.settings, f).is_file():
-                problem = f"file {fid} is missing from the service's storage"
-            elif _sha256(file_path(self.settings, f)) != f.sha256:
-                problem = f"file {fid} changed on the service's storage (checksum differs)"
-            if problem:
-                self.store.update_job(
-                    job.id,
-                    event=f"File validation failed: {problem}",
-                    status="failed",
-                    error={
-                        "code": "invalid_training_file",
-                        "message": problem,
-                        "param": "training_file",
-                    },
-                )
-                return
-        self.store.update_job(job.id, event="Files validated; the job is queued", status="queued")
+                return f"file {fid} was deleted"
+            path = file_path(self.settings, f)
+            if not path.is_file():
+                return f"file {fid} is missing from the service's storage"
+            if path.stat().st_size != f.bytes:
+                return f"file {fid} changed on the service's storage (size differs)"
+            if _sha256(path) != f.sha256:
+                return f"file {fid} changed on the service's storage (checksum differs)"
+        return None
 
     def _next_attempt(self, job: ActiveJob, reason: str) -> None:
         att = self.store.start_attempt(job.id, job.attempt + 1, reason)
@@ -180,20 +263,20 @@ class Reconciler:
             self._submit(job, att)
 
     def _submit(self, job: ActiveJob, att: Attempt | ActiveAttempt) -> None:
-        env = {
-            "PSTAR_DB_URL": self.store.url,
-            "PSTAR_DATA_DIR": str(self.settings.data_dir),
-        }
+        # no secret: Ray's dashboard shows a job's environment (see `job_env`)
+        env = job_env(self.settings)
         self.launcher.submit(att.submission_id, job.id, att.number, env)
         self.store.update_attempt(job.id, att.number, state="submitted")
 
-    def _end_attempt(self, att: Attempt | ActiveAttempt, status: str | None) -> None:
-        self.store.update_attempt(
-            att.job_id, att.number, state="ended", ray_status=status or "LOST", ended_at=time.time()
-        )
+    def _keep_log(self, att: Attempt | ActiveAttempt) -> None:
+        """Copy an ended attempt's Ray log into the job's directory. Best effort: a full
+        or read-only disk loses the copy, never the job."""
         from service.logs import save_attempt_log
 
-        save_attempt_log(self.settings, self.launcher, att)
+        try:
+            save_attempt_log(self.settings, self.launcher, att)
+        except Exception as e:
+            log.warning("could not keep the log of %s: %s", att.submission_id, e)
 
     def _stop_orphans(self, ray: RayView) -> None:
         """Attempts of finished jobs: stop what Ray still runs of a cancelled or failed job;
@@ -204,7 +287,17 @@ class Reconciler:
                 if job.status != "succeeded":
                     self.launcher.stop_quietly(att.submission_id)
             elif status in ENDED or status is None:
-                self._end_attempt(att, status)
+                self.store.close_attempt(att.job_id, att.number, status)
+                self._keep_log(att)
+
+
+MAX_JOB_ERRORS = 5  # a job whose reconcile raises this many times in a row fails
+BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0  # between its tries: 2, 4, 8, 16 s
+
+
+class _Trouble(NamedTuple):
+    errors: int
+    retry_at: float  # time.monotonic()
 
 
 class RayView:

@@ -4,7 +4,8 @@ Rank 0 writes to the store (status and phase, a metrics point and an OpenAI-styl
 event per step, the tracer timeline, checkpoints); every rank sets Ray metrics gauges
 (`ray_pstar_<name>` on the node's metrics port, tagged job id, attempt and rank) for
 Prometheus. A store that cannot be written is logged and training goes on: metrics are
-worth less than the run.
+worth less than the run. A write the store refuses because another attempt owns the job
+(`StaleAttempt`) is the exception: it ends this worker, and the driver stops.
 """
 
 from __future__ import annotations
@@ -68,16 +69,22 @@ class Reporter:
     def for_rank(cls, config: dict[str, Any], rank: int, world: int) -> Reporter:
         store = None
         if rank == 0:
+            from service.settings import Settings
             from service.store import Store
 
-            store = Store(config["db_url"], pool_size=2)
+            # the store's address as the driver reads it (service.settings.job_env)
+            store = Store(Settings.from_env().db_url, pool_size=2)
         return cls(config, rank, store)
 
     def _write(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
+        from service.store import StaleAttempt
+
         if self.store is None:
             return None
         try:
             return fn(*args, **kwargs)
+        except StaleAttempt:
+            raise  # another attempt owns the job: this one must stop, not go on quietly
         except Exception as e:
             log.warning("could not write %s of %s to the store: %s", what, self.job_id, e)
             return None
@@ -86,18 +93,31 @@ class Reporter:
         if detail != self._phase:
             self._phase = detail
             self._write(
-                "the phase", self.store and self.store.update_job, self.job_id, status_detail=detail
+                "the phase",
+                self.store and self.store.update_job,
+                self.job_id,
+                attempt=self.attempt,
+                status_detail=detail,
             )
 
     def event(self, message: str, **data: Any) -> None:
         self._write(
-            "an event", self.store and self.store.add_event, self.job_id, message, data=data or None
+            "an event",
+            self.store and self.store.add_event,
+            self.job_id,
+            message,
+            data=data or None,
+            attempt=self.attempt,
         )
 
     def runtime(self, values: dict[str, Any]) -> None:
         """What the engine decided on this hardware (the job object shows it)."""
         self._write(
-            "the runtime", self.store and self.store.update_job, self.job_id, runtime=values
+            "the runtime",
+            self.store and self.store.update_job,
+            self.job_id,
+            attempt=self.attempt,
+            runtime=values,
         )
 
     def running(self) -> None:
@@ -130,6 +150,7 @@ class Reporter:
                 "progress",
                 self.store.update_job,
                 self.job_id,
+                attempt=self.attempt,
                 progress_step=step,
                 progress_total=total,
                 estimated_finish=eta,
@@ -157,6 +178,7 @@ class Reporter:
             self.job_id,
             trace=stats["tracer"],
             tiers=stats["tiers"],
+            attempt=self.attempt,
         )
 
     def checkpoint(self, step: int, values: dict[str, Any], final: bool, dir_name: str) -> None:
@@ -172,6 +194,7 @@ class Reporter:
             str(Path(self.run["storage_path"]) / self.job_id / dir_name),
             keep=self.run["checkpoints_to_keep"],
             final=final,
+            attempt=self.attempt,
         )
 
     def finished(self, final: dict[str, Any]) -> None:

@@ -3,7 +3,9 @@
 - `PSTAR_DATA_DIR` (default `./pstar-data`): files, models (`models/<id>/`), runs, and
   the SQLite store;
 - `PSTAR_DB_URL` (default SQLite `store.db` in the data dir): any SQLAlchemy URL, e.g.
-  `postgresql+psycopg://user@host/db`;
+  `postgresql+psycopg://user:password@host/db`; or `PSTAR_DB_URL_FILE`, a file holding it
+  (a mounted secret; it wins over `PSTAR_DB_URL`). Ray jobs never carry the URL: the control
+  plane gives them the path of a 0600 copy in the data dir (`job_env`);
 - `PSTAR_API_TOKENS`: comma-separated `tenant:token` pairs; a bare token is tenant
   `default`;
 - `PSTAR_MAX_UPLOAD_BYTES` (default 1 GiB): larger uploads get 413;
@@ -71,7 +73,8 @@ class Settings:
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
         data_dir = Path(env.get("PSTAR_DATA_DIR") or "pstar-data").resolve()
-        db_url = env.get("PSTAR_DB_URL") or f"sqlite:///{data_dir / 'store.db'}"
+        db_url = _db_url_from_file(env.get("PSTAR_DB_URL_FILE")) or env.get("PSTAR_DB_URL")
+        db_url = db_url or default_db_url(data_dir)
         raw_max = env.get("PSTAR_MAX_UPLOAD_BYTES", "")
         try:
             max_upload = int(raw_max) if raw_max else DEFAULT_MAX_UPLOAD
@@ -93,6 +96,47 @@ class Settings:
             api_docs=docs == "on",
             default_resources=parse_default_resources(env.get("PSTAR_DEFAULT_RESOURCES", "")),
         )
+
+
+def default_db_url(data_dir: Path) -> str:
+    return f"sqlite:///{data_dir / 'store.db'}"
+
+
+def _db_url_from_file(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        url = Path(path).read_text().strip()
+    except OSError as e:
+        raise SettingsError(f"PSTAR_DB_URL_FILE={path}: cannot read it ({e.strerror})") from None
+    if not url:
+        raise SettingsError(f"PSTAR_DB_URL_FILE={path} is empty; it must hold the store's URL")
+    return url
+
+
+def job_env(settings: Settings) -> dict[str, str]:
+    """The environment a Ray job of this control plane gets: where the data is, and where
+    to read the store's URL. Ray shows a job's environment on its dashboard, so the URL
+    itself (with its password) is never in it: a URL other than the data dir's default
+    SQLite is written to `<data dir>/secrets/db_url` (mode 0600), a path on the volume the
+    workers already mount, and the job gets that path."""
+    env = {"PSTAR_DATA_DIR": str(settings.data_dir)}
+    if settings.db_url == default_db_url(settings.data_dir):
+        return env
+    path = settings.data_dir / "secrets" / "db_url"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        same = path.read_text().strip() == settings.db_url
+    except OSError:
+        same = False
+    if not same:
+        tmp = path.with_name(f".db_url.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(settings.db_url + "\n")
+        os.replace(tmp, path)
+    env["PSTAR_DB_URL_FILE"] = str(path)
+    return env
 
 
 def parse_default_resources(raw: str) -> dict:

@@ -8,6 +8,12 @@ return detached rows; every read a client can cause filters on the tenant.
 Terminal job states never change: every status write is a conditional UPDATE that
 matches only non-terminal rows, so a late report from a driver cannot revive a
 cancelled job, and two writers cannot both finish one.
+
+Writes that come from an attempt (metrics, checkpoints, events, status detail, the end)
+are fenced: they take the attempt's number and happen only while that attempt is the
+job's current, unended one, checked in the same transaction; otherwise `StaleAttempt`
+is raised and nothing is written. The end of an attempt and what follows from it (the
+next attempt, or the job's failure) are one transaction (`close_attempt`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ __all__ = [
     "Job",
     "JobStats",
     "MetricPoint",
+    "StaleAttempt",
     "Store",
     "new_id",
 ]
@@ -84,6 +91,15 @@ class IdempotencyConflict(Exception):
     def __init__(self, job: Job) -> None:
         super().__init__(job.id)
         self.job = job
+
+
+class StaleAttempt(Exception):
+    """A write from an attempt that is not the job's current, unended one: a zombie
+    driver or worker whose successor runs, or one whose job has finished."""
+
+    def __init__(self, job_id: str, attempt: int, why: str) -> None:
+        super().__init__(f"job {job_id} attempt {attempt} may no longer write: {why}")
+        self.job_id, self.attempt, self.why = job_id, attempt, why
 
 
 def new_id(prefix: str) -> str:
@@ -143,6 +159,24 @@ class Store:
     def write(self) -> Iterator[Session]:
         with self._write_lock, self._write_sessions() as s, s.begin():
             yield s
+
+    @contextlib.contextmanager
+    def as_attempt(self, job_id: str, attempt: int) -> Iterator[Session]:
+        """A write transaction of attempt `attempt` of job `job_id`: it opens only while
+        that attempt is the job's current, unended one (else `StaleAttempt`), and the job's
+        row stays locked until it commits (PostgreSQL; SQLite writes one at a time)."""
+        with self.write() as s:
+            _check_current(s, job_id, attempt, lock=True)
+            yield s
+
+    def attempt_is_current(self, job_id: str, attempt: int) -> bool:
+        """Whether attempt `attempt` may still write (a read; the writes fence themselves)."""
+        with self.read() as s:
+            try:
+                _check_current(s, job_id, attempt, lock=False)
+            except StaleAttempt:
+                return False
+            return True
 
     def ping(self) -> None:
         with self.read() as s:
@@ -284,12 +318,16 @@ class Store:
         with self.read() as s:
             return dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
 
-    def update_job(self, job_id: str, event: str | None = None, **values: Any) -> bool:
+    def update_job(
+        self, job_id: str, event: str | None = None, *, attempt: int | None = None, **values: Any
+    ) -> bool:
         """Set fields of a job that is not terminal yet (a `status` among them may make it
-        terminal); False when it already was. `event` is logged in the same transaction."""
+        terminal); False when it already was. `event` is logged in the same transaction.
+        With `attempt` the write is that attempt's, fenced (`StaleAttempt`)."""
         if values.get("status") in TERMINAL:
             values.setdefault("finished_at", int(time.time()))
-        with self.write() as s:
+        tx = self.write() if attempt is None else self.as_attempt(job_id, attempt)
+        with tx as s:
             res = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.status.not_in(TERMINAL))
@@ -423,6 +461,90 @@ class Store:
                 .execution_options(synchronize_session=False)
             )
 
+    def close_attempt(
+        self,
+        job_id: str,
+        number: int,
+        ray_status: str | None,
+        *,
+        next_reason: str | None = None,
+        failure: dict[str, Any] | None = None,
+    ) -> Attempt | None:
+        """End attempt `number` and write what follows, in one transaction: with
+        `next_reason` the next attempt (`submitting`, returned), with `failure` (`event`
+        and `error`) the job's failure; neither, only the end. An attempt that is already
+        ended (a crash of an older control plane between the two writes) is carried
+        forward the same way. Nothing follows for a job that is terminal or whose current
+        attempt is another one."""
+        now = time.time()
+        nxt = None
+        with self.write() as s:
+            s.execute(
+                update(Attempt)
+                .where(Attempt.job_id == job_id, Attempt.number == number, Attempt.state != "ended")
+                .values(state="ended", ray_status=ray_status or "LOST", ended_at=now)
+                .execution_options(synchronize_session=False)
+            )
+            current = (Job.id == job_id, Job.status.not_in(TERMINAL), Job.attempt == number)
+            if next_reason is not None:
+                res = s.execute(
+                    update(Job)
+                    .where(*current)
+                    .values(attempt=number + 1, status_detail="recovering")
+                    .execution_options(synchronize_session=False)
+                )
+                if res.rowcount == 1:
+                    nxt = Attempt(
+                        job_id=job_id,
+                        number=number + 1,
+                        submission_id=f"{job_id}-a{number + 1}",
+                        state="submitting",
+                        reason=next_reason,
+                        created_at=now,
+                    )
+                    s.add(nxt)
+                    s.add(_event(job_id, next_reason, data={"attempt": number + 1}))
+            elif failure is not None:
+                res = s.execute(
+                    update(Job)
+                    .where(*current)
+                    .values(
+                        status="failed",
+                        status_detail=None,
+                        finished_at=int(now),
+                        error=failure["error"],
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+                if res.rowcount == 1:
+                    s.add(_event(job_id, failure["event"], level="error"))
+        return nxt
+
+    def finish_job(
+        self,
+        job_id: str,
+        attempt: int,
+        results: File,
+        before_commit: Any,
+        event: str,
+        **values: Any,
+    ) -> None:
+        """Attempt `attempt` succeeds its job: the results file's row replaces any earlier
+        one, the job becomes `succeeded` with `values`, in one fenced transaction.
+        `before_commit()` (putting the results file in place) runs inside it, after the
+        fence, so a refused attempt (`StaleAttempt`) touches no file."""
+        with self.as_attempt(job_id, attempt) as s:
+            s.execute(delete(File).where(File.id == results.id, File.tenant == results.tenant))
+            before_commit()
+            s.add(results)
+            s.execute(
+                update(Job)
+                .where(Job.id == job_id)
+                .values(status="succeeded", finished_at=int(time.time()), **values)
+                .execution_options(synchronize_session=False)
+            )
+            s.add(_event(job_id, event))
+
     # -- events, metrics, checkpoints, stats --------------------------------------------
 
     def add_event(
@@ -433,8 +555,10 @@ class Store:
         level: str = "info",
         type: str = "message",
         data: dict[str, Any] | None = None,
+        attempt: int | None = None,
     ) -> None:
-        with self.write() as s:
+        tx = self.write() if attempt is None else self.as_attempt(job_id, attempt)
+        with tx as s:
             s.add(_event(job_id, message, level=level, type=type, data=data))
 
     def list_events(
@@ -462,8 +586,8 @@ class Store:
         self, job_id: str, attempt: int, step: int, values: dict[str, Any], message: str
     ) -> None:
         """A step's numbers (replacing a row for the same step from an earlier attempt) and
-        the OpenAI-style metrics event, in one transaction."""
-        with self.write() as s:
+        the OpenAI-style metrics event, in one transaction, fenced to `attempt`."""
+        with self.as_attempt(job_id, attempt) as s:
             s.execute(
                 delete(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step == step)
             )
@@ -498,9 +622,11 @@ class Store:
         path: str,
         keep: int,
         final: bool = False,
+        *,
+        attempt: int,
     ) -> Checkpoint:
-        """Record a checkpoint; keep the newest `keep` non-final ones (as Ray Train keeps
-        them on disk) plus the final one."""
+        """Record attempt `attempt`'s checkpoint (fenced); keep the newest `keep` non-final
+        ones (as Ray Train keeps them on disk) plus the final one."""
         ck = Checkpoint(
             id=new_id("ftckpt"),
             job_id=job_id,
@@ -510,7 +636,7 @@ class Store:
             final=final,
             created_at=int(time.time()),
         )
-        with self.write() as s:
+        with self.as_attempt(job_id, attempt) as s:
             s.execute(
                 delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
             )
@@ -559,9 +685,15 @@ class Store:
             )
 
     def set_stats(
-        self, job_id: str, trace: dict[str, Any] | None = None, tiers: dict[str, Any] | None = None
+        self,
+        job_id: str,
+        trace: dict[str, Any] | None = None,
+        tiers: dict[str, Any] | None = None,
+        *,
+        attempt: int | None = None,
     ) -> None:
-        with self.write() as s:
+        tx = self.write() if attempt is None else self.as_attempt(job_id, attempt)
+        with tx as s:
             row = s.get(JobStats, job_id)
             if row is None:
                 row = JobStats(job_id=job_id, updated_at=time.time())
@@ -580,6 +712,23 @@ class Store:
         with self.read() as s:
             rows = s.scalars(select(File).where(File.tenant == tenant, File.id.in_(list(ids))))
             return {f.id: f for f in rows}
+
+
+def _check_current(s: Session, job_id: str, attempt: int, *, lock: bool) -> None:
+    q = (
+        select(Job.attempt, Job.status, Attempt.state)
+        .outerjoin(Attempt, (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt))
+        .where(Job.id == job_id)
+    )
+    row = s.execute(q.with_for_update(of=Job) if lock else q).first()
+    if row is None:
+        raise StaleAttempt(job_id, attempt, "no such job")
+    if row.attempt != attempt:
+        raise StaleAttempt(job_id, attempt, f"attempt {row.attempt} is the current one")
+    if row.status in TERMINAL:
+        raise StaleAttempt(job_id, attempt, f"the job is {row.status}")
+    if row.state == "ended":
+        raise StaleAttempt(job_id, attempt, "the reconciler has ended this attempt")
 
 
 def _event(

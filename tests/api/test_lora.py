@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.api.test_hostile import assert_envelope, post_json, stored_jobs
+from tests.service.test_store import driver_attempt
 from tests.tiny import chat_lines
 
 JOBS = "/fine_tuning/jobs"
@@ -339,7 +340,17 @@ def finished_lora_job(api, train_file: str):
         _write(d / "adapter" / "adapter_config.json", json.dumps({"r": 8, "step": step}).encode())
         # a few MiB, not a multiple of 512: several reads and a padded tar block
         _write(d / "adapter" / "adapter_model.safetensors", os.urandom(3 * 2**20 + 7))
-        cks.append(api.store.add_checkpoint(job.id, step, {}, str(d), keep=3, final=final))
+        cks.append(
+            api.store.add_checkpoint(
+                job.id,
+                step,
+                {},
+                str(d),
+                keep=3,
+                final=final,
+                attempt=driver_attempt(api.store, job.id),
+            )
+        )
     export = api.settings.finetuned_dir(job.id)
     _write(export / "config.json", b'{"model_type": "llama"}')
     _write(export / "model.safetensors", os.urandom(4096))
@@ -438,8 +449,11 @@ def test_a_full_fine_tuning_jobs_final_checkpoint_downloads_as_the_full_model(ap
     c = api.client()
     job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
     root = api.settings.runs_dir / job.id / "ray" / job.id
-    mid = api.store.add_checkpoint(job.id, 5, {}, str(root / "a"), keep=3)
-    last = api.store.add_checkpoint(job.id, 10, {}, str(root / "b"), keep=3, final=True)
+    att = driver_attempt(api.store, job.id)
+    mid = api.store.add_checkpoint(job.id, 5, {}, str(root / "a"), keep=3, attempt=att)
+    last = api.store.add_checkpoint(
+        job.id, 10, {}, str(root / "b"), keep=3, final=True, attempt=att
+    )
     err = assert_envelope(content(api, job.id, last.id), 404, "variant")
     assert "not exported" in err["message"]  # not yet: the final checkpoint precedes it
     export = api.settings.finetuned_dir(job.id)

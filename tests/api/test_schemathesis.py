@@ -38,6 +38,7 @@ import schemathesis
 from hypothesis import strategies as st
 
 from tests.api.conftest import TOKENS
+from tests.service.test_store import driver_attempt
 from tests.tiny import chat_lines
 
 MAX_EXAMPLES = 25  # per operation and backend: the module takes about 30 s on 2 cores
@@ -104,12 +105,19 @@ def objects(api) -> Objects:
     )
     queued = mine.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
     cancelled = mine.fine_tuning.jobs.create(model="gpt-tiny", training_file=f.id)
-    mine.fine_tuning.jobs.cancel(cancelled.id)
     # the dry launcher runs nothing: the final checkpoint and the export a driver leaves
-    # are written here, so a checkpoint's content route has something to send
+    # are written here (before the cancel, as a driver would), so a checkpoint's content
+    # route has something to send
     final = api.store.add_checkpoint(
-        cancelled.id, 4, {}, str(api.settings.job_dir(cancelled.id) / "ckpt"), keep=3, final=True
+        cancelled.id,
+        4,
+        {},
+        str(api.settings.job_dir(cancelled.id) / "ckpt"),
+        keep=3,
+        final=True,
+        attempt=driver_attempt(api.store, cancelled.id),
     )
+    mine.fine_tuning.jobs.cancel(cancelled.id)
     export = api.settings.finetuned_dir(cancelled.id)
     export.mkdir(parents=True)
     (export / "config.json").write_text("{}")

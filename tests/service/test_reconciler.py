@@ -3,12 +3,18 @@ with a launcher whose Ray job states the test sets (the Ray tests run the real t
 
 from __future__ import annotations
 
-import pytest
+import threading
+import time
 
+import pytest
+from sqlalchemy import update
+
+from service import logs, reconciler
 from service.errors import Unavailable
-from service.launcher import DryLauncher
+from service.launcher import DryLauncher, SubmissionRefused
 from service.reconciler import Reconciler
-from tests.service.test_store import add_job, events_of
+from service.store import Job
+from tests.service.test_store import add_job, events_of, make_file
 
 
 class ScriptedLauncher(DryLauncher):
@@ -128,3 +134,144 @@ def test_while_ray_is_down_nothing_is_submitted_and_the_supervisor_is_called(wor
     rec.tick()
     assert ray.submits == [f"{job.id}-a1"]
     assert rec.ray_ok
+
+
+# -- faults -------------------------------------------------------------------------------
+
+
+class Refusing(ScriptedLauncher):
+    """Ray refuses every submission of the jobs in `poison` (a bad runtime env, say)."""
+
+    def __init__(self, poison: set[str]) -> None:
+        super().__init__()
+        self.poison = poison
+        self.refusals = 0
+
+    def submit(self, submission_id, job_id, attempt, env) -> None:
+        if job_id in self.poison:
+            self.refusals += 1
+            raise SubmissionRefused(f"Ray refused the submission {submission_id}: bad env")
+        super().submit(submission_id, job_id, attempt, env)
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(reconciler, "BACKOFF_S", 0.0)
+
+
+def test_a_poison_job_fails_alone_after_its_retries_and_never_holds_up_the_others(
+    local_service, fast_backoff
+):
+    settings, store = local_service
+    poison = add_job(store)  # the oldest: walked first on every tick
+    healthy = [add_job(store) for _ in range(3)]
+    ray = Refusing({poison.id})
+    rec = Reconciler(settings, store, ray)
+    rec.tick()
+    # one tick: the poison job raised, every job after it was submitted anyway
+    assert ray.submits == [f"{j.id}-a1" for j in healthy]
+    assert store.get_job(poison.id).status == "queued"
+    for _ in range(reconciler.MAX_JOB_ERRORS + 2):
+        rec.tick()
+    assert ray.refusals == reconciler.MAX_JOB_ERRORS
+    failed = store.get_job(poison.id)
+    assert failed.status == "failed"
+    assert failed.error["code"] == "submission_refused"
+    assert "bad env" in failed.error["message"]
+    assert "5 tries" in failed.error["message"]
+    assert all(store.get_job(j.id).status == "queued" for j in healthy)
+    assert len(ray.submits) == len(healthy)  # none submitted twice
+
+
+def test_a_job_that_raises_waits_out_its_backoff_then_recovers(local_service, monkeypatch):
+    settings, store = local_service
+    job, other = add_job(store), add_job(store)
+    ray = ScriptedLauncher()
+    rec = Reconciler(settings, store, ray)
+    real = store.update_attempt
+    broken = {"on": True}
+
+    def flaky(job_id, number, **values):
+        if job_id == job.id and broken["on"]:
+            raise OSError("disk I/O error (test)")
+        return real(job_id, number, **values)
+
+    monkeypatch.setattr(store, "update_attempt", flaky)
+    rec.tick()
+    assert store.get_attempt(other.id, 1).state == "submitted"
+    assert store.get_attempt(job.id, 1).state == "submitting"  # its write failed
+    rec.tick()  # within its backoff: not tried again
+    assert rec._trouble[job.id].errors == 1
+    broken["on"] = False
+    monkeypatch.setattr(reconciler, "BACKOFF_S", 0.0)
+    rec._trouble[job.id] = rec._trouble[job.id]._replace(retry_at=0.0)
+    rec.tick()  # Ray has it (the submission went through): recorded, not resubmitted
+    assert store.get_attempt(job.id, 1).state == "submitted"
+    assert ray.submits.count(f"{job.id}-a1") == 1
+    assert job.id not in rec._trouble
+    assert store.get_job(job.id).status == "queued"
+
+
+def test_an_attempt_ended_without_its_consequence_is_carried_forward(world):
+    rec, store, ray = world
+    job = add_job(store)
+    rec.tick()
+    # what an older control plane killed between its two writes left behind
+    store.update_attempt(job.id, 1, state="ended", ray_status="FAILED")
+    ray.state[f"{job.id}-a1"] = "FAILED"
+    rec.tick()
+    assert ray.submits == [f"{job.id}-a1", f"{job.id}-a2"]
+    assert store.get_job(job.id).attempt == 2
+    assert store.get_attempt(job.id, 2).state == "submitted"
+
+
+def test_a_log_that_cannot_be_kept_does_not_keep_the_job_from_its_next_attempt(world, monkeypatch):
+    rec, store, ray = world
+    job = add_job(store)
+    rec.tick()
+
+    def disk_full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(logs, "save_attempt_log", disk_full)
+    ray.state[f"{job.id}-a1"] = "FAILED"
+    rec.tick()
+    assert ray.submits[-1] == f"{job.id}-a2"
+    assert store.get_attempt(job.id, 1).state == "ended"
+    assert job.id not in rec._trouble
+
+
+def test_files_are_checked_off_the_reconciler_thread_against_size_and_checksum(local_service):
+    import hashlib
+
+    settings, store = local_service
+    good, bad = b'{"text": "hello"}\n', b'{"text": "hellO"}\n'
+    rows = []
+    for name, stored, on_disk in (("good", good, good), ("bad", good, bad), ("short", good, b"x")):
+        f = make_file("acme", name)
+        f.bytes, f.sha256 = len(stored), hashlib.sha256(stored).hexdigest()
+        store.add_file(f)
+        (settings.files_dir / name).write_bytes(on_disk)
+        rows.append(add_job(store, status="validating_files", body=None))
+        with store.write() as s:
+            s.execute(update(Job).where(Job.id == rows[-1].id).values(training_file=f.id))
+    ray = ScriptedLauncher()
+    rec = Reconciler(settings, store, ray)
+    seen_threads = set()
+    real = rec._file_problem
+    rec._file_problem = lambda job: (seen_threads.add(threading.current_thread().name), real(job))[
+        1
+    ]
+    for _ in range(50):
+        rec.tick()
+        if all(store.get_job(j.id).status != "validating_files" for j in rows):
+            break
+        time.sleep(0.05)
+    ok, changed, short = (store.get_job(j.id) for j in rows)
+    assert ok.status == "queued"
+    assert (changed.status, changed.error["code"]) == ("failed", "invalid_training_file")
+    assert "checksum differs" in changed.error["message"]
+    assert "size differs" in short.error["message"]
+    assert len(seen_threads) == 1
+    assert next(iter(seen_threads)).startswith("pstar-file-check")
+    rec.stop()

@@ -353,7 +353,13 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
     from service.store import Store
     from tests.conftest import fresh_database
 
-    db_url = fresh_database(request.getfixturevalue("pg_server"))
+    # a password in the URL (the test server trusts 127.0.0.1 and ignores it): it must
+    # not reach Ray, whose dashboard anyone with its address reads
+    password = "pw-" + os.urandom(12).hex()
+    db_url = fresh_database(request.getfixturevalue("pg_server")).replace(
+        "postgres@", f"postgres:{password}@"
+    )
+    assert password in db_url
     ray_url = httpx.get(serve.url + "/readyz").json()["ray_dashboard_url"]
     make_tiny_llama(tmp_path / "models" / "tiny-llama", hidden=128, layers=4)
     pg = Serve(
@@ -391,10 +397,38 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
         ]
         store.close()
         assert (tmp_path / "models" / ".ft" / job.id / "config.json").is_file()
+        seen = ray_says(ray_url, f"{job.id}-a1")
+        assert len(seen) > 5_000  # the scan read what Ray holds of the job and its actors
+        assert password not in seen
+        assert "PSTAR_DB_URL_FILE" in seen  # the path, not the URL, reached the driver
+        secret = tmp_path / "secrets" / "db_url"
+        assert (secret.stat().st_mode & 0o777, secret.read_text().strip()) == (0o600, db_url)
     finally:
         pg.terminate()
     assert pid_alive(serve.head_pid())  # not this control plane's cluster to stop
     assert httpx.get(serve.url + "/readyz").status_code == 200
+
+
+def ray_says(ray_url: str, submission_id: str) -> str:
+    """Everything Ray's job, actor, task, worker and Train APIs return about what ran:
+    the text a reader of the Ray dashboard can see."""
+    paths = [
+        "/api/jobs/",
+        f"/api/jobs/{submission_id}",
+        f"/api/jobs/{submission_id}/logs",
+        "/api/v0/actors?detail=true&limit=10000",
+        "/api/v0/tasks?detail=true&limit=10000",
+        "/api/v0/workers?detail=true&limit=10000",
+        "/api/v0/placement_groups?detail=true&limit=10000",
+        "/api/train/v2/runs",
+        "/logical/actors",
+        "/nodes?view=summary",
+    ]
+    out = []
+    for p in paths:
+        r = httpx.get(ray_url + p, timeout=60)
+        out.append(f"{p} {r.status_code}\n{r.text}")
+    return "\n".join(out)
 
 
 def _download(serve, url: str, out, token: str = TOKEN) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from service.settings import Settings, SettingsError, parse_tokens
+from service.settings import Settings, SettingsError, job_env, parse_tokens
 
 
 def test_tokens_map_to_tenants_and_a_bare_token_is_tenant_default():
@@ -104,3 +106,32 @@ def test_a_gpu_job_that_names_no_cpus_gets_its_share_of_a_gpu_node(tmp_path):
     assert service._with_default_resources(told).resources.cpus_per_worker == 2
     cpu = service._with_default_resources(JobRequest(**base))
     assert cpu.resources.cpus_per_worker == 1.0  # CPU jobs: as asked (default 1)
+
+
+def test_the_store_url_can_come_from_a_file_which_wins_over_the_variable(tmp_path):
+    f = tmp_path / "db_url"
+    f.write_text("postgresql+psycopg://u:pw@db/pstar\n")
+    env = {"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_DB_URL": "sqlite:///x.db"}
+    got = Settings.from_env({**env, "PSTAR_DB_URL_FILE": str(f)})
+    assert got.db_url == "postgresql+psycopg://u:pw@db/pstar"
+    with pytest.raises(SettingsError, match=r"PSTAR_DB_URL_FILE=.*cannot read"):
+        Settings.from_env({**env, "PSTAR_DB_URL_FILE": str(tmp_path / "nope")})
+    f.write_text("\n")
+    with pytest.raises(SettingsError, match="is empty"):
+        Settings.from_env({**env, "PSTAR_DB_URL_FILE": str(f)})
+
+
+def test_a_ray_jobs_environment_names_where_the_url_is_never_the_url(tmp_path):
+    data = tmp_path / "data"
+    default = Settings.from_env({"PSTAR_DATA_DIR": str(data)})
+    assert job_env(default) == {"PSTAR_DATA_DIR": str(data)}  # the data dir says it all
+    url = "postgresql+psycopg://pstar:s3cret-pw@db:5432/pstar"
+    pg = Settings.from_env({"PSTAR_DATA_DIR": str(data), "PSTAR_DB_URL": url})
+    env = job_env(pg)
+    assert "s3cret-pw" not in repr(env)
+    path = Path(env["PSTAR_DB_URL_FILE"])
+    assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    # a driver with only that environment finds the same store
+    assert Settings.from_env(env).db_url == url
+    moved = Settings.from_env({"PSTAR_DATA_DIR": str(data), "PSTAR_DB_URL": url + "2"})
+    assert Settings.from_env(job_env(moved)).db_url == url + "2"  # rewritten when it changes

@@ -20,6 +20,7 @@ from service.store import (
     IdempotencyConflict,
     Job,
     MetricPoint,
+    StaleAttempt,
     Store,
     new_id,
     request_hash,
@@ -96,6 +97,23 @@ def add_job(store: Store, **kwargs: Any) -> Job:
     job, created = store.create_job(make_job(**kwargs), "Created")
     assert created
     return job
+
+
+def running_job(store: Store, **kwargs: Any) -> Job:
+    """A job whose attempt 1 has been recorded, as a driver sees it: its writes pass the
+    attempt fence."""
+    job = add_job(store, **kwargs)
+    assert store.start_attempt(job.id, 1, "Attempt 1 submitted to Ray") is not None
+    return store.get_job(job.id)
+
+
+def driver_attempt(store: Store, job_id: str) -> int:
+    """The attempt a driver of this unfinished job would write as: the current one, or
+    attempt 1 recorded now when the reconciler has not started one."""
+    if store.get_job(job_id).attempt == 0:
+        # None when a running reconciler recorded it first: then that one is current
+        store.start_attempt(job_id, 1, "Attempt 1 submitted to Ray")
+    return store.get_job(job_id).attempt
 
 
 def make_file(tenant: str, name: str) -> File:
@@ -353,15 +371,16 @@ def test_events_page_has_more_only_when_older_events_remain(store):
 
 
 def test_events_are_filtered_by_type(store):
-    job = add_job(store)
+    job = running_job(store)
     store.record_metrics(job.id, 1, 1, {"train_loss": 2.0}, "Step 1")
     page, _ = store.list_events(job.id, None, 10, type="metrics")
     assert [e.message for e in page] == ["Step 1"]
 
 
 def test_record_metrics_for_one_step_twice_keeps_the_latest_point(store):
-    job = add_job(store)
+    job = running_job(store)
     store.record_metrics(job.id, 1, 5, {"train_loss": 2.0}, "Step 5/10: 2.0")
+    store.close_attempt(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
     store.record_metrics(job.id, 2, 5, {"train_loss": 1.5}, "Step 5/10: 1.5")
     (point,) = store.metric_points(job.id)
     assert (point.step, point.attempt, point.values) == (5, 2, {"train_loss": 1.5})
@@ -369,7 +388,7 @@ def test_record_metrics_for_one_step_twice_keeps_the_latest_point(store):
 
 
 def test_record_metrics_writes_the_openai_metrics_event(store):
-    job = add_job(store)
+    job = running_job(store)
     store.record_metrics(job.id, 1, 3, {"train_loss": 2.0, "grad_norm": 0.5}, "Step 3")
     newest = events_of(store, job.id)[0]
     assert (newest.type, newest.message) == ("metrics", "Step 3")
@@ -378,31 +397,96 @@ def test_record_metrics_writes_the_openai_metrics_event(store):
 
 
 def test_metric_points_are_read_by_step_range(store):
-    job = add_job(store)
+    job = running_job(store)
     for step in range(1, 6):
         store.record_metrics(job.id, 1, step, {"train_loss": float(step)}, f"Step {step}")
     assert [p.step for p in store.metric_points(job.id, 2, 4)] == [2, 3, 4]
 
 
 def test_add_checkpoint_keeps_the_newest_non_final_ones_and_the_final(store):
-    job = add_job(store)
+    job = running_job(store)
     for step in (10, 20, 30, 40):
-        store.add_checkpoint(job.id, step, {"train_loss": 1.0}, f"/ck/{step}", keep=2)
+        store.add_checkpoint(job.id, step, {"train_loss": 1.0}, f"/ck/{step}", keep=2, attempt=1)
     assert [c.step for c in store.list_checkpoints(job.id, None, 10)[0]] == [40, 30]
 
-    store.add_checkpoint(job.id, 50, {}, "/ck/final", keep=2, final=True)
-    store.add_checkpoint(job.id, 60, {}, "/ck/60", keep=2)
+    store.add_checkpoint(job.id, 50, {}, "/ck/final", keep=2, final=True, attempt=1)
+    store.add_checkpoint(job.id, 60, {}, "/ck/60", keep=2, attempt=1)
     kept = store.list_checkpoints(job.id, None, 10)[0]
     assert [(c.step, c.final) for c in kept] == [(60, False), (50, True), (40, False)]
 
 
 def test_add_checkpoint_at_a_recorded_step_replaces_it(store):
-    job = add_job(store)
-    first = store.add_checkpoint(job.id, 10, {"train_loss": 2.0}, "/ck/a", keep=3)
-    second = store.add_checkpoint(job.id, 10, {"train_loss": 1.0}, "/ck/b", keep=3)
+    job = running_job(store)
+    first = store.add_checkpoint(job.id, 10, {"train_loss": 2.0}, "/ck/a", keep=3, attempt=1)
+    second = store.add_checkpoint(job.id, 10, {"train_loss": 1.0}, "/ck/b", keep=3, attempt=1)
     (only,) = store.list_checkpoints(job.id, None, 10)[0]
     assert only.id == second.id != first.id
     assert only.path == "/ck/b"
+
+
+def test_a_replaced_attempt_writes_nothing_and_its_successor_everything(store):
+    job = running_job(store)
+    store.record_metrics(job.id, 1, 1, {"train_loss": 3.0}, "Step 1")
+    nxt = store.close_attempt(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
+    assert (nxt.number, nxt.state) == (2, "submitting")
+    before = (count(store, MetricPoint), len(events_of(store, job.id)))
+    zombie = [
+        lambda: store.record_metrics(job.id, 1, 2, {"train_loss": 9.0}, "Step 2"),
+        lambda: store.add_checkpoint(job.id, 2, {}, "/ck/zombie", keep=3, attempt=1),
+        lambda: store.update_job(job.id, attempt=1, status_detail="training"),
+        lambda: store.update_job(job.id, attempt=1, status="failed", error={"code": "x"}),
+        lambda: store.add_event(job.id, "zombie says hello", attempt=1),
+        lambda: store.set_stats(job.id, trace={"z": 1}, attempt=1),
+    ]
+    for write in zombie:
+        with pytest.raises(StaleAttempt, match="attempt 2 is the current one"):
+            write()
+    assert (count(store, MetricPoint), len(events_of(store, job.id))) == before
+    assert store.list_checkpoints(job.id, None, 10)[0] == []
+    assert store.get_stats(job.id) is None
+    now = store.get_job(job.id)
+    assert (now.status, now.status_detail, now.attempt) == ("queued", "recovering", 2)
+    # the current attempt writes as before
+    store.record_metrics(job.id, 2, 2, {"train_loss": 2.0}, "Step 2")
+    assert store.update_job(job.id, attempt=2, status_detail="training")
+    assert [p.attempt for p in store.metric_points(job.id)] == [1, 2]
+
+
+def test_an_ended_attempt_or_a_finished_job_refuses_its_attempts_writes(store):
+    job = running_job(store)
+    store.close_attempt(job.id, 1, "FAILED")  # ended, nothing follows yet
+    with pytest.raises(StaleAttempt, match="reconciler has ended"):
+        store.record_metrics(job.id, 1, 1, {"train_loss": 1.0}, "Step 1")
+    assert not store.attempt_is_current(job.id, 1)
+    other = running_job(store)
+    assert store.attempt_is_current(other.id, 1)
+    store.update_job(other.id, status="cancelled")
+    with pytest.raises(StaleAttempt, match="the job is cancelled"):
+        store.add_checkpoint(other.id, 1, {}, "/ck/1", keep=3, attempt=1)
+    with pytest.raises(StaleAttempt, match="no such job"):
+        store.add_event("ftjob-nope", "x", attempt=1)
+
+
+def test_closing_an_attempt_writes_its_consequence_once(store):
+    job = running_job(store)  # max_attempts 3
+    nxt = store.close_attempt(job.id, 1, None, next_reason="Attempt 2 resumes")
+    assert store.get_attempt(job.id, 1).ray_status == "LOST"
+    # a second reconciler acting on the same snapshot gets nothing: attempt 2 exists
+    assert store.close_attempt(job.id, 1, None, next_reason="Attempt 2 resumes") is None
+    assert [a.number for a in store.attempts(job.id)] == [1, 2]
+    assert nxt.submission_id == f"{job.id}-a2"
+    fail = {"event": "no attempts left", "error": {"code": "attempts_exhausted"}}
+    store.close_attempt(job.id, 1, "FAILED", failure=fail)  # a stale failure: ignored
+    assert store.get_job(job.id).status == "queued"
+    store.close_attempt(job.id, 2, "FAILED", failure=fail)
+    done = store.get_job(job.id)
+    assert (done.status, done.error, done.finished_at is not None) == (
+        "failed",
+        {"code": "attempts_exhausted"},
+        True,
+    )
+    assert store.get_attempt(job.id, 2).state == "ended"
+    assert events_of(store, job.id)[0].message == "no attempts left"
 
 
 # -- tenants and listing --------------------------------------------------------------------
