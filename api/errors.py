@@ -1,6 +1,6 @@
 """OpenAI's error envelope for every failure: `{"error": {message, type, param, code}}`.
 
-Service errors map to 400/404/409/413/503; request validation to 400 naming the field;
+Service errors map to 400/404/409/413/429/503; request validation to 400 naming the field;
 an unknown route or method to 404/405; anything else is our bug: 500, logged. The OpenAPI
 document says the same: FastAPI's default 422 (with its `detail` list) is replaced by the
 400 envelope the handlers below actually send.
@@ -22,6 +22,7 @@ from service.errors import (
     Conflict,
     InvalidRequest,
     NotFound,
+    QuotaExceeded,
     ServiceError,
     TooLarge,
     Unauthorized,
@@ -37,6 +38,7 @@ STATUS = {
     NotFound: 404,
     Conflict: 409,
     TooLarge: 413,
+    QuotaExceeded: 429,
     Unavailable: 503,
 }
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -46,6 +48,7 @@ DESCRIPTIONS = {
     404: "No such object for this tenant",
     409: "The object's state does not allow this",
     413: "Upload larger than the server's limit",
+    429: "The tenant is at one of its limits (named in the message, with the current use)",
     503: "A part the request needs (Ray, the store) cannot be reached now",
 }
 

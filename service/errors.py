@@ -64,6 +64,13 @@ class TooLarge(ServiceError):
     """An upload over the configured limit (413)."""
 
 
+class QuotaExceeded(ServiceError):
+    """The tenant is at one of its limits (429): the message names the limit, its setting
+    and the current use."""
+
+    kind = "insufficient_quota"
+
+
 class Unavailable(ServiceError):
     """A part the request needs (Ray, the store) cannot be reached now (503)."""
 

@@ -20,12 +20,17 @@ from pathlib import Path
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.datasets import MAX_LINE_BYTES, LineValidator
-from service.errors import InvalidRequest, TooLarge
-from service.settings import Settings
+from service.errors import InvalidRequest, QuotaExceeded, ServiceError, TooLarge
+from service.settings import Limits, Settings
 from service.store import File, Store, new_id
 
 PURPOSES = ("fine-tune",)
 MAX_FIELD_BYTES = 1024
+MAX_HEADER_BYTES = 8 << 10  # one part header's name + value
+MAX_PART_HEADERS = 16
+MAX_PARTS = 8  # 'file', 'purpose' and a few a client may add
+FORM_OVERHEAD_BYTES = 64 << 10  # boundaries, part headers and small fields around the file
+UPLOAD_IDLE_TIMEOUT_S = 60.0  # a body that sends nothing for this long is dropped
 FEED_BATCH_BYTES = 1 << 20  # received bytes handed to the parsing thread at a time
 DRAIN_AFTER_LIMIT = 64 << 20  # read (and drop) this much past the limit so the client sees the 413
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -52,6 +57,8 @@ class _Upload:
     def __init__(self, tmp: Path, limit: int) -> None:
         self.tmp, self.limit = tmp, limit
         self.out = None
+        self.parts = 0
+        self._headers = 0
         self.sha = hashlib.sha256()
         self.size = 0
         self.validator = LineValidator()
@@ -69,14 +76,39 @@ class _Upload:
     # header parsing
     def on_part_begin(self) -> None:
         self._part = _Part()
+        self.parts += 1
+        self._headers = 0
+        if self.parts > MAX_PARTS:
+            raise InvalidRequest(
+                f"the form has more than {MAX_PARTS} parts; send 'file' and 'purpose'",
+                param="file",
+                code="invalid_multipart",
+            )
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
         self._hname += data[start:end]
+        self._header_size()
 
     def on_header_value(self, data: bytes, start: int, end: int) -> None:
         self._hvalue += data[start:end]
+        self._header_size()
+
+    def _header_size(self) -> None:
+        if len(self._hname) + len(self._hvalue) > MAX_HEADER_BYTES:
+            raise InvalidRequest(
+                f"a part header of the form is longer than {MAX_HEADER_BYTES} bytes",
+                param="file",
+                code="invalid_multipart",
+            )
 
     def on_header_end(self) -> None:
+        self._headers += 1
+        if self._headers > MAX_PART_HEADERS:
+            raise InvalidRequest(
+                f"a part of the form has more than {MAX_PART_HEADERS} headers",
+                param="file",
+                code="invalid_multipart",
+            )
         self._part.headers[bytes(self._hname).lower()] = bytes(self._hvalue)
         self._hname.clear()
         self._hvalue.clear()
@@ -104,11 +136,11 @@ class _Upload:
                 )
             self._part.value += chunk
             return
-        if self.file_parts > 1 or self.too_large:
-            return
+        # every byte of a file part counts, also of a second one (refused, never stored)
         self.size += len(chunk)
         if self.size > self.limit:
             self.too_large = True
+        if self.file_parts > 1 or self.too_large:
             return
         self.out.write(chunk)
         self.sha.update(chunk)
@@ -171,13 +203,17 @@ async def receive_upload(
             param="file",
             code="invalid_content_type",
         )
-    limit = settings.max_upload_bytes
+    quota = settings.limits.max_file_bytes_per_tenant
+    used = await asyncio.to_thread(store.file_bytes, tenant)
+    if used >= quota:
+        raise _over_quota(tenant, used, quota)
+    limit = min(settings.max_upload_bytes, quota - used)
     if (
         content_length
         and content_length.isdigit()
-        and int(content_length) > limit + DRAIN_AFTER_LIMIT
+        and int(content_length) > limit + FORM_OVERHEAD_BYTES + DRAIN_AFTER_LIMIT
     ):
-        raise _too_large(limit)
+        raise _too_large(settings, tenant, limit, used)
     settings.files_dir.mkdir(parents=True, exist_ok=True)
     file_id = new_id("file")
     tmp = settings.files_dir / f".{file_id}.part"
@@ -188,19 +224,36 @@ async def receive_upload(
         for chunk in chunks:
             parser.write(chunk)
 
+    received = 0
     try:
         # parsing, validating lines and writing the file block: they run in a worker
         # thread, a batch of received chunks at a time, so other requests keep being served
         batch: list[bytes] = []
         batched = 0
-        async for chunk in body:
+        stream = aiter(body)
+        while True:
+            try:
+                async with asyncio.timeout(UPLOAD_IDLE_TIMEOUT_S):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise InvalidRequest(
+                    f"the upload sent nothing for {UPLOAD_IDLE_TIMEOUT_S:.0f} s; send it again",
+                    param="file",
+                    code="upload_timeout",
+                ) from None
+            received += len(chunk)
             batch.append(chunk)
             batched += len(chunk)
             if batched >= FEED_BATCH_BYTES:
                 await asyncio.to_thread(feed, batch)
                 batch, batched = [], 0
-                if up.too_large and up.size > limit + DRAIN_AFTER_LIMIT:
-                    break
+                # every byte of the body counts (a chunked body has no length to refuse)
+                if up.too_large or received > limit + FORM_OVERHEAD_BYTES:
+                    up.too_large = True
+                    if received > limit + FORM_OVERHEAD_BYTES + DRAIN_AFTER_LIMIT:
+                        break
         await asyncio.to_thread(feed, batch)
         parser.finalize()
     except ValueError as e:  # the multipart parser's own errors
@@ -211,20 +264,22 @@ async def receive_upload(
     except BaseException:
         _discard(up, tmp)
         raise
+    if received > limit + FORM_OVERHEAD_BYTES:
+        up.too_large = True
     if up.out is not None:
         up.out.close()
     try:
-        return await asyncio.to_thread(_store, settings, store, tenant, file_id, tmp, up)
+        return await asyncio.to_thread(_store, settings, store, tenant, file_id, tmp, up, used)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
 def _store(
-    settings: Settings, store: Store, tenant: str, file_id: str, tmp: Path, up: _Upload
+    settings: Settings, store: Store, tenant: str, file_id: str, tmp: Path, up: _Upload, used: int
 ) -> File:
     if up.too_large:
-        raise _too_large(settings.max_upload_bytes)
+        raise _too_large(settings, tenant, up.limit, used)
     if not up.ended:  # a cut-off body: its last part, the file's end maybe, is missing
         raise InvalidRequest(
             "malformed multipart body: it ends before its closing boundary",
@@ -280,13 +335,43 @@ def _discard(up: _Upload, tmp: Path) -> None:
     tmp.unlink(missing_ok=True)
 
 
-def _too_large(limit: int) -> TooLarge:
+def _too_large(settings: Settings, tenant: str, limit: int, used: int) -> ServiceError:
+    if limit < settings.max_upload_bytes:  # the tenant's storage left, not the upload limit
+        return _over_quota(tenant, used, settings.limits.max_file_bytes_per_tenant)
     return TooLarge(
         f"the file is larger than this server's upload limit of {limit:,} bytes "
         "(PSTAR_MAX_UPLOAD_BYTES); split it or ask the operator to raise the limit",
         param="file",
         code="file_too_large",
     )
+
+
+def _over_quota(tenant: str, used: int, quota: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"tenant {tenant} stores {used:,} bytes of files and may store {quota:,} "
+        f"({Limits.var('max_file_bytes_per_tenant')}); this upload would go over it: delete "
+        "files it no longer needs (DELETE /v1/files/{id})",
+        param="file",
+        code="quota_exceeded",
+    )
+
+
+def sweep_partial_uploads(
+    settings: Settings, older_than_s: float = 2 * UPLOAD_IDLE_TIMEOUT_S
+) -> int:
+    """Remove what uploads and result writes cut off by a crash left (`.*.part`). Only
+    files untouched for `older_than_s`: an upload in flight (of another control plane on
+    the same data dir) writes at least once per idle timeout."""
+    n = 0
+    cutoff = time.time() - older_than_s
+    for p in settings.files_dir.glob(".*.part"):
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+                n += 1
+        except FileNotFoundError:
+            continue
+    return n
 
 
 def file_path(settings: Settings, f: File) -> Path:

@@ -36,9 +36,9 @@ from pydantic import (
 
 from pstar_core.config import LORA_DEFAULT_TARGETS as ALL_LINEAR
 from pstar_core.config import ConfigError, EngineConfig, LoraConfig
-from service.errors import Conflict, InvalidRequest, NotFound, describe_invalid
+from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, describe_invalid
 from service.registry import ModelRef, resolve_model
-from service.settings import Settings
+from service.settings import Limits, Settings
 from service.store import IdempotencyConflict, Job, Store, new_id, request_hash
 
 Auto = Literal["auto"]
@@ -426,6 +426,65 @@ def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
     return cfg
 
 
+def _over(what: str, value: Any, limit: Any, name: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{param}: {value} is over this service's limit of {limit} {what} "
+        f"({Limits.var(name)}); ask for at most {limit}",
+        param=param,
+        code="limit_exceeded",
+    )
+
+
+def check_job_limits(limits: Limits, req: JobRequest) -> None:
+    """Refuse (400) a job that asks for more than one job may have."""
+    res = req.resources
+    if res.num_workers > limits.max_workers_per_job:
+        raise _over(
+            "workers per job",
+            res.num_workers,
+            limits.max_workers_per_job,
+            "max_workers_per_job",
+            "resources.num_workers",
+        )
+    for what, n, name in (
+        ("running workers per tenant", res.num_workers, "max_running_workers_per_tenant"),
+        ("GPUs per tenant", res.num_workers if res.use_gpu else 0, "max_running_gpus_per_tenant"),
+    ):
+        if n > getattr(limits, name):
+            # it could never start: the tenant's whole share is smaller than the job
+            raise _over(what, n, getattr(limits, name), name, "resources.num_workers")
+    if res.cpus_per_worker > limits.max_cpus_per_worker:
+        raise _over(
+            "CPUs per worker",
+            res.cpus_per_worker,
+            limits.max_cpus_per_worker,
+            "max_cpus_per_worker",
+            "resources.cpus_per_worker",
+        )
+    if req.max_attempts > limits.max_attempts:
+        raise _over(
+            "attempts", req.max_attempts, limits.max_attempts, "max_attempts", "max_attempts"
+        )
+    memory = req.engine.get("memory") if isinstance(req.engine, dict) else None
+    spill = memory.get("disk_budget") if isinstance(memory, dict) else None
+    if isinstance(spill, float) and not spill.is_integer():
+        raise InvalidRequest(
+            f"engine.memory.disk_budget: a fraction ({spill}) of the shared volume's free "
+            f"space is not allowed here; give bytes, at most {limits.max_spill_bytes_per_job} "
+            f"({Limits.var('max_spill_bytes_per_job')})",
+            param="engine.memory.disk_budget",
+            code="limit_exceeded",
+        )
+    if isinstance(spill, (int, float)) and spill > limits.max_spill_bytes_per_job:
+        raise _over(
+            "bytes of spill per job",
+            int(spill),
+            limits.max_spill_bytes_per_job,
+            "max_spill_bytes_per_job",
+            "engine.memory.disk_budget",
+        )
+
+
 class JobService:
     """Create and cancel jobs; the reconciler and the driver run them."""
 
@@ -435,6 +494,7 @@ class JobService:
     def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, dict[str, Any]]:
         """Check everything a client can get wrong; the plan the driver will run."""
         req = self._with_default_resources(req)
+        check_job_limits(self.settings.limits, req)
         model = resolve_model(self.settings, self.store, tenant, req.model)
         if model is None:
             raise InvalidRequest(
@@ -579,6 +639,14 @@ class JobService:
             if existing is not None:
                 return self._same(existing, h, idempotency_key), False
         _model, plan = self.resolve(tenant, req)
+        limit = self.settings.limits.max_unfinished_jobs_per_tenant
+        if (n := self.store.count_unfinished_jobs(tenant)) >= limit:
+            raise QuotaExceeded(
+                f"tenant {tenant} has {n} unfinished jobs, its limit "
+                f"({Limits.var('max_unfinished_jobs_per_tenant')}={limit}); wait for some to "
+                "finish or cancel some",
+                code="quota_exceeded",
+            )
         now = int(time.time())
         job = Job(
             id=new_id("ftjob"),
@@ -602,6 +670,8 @@ class JobService:
             max_attempts=req.max_attempts,
             cancel_requested=False,
             created_at=now,
+            workers=plan["resources"]["num_workers"],
+            gpus=plan["resources"]["num_workers"] if plan["resources"]["use_gpu"] else 0,
         )
         try:
             return self.store.create_job(job, f"Created fine-tuning job: {job.id}")

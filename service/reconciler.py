@@ -76,6 +76,8 @@ class Reconciler:
 
     def tick(self) -> None:
         self.ticks += 1
+        if self.ticks % SWEEP_EVERY_TICKS == 1:
+            self._sweep()
         try:
             self.launcher.ping()
             if not self.ray_ok:
@@ -93,13 +95,34 @@ class Reconciler:
         pairs = self.store.active_jobs_with_attempts()
         try:
             ray = RayView(self.launcher.statuses())
+            shares = TenantShares(self.settings.limits, pairs)
             for job, att in pairs:
                 if self._stop.is_set():
                     return
+                if att is None and job.status == "queued" and not self._admitted(job, shares):
+                    continue
                 self._guarded(job, att, ray)
             self._stop_orphans(ray)
         except Unavailable as e:  # Ray went away mid-tick: every job waits, none is blamed
             log.warning("Ray not reachable: %s", e.message)
+
+    def _admitted(self, job: ActiveJob, shares: TenantShares) -> bool:
+        """Whether a queued job's first attempt may start within its tenant's running
+        limits; one that may not waits in `queued`, saying for what."""
+        wait = shares.take(job)
+        if wait is None:
+            if job.status_detail and job.status_detail.startswith("waiting:"):
+                self._guarded_write(job, status_detail=None)
+            return True
+        if job.status_detail != wait:
+            self._guarded_write(job, status_detail=wait)
+        return False
+
+    def _guarded_write(self, job: ActiveJob, **values: Any) -> None:
+        try:
+            self.store.update_job(job.id, **values)
+        except Exception as e:
+            self._job_raised(job, e)
 
     def _guarded(self, job: ActiveJob, att: ActiveAttempt | None, ray: RayView) -> None:
         """`reconcile` in the job's own error boundary: a job that raises is retried with
@@ -150,6 +173,15 @@ class Reconciler:
             )
         except Exception:  # the store refuses this job's row too: nothing more to do here
             log.exception("job %s: could not record its failure", job.id)
+
+    def _sweep(self) -> None:
+        from service.files import sweep_partial_uploads
+
+        try:
+            if n := sweep_partial_uploads(self.settings):
+                log.info("removed %d partial upload(s) left by a crash", n)
+        except OSError as e:
+            log.warning("could not sweep partial uploads: %s", e)
 
     # -- one job ------------------------------------------------------------------------
 
@@ -291,6 +323,7 @@ class Reconciler:
                 self._keep_log(att)
 
 
+SWEEP_EVERY_TICKS = 60  # partial uploads left by a crash: looked for at start, then this often
 MAX_JOB_ERRORS = 5  # a job whose reconcile raises this many times in a row fails
 BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0  # between its tries: 2, 4, 8, 16 s
 
@@ -298,6 +331,43 @@ BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0  # between its tries: 2, 4, 8, 16 s
 class _Trouble(NamedTuple):
     errors: int
     retry_at: float  # time.monotonic()
+
+
+class TenantShares:
+    """What each tenant's jobs with an attempt take now (jobs, workers, GPUs), from the
+    tick's snapshot, and whether one more fits its running limits."""
+
+    def __init__(self, limits: Any, pairs: list[tuple[ActiveJob, ActiveAttempt | None]]) -> None:
+        self.limits = limits
+        self.used: dict[str, list[int]] = {}
+        for job, att in pairs:
+            if att is not None:
+                self._add(job)
+
+    def _add(self, job: ActiveJob) -> None:
+        u = self.used.setdefault(job.tenant, [0, 0, 0])
+        u[0] += 1
+        u[1] += job.workers
+        u[2] += job.gpus
+
+    def take(self, job: ActiveJob) -> str | None:
+        """None (and the job's share counted) if it fits; else why it waits."""
+        jobs, workers, gpus = self.used.get(job.tenant, (0, 0, 0))
+        lim = self.limits
+        for what, now, need, limit in (
+            ("jobs", jobs, 1, lim.max_running_jobs_per_tenant),
+            ("workers", workers, job.workers, lim.max_running_workers_per_tenant),
+            ("GPUs", gpus, job.gpus, lim.max_running_gpus_per_tenant),
+        ):
+            if need and now + need > limit:
+                name = {"jobs": "jobs", "workers": "workers", "GPUs": "gpus"}[what]
+                var = f"PSTAR_MAX_RUNNING_{name.upper()}_PER_TENANT"
+                return (
+                    f"waiting: the tenant runs {now} {what} of its {limit} ({var}); this "
+                    f"job needs {need}"
+                )[:255]
+        self._add(job)
+        return None
 
 
 class RayView:

@@ -10,7 +10,9 @@
   `default`;
 - `PSTAR_MAX_UPLOAD_BYTES` (default 1 GiB): larger uploads get 413;
 - `RAY_ADDRESS`: a Ray cluster's dashboard URL (`http://head:8265`); without it
-  `pstar serve` starts a local head.
+  `pstar serve` starts a local head;
+- the limits of `Limits` below (`PSTAR_MAX_...`), per tenant and per job, with defaults
+  that keep one tenant from taking a shared install.
 
 Paths a client sends are never used as paths: every file the service writes is under the
 data dir, with names the service chose.
@@ -21,11 +23,55 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_MAX_UPLOAD = 1 << 30
+
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one tenant, or one job, may take. Each is set by `PSTAR_<NAME upper-cased>`.
+
+    Over a per-job limit a create is refused (400); over the tenant's unfinished jobs or
+    stored bytes, 429; over the running ones, a job waits in `queued` until others end."""
+
+    max_unfinished_jobs_per_tenant: int = 100
+    max_running_jobs_per_tenant: int = 4
+    max_running_workers_per_tenant: int = 16
+    max_running_gpus_per_tenant: int = 8
+    max_workers_per_job: int = 8
+    max_cpus_per_worker: float = 16.0
+    max_file_bytes_per_tenant: int = 20 * GiB
+    max_spill_bytes_per_job: int = 50 * GiB
+    max_attempts: int = 5
+    max_event_streams_per_tenant: int = 8
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> Limits:
+        values = {}
+        for f in fields(cls):
+            var = "PSTAR_" + f.name.upper()
+            raw = env.get(var, "").strip()
+            if not raw:
+                continue
+            try:
+                v = float(raw) if f.type in (float, "float") else int(raw)
+            except ValueError:
+                raise SettingsError(f"{var} must be a number, got {raw!r}") from None
+            if v <= 0:
+                raise SettingsError(f"{var} must be positive, got {raw!r}")
+            values[f.name] = v
+        return cls(**values)
+
+    @staticmethod
+    def var(name: str) -> str:
+        """The environment variable that sets limit `name`."""
+        return "PSTAR_" + name.upper()
 
 
 class SettingsError(ValueError):
@@ -45,6 +91,7 @@ class Settings:
     # PSTAR_DEFAULT_RESOURCES: what a job that does not say gets (a deployment with GPU
     # workers sets {"use_gpu": true, ...}); the fields a request gives win
     default_resources: dict = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def files_dir(self) -> Path:
@@ -95,6 +142,7 @@ class Settings:
             ray_address=env.get("RAY_ADDRESS") or None,
             api_docs=docs == "on",
             default_resources=parse_default_resources(env.get("PSTAR_DEFAULT_RESOURCES", "")),
+            limits=Limits.from_env(env),
         )
 
 

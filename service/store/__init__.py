@@ -72,10 +72,13 @@ class ActiveJob(NamedTuple):
     id: str
     tenant: str
     status: str
+    status_detail: str | None
     attempt: int
     max_attempts: int
     training_file: str
     validation_file: str | None
+    workers: int
+    gpus: int
 
 
 class ActiveAttempt(NamedTuple):
@@ -313,6 +316,17 @@ class Store:
         with self.read() as s:
             rows = list(s.scalars(q.order_by(Job.seq.desc()).limit(limit + 1)))
         return rows[:limit], len(rows) > limit
+
+    def count_unfinished_jobs(self, tenant: str) -> int:
+        with self.read() as s:
+            return s.scalar(
+                select(func.count()).where(Job.tenant == tenant, Job.status.in_(ACTIVE))
+            )
+
+    def file_bytes(self, tenant: str) -> int:
+        """What the tenant's stored files take (results files included)."""
+        with self.read() as s:
+            return int(s.scalar(select(func.sum(File.bytes)).where(File.tenant == tenant)) or 0)
 
     def count_jobs_by_status(self) -> dict[str, int]:
         with self.read() as s:

@@ -94,6 +94,10 @@ class Job(Base):
     # what the engine decided on the workers' hardware (the compute dtype 'auto' became,
     # the CPU it saw, threads, host Adam kernel), written by rank 0 when training starts
     runtime: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # what a running attempt takes of the tenant's share (plan.resources, as columns: the
+    # reconciler's admission reads them every tick without decoding the plan)
+    workers: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Attempt(Base):

@@ -38,7 +38,9 @@ class ApiServer:
         return {"Authorization": f"Bearer {TOKENS[tenant]}"}
 
 
-def start_api(data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 20):
+def start_api(
+    data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 20, limits: object = None
+):
     import uvicorn
 
     from api.app import create_app
@@ -52,6 +54,7 @@ def start_api(data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 
         db_url=db_url,
         tokens={tok: tenant for tenant, tok in TOKENS.items()},
         max_upload_bytes=max_upload,
+        **({"limits": limits} if limits is not None else {}),
     )
     settings.ensure_dirs()
     make_tiny_llama(settings.models_dir / "tiny-llama")

@@ -275,3 +275,47 @@ def test_files_are_checked_off_the_reconciler_thread_against_size_and_checksum(l
     assert len(seen_threads) == 1
     assert next(iter(seen_threads)).startswith("pstar-file-check")
     rec.stop()
+
+
+def test_jobs_past_the_tenants_running_limits_wait_in_queued_saying_why(local_service):
+    from dataclasses import replace
+
+    from service.settings import Limits
+
+    settings, store = local_service
+    settings = replace(
+        settings, limits=Limits(max_running_jobs_per_tenant=2, max_running_workers_per_tenant=3)
+    )
+    ray = ScriptedLauncher()
+    rec = Reconciler(settings, store, ray)
+    first = add_job(store)
+    wide = add_job(store)
+    with store.write() as s:  # a 3-worker job: with the first, over the 3 workers
+        s.execute(update(Job).where(Job.id == wide.id).values(workers=3))
+    third = add_job(store)
+    fourth = add_job(store)
+    theirs = add_job(store, tenant="rival")
+    rec.tick()
+    # the first and the third fit (2 jobs, 2 workers); the wide one would make 4 workers,
+    # the fourth a third job; rival's share is its own
+    assert sorted(ray.submits) == sorted(f"{j.id}-a1" for j in (first, third, theirs))
+    waiting = store.get_job(wide.id)
+    assert (waiting.status, waiting.attempt) == ("queued", 0)
+    assert waiting.status_detail == (
+        "waiting: the tenant runs 1 workers of its 3 (PSTAR_MAX_RUNNING_WORKERS_PER_TENANT); "
+        "this job needs 3"
+    )
+    assert store.get_job(fourth.id).status_detail == (
+        "waiting: the tenant runs 2 jobs of its 2 (PSTAR_MAX_RUNNING_JOBS_PER_TENANT); "
+        "this job needs 1"
+    )
+    rec.tick()
+    assert len(ray.submits) == 3
+    for done in (first, third):
+        store.update_job(done.id, status="succeeded")
+        ray.state[f"{done.id}-a1"] = "SUCCEEDED"
+    rec.tick()  # nothing runs: the wide job (older) starts, then the fourth is over 3 workers
+    started = store.get_job(wide.id)
+    assert ray.submits[-1] == f"{wide.id}-a1"
+    assert (started.attempt, started.status_detail) == (1, None)
+    assert "PSTAR_MAX_RUNNING_WORKERS_PER_TENANT" in store.get_job(fourth.id).status_detail
