@@ -16,9 +16,46 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from api import errors, ui
+from service.errors import QuotaExceeded
 from service.jobs import JobService
-from service.settings import Settings
+from service.settings import Limits, Settings
 from service.store import Store
+
+
+class Streams:
+    """The long-lived responses (event streams, followed logs) open per tenant: at most
+    `limit` each (429 past it), and all of them told to end when the server shuts down,
+    so an open dashboard cannot hold a SIGTERM."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open: dict[str, int] = {}
+        self.closing = False
+
+    def take(self, tenant: str) -> None:
+        n = self.open.get(tenant, 0)
+        if n >= self.limit:
+            raise QuotaExceeded(
+                f"tenant {tenant} has {n} streams open, its limit "
+                f"({Limits.var('max_event_streams_per_tenant')}={self.limit}); close one "
+                "(a dashboard tab, a followed log) or poll the list routes instead",
+                code="too_many_streams",
+            )
+        self.open[tenant] = n + 1
+
+    def give_back(self, tenant: str) -> None:
+        self.open[tenant] -= 1
+
+    async def guard(self, tenant: str, body: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """`body`, ending early when the server shuts down; its slot given back at the end
+        (taken by the caller before the response starts, so a 429 can still be sent)."""
+        try:
+            async for part in body:
+                yield part
+                if self.closing:
+                    return
+        finally:
+            self.give_back(tenant)
 
 
 @dataclass
@@ -29,6 +66,7 @@ class Context:
     jobs: JobService
     reconciler: Any = None
     metrics: Any = None
+    streams: Streams | None = None
 
 
 def create_app(
@@ -46,6 +84,7 @@ def create_app(
 
     ctx = Context(settings, store, launcher, JobService(settings, store, launcher))
     ctx.metrics = ApiMetrics(store)
+    ctx.streams = Streams(settings.limits.max_event_streams_per_tenant)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -63,6 +102,7 @@ def create_app(
         try:
             yield
         finally:
+            ctx.streams.closing = True
             if ctx.reconciler is not None:
                 ctx.reconciler.stop()
             if on_shutdown is not None:

@@ -14,6 +14,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from service.errors import Unauthorized
 
 bearer = HTTPBearer(auto_error=False, description="a token from PSTAR_API_TOKENS")
+# the tenant of PSTAR_METRICS_TOKEN: it may read /metrics for every tenant, and nothing else
+OPERATOR = "~operator"
 
 
 def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
@@ -27,8 +29,16 @@ def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
 
 async def require_tenant(request: Request) -> str:
     creds: HTTPAuthorizationCredentials | None = await bearer(request)
-    tokens = request.app.state.ctx.settings.tokens
-    tenant = tenant_of(tokens, creds.credentials) if creds else None
+    settings = request.app.state.ctx.settings
+    tenant = tenant_of(settings.tokens, creds.credentials) if creds else None
+    if (
+        tenant is None
+        and creds
+        and settings.metrics_token
+        and request.url.path == "/metrics"
+        and hmac.compare_digest(settings.metrics_token.encode(), creds.credentials.encode())
+    ):
+        tenant = OPERATOR
     if tenant is None:
         raise Unauthorized(
             "Missing or invalid API token: send 'Authorization: Bearer <token>' with a token "

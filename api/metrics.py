@@ -11,13 +11,13 @@ from service.store import Store
 
 
 class _JobsCollector:
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, store: Store, tenant: str | None) -> None:
+        self.store, self.tenant = store, tenant
 
     def collect(self):
         g = GaugeMetricFamily("pstar_jobs", "fine-tuning jobs by status", labels=["status"])
         try:
-            counts = self.store.count_jobs_by_status()
+            counts = self.store.count_jobs_by_status(self.tenant)
         except Exception:  # a scrape must not fail because the store is down; /readyz says so
             counts = {}
         for status in ("validating_files", "queued", "running", "succeeded", "failed", "cancelled"):
@@ -41,11 +41,15 @@ class ApiMetrics:
             buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
             registry=self.registry,
         )
-        self.registry.register(_JobsCollector(store))
+        self.store = store
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()
         self.latency.labels(method, route).observe(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant: str | None) -> bytes:
+        """The request metrics (routes, not tenants) and the jobs of `tenant` (of every
+        tenant with None) by status."""
+        jobs = CollectorRegistry()
+        jobs.register(_JobsCollector(self.store, tenant))
+        return generate_latest(self.registry) + generate_latest(jobs)

@@ -16,6 +16,7 @@ from typing import Any
 from service.settings import Settings, new_token
 
 log = logging.getLogger(__name__)
+GRACEFUL_SHUTDOWN_S = 10  # after SIGTERM: requests in flight get this long
 
 
 def token_file(settings: Settings) -> Path:
@@ -119,4 +120,25 @@ def serve(
     )
     if on_ready:
         on_ready(settings, launcher, head)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        # open event streams end at shutdown; this bounds whatever else still runs
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    stopping_server(config, app).run()
+
+
+def stopping_server(config: Any, app: Any) -> Any:
+    """A uvicorn server that tells the app's open streams to end as soon as a signal asks
+    it to stop (uvicorn waits for open connections before the app's own shutdown runs)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.ctx.streams.closing = True
+            super().handle_exit(sig, frame)
+
+    return _Server(config)

@@ -92,6 +92,9 @@ class Settings:
     # workers sets {"use_gpu": true, ...}); the fields a request gives win
     default_resources: dict = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
+    # PSTAR_METRICS_TOKEN: Prometheus' token; /metrics with it counts every tenant's jobs
+    # (a tenant's token counts its own)
+    metrics_token: str | None = field(default=None, repr=False)
 
     @property
     def files_dir(self) -> Path:
@@ -143,6 +146,7 @@ class Settings:
             api_docs=docs == "on",
             default_resources=parse_default_resources(env.get("PSTAR_DEFAULT_RESOURCES", "")),
             limits=Limits.from_env(env),
+            metrics_token=env.get("PSTAR_METRICS_TOKEN") or None,
         )
 
 

@@ -145,7 +145,7 @@ STREAM_KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep the stre
             "`event: end` block (data: the job object) once the job has ended and every "
             "event was sent; `: keep-alive` comments in between.",
         },
-        **responses(400, 404),
+        **responses(400, 404, 429),
     },
 )
 async def jobs_events_stream(
@@ -175,7 +175,7 @@ async def jobs_events_stream(
         seq = start
         quiet = 0.0
         ended = None
-        while not await request.is_disconnected():
+        while not await request.is_disconnected() and not c.streams.closing:
             rows, more = await run_in_threadpool(
                 c.store.list_events, fine_tuning_job_id, seq, 500, None, "asc"
             )
@@ -202,7 +202,9 @@ async def jobs_events_stream(
                 yield ": keep-alive\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+    c.streams.take(tenant)
+    body = c.streams.guard(tenant, stream())
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
 @router.get(
@@ -350,7 +352,7 @@ def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Me
 @router.get(
     "/{fine_tuning_job_id}/logs",
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {}}}, **responses(400, 404, 503)},
+    responses={200: {"content": {"text/plain": {}}}, **responses(400, 404, 429, 503)},
 )
 async def jobs_logs(
     fine_tuning_job_id: str,
@@ -374,5 +376,8 @@ async def jobs_logs(
     if not follow:
         text = await run_in_threadpool(attempt_logs, c.settings, c.store, c.launcher, job, attempt)
         return PlainTextResponse(text)
-    stream = follow_logs(c.settings, c.store, c.launcher, job, asyncio.sleep)
+    c.streams.take(tenant)
+    stream = c.streams.guard(
+        tenant, follow_logs(c.settings, c.store, c.launcher, job, asyncio.sleep)
+    )
     return StreamingResponse(stream, media_type="text/plain")

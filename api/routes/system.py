@@ -6,9 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
+from api.auth import OPERATOR, require_tenant
 from api.errors import responses
 from api.routes import Tenant, ctx
 from api.schemas import Health
+from service.errors import Unauthorized
 
 router = APIRouter(tags=["system"])
 
@@ -21,22 +23,33 @@ def healthz() -> Health:
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request):
-    """The store and Ray are reachable (no token needed); 503 says which is not."""
+    """The store and Ray are reachable; 503 says which is not. Without a token (a probe)
+    only ok or unavailable per part; with one, also why, and the Ray dashboard's address."""
     c = ctx(request)
+    trusted = await _has_token(request)
     checks: dict[str, str] = {}
     for name, probe in (("store", c.store.ping), ("ray", c.launcher.ping)):
         try:
             await run_in_threadpool(probe)
             checks[name] = "ok"
         except Exception as e:
-            checks[name] = f"unavailable: {getattr(e, 'message', None) or e}"
+            why = getattr(e, "message", None) or e
+            checks[name] = f"unavailable: {why}" if trusted else "unavailable"
     ok = all(v == "ok" for v in checks.values())
     body = Health(
         status="ok" if ok else "unavailable",
         checks=checks,
-        ray_dashboard_url=getattr(c.launcher, "dashboard_url", None),
+        ray_dashboard_url=getattr(c.launcher, "dashboard_url", None) if trusted else None,
     )
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+
+async def _has_token(request: Request) -> bool:
+    try:
+        await require_tenant(request)
+    except Unauthorized:
+        return False
+    return True
 
 
 @router.get(
@@ -44,6 +57,9 @@ async def readyz(request: Request):
     response_class=Response,
     responses={200: {"content": {"text/plain": {}}}, **responses(401)},
 )
-def metrics(request: Request, _tenant: Tenant) -> Response:
-    """The control plane's metrics in Prometheus' text format."""
-    return Response(ctx(request).metrics.render(), media_type="text/plain; version=0.0.4")
+def metrics(request: Request, tenant: Tenant) -> Response:
+    """The control plane's metrics in Prometheus' text format: requests by route and the
+    caller's jobs by status (every tenant's with the operator's PSTAR_METRICS_TOKEN)."""
+    c = ctx(request)
+    scope = None if tenant == OPERATOR else tenant
+    return Response(c.metrics.render(scope), media_type="text/plain; version=0.0.4")

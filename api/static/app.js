@@ -203,7 +203,7 @@ async function renderJob(id) {
     if (!confirm(`Cancel ${id}? The run stops; its checkpoints stay.`)) return;
     try { renderHead(await api(`/fine_tuning/jobs/${id}/cancel`, { method: "POST" })); } catch (e) { showError(e); }
   });
-  fetch("/readyz").then((r) => r.json()).then((h) => {
+  fetch("/readyz", { headers: { Authorization: `Bearer ${state.token}` } }).then((r) => r.json()).then((h) => {
     state.rayDashboard = h.ray_dashboard_url;
     renderHead(state.job);
   }).catch(() => {});

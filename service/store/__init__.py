@@ -328,9 +328,12 @@ class Store:
         with self.read() as s:
             return int(s.scalar(select(func.sum(File.bytes)).where(File.tenant == tenant)) or 0)
 
-    def count_jobs_by_status(self) -> dict[str, int]:
+    def count_jobs_by_status(self, tenant: str | None = None) -> dict[str, int]:
+        q = select(Job.status, func.count()).group_by(Job.status)
+        if tenant is not None:
+            q = q.where(Job.tenant == tenant)
         with self.read() as s:
-            return dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+            return dict(s.execute(q).all())
 
     def update_job(
         self, job_id: str, event: str | None = None, *, attempt: int | None = None, **values: Any

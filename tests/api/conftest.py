@@ -39,7 +39,7 @@ class ApiServer:
 
 
 def start_api(
-    data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 20, limits: object = None
+    data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 20, **settings: object
 ):
     import uvicorn
 
@@ -54,7 +54,7 @@ def start_api(
         db_url=db_url,
         tokens={tok: tenant for tenant, tok in TOKENS.items()},
         max_upload_bytes=max_upload,
-        **({"limits": limits} if limits is not None else {}),
+        **settings,
     )
     settings.ensure_dirs()
     make_tiny_llama(settings.models_dir / "tiny-llama")

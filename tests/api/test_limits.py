@@ -6,6 +6,7 @@ refused the same way. One server, SQLite, with small limits."""
 from __future__ import annotations
 
 import io
+import time
 
 import httpx
 import openai
@@ -22,6 +23,7 @@ from tests.api.test_hostile import (
 )
 from tests.tiny import chat_lines
 
+METRICS_TOKEN = "prom-" + "0123456789abcdef"
 LIMITS = Limits(
     max_unfinished_jobs_per_tenant=3,
     max_workers_per_job=2,
@@ -31,6 +33,7 @@ LIMITS = Limits(
     max_file_bytes_per_tenant=48 * 1024,
     max_spill_bytes_per_job=1 << 30,
     max_attempts=4,
+    max_event_streams_per_tenant=2,
 )
 
 
@@ -38,7 +41,12 @@ LIMITS = Limits(
 def api(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("limits")
     server, stop = start_api(
-        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", 32 * 1024, LIMITS
+        data_dir,
+        f"sqlite:///{data_dir / 'store.db'}",
+        "sqlite",
+        32 * 1024,
+        limits=LIMITS,
+        metrics_token=METRICS_TOKEN,
     )
     yield server
     stop()
@@ -230,3 +238,52 @@ def test_partial_uploads_left_by_a_crash_are_swept_and_fresh_ones_kept(api, tmp_
     assert sweep_partial_uploads(api.settings) == 1
     assert (old.exists(), fresh.exists()) == (False, True)
     fresh.unlink()
+
+
+def test_prometheus_token_counts_every_tenants_jobs_and_opens_nothing_else(api, train_file):
+    c = api.client()
+    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
+    prom = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    every = api.store.count_jobs_by_status()
+    mine = api.store.count_jobs_by_status("acme")
+    assert every != mine  # rival has jobs too (an earlier test made one)
+    text = httpx.get(api.url + "/metrics", headers=prom).text
+    for status, n in every.items():
+        assert f'pstar_jobs{{status="{status}"}} {float(n)}' in text, text
+    assert httpx.get(api.base + "/files", headers=prom).status_code == 401
+    c.fine_tuning.jobs.cancel(job.id)
+
+
+def test_event_streams_past_the_tenants_limit_get_429_and_a_closed_one_frees_its_place(
+    api, train_file
+):
+    c = api.client()
+    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
+    url = f"{api.base}/fine_tuning/jobs/{job.id}/events/stream"
+    with httpx.Client(timeout=30) as http:
+        opened = [http.stream("GET", url, headers=api.headers()) for _ in range(2)]
+        responses = [s.__enter__() for s in opened]
+        assert [r.status_code for r in responses] == [200, 200]
+        # it streams (the iterator is kept: dropping it would close the stream)
+        lines = responses[0].iter_lines()
+        assert next(lines).startswith("id: ")
+        err = assert_envelope(http.get(url, headers=api.headers()), 429, code="too_many_streams")
+        assert "2 streams open" in err["message"]
+        logs = http.get(
+            f"{api.base}/fine_tuning/jobs/{job.id}/logs?follow=true", headers=api.headers()
+        )
+        assert logs.status_code == 429
+        # another tenant's streams are counted apart
+        assert http.get(url, headers=api.headers("rival")).status_code == 404
+        opened[0].__exit__(None, None, None)
+        for _ in range(100):  # the server notices the disconnect at its next poll
+            third = http.stream("GET", url, headers=api.headers())
+            r = third.__enter__()
+            if r.status_code == 200:
+                break
+            third.__exit__(None, None, None)
+            time.sleep(0.1)
+        assert r.status_code == 200
+        third.__exit__(None, None, None)
+        opened[1].__exit__(None, None, None)
+    c.fine_tuning.jobs.cancel(job.id)

@@ -224,7 +224,11 @@ def test_prometheus_metrics_count_requests_and_jobs(api):
     c.models.list()
     text = httpx.get(api.url + "/metrics", headers=api.headers()).text
     assert 'pstar_http_requests_total{method="GET",route="/v1/models",status="200"}' in text, text
-    assert 'pstar_jobs{status="queued"}' in text
+    # a tenant counts its own jobs only
+    for tenant in ("acme", "rival"):
+        text = httpx.get(api.url + "/metrics", headers=api.headers(tenant)).text
+        mine = api.store.count_jobs_by_status(tenant).get("queued", 0)
+        assert f'pstar_jobs{{status="queued"}} {float(mine)}' in text, text
 
 
 @pytest.mark.parametrize("part", ["store", "ray"])
@@ -237,13 +241,18 @@ def test_readyz_is_503_naming_the_part_that_does_not_answer(api, monkeypatch, pa
         raise Unavailable(f"{part} is down (test)")
 
     monkeypatch.setattr(api.store if part == "store" else api.launcher, "ping", down)
-    rep = httpx.get(api.url + "/readyz")
+    rep = httpx.get(api.url + "/readyz", headers=api.headers())
     assert rep.status_code == 503
     body = rep.json()
     assert body["status"] == "unavailable"
     assert body["checks"][part] == f"unavailable: {part} is down (test)"
     other = "ray" if part == "store" else "store"
     assert body["checks"][other] == "ok"
+    # a probe without a token learns that, and nothing of why or where
+    anon = httpx.get(api.url + "/readyz")
+    assert anon.status_code == 503
+    assert anon.json()["checks"] == {part: "unavailable", other: "ok"}
+    assert anon.json()["ray_dashboard_url"] is None
     assert httpx.get(api.url + "/healthz").status_code == 200  # the process still answers
 
 

@@ -51,6 +51,10 @@ def create(serve, files, steps: int, **extra):
     return create_job(serve, files, steps, **extra)
 
 
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
 def store_of(serve):
     from service.store import Store
 
@@ -217,7 +221,7 @@ def test_cancel_stops_the_ray_job_and_its_workers(serve, files):
     assert done.status == "cancelled"
     from ray.job_submission import JobSubmissionClient
 
-    ray_url = httpx.get(serve.url + "/readyz").json()["ray_dashboard_url"]
+    ray_url = httpx.get(serve.url + "/readyz", headers=_auth()).json()["ray_dashboard_url"]
     ray_jobs = JobSubmissionClient(ray_url)
     wait_for(
         lambda: str(ray_jobs.get_job_info(f"{job.id}-a1").status.value) == "STOPPED",
@@ -360,7 +364,7 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
         "postgres@", f"postgres:{password}@"
     )
     assert password in db_url
-    ray_url = httpx.get(serve.url + "/readyz").json()["ray_dashboard_url"]
+    ray_url = httpx.get(serve.url + "/readyz", headers=_auth()).json()["ray_dashboard_url"]
     make_tiny_llama(tmp_path / "models" / "tiny-llama", hidden=128, layers=4)
     pg = Serve(
         tmp_path, env={"PSTAR_DB_URL": db_url, "RAY_ADDRESS": ray_url, "RAY_AUTH_MODE": "disabled"}
