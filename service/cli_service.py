@@ -99,10 +99,13 @@ def serve(
 
     from service.cli import api_app
 
-    run_server(
-        settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready,
-        app_factory=api_app,
-    )  # fmt: skip
+    try:
+        run_server(
+            settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready,
+            app_factory=api_app,
+        )  # fmt: skip
+    except SettingsError as e:  # a deployment that would lose jobs (service.preflight)
+        _fail(str(e))
 
 
 def _redact(url: str) -> str:

@@ -58,8 +58,10 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
     """(settings, store, launcher, local head or None) for a control plane."""
     from service.launcher import RayLauncher
     from service.local_ray import HEAD_ENV, LocalRayHead
+    from service.preflight import check_cluster, check_store
     from service.store import Store
 
+    check_store(settings)
     settings.ensure_dirs()
     settings = ensure_token(settings)
     store = Store(settings.db_url)
@@ -67,6 +69,7 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
     head = None
     if settings.ray_address:
         launcher = RayLauncher(settings.ray_address)
+        check_cluster(settings, launcher)
     else:
         head = LocalRayHead(
             settings.data_dir / "ray", num_cpus=ray_cpus, dashboard_port=dashboard_port
