@@ -489,7 +489,10 @@ class JobService:
     """Create and cancel jobs; the reconciler and the driver run them."""
 
     def __init__(self, settings: Settings, store: Store, launcher: Any) -> None:
+        from service.heavy import HeavyWork
+
         self.settings, self.store, self.launcher = settings, store, launcher
+        self.heavy = HeavyWork()
 
     def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, dict[str, Any]]:
         """Check everything a client can get wrong; the plan the driver will run."""
@@ -578,7 +581,8 @@ class JobService:
             # the targets must name linear layers of this model: refused now, not when a
             # worker builds the engine
             assert model.path is not None  # every model but a zoo one is a HF directory
-            wrap_meta(build_meta(str(model.path)), req.lora.settings())
+            path, lora = str(model.path), req.lora.settings()
+            self.heavy.run(lambda: wrap_meta(build_meta(path), lora))
             method["lora"] = req.lora.settings()
         plan = {
             "base_model": model.base,

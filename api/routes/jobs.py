@@ -67,14 +67,14 @@ def jobs_create(
     return FineTuningJob.of(job)
 
 
-@router.post("/validate", responses=responses(400))
+@router.post("/validate", responses=responses(400, 503))
 def jobs_validate(req: JobRequest, request: Request, tenant: Tenant) -> dict[str, Any]:
     """Dry run, nothing stored: the data report (examples, tokens, truncation) and the
     estimate (steps, chunk plan, model data per tier per rank, whether it fits)."""
     from service.estimate import validate_job
 
     c = ctx(request)
-    return validate_job(c.settings, c.store, c.jobs, tenant, req)
+    return c.jobs.heavy.run(validate_job, c.settings, c.store, c.jobs, tenant, req)
 
 
 @router.get("", response_model=JobList, responses=responses(400, 404))
