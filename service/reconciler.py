@@ -25,7 +25,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from service.errors import Unavailable
+from service.faults import crash_point
 from service.launcher import ENDED, LIVE
 from service.settings import Settings, job_env
 from service.store import ActiveAttempt, ActiveJob, Attempt, Store
@@ -103,8 +106,8 @@ class Reconciler:
                     continue
                 self._guarded(job, att, ray)
             self._stop_orphans(ray)
-        except Unavailable as e:  # Ray went away mid-tick: every job waits, none is blamed
-            log.warning("Ray not reachable: %s", e.message)
+        except Unavailable as e:  # Ray or the store went away mid-tick: every job waits
+            log.warning("reconciling stopped for this tick: %s", e.message)
 
     def _admitted(self, job: ActiveJob, shares: TenantShares) -> bool:
         """Whether a queued job's first attempt may start within its tenant's running
@@ -119,10 +122,7 @@ class Reconciler:
         return False
 
     def _guarded_write(self, job: ActiveJob, **values: Any) -> None:
-        try:
-            self.store.update_job(job.id, **values)
-        except Exception as e:
-            self._job_raised(job, e)
+        self._guarded_call(job, lambda: self.store.update_job(job.id, **values))
 
     def _guarded(self, job: ActiveJob, att: ActiveAttempt | None, ray: RayView) -> None:
         """`reconcile` in the job's own error boundary: a job that raises is retried with
@@ -131,10 +131,16 @@ class Reconciler:
         trouble = self._trouble.get(job.id)
         if trouble is not None and time.monotonic() < trouble.retry_at:
             return
+        self._guarded_call(job, lambda: self.reconcile(job, att, ray))
+
+    def _guarded_call(self, job: ActiveJob, fn: Any) -> None:
         try:
-            self.reconcile(job, att, ray)
+            fn()
         except Unavailable:
             raise
+        except (OperationalError, InterfaceError) as e:
+            # the store is down or locked: the tick stops, no job is blamed for it
+            raise Unavailable(f"the store: {type(e).__name__}: {e}") from None
         except Exception as e:
             self._job_raised(job, e)
         else:
@@ -244,6 +250,7 @@ class Reconciler:
             next_reason=f"Attempt {att.number} ended without a result ({what}); attempt "
             f"{att.number + 1} resumes from the last checkpoint",
         )
+        crash_point("attempt-closed")
         self._keep_log(att)
         if nxt is not None:
             self._submit(job, nxt)
@@ -291,6 +298,7 @@ class Reconciler:
 
     def _next_attempt(self, job: ActiveJob, reason: str) -> None:
         att = self.store.start_attempt(job.id, job.attempt + 1, reason)
+        crash_point("attempt-recorded")
         if att is not None:
             self._submit(job, att)
 
@@ -298,6 +306,7 @@ class Reconciler:
         # no secret: Ray's dashboard shows a job's environment (see `job_env`)
         env = job_env(self.settings)
         self.launcher.submit(att.submission_id, job.id, att.number, env)
+        crash_point("ray-has-attempt")
         self.store.update_attempt(job.id, att.number, state="submitted")
 
     def _keep_log(self, att: Attempt | ActiveAttempt) -> None:

@@ -319,3 +319,37 @@ def test_jobs_past_the_tenants_running_limits_wait_in_queued_saying_why(local_se
     assert ray.submits[-1] == f"{wide.id}-a1"
     assert (started.attempt, started.status_detail) == (1, None)
     assert "PSTAR_MAX_RUNNING_WORKERS_PER_TENANT" in store.get_job(fourth.id).status_detail
+
+
+def test_a_store_outage_blames_no_job_and_the_jobs_go_on_once_it_is_back(
+    local_service, monkeypatch, fast_backoff
+):
+    from sqlalchemy.exc import OperationalError
+
+    settings, store = local_service
+    ray = ScriptedLauncher()
+    rec = Reconciler(settings, store, ray)
+    jobs = [add_job(store) for _ in range(2)]
+    rec.tick()
+    ray.state[f"{jobs[0].id}-a1"] = "FAILED"  # needs a next attempt while the store is down
+    real = {name: getattr(store, name) for name in ("close_attempt", "update_attempt")}
+    down = {"on": True}
+
+    def flaky(name):
+        def call(*a, **k):
+            if down["on"]:
+                raise OperationalError("UPDATE", {}, Exception("server closed the connection"))
+            return real[name](*a, **k)
+
+        return call
+
+    for name in real:
+        monkeypatch.setattr(store, name, flaky(name))
+    for _ in range(3 * reconciler.MAX_JOB_ERRORS):  # far more ticks than a poison job gets
+        rec.tick()
+    assert rec._trouble == {}
+    assert [store.get_job(j.id).status for j in jobs] == ["queued", "queued"]
+    down["on"] = False
+    rec.tick()
+    assert ray.submits[-1] == f"{jobs[0].id}-a2"
+    assert store.get_attempt(jobs[0].id, 2).state == "submitted"
