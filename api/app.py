@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from api import errors, ui
 from service.errors import QuotaExceeded
@@ -126,18 +126,7 @@ def create_app(
     app.state.ctx = ctx
     errors.install(app)
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next):  # request counts and latency
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        # the route's template, not the URL: ids must not become label values
-        template = getattr(request.scope.get("route"), "path", None) or "unmatched"
-        if request.url.path.startswith("/v1/") and not template.startswith("/v1"):
-            template = "/v1" + template  # routers included under /v1 report their own path
-        ctx.metrics.observe(
-            request.method, template, response.status_code, time.perf_counter() - t0
-        )
-        return response
+    app.add_middleware(_Observe, metrics=ctx.metrics)
 
     app.include_router(system.router)
     app.include_router(files.router, prefix="/v1")
@@ -146,6 +135,43 @@ def create_app(
     ui.install(app)
     _declare_plain_text_parameters(app)
     return app
+
+
+class _Observe:
+    """Request counts and latency by route template, as a plain ASGI middleware (Starlette's
+    `BaseHTTPMiddleware` costs a task and a stream copy per request). The latency runs to
+    the response's start: a stream's length is not the server's speed."""
+
+    def __init__(self, app: Any, metrics: Any) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self._observe(scope, message["status"], t0)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException:
+            if not started:  # the outermost handler answers 500
+                self._observe(scope, 500, t0)
+            raise
+
+    def _observe(self, scope: dict, status: int, t0: float) -> None:
+        # the route's template, not the URL: ids must not become label values
+        template = getattr(scope.get("route"), "path", None) or "unmatched"
+        if scope["path"].startswith("/v1/") and not template.startswith("/v1"):
+            template = "/v1" + template  # routers included under /v1 report their own path
+        self.metrics.observe(scope["method"], template, status, time.perf_counter() - t0)
 
 
 def _declare_plain_text_parameters(app: FastAPI) -> None:

@@ -99,30 +99,37 @@ class Reconciler:
         try:
             ray = RayView(self.launcher.statuses())
             shares = TenantShares(self.settings.limits, pairs)
+            waiting: dict[str, str | None] = {}
             for job, att in pairs:
                 if self._stop.is_set():
                     return
-                if att is None and job.status == "queued" and not self._admitted(job, shares):
+                if (
+                    att is None
+                    and job.status == "queued"
+                    and not self._admitted(job, shares, waiting)
+                ):
                     continue
                 self._guarded(job, att, ray)
+            if waiting:  # every new reason to wait (or none) of the tick, in one write
+                self.store.set_status_details(waiting)
             self._stop_orphans(ray)
         except Unavailable as e:  # Ray or the store went away mid-tick: every job waits
             log.warning("reconciling stopped for this tick: %s", e.message)
 
-    def _admitted(self, job: ActiveJob, shares: TenantShares) -> bool:
+    def _admitted(
+        self, job: ActiveJob, shares: TenantShares, waiting: dict[str, str | None]
+    ) -> bool:
         """Whether a queued job's first attempt may start within its tenant's running
-        limits; one that may not waits in `queued`, saying for what."""
+        limits; one that may not waits in `queued`, saying for what (in `waiting`, which
+        the tick writes once for all)."""
         wait = shares.take(job)
         if wait is None:
             if job.status_detail and job.status_detail.startswith("waiting:"):
-                self._guarded_write(job, status_detail=None)
+                waiting[job.id] = None
             return True
         if job.status_detail != wait:
-            self._guarded_write(job, status_detail=wait)
+            waiting[job.id] = wait
         return False
-
-    def _guarded_write(self, job: ActiveJob, **values: Any) -> None:
-        self._guarded_call(job, lambda: self.store.update_job(job.id, **values))
 
     def _guarded(self, job: ActiveJob, att: ActiveAttempt | None, ray: RayView) -> None:
         """`reconcile` in the job's own error boundary: a job that raises is retried with

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import create_engine, delete, event, func, select, update
+from sqlalchemy import bindparam, create_engine, delete, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -134,6 +134,7 @@ class Store:
             # writers take SQLite's write lock at BEGIN: a deferred transaction that reads
             # and then writes fails at once when another process (a job driver) writes
             write_bind = self.engine.execution_options(sqlite_immediate=True)
+        self._write_bind = write_bind
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._write_sessions = sessionmaker(write_bind, expire_on_commit=False)
         # SQLite takes one writer at a time; serializing ours in-process keeps the
@@ -149,7 +150,7 @@ class Store:
 
         cfg = Config()
         cfg.set_main_option("script_location", str(MIGRATIONS))
-        with self._write_lock, self.engine.begin() as conn:
+        with self._write_lock, self._write_bind.begin() as conn:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
 
@@ -356,6 +357,18 @@ class Store:
                 level = "error" if values.get("status") == "failed" else "info"
                 s.add(_event(job_id, event, level=level))
             return changed
+
+    def set_status_details(self, details: dict[str, str | None]) -> None:
+        """Many unfinished jobs' `status_detail` in one transaction (the reconciler's
+        reasons to wait)."""
+        with self.write() as s:
+            s.connection().execute(
+                update(Job.__table__)
+                # not terminal, spelled without IN (executemany takes no expanding list)
+                .where(Job.id == bindparam("job_id"), *(Job.status != t for t in TERMINAL))
+                .values(status_detail=bindparam("detail")),
+                [{"job_id": k, "detail": v} for k, v in details.items()],
+            )
 
     def mark_running(self, job_id: str, attempt: int) -> bool:
         """queued -> running, by the attempt that owns the job; logged once per job."""
@@ -789,5 +802,8 @@ def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
 
 
 def _sqlite_begin(conn: Any) -> None:
-    immediate = conn.get_execution_options().get("sqlite_immediate", False)
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+    # writers take the write lock at BEGIN; a read is one statement at a time in
+    # autocommit (each SELECT sees one consistent snapshot), which spares every read a
+    # BEGIN and a ROLLBACK round trip
+    if conn.get_execution_options().get("sqlite_immediate", False):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

@@ -58,6 +58,8 @@ class Job(Base):
         UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idem"),
         Index("ix_jobs_tenant_seq", "tenant", "seq"),
         Index("ix_jobs_status", "status"),
+        # a tenant's unfinished jobs, counted at every create (its quota)
+        Index("ix_jobs_tenant_status", "tenant", "status"),
     )
 
     seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
