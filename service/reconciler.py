@@ -95,7 +95,7 @@ class Reconciler:
             return
         # one query for the unfinished jobs with their current attempts, and one call for
         # Ray's view of every submission: a tick costs O(1) round trips, not O(jobs)
-        pairs = self.store.active_jobs_with_attempts()
+        pairs = self.store.active_jobs_with_attempts(self._waiting_lookahead())
         try:
             ray = RayView(self.launcher.statuses())
             shares = TenantShares(self.settings.limits, pairs)
@@ -115,6 +115,13 @@ class Reconciler:
             self._stop_orphans(ray)
         except Unavailable as e:  # Ray or the store went away mid-tick: every job waits
             log.warning("reconciling stopped for this tick: %s", e.message)
+
+    def _waiting_lookahead(self) -> int:
+        """How many of a tenant's jobs waiting for a first attempt a tick reads, oldest
+        first: more than its running limit admits, so a wide job at the head of the queue
+        does not keep a smaller one behind it waiting; past that, a job waits unread (its
+        status detail says nothing until it comes near the head)."""
+        return 2 * self.settings.limits.max_running_jobs_per_tenant + 8
 
     def _admitted(
         self, job: ActiveJob, shares: TenantShares, waiting: dict[str, str | None]

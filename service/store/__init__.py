@@ -441,29 +441,45 @@ class Store:
                 s.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
             )
 
-    def active_jobs_with_attempts(self) -> list[tuple[ActiveJob, ActiveAttempt | None]]:
+    def active_jobs_with_attempts(
+        self, waiting_per_tenant: int | None = None
+    ) -> list[tuple[ActiveJob, ActiveAttempt | None]]:
         """Every unfinished job with its current attempt (None before its first), oldest
-        job first, in one query. Only the columns the reconciler reads: it asks this
-        every second, and decoding each job's JSON request and plan would cost more than
-        the rest of its tick."""
-        q = (
-            select(
-                *(getattr(Job, f) for f in ActiveJob._fields),
-                Attempt.number,
-                Attempt.state,
-                Attempt.submission_id,
-            )
-            .outerjoin(Attempt, (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt))
-            .where(Job.status.in_(ACTIVE))
-            .order_by(Job.seq)
+        job first. Only the columns the reconciler reads: it asks this every second, and
+        decoding each job's JSON request and plan would cost more than the rest of its tick.
+
+        Of the jobs still waiting for their first attempt, only each tenant's oldest
+        `waiting_per_tenant` are read (None: all): a tenant's running limits admit only a
+        few in a tick, so a queue of thousands costs the reconciler what a short one does."""
+        cols = (
+            *(getattr(Job, f) for f in ActiveJob._fields),
+            Attempt.number,
+            Attempt.state,
+            Attempt.submission_id,
+            Job.seq,
         )
+        joined = (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt)
+        waiting = (Job.status == "queued") & (Job.attempt == 0)
+        if waiting_per_tenant is None:
+            queries = [select(*cols).outerjoin(Attempt, joined).where(Job.status.in_(ACTIVE))]
+        else:
+            rank = func.row_number().over(partition_by=Job.tenant, order_by=Job.seq)
+            head = select(Job.seq, rank.label("rank")).where(waiting).subquery()
+            queries = [
+                select(*cols).outerjoin(Attempt, joined).where(Job.status.in_(ACTIVE), ~waiting),
+                select(*cols)
+                .outerjoin(Attempt, joined)
+                .join(head, head.c.seq == Job.seq)
+                .where(head.c.rank <= waiting_per_tenant),
+            ]
         n = len(ActiveJob._fields)
         with self.read() as s:
-            rows = s.execute(q).all()
+            rows = [r for q in queries for r in s.execute(q).all()]
+        rows.sort(key=lambda r: r.seq)
         return [
             (
                 ActiveJob(*r[:n]),
-                ActiveAttempt(r.id, *r[n:]) if r.number is not None else None,
+                ActiveAttempt(r.id, *r[n : n + 3]) if r.number is not None else None,
             )
             for r in rows
         ]

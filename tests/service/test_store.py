@@ -577,3 +577,20 @@ def test_active_jobs_come_with_their_current_attempt_in_one_list(store):
     ]
     store.update_attempt(done.id, 1, state="ended")
     assert store.open_attempts_of_finished_jobs() == []
+
+
+def test_of_a_long_queue_only_each_tenants_oldest_waiting_jobs_are_read(store):
+    started = add_job(store)
+    store.start_attempt(started.id, 1, "a1")
+    waiting = [add_job(store, tenant="acme" if i % 4 else "rival") for i in range(40)]
+    validating = add_job(store, status="validating_files")
+    pairs = store.active_jobs_with_attempts(waiting_per_tenant=3)
+    acme = [j for j in waiting if j.tenant == "acme"][:3]
+    rival = [j for j in waiting if j.tenant == "rival"][:3]
+    want = sorted([*acme, *rival], key=lambda j: j.seq)
+    assert [j.id for j, _ in pairs] == [started.id, *(j.id for j in want), validating.id]
+    assert pairs[0][1] is not None and pairs[0][1].number == 1
+    assert all(a is None for _, a in pairs[1:])
+    # unbounded: every unfinished job, in the order they came
+    everything = [j.id for j, _ in store.active_jobs_with_attempts()]
+    assert everything == [started.id, *(j.id for j in waiting), validating.id]
