@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from service.errors import Unavailable
@@ -34,6 +34,7 @@ class SubmissionRefused(Exception):
 # Ray's job states; PENDING and RUNNING are live
 LIVE = ("PENDING", "RUNNING")
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
+ASK_ONE_BY_ONE = 8  # open attempts up to which a tick asks Ray about each, not the list
 
 
 class DryLauncher:
@@ -60,8 +61,8 @@ class DryLauncher:
             return "STOPPED"
         return "PENDING" if submission_id in self.submitted else None
 
-    def statuses(self) -> dict[str, str]:
-        return {sid: st for sid in list(self.submitted) if (st := self.status(sid))}
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, str]:
+        return {sid: st for sid in submission_ids if (st := self.status(sid))}
 
     def stop_quietly(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
@@ -151,8 +152,12 @@ class RayLauncher:
             raise Unavailable(f"Ray at {self.address} is not reachable: {e}") from None
         return str(info.status.value if hasattr(info.status, "value") else info.status)
 
-    def statuses(self) -> dict[str, str]:
-        """Ray's status of every submission it knows, in one call."""
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, str]:
+        """Ray's status of each of `submission_ids` that it knows. A few are asked one by
+        one; past `ASK_ONE_BY_ONE`, one call lists every job Ray keeps (its whole history,
+        which grows with every attempt ever run), so a quiet cluster costs nothing."""
+        if len(submission_ids) <= ASK_ONE_BY_ONE:
+            return {sid: st for sid in submission_ids if (st := self.status(sid))}
         try:
             jobs = self.client().list_jobs()
         except Unavailable:
@@ -163,7 +168,7 @@ class RayLauncher:
         return {
             j.submission_id: str(j.status.value if hasattr(j.status, "value") else j.status)
             for j in jobs
-            if j.submission_id
+            if j.submission_id in submission_ids
         }
 
     def stop_quietly(self, submission_id: str) -> None:

@@ -93,11 +93,15 @@ class Reconciler:
             if self.on_ray_down is not None:
                 self.on_ray_down()
             return
-        # one query for the unfinished jobs with their current attempts, and one call for
-        # Ray's view of every submission: a tick costs O(1) round trips, not O(jobs)
+        # one query for the unfinished jobs with their current attempts (of the waiting ones
+        # only the oldest few) and Ray's view of the open attempts: a tick's cost follows
+        # the jobs that run, not the length of the queue
         pairs = self.store.active_jobs_with_attempts(self._waiting_lookahead())
+        orphans = self.store.open_attempts_of_finished_jobs()
         try:
-            ray = RayView(self.launcher.statuses())
+            # Ray is asked about the attempts that may have ended, and about no other
+            asked = {a.submission_id for _, a in pairs if a is not None and a.state == "submitted"}
+            ray = RayView(self.launcher.statuses(asked | {a.submission_id for a, _ in orphans}))
             shares = TenantShares(self.settings.limits, pairs)
             waiting: dict[str, str | None] = {}
             for job, att in pairs:
@@ -112,7 +116,7 @@ class Reconciler:
                 self._guarded(job, att, ray)
             if waiting:  # every new reason to wait (or none) of the tick, in one write
                 self.store.set_status_details(waiting)
-            self._stop_orphans(ray)
+            self._stop_orphans(ray, orphans)
         except Unavailable as e:  # Ray or the store went away mid-tick: every job waits
             log.warning("reconciling stopped for this tick: %s", e.message)
 
@@ -333,10 +337,10 @@ class Reconciler:
         except Exception as e:
             log.warning("could not keep the log of %s: %s", att.submission_id, e)
 
-    def _stop_orphans(self, ray: RayView) -> None:
+    def _stop_orphans(self, ray: RayView, orphans: list[tuple[Attempt, Any]]) -> None:
         """Attempts of finished jobs: stop what Ray still runs of a cancelled or failed job;
         mark ended what Ray has finished."""
-        for att, job in self.store.open_attempts_of_finished_jobs():
+        for att, job in orphans:
             status = ray.status(att.submission_id)
             if status in LIVE:
                 if job.status != "succeeded":

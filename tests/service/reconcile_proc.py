@@ -42,8 +42,8 @@ class FileRay(DryLauncher):
     def status(self, submission_id: str) -> str | None:
         return self._read()["state"].get(submission_id)
 
-    def statuses(self) -> dict[str, str]:
-        return dict(self._read()["state"])
+    def statuses(self, submission_ids) -> dict[str, str]:
+        return {k: v for k, v in self._read()["state"].items() if k in submission_ids}
 
     def stop_quietly(self, submission_id: str) -> None:
         d = self._read()

@@ -24,6 +24,7 @@ class ScriptedLauncher(DryLauncher):
         super().__init__()
         self.state: dict[str, str | None] = {}
         self.submits: list[str] = []
+        self.asked: list[set[str]] = []  # what each tick asked Ray about
         self.down = False
 
     def ping(self) -> None:
@@ -38,8 +39,9 @@ class ScriptedLauncher(DryLauncher):
     def status(self, submission_id: str) -> str | None:
         return self.state.get(submission_id)
 
-    def statuses(self) -> dict[str, str]:
-        return {k: v for k, v in self.state.items() if v}
+    def statuses(self, submission_ids) -> dict[str, str]:
+        self.asked.append(set(submission_ids))
+        return {k: v for k, v in self.state.items() if v and k in submission_ids}
 
 
 @pytest.fixture
@@ -57,6 +59,23 @@ def test_a_queued_job_gets_attempt_1_submitted_once_across_ticks(world):
     assert ray.submits == [f"{job.id}-a1"]
     assert store.get_job(job.id).attempt == 1
     assert store.get_attempt(job.id, 1).state == "submitted"
+
+
+def test_a_tick_asks_ray_about_open_attempts_only(world):
+    rec, store, ray = world
+    done, running = add_job(store), add_job(store)
+    rec.tick()  # both submitted
+    store.update_job(done.id, status="succeeded")
+    ray.state[f"{done.id}-a1"] = "SUCCEEDED"
+    waiting = [add_job(store) for _ in range(5)]  # past the tenant's 4 running jobs
+    ray.asked.clear()
+    rec.tick()  # the finished job's attempt is still open: asked once more, then closed
+    assert ray.asked == [{f"{done.id}-a1", f"{running.id}-a1"}]
+    rec.tick()
+    assert ray.asked[-1] == {f"{running.id}-a1", *(f"{j.id}-a1" for j in waiting[:3])}
+    rec.tick()
+    assert f"{done.id}-a1" not in ray.asked[-1]
+    assert len(ray.asked[-1]) == 4
 
 
 def test_an_attempt_ray_lost_becomes_the_next_attempt_until_none_are_left(world):
