@@ -9,7 +9,8 @@ model, trained tokens and a metrics CSV, or `failed` with the reason. A driver t
 before reporting leaves the job active; the reconciler then starts the next attempt,
 which resumes from the run's last checkpoint (same run name and storage path).
 Every write of a driver is fenced to its attempt: one that the reconciler has replaced
-writes nothing, and stops itself once it notices (`watch_currency`).
+writes nothing, and stops itself once it notices (`watch_currency`). A store that cannot
+be reached is waited for (`through_outage`): a finished training is not lost to an outage.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:
             num_workers=res["num_workers"],
             use_gpu=res["use_gpu"],
             resources_per_worker={"CPU": res["cpus_per_worker"]},
+            placement_strategy=res.get("placement_strategy", "PACK"),
         ),
         run_config=RunConfig(
             name=job.id,
@@ -258,6 +260,25 @@ def fail(store: Store, job_id: str, attempt: int, code: str, message: str) -> No
     )
 
 
+def through_outage(fn: Any, *args: Any, within_s: float = 300.0, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, tried again while the store cannot be reached (an outage, a
+    failover, a restart), for up to `within_s`: a driver whose training is done must not
+    lose it to a store that is down for a minute. Other errors pass at once."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    deadline = time.monotonic() + within_s
+    delay = 1.0
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except (OperationalError, InterfaceError) as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("the store is unreachable (%s); trying again in %.0f s", e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
+
+
 def watch_currency(store: Store, job_id: str, attempt: int, every_s: float = 5.0) -> None:
     """End this driver (and with it the Ray job's trainer and workers) as soon as the
     store says the attempt is no longer current: the reconciler ended it and started
@@ -289,8 +310,8 @@ def main(argv: list[str]) -> int:
     # itself (see service.settings.job_env)
     settings = Settings.from_env()
     store = Store(settings.db_url, pool_size=2)
-    job = store.get_job(job_id)
-    if job is None or not store.attempt_is_current(job_id, attempt):
+    job = through_outage(store.get_job, job_id)
+    if job is None or not through_outage(store.attempt_is_current, job_id, attempt):
         log.info("job %s attempt %s is not current; nothing to do", job_id, attempt)
         return 0
     watch_currency(store, job_id, attempt)
@@ -305,9 +326,9 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
     job_id = job.id
     log.info("job %s attempt %d: preparing", job_id, attempt)
     try:
-        run = prepare_run(settings, store, job, attempt)
+        run = through_outage(prepare_run, settings, store, job, attempt)
     except DataError as e:
-        fail(store, job_id, attempt, "invalid_training_data", str(e))
+        through_outage(fail, store, job_id, attempt, "invalid_training_data", str(e))
         return 1
     log.info(
         "job %s attempt %d: %d steps on %s worker(s)",
@@ -321,7 +342,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         error = getattr(result, "error", None)
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
-    if error is not None and not store.attempt_is_current(job_id, attempt):
+    if error is not None and not through_outage(store.attempt_is_current, job_id, attempt):
         # a worker's write was refused (StaleAttempt): another attempt owns the job now
         raise StaleAttempt(job_id, attempt, "a worker's write was refused")
     if error is not None and lost_cluster(error):
@@ -332,9 +353,10 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
     if error is not None:
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         log.error("job %s attempt %d failed: %s", job_id, attempt, text)
-        fail(store, job_id, attempt, "training_failed", _short(text))
+        through_outage(fail, store, job_id, attempt, "training_failed", _short(text))
         return 1
-    finish_success(settings, store, store.get_job(job_id) or job, attempt)
+    latest = through_outage(store.get_job, job_id) or job
+    through_outage(finish_success, settings, store, latest, attempt)
     log.info("job %s attempt %d: succeeded", job_id, attempt)
     return 0
 

@@ -242,6 +242,7 @@ def train_func(config: dict[str, Any]) -> None:
         PreTrainedTokenizerFast.from_pretrained(run["tokenizer_dir"]).save_pretrained(str(out_dir))
     rep.stats(engine.stats())
     rep.finished(final)
+    rep.flush()  # what an outage of the store held back goes in before the driver finishes
 
 
 def _prepare_kernels(rep: Any) -> None:

@@ -4,8 +4,9 @@ Rank 0 writes to the store (status and phase, a metrics point and an OpenAI-styl
 event per step, the tracer timeline, checkpoints); every rank sets Ray metrics gauges
 (`ray_pstar_<name>` on the node's metrics port, tagged job id, attempt and rank) for
 Prometheus. A store that cannot be written is logged and training goes on: metrics are
-worth less than the run. A write the store refuses because another attempt owns the job
-(`StaleAttempt`) is the exception: it ends this worker, and the driver stops.
+worth less than the run; the writes wait in order and go in once the store answers again.
+A write the store refuses because another attempt owns the job (`StaleAttempt`) is the
+exception: it ends this worker, and the driver stops.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+PENDING_WRITES = 10_000  # writes kept through a store outage: ~2 per step, hours of them
 
 GAUGES = (
     "train_loss",
@@ -52,6 +55,8 @@ class Reporter:
         self.run = config["run"]
         self.store = store
         self._phase: str | None = None
+        # writes the store refused (not as stale): (what, fn, args, kwargs), oldest first
+        self._pending: list[tuple[str, Any, tuple, dict]] = []
         self._last: dict[str, Any] = {}
         self._gauges: dict[str, Any] = {}
         try:
@@ -77,17 +82,67 @@ class Reporter:
         return cls(config, rank, store)
 
     def _write(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
-        from service.store import StaleAttempt
-
+        """`fn(*args, **kwargs)` against the store. While the store cannot be written (an
+        outage, a failover), writes wait here in order, up to `PENDING_WRITES`, and go
+        in before the next one once it answers: a step trained meanwhile keeps its
+        metrics and checkpoint. Reads (`what` empty) are not kept."""
         if self.store is None:
             return None
+        if self._pending and not self._flush():
+            if what:
+                self._keep(what, fn, args, kwargs)
+            return None
+        return self._try(what, fn, args, kwargs)
+
+    def _try(self, what: str, fn, args: tuple, kwargs: dict) -> Any:
+        from service.store import StaleAttempt
+
         try:
             return fn(*args, **kwargs)
         except StaleAttempt:
             raise  # another attempt owns the job: this one must stop, not go on quietly
         except Exception as e:
-            log.warning("could not write %s of %s to the store: %s", what, self.job_id, e)
+            if what:
+                log.warning(
+                    "could not write %s of %s to the store (kept to retry): %s",
+                    what,
+                    self.job_id,
+                    e,
+                )
+                self._keep(what, fn, args, kwargs)
             return None
+
+    def _keep(self, what: str, fn, args: tuple, kwargs: dict) -> None:
+        if len(self._pending) >= PENDING_WRITES:
+            dropped = self._pending.pop(0)
+            log.error("dropping %s of %s: the store is down too long", dropped[0], self.job_id)
+        self._pending.append((what, fn, args, kwargs))
+
+    def _flush(self) -> bool:
+        """Write what waits, oldest first; True once nothing does."""
+        from service.store import StaleAttempt
+
+        while self._pending:
+            what, fn, args, kwargs = self._pending[0]
+            try:
+                fn(*args, **kwargs)
+            except StaleAttempt:
+                raise
+            except Exception as e:
+                log.debug("the store still refuses %s of %s: %s", what, self.job_id, e)
+                return False
+            self._pending.pop(0)
+        log.info("the store answers again; the writes kept meanwhile are in")
+        return True
+
+    def flush(self, timeout_s: float = 120.0) -> bool:
+        """Before the worker ends: keep trying the waiting writes for up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and not self._flush() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        if self._pending:
+            log.error("%d write(s) of %s never reached the store", len(self._pending), self.job_id)
+        return not self._pending
 
     def phase(self, detail: str) -> None:
         if detail != self._phase:

@@ -61,3 +61,96 @@ def test_a_replaced_attempt_can_neither_succeed_nor_fail_the_job(world):
     assert _results(settings, store) == ([], [])
     finish_success(settings, store, now, 2)
     assert store.get_job(job.id).status == "succeeded"
+
+
+class _Outage:
+    """The store, down while `down` is set: every call raises as a lost connection does."""
+
+    def __init__(self, store) -> None:
+        self.store, self.down, self.refused = store, False, 0
+
+    def __getattr__(self, name):
+        real = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            if self.down:
+                from sqlalchemy.exc import OperationalError
+
+                self.refused += 1
+                raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+            return real(*args, **kwargs)
+
+        return call
+
+
+def _reporter(store, job_id: str):
+    from service.reporting import Reporter
+
+    config = {
+        "job_id": job_id,
+        "attempt": 1,
+        "run": {"storage_path": "/x", "checkpoints_to_keep": 3},
+    }
+    return Reporter(config, 0, store)
+
+
+def test_a_worker_keeps_its_writes_through_a_store_outage_and_writes_them_in_order(world):
+    _, store = world
+    job = running_job(store, status="running")
+    down = _Outage(store)
+    rep = _reporter(down, job.id)
+    rep.metrics(1, {"train_loss": 3.0}, total=6)
+    down.down = True
+    for step in (2, 3, 4):  # the store is down: training goes on, nothing is lost
+        rep.metrics(step, {"train_loss": 3.0 - step / 10}, total=6)
+    rep.checkpoint(4, {"train_loss": 2.6}, False, "checkpoint_000001")
+    assert down.refused > 0
+    assert [p.step for p in store.metric_points(job.id)] == [1]
+    down.down = False
+    rep.metrics(5, {"train_loss": 2.5}, total=6)  # the first write after it: all go in
+    points = store.metric_points(job.id)
+    assert [p.step for p in points] == [1, 2, 3, 4, 5]
+    assert points[2].values["train_loss"] == pytest.approx(2.7)
+    assert [c.step for c in store.list_checkpoints(job.id, None, 10)[0]] == [4]
+    assert store.get_job(job.id).progress_step == 5  # the newest progress, written last
+    assert rep.flush(timeout_s=0)
+
+
+def test_a_worker_stops_when_a_kept_write_turns_out_stale(world):
+    _, store = world
+    job = running_job(store, status="running")
+    down = _Outage(store)
+    rep = _reporter(down, job.id)
+    down.down = True
+    rep.metrics(1, {"train_loss": 3.0})
+    store.close_attempt(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
+    down.down = False
+    with pytest.raises(StaleAttempt):
+        rep.metrics(2, {"train_loss": 2.9})
+    assert store.metric_points(job.id) == []
+
+
+def test_a_driver_waits_out_a_store_outage_to_record_its_success(world, monkeypatch):
+    from service import driver
+
+    settings, store = world
+    job = running_job(store, status="running")
+    down = _Outage(store)
+    down.down = True
+    sleeps = []
+
+    def sleep(s):  # the outage ends while the driver waits its third time
+        sleeps.append(s)
+        down.down = len(sleeps) < 3
+
+    monkeypatch.setattr(driver.time, "sleep", sleep)
+    driver.through_outage(finish_success, settings, down, job, 1)
+    assert sleeps == [1.0, 2.0, 4.0]
+    assert store.get_job(job.id).status == "succeeded"
+    # past its patience the error is the driver's to report
+    down.down = True
+    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
+    from sqlalchemy.exc import OperationalError
+
+    with pytest.raises(OperationalError):
+        driver.through_outage(down.get_job, job.id, within_s=0.0)
