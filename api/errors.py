@@ -29,6 +29,7 @@ from service.errors import (
     Unavailable,
     describe_invalid,
 )
+from service.store import is_outage
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,15 @@ def _allowed_methods(req: Request, fallback: str) -> str:
 
 
 def _internal_error(req: Request, exc: Exception) -> JSONResponse:
+    if is_outage(exc):  # the store is down or restarting: the client should retry
+        log.warning("the store is unavailable for %s %s: %s", req.method, req.url.path, exc)
+        return envelope(
+            503,
+            "the service's store cannot be reached right now; retry in a few seconds",
+            Unavailable.kind,
+            code="store_unavailable",
+            headers={"Retry-After": "5"},
+        )
     log.exception("unhandled error in %s %s", req.method, req.url.path)
     return envelope(500, "internal server error (a bug: please report it)", "server_error")
 

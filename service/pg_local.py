@@ -149,23 +149,48 @@ class PgServer:
         done = self._run([*init, "-E", "UTF8", "--locale=C", "--no-sync"], timeout)
         if done.returncode != 0:
             raise RuntimeError(f"initdb failed:\n{done.stdout}{done.stderr}")
-        log = self.root / "postgres.log"
         for _ in range(START_ATTEMPTS):
             self.port = free_port()
-            options = f"-p {self.port} -k {self.root / 'sock'} -c listen_addresses=127.0.0.1"
-            options += " -c fsync=off"  # a throw-away server: durability buys nothing
-            ctl = self._cmd("pg_ctl", "-D", str(self.data_dir), "-o", options, "-l", str(log))
-            done = self._run([*ctl, "start", "-w", "-t", str(int(timeout))], timeout + 10)
+            done = self._pg_ctl_start(timeout)
             if done.returncode == 0:
                 break
-            server_log = log.read_text(errors="replace") if log.exists() else ""
-            if "could not bind" not in server_log:
-                raise RuntimeError(f"pg_ctl start failed:\n{done.stdout}{done.stderr}{server_log}")
+            if "could not bind" not in self._server_log():
+                raise RuntimeError(
+                    f"pg_ctl start failed:\n{done.stdout}{done.stderr}{self._server_log()}"
+                )
         else:
             raise RuntimeError(f"no free port after {START_ATTEMPTS} attempts")
         self.pid = self._postmaster_pid()
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{DB_NAME}"
         self._create_database()
+
+    def _pg_ctl_start(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        options = f"-p {self.port} -k {self.root / 'sock'} -c listen_addresses=127.0.0.1"
+        options += " -c fsync=off"  # a throw-away server: durability buys nothing
+        log = str(self.root / "postgres.log")
+        ctl = self._cmd("pg_ctl", "-D", str(self.data_dir), "-o", options, "-l", log)
+        return self._run([*ctl, "start", "-w", "-t", str(int(timeout))], timeout + 10)
+
+    def _server_log(self) -> str:
+        log = self.root / "postgres.log"
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def halt(self, timeout: float = 30.0) -> None:
+        """Stop the server as a crash would (`pg_ctl stop -m immediate`: every connection
+        dropped, no shutdown checkpoint), keeping its data: an outage that `resume` ends."""
+        stop = self._cmd("pg_ctl", "-D", str(self.data_dir), "stop", "-m", "immediate", "-w")
+        done = self._run([*stop, "-t", str(int(timeout))], timeout + 10)
+        if done.returncode != 0:
+            raise RuntimeError(f"pg_ctl stop failed:\n{done.stdout}{done.stderr}")
+
+    def resume(self, timeout: float = 60.0) -> None:
+        """Start a halted server again on the same port (crash recovery runs first)."""
+        done = self._pg_ctl_start(timeout)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"pg_ctl start failed:\n{done.stdout}{done.stderr}{self._server_log()[-3000:]}"
+            )
+        self.pid = self._postmaster_pid()
 
     def _postmaster_pid(self) -> int:
         """The PID in the data directory's postmaster.pid, or 0 if there is none."""

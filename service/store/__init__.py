@@ -105,6 +105,17 @@ class StaleAttempt(Exception):
         self.job_id, self.attempt, self.why = job_id, attempt, why
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether `exc` says the store cannot be reached or used now (a lost connection, a
+    server down or restarting, a full pool, SQLite locked past its timeout): a condition
+    to wait out and retry, not a bug."""
+    from sqlalchemy import exc as sx
+
+    if isinstance(exc, (sx.OperationalError, sx.InterfaceError, sx.TimeoutError)):
+        return True
+    return isinstance(exc, sx.DBAPIError) and bool(exc.connection_invalidated)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -124,6 +135,10 @@ class Store:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         else:
             kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+            if url.startswith("postgresql"):
+                # a server that does not answer (a failover, a lost route) fails a connect in
+                # seconds: the callers' outage handling takes over, no thread hangs
+                kwargs["connect_args"] = {"connect_timeout": 10}
         if self.is_sqlite and (path := url.split("///", 1)[-1]) and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.engine: Engine = create_engine(url, **kwargs)

@@ -589,7 +589,8 @@ def test_of_a_long_queue_only_each_tenants_oldest_waiting_jobs_are_read(store):
     rival = [j for j in waiting if j.tenant == "rival"][:3]
     want = sorted([*acme, *rival], key=lambda j: j.seq)
     assert [j.id for j, _ in pairs] == [started.id, *(j.id for j in want), validating.id]
-    assert pairs[0][1] is not None and pairs[0][1].number == 1
+    assert pairs[0][1] is not None
+    assert pairs[0][1].number == 1
     assert all(a is None for _, a in pairs[1:])
     # unbounded: every unfinished job, in the order they came
     everything = [j.id for j, _ in store.active_jobs_with_attempts()]
