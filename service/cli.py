@@ -487,6 +487,36 @@ def bench_api(
         _fail(str(e))
 
 
+@bench_app.command("faults")
+def bench_faults(
+    jobs: Annotated[int, typer.Option(help="fine-tuning jobs per database")] = 4,
+    steps: Annotated[int, typer.Option(help="training steps per job")] = 150,
+    faults: Annotated[int, typer.Option(help="faults injected per database")] = 6,
+    db: Annotated[str, typer.Option(help="sqlite, postgres or both")] = "both",
+    outage: Annotated[
+        float, typer.Option(help="seconds the store is down in a 'store' fault (PostgreSQL)")
+    ] = 30.0,
+    seed: Annotated[int, typer.Option(help="seed of the fault schedule")] = 0,
+    timeout: Annotated[float, typer.Option(help="seconds per database before giving up")] = 1200.0,
+    kinds: Annotated[
+        str, typer.Option(help="comma-separated fault kinds: control-plane, driver, store")
+    ] = "control-plane,driver,store",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Jobs under random SIGKILLs of the control plane and drivers, and store outages:
+    lost, duplicated and wrong-state jobs, and the API's p99 meanwhile."""
+    from benchmarks.faults import run
+
+    try:
+        run(
+            jobs=jobs, steps=steps, faults=faults, db=db, outage_s=outage, seed=seed,
+            timeout_s=timeout, kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
+            json_out=json_out,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
 @app.command("plot-trace")
 def plot_trace_cmd(
     run_dir: Annotated[Path, typer.Argument(help="a run directory written by pstar train")],
