@@ -86,12 +86,19 @@ def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> 
     if not nodes:
         return out
     cpu, gpu = res["cpus_per_worker"], 1 if res["use_gpu"] else 0
-    room = 0
+    strategy = res.get("placement_strategy", "PACK")
+    per_node = []
     for n in nodes:
         k = int(n.get("CPU", 0) // cpu) if cpu else want
         if gpu:
             k = min(k, int(n.get("GPU", 0)))
-        room += k
+        per_node.append(k)
+    if strategy == "STRICT_SPREAD":  # one worker per node at most
+        room = sum(1 for k in per_node if k > 0)
+    elif strategy == "STRICT_PACK":  # every worker on one node
+        room = max(per_node)
+    else:
+        room = sum(per_node)
     out.update(
         cluster={
             "nodes": len(nodes),
@@ -104,8 +111,8 @@ def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> 
     if room < want:
         out["problem"] = (
             f"{want} workers x {cpu:g} CPU{' + 1 GPU' if gpu else ''} do not fit the Ray cluster "
-            f"now ({room} can be placed on its {len(nodes)} node(s)); the job would wait "
-            "queued until resources free up or nodes are added"
+            f"now ({room} can be placed {strategy} on its {len(nodes)} node(s)); the job would "
+            "wait queued until resources free up or nodes are added"
         )
     return out
 

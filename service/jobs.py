@@ -228,6 +228,12 @@ class Resources(_Body):
         default=False, description="one GPU per worker, NCCL between them"
     )
     cpus_per_worker: Annotated[float, Field(gt=0, le=512)] = 1.0
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK",
+        description="how Ray places the workers on nodes: PACK (as few nodes as may be), "
+        "SPREAD (as many), STRICT_PACK (one node), STRICT_SPREAD (one worker per node; the "
+        "job waits for as many nodes as workers)",
+    )
 
 
 class JobRequest(_Body):

@@ -41,3 +41,17 @@ def test_an_unknown_cluster_is_not_called_too_small(nodes):
     out = place_workers(res(64), nodes)
     assert out["fits"] is None
     assert "problem" not in out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "placeable", "fits"),
+    [("PACK", 6, True), ("STRICT_SPREAD", 2, False), ("STRICT_PACK", 4, True)],
+)
+def test_the_placement_strategy_decides_how_many_workers_a_cluster_places(
+    strategy, placeable, fits
+):
+    nodes = [{"CPU": 4.0}, {"CPU": 2.0}]
+    out = place_workers({**res(3), "placement_strategy": strategy}, nodes)
+    assert (out["placeable_workers"], out["fits"]) == (placeable, fits)
+    if not fits:
+        assert f"can be placed {strategy}" in out["problem"]

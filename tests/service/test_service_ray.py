@@ -6,6 +6,7 @@ re-attaches to it; the graceful restart (last) stops it and starts another.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -549,6 +551,106 @@ def test_a_lora_job_trains_adapters_on_the_frozen_base_and_each_checkpoint_downl
     # merged only for the final checkpoint; nothing for another tenant
     assert _download(serve, url.format(cks[1].id) + "?variant=merged", tmp_path / "n") == 404
     assert _download(serve, url.format(cks[0].id), tmp_path / "r", RIVAL_TOKEN) == 404
+
+
+class _Node:
+    """A second Ray node on this machine: a raylet joined to the module's head with
+    `ray start --address`, its own ports, 2 CPUs and resource `name`, in its own session so
+    that it and its workers die together, as a lost machine would. (`name` in lower case
+    letters: the dashboard camel-cases resource names.)"""
+
+    def __init__(self, serve, name: str) -> None:
+        from service.local_ray import HEAD_ENV, free_port
+
+        head = json.loads((serve.data_dir / "ray" / "head.json").read_text())
+        ports = [
+            "node-manager-port", "object-manager-port", "metrics-export-port",
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        ]  # fmt: skip
+        cmd = [
+            str(Path(sys.executable).with_name("ray")), "start", "--block",
+            f"--address={head['gcs_address']}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+            f"--resources={json.dumps({name: 1})}", f"--object-store-memory={256 << 20}",
+            "--min-worker-port=20000", "--max-worker-port=20999", "--disable-usage-stats",
+            *(f"--{p}={free_port()}" for p in ports),
+        ]  # fmt: skip
+        self.name, self.ray_url = name, head["dashboard_url"]
+        with (serve.data_dir / f"{name}.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **HEAD_ENV},
+                start_new_session=True,
+            )  # fmt: skip
+        wait_for(lambda: self.alive(), 120, f"node {name} to join the cluster")
+
+    def alive(self) -> bool:
+        nodes = httpx.get(self.ray_url + "/nodes?view=summary", timeout=10).json()
+        return any(
+            n.get("raylet", {}).get("state") == "ALIVE"
+            and self.name in n.get("raylet", {}).get("resourcesTotal", {})
+            for n in nodes["data"]["summary"]
+        )
+
+    def kill(self) -> None:
+        """SIGKILL the node's raylet, its agents and its workers at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def test_a_lost_node_costs_its_worker_and_the_job_resumes_from_its_checkpoint_once_one_is_back(
+    serve, files
+):
+    c = serve.client()
+    first = _Node(serve, "pstarnodea")
+    second = None
+    try:
+        # one worker on the head, one on the joined node: STRICT_SPREAD cannot pack them
+        job = create(
+            serve, files, steps=80,
+            resources={"num_workers": 2, "placement_strategy": "STRICT_SPREAD"},
+        )  # fmt: skip
+        assert job.model_extra["resources"]["placement_strategy"] == "STRICT_SPREAD"
+        wait_for(lambda: checkpoint_at(serve, job.id, 20), 300, "a checkpoint past step 20")
+        first.kill()  # the machine is gone: its raylet and the worker on it
+        # with one node left the worker group cannot be placed again; the job waits
+        wait_for(lambda: not first.alive(), 120, "Ray to see the node gone")
+        time.sleep(5)
+        stalled = metric_steps(serve, job.id)[-1]
+        assert stalled < 80
+        assert c.fine_tuning.jobs.retrieve(job.id).status == "running"
+        second = _Node(serve, "pstarnodeb")  # capacity is back
+        done = wait_for(
+            lambda: (
+                (j := c.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j
+            ),
+            420,
+            "the job to end",
+        )
+        assert done.status == "succeeded", done.error
+        assert done.model_extra["attempt"] == 1  # Ray Train restarted its worker group
+        msgs = [e.message for e in events(c, job.id) if e.type == "message"]
+        resumed = [m for m in msgs if m.startswith("Attempt 1 resumed from the checkpoint at step")]
+        assert resumed, msgs
+        at = int(resumed[-1].rsplit(" ", 1)[1])
+        # from a checkpoint it wrote (a worker on the lost node may train a few steps on
+        # before it sees its raylet gone), not from scratch
+        assert 20 <= at < 80
+        assert at % 10 == 0  # checkpoint_every: 10 (the store keeps only the newest 3)
+        assert metric_steps(serve, job.id) == list(range(0, 81))
+        # the loss goes on where it stopped: a step trained before the loss and again after
+        # it (past the checkpoint) has the same loss both times
+        losses: dict[int, list[float]] = {}
+        for e in events(c, job.id):
+            if e.type == "metrics" and "train_loss" in e.data:
+                losses.setdefault(e.data["step"], []).append(e.data["train_loss"])
+        again = {k: v for k, v in losses.items() if len(v) > 1}
+        assert set(again) <= set(range(at + 1, stalled + 1)), again
+        for step, seen in again.items():
+            assert seen[0] == pytest.approx(seen[-1], rel=1e-5), (step, seen)
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
 
 
 def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):
