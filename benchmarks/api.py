@@ -643,6 +643,8 @@ def run(
         } | {"store": stored[name]}
     head = names[0]
     paced = results[head][PACED]
+    from pstar_core.precision import cpu_capability
+
     result: dict[str, Any] = {
         "p50_ms": paced["p50_ms"],
         "p99_ms": paced["p99_ms"],
@@ -651,6 +653,9 @@ def run(
         "db": head,
         "errors": paced["errors"],
         "saturation_rps": results[head].get(SATURATION, {}).get("rps"),
+        # the app's process (reconciler included) per request of the paced run
+        "server_cpu_ms_per_req": paced["server_cpu_ms_per_req"],
+        "cpu_capability": cpu_capability(),
         "goal": {"p99_ms_below": GOAL_P99_MS, "lost": 0},
         "goal_met": paced["p99_ms"] < GOAL_P99_MS and stored[head]["lost"] == 0,
         "clients": clients,

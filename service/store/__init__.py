@@ -133,6 +133,10 @@ class Store:
         kwargs: dict[str, Any] = {}
         if self.is_sqlite:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+            # as many pooled connections as request threads use at once: past the default
+            # 5 (+10 overflow) each request opened, set up and closed its own (measured:
+            # ~6% of the API's CPU under load)
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size)
         else:
             kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
             if url.startswith("postgresql"):
