@@ -477,7 +477,7 @@ def _per_db(r: _Result) -> dict[str, Any]:
 
 def run(
     *,
-    jobs: int = 4,
+    jobs: int = 2,
     steps: int = 150,
     faults: int = 6,
     db: str = "both",

@@ -489,7 +489,12 @@ def bench_api(
 
 @bench_app.command("faults")
 def bench_faults(
-    jobs: Annotated[int, typer.Option(help="fine-tuning jobs per database")] = 4,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            help="fine-tuning jobs per database (each a driver, a controller and a worker)"
+        ),
+    ] = 2,
     steps: Annotated[int, typer.Option(help="training steps per job")] = 150,
     faults: Annotated[int, typer.Option(help="faults injected per database")] = 6,
     db: Annotated[str, typer.Option(help="sqlite, postgres or both")] = "both",
