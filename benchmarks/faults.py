@@ -416,21 +416,25 @@ def _one_db(
                 if any(v["status"] == "running" for v in _jobs_now(http, ids).values()):
                     break
             time.sleep(1.0)
-        # a kind that finds nothing to hit (no running driver left to kill, the one outage
-        # of a run spent) passes its turn to the next kind
+        # round robin over the kinds; one that finds nothing to hit (no running driver
+        # left to kill) stays owed and comes again after the others; the store goes down
+        # once a run
+        queue = list(order)
         tries = n = 0
-        while order and n < faults and time.monotonic() < deadline:
+        while queue and n < faults and time.monotonic() < deadline:
             if tries:
                 time.sleep(rng.uniform(2.0, 6.0))
             if _all_ended(serve, ids):
                 break  # every job ended before the schedule did
-            kind = order[tries % len(order)]
+            kind = queue.pop(0)
             tries += 1
-            if kind == "store" and done_faults.get("store"):  # one outage a run
-                continue
             if _inject(kind, serve, pg, ids, kills, rng, outage_s, say):
                 done_faults[kind] = done_faults.get(kind, 0) + 1
                 n += 1
+                if kind != "store":
+                    queue.append(kind)
+            else:
+                queue.append(kind)
         say(f"{sum(done_faults.values())} faults injected; waiting for the jobs to end")
         while time.monotonic() < deadline and not _all_ended(serve, ids):
             time.sleep(1.0)

@@ -69,15 +69,23 @@ def test_bad_values_name_the_variable(tmp_path, name, value, says):
 def test_default_job_resources_from_the_environment_under_what_a_request_says(tmp_path):
     from service.jobs import JobRequest, JobService
 
-    raw = '{"num_workers": 4, "use_gpu": true, "cpus_per_worker": 8}'
+    raw = (
+        '{"num_workers": 4, "use_gpu": true, "cpus_per_worker": 8, "placement_strategy": "SPREAD"}'
+    )
     s = Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_DEFAULT_RESOURCES": raw})
-    assert s.default_resources == {"num_workers": 4, "use_gpu": True, "cpus_per_worker": 8}
+    default = {
+        "num_workers": 4,
+        "use_gpu": True,
+        "cpus_per_worker": 8,
+        "placement_strategy": "SPREAD",
+    }
+    assert s.default_resources == default
     service = JobService(s, store=None, launcher=None)
     base = {"model": "m", "training_file": "file-1"}
     silent = service._with_default_resources(JobRequest(**base))
     assert silent.resources.model_dump() == s.default_resources
     told = service._with_default_resources(JobRequest(**base, resources={"num_workers": 2}))
-    assert told.resources.model_dump() == {"num_workers": 2, "use_gpu": True, "cpus_per_worker": 8}
+    assert told.resources.model_dump() == {**default, "num_workers": 2}
     plain = JobService(Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)}), None, None)
     assert plain._with_default_resources(JobRequest(**base)).resources.use_gpu is False
 
