@@ -90,7 +90,8 @@ def _tokens() -> dict[str, str]:
     return {f"tok-bench-{i:02d}-0123456789": f"bench-{i:02d}" for i in range(TENANTS)}
 
 
-def _chat_jsonl(n: int = 16) -> bytes:
+def chat_jsonl(n: int = 16) -> bytes:
+    """`n` small chat examples as a JSONL upload (the benchmarks' training file)."""
     words = ("apple", "river", "stone", "light", "music", "garden", "winter", "paper")
     lines = []
     for i in range(n):
@@ -396,7 +397,7 @@ async def _prepare(base: str, db: _Database) -> None:
     the first create of a fresh server imports the model zoo (and torch)."""
     import httpx
 
-    data = _chat_jsonl()
+    data = chat_jsonl()
     async with httpx.AsyncClient(base_url=base, timeout=120) as http:
         for tok, tenant in _tokens().items():
             auth = {"Authorization": f"Bearer {tok}"}

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
-import json
 import os
 import random
 import shutil
@@ -54,6 +53,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.api import chat_jsonl
 from benchmarks.report import finish, load_avg, machine
 
 __all__ = ["run"]
@@ -64,19 +64,6 @@ KINDS = ("control-plane", "driver", "store")
 DRIVER_KILLS_PER_JOB = 2
 MAX_ATTEMPTS = 5
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def _chat_jsonl(n: int = 48) -> bytes:
-    words = ("apple", "river", "stone", "light", "music", "garden", "winter", "paper")
-    lines = []
-    for i in range(n):
-        w = words[i % len(words)]
-        msgs = [
-            {"role": "user", "content": f"What does {w} mean?"},
-            {"role": "assistant", "content": f"{w} is a word about {w} things."},
-        ]
-        lines.append(json.dumps({"messages": msgs}))
-    return ("\n".join(lines) + "\n").encode()
 
 
 class _Serve:
@@ -370,7 +357,7 @@ def _one_db(
         with httpx.Client(base_url=serve.url, headers=headers, timeout=60) as http:
             up = http.post(
                 "/v1/files",
-                files={"file": ("train.jsonl", io.BytesIO(_chat_jsonl()))},
+                files={"file": ("train.jsonl", io.BytesIO(chat_jsonl(48)))},
                 data={"purpose": "fine-tune"},
             )
             _ok(up)
