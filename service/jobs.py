@@ -39,7 +39,15 @@ from pstar_core.config import ConfigError, EngineConfig, LoraConfig
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, describe_invalid
 from service.registry import ModelRef, resolve_model
 from service.settings import Limits, Settings
-from service.store import IdempotencyConflict, Job, Store, new_id, request_hash
+from service.store import (
+    IdempotencyConflict,
+    Job,
+    Store,
+    TooManyUnfinished,
+    new_id,
+    request_hash,
+)
+from service.store.reads import View
 
 Auto = Literal["auto"]
 
@@ -649,14 +657,6 @@ class JobService:
             if existing is not None:
                 return self._same(existing, h, idempotency_key), False
         _model, plan = self.resolve(tenant, req)
-        limit = self.settings.limits.max_unfinished_jobs_per_tenant
-        if (n := self.store.count_unfinished_jobs(tenant)) >= limit:
-            raise QuotaExceeded(
-                f"tenant {tenant} has {n} unfinished jobs, its limit "
-                f"({Limits.var('max_unfinished_jobs_per_tenant')}={limit}); wait for some to "
-                "finish or cancel some",
-                code="quota_exceeded",
-            )
         now = int(time.time())
         job = Job(
             id=new_id("ftjob"),
@@ -683,10 +683,18 @@ class JobService:
             workers=plan["resources"]["num_workers"],
             gpus=plan["resources"]["num_workers"] if plan["resources"]["use_gpu"] else 0,
         )
+        limit = self.settings.limits.max_unfinished_jobs_per_tenant
         try:
-            return self.store.create_job(job, f"Created fine-tuning job: {job.id}")
+            return self.store.create_job(job, f"Created fine-tuning job: {job.id}", limit)
         except IdempotencyConflict as e:
             raise self._conflict(e.job, idempotency_key or "") from None
+        except TooManyUnfinished as e:
+            raise QuotaExceeded(
+                f"tenant {tenant} has {e.n} unfinished jobs, its limit "
+                f"({Limits.var('max_unfinished_jobs_per_tenant')}={limit}); wait for some to "
+                "finish or cancel some",
+                code="quota_exceeded",
+            ) from None
 
     def _same(self, existing: Job, h: str, key: str) -> Job:
         if existing.request_hash != h:
@@ -704,6 +712,13 @@ class JobService:
 
     def get(self, tenant: str, job_id: str) -> Job:
         job = self.store.get_job(job_id, tenant)
+        if job is None:
+            raise NotFound("fine_tuning_job", job_id, param="fine_tuning_job_id")
+        return job
+
+    def view(self, tenant: str, job_id: str) -> View:
+        """What `GET .../jobs/{id}` shows (`Store.job_view`); 404 for another tenant's."""
+        job = self.store.job_view(job_id, tenant)
         if job is None:
             raise NotFound("fine_tuning_job", job_id, param="fine_tuning_job_id")
         return job

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from api.auth import require_tenant
 from service.errors import InvalidRequest
@@ -15,6 +17,15 @@ Tenant = Annotated[str, Depends(require_tenant)]
 
 def ctx(request: Request):
     return request.app.state.ctx
+
+
+def respond(model: BaseModel) -> Response:
+    """`model` as the JSON response. A sync route that returns a model has FastAPI check
+    it against the route's `response_model` on a second trip through the thread pool; ours
+    are built from the store by the schema's own constructors, already checked, and
+    returning the response saves that trip (~0.1 ms of CPU a request). The route keeps
+    its `response_model` for the OpenAPI schema."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 async def plain_text_url(request: Request, _tenant: Tenant) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 
 from api.errors import responses
-from api.routes import V1_DEPENDENCIES, Tenant, ctx
+from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
 from api.schemas import FileDeleted, FileList, FileObject
 from service.errors import Conflict, NotFound
 from service.files import delete_file, file_path, receive_upload
@@ -65,14 +65,16 @@ def files_list(
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     order: Literal["asc", "desc"] = "desc",
-) -> FileList:
+) -> Response:
     rows, more = ctx(request).store.list_files(tenant, after, limit, purpose, order)
     data = [FileObject.of(f) for f in rows]
-    return FileList(
-        data=data,
-        has_more=more,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
+    return respond(
+        FileList(
+            data=data,
+            has_more=more,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+        )
     )
 
 
@@ -84,8 +86,8 @@ def _get(request: Request, tenant: str, file_id: str):
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=responses(404))
-def files_get(file_id: str, request: Request, tenant: Tenant) -> FileObject:
-    return FileObject.of(_get(request, tenant, file_id))
+def files_get(file_id: str, request: Request, tenant: Tenant) -> Response:
+    return respond(FileObject.of(_get(request, tenant, file_id)))
 
 
 @router.get(
@@ -99,7 +101,7 @@ def files_content(file_id: str, request: Request, tenant: Tenant) -> FileRespons
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=responses(404, 409))
-def files_delete(file_id: str, request: Request, tenant: Tenant) -> FileDeleted:
+def files_delete(file_id: str, request: Request, tenant: Tenant) -> Response:
     c = ctx(request)
     _get(request, tenant, file_id)
     job = c.store.file_in_use(tenant, file_id)
@@ -112,4 +114,4 @@ def files_delete(file_id: str, request: Request, tenant: Tenant) -> FileDeleted:
         )
     if delete_file(c.settings, c.store, tenant, file_id) is None:
         raise NotFound("file", file_id, param="file_id")
-    return FileDeleted(id=file_id, deleted=True)
+    return respond(FileDeleted(id=file_id, deleted=True))

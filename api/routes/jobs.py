@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from api.errors import responses
-from api.routes import V1_DEPENDENCIES, Tenant, ctx
+from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
 from api.schemas import (
     CheckpointList,
     EventList,
@@ -60,11 +60,11 @@ def jobs_create(
             description="a retried create with the same key returns the same job",
         ),
     ] = None,
-) -> FineTuningJob:
+) -> Response:
     """Create a fine-tuning job (OpenAI's body; extensions: engine, resources,
     checkpoint_every, max_attempts, hyperparameters.max_steps/seq_len/eval_every)."""
     job, _created = ctx(request).jobs.create(tenant, req, idempotency_key)
-    return FineTuningJob.of(job)
+    return respond(FineTuningJob.of(job))
 
 
 @router.post("/validate", responses=responses(400, 503))
@@ -84,28 +84,28 @@ def jobs_list(
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     status: JobStatus | None = None,
-) -> JobList:
+) -> Response:
     metadata = {
         k[len("metadata[") : -1]: v
         for k, v in request.query_params.items()
         if k.startswith("metadata[") and k.endswith("]")
     }
     rows, more = ctx(request).store.list_jobs(tenant, after, limit, status, metadata or None)
-    return JobList(data=[FineTuningJob.of(j) for j in rows], has_more=more)
+    return respond(JobList(data=[FineTuningJob.of(j) for j in rows], has_more=more))
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, responses=responses(404))
-def jobs_get(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> FineTuningJob:
-    return FineTuningJob.of(ctx(request).jobs.get(tenant, fine_tuning_job_id))
+def jobs_get(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+    return respond(FineTuningJob.of(ctx(request).jobs.view(tenant, fine_tuning_job_id)))
 
 
 @router.post(
     "/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=responses(404, 409)
 )
-def jobs_cancel(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> FineTuningJob:
+def jobs_cancel(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
     """Stop the job's Ray job (and its workers); the job ends `cancelled`. 409 if it has
     already ended."""
-    return FineTuningJob.of(ctx(request).jobs.cancel(tenant, fine_tuning_job_id))
+    return respond(FineTuningJob.of(ctx(request).jobs.cancel(tenant, fine_tuning_job_id)))
 
 
 def _event_cursor(after: str | None) -> int | None:
@@ -121,12 +121,12 @@ def jobs_events(
     after: EventCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     type: EventType | None = None,
-) -> EventList:
+) -> Response:
     """Events newest first (as OpenAI); `after` pages to older ones."""
     c = ctx(request)
     c.jobs.get(tenant, fine_tuning_job_id)
     rows, more = c.store.list_events(fine_tuning_job_id, _event_cursor(after), limit, type)
-    return EventList(data=[JobEvent.of(e) for e in rows], has_more=more)
+    return respond(EventList(data=[JobEvent.of(e) for e in rows], has_more=more))
 
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -218,7 +218,7 @@ def jobs_checkpoints(
     tenant: Tenant,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
-) -> CheckpointList:
+) -> Response:
     """The job's newest checkpoints (as many as Ray Train keeps) and the final one."""
     c = ctx(request)
     job = c.jobs.get(tenant, fine_tuning_job_id)
@@ -227,11 +227,13 @@ def jobs_checkpoints(
     )
     rows, more = c.store.list_checkpoints(job.id, after, limit)
     data = [JobCheckpoint.of(ck, name, exports.available(c.settings, job, ck)) for ck in rows]
-    return CheckpointList(
-        data=data,
-        has_more=more,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
+    return respond(
+        CheckpointList(
+            data=data,
+            has_more=more,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+        )
     )
 
 
@@ -297,7 +299,7 @@ def jobs_metrics(
     ] = None,
     step_from: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     step_to: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
-) -> MetricsResponse:
+) -> Response:
     """Series by name over steps: train_loss, valid_loss, lr, tokens_per_second,
     step_time_s, tflops, model_data_bytes_<tier>, bytes_moved_<a>_to_<b>,
     peak_non_model_bytes, comm_bytes_sent, ..."""
@@ -312,13 +314,15 @@ def jobs_metrics(
             s = series.setdefault(k, Series(name=k, steps=[], values=[]))
             s.steps.append(p.step)
             s.values.append(float(v))
-    return MetricsResponse(
-        job_id=fine_tuning_job_id, step_from=step_from, step_to=step_to, series=series
+    return respond(
+        MetricsResponse(
+            job_id=fine_tuning_job_id, step_from=step_from, step_to=step_to, series=series
+        )
     )
 
 
 @router.get("/{fine_tuning_job_id}/memory", response_model=MemoryResponse, responses=responses(404))
-def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> MemoryResponse:
+def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
     """The warm-up tracer's timeline (rank 0): per moment the operator, non-model bytes
     N_i, chunk bytes on the device, the device budget and A_j; tier budgets and peaks."""
     c = ctx(request)
@@ -333,19 +337,21 @@ def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Me
         if budget is not None
         else []
     )
-    return MemoryResponse(
-        job_id=fine_tuning_job_id,
-        available=bool(nm),
-        moments=len(nm),
-        names=list(trace.get("names", [])),
-        non_model_bytes=nm,
-        chunk_bytes=[int(x) for x in trace.get("chunk_bytes", [])],
-        chunk_peak_bytes=[int(x) for x in trace.get("chunk_peak_bytes", [])],
-        peak_device_bytes=int(trace.get("peak_device_bytes", 0)),
-        device_budget_bytes=int(budget) if budget is not None else None,
-        chunk_allowance_bytes=allowance,
-        peak_non_model_bytes=int(trace.get("peak_non_model_bytes", 0)),
-        tiers=tiers,
+    return respond(
+        MemoryResponse(
+            job_id=fine_tuning_job_id,
+            available=bool(nm),
+            moments=len(nm),
+            names=list(trace.get("names", [])),
+            non_model_bytes=nm,
+            chunk_bytes=[int(x) for x in trace.get("chunk_bytes", [])],
+            chunk_peak_bytes=[int(x) for x in trace.get("chunk_peak_bytes", [])],
+            peak_device_bytes=int(trace.get("peak_device_bytes", 0)),
+            device_budget_bytes=int(budget) if budget is not None else None,
+            chunk_allowance_bytes=allowance,
+            peak_non_model_bytes=int(trace.get("peak_non_model_bytes", 0)),
+            tiers=tiers,
+        )
     )
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from api.errors import responses
-from api.routes import V1_DEPENDENCIES, Tenant, ctx
+from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
 from api.schemas import ModelList, ModelObject
 from service.errors import NotFound
 from service.registry import list_models, resolve_model
@@ -16,15 +17,17 @@ router = APIRouter(
 
 
 @router.get("", response_model=ModelList)
-def models_list(request: Request, tenant: Tenant) -> ModelList:
+def models_list(request: Request, tenant: Tenant) -> Response:
     c = ctx(request)
-    return ModelList(data=[ModelObject.of(m) for m in list_models(c.settings, c.store, tenant)])
+    return respond(
+        ModelList(data=[ModelObject.of(m) for m in list_models(c.settings, c.store, tenant)])
+    )
 
 
 @router.get("/{model}", response_model=ModelObject, responses=responses(404))
-def models_get(model: str, request: Request, tenant: Tenant) -> ModelObject:
+def models_get(model: str, request: Request, tenant: Tenant) -> Response:
     c = ctx(request)
     found = resolve_model(c.settings, c.store, tenant, model)
     if found is None:
         raise NotFound("model", model, param="model")
-    return ModelObject.of(found)
+    return respond(ModelObject.of(found))

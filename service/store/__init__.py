@@ -28,12 +28,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from sqlalchemy import bindparam, create_engine, delete, event, func, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import UnknownCursor
+from service.store import reads
 from service.store.models import (
+    ACTIVE,
+    TERMINAL,
     Attempt,
     Base,
     Checkpoint,
@@ -58,11 +61,10 @@ __all__ = [
     "MetricPoint",
     "StaleAttempt",
     "Store",
+    "TooManyUnfinished",
     "new_id",
 ]
 
-TERMINAL = ("succeeded", "failed", "cancelled")
-ACTIVE = ("validating_files", "queued", "running")
 MIGRATIONS = Path(__file__).with_name("migrations")
 
 
@@ -94,6 +96,14 @@ class IdempotencyConflict(Exception):
     def __init__(self, job: Job) -> None:
         super().__init__(job.id)
         self.job = job
+
+
+class TooManyUnfinished(Exception):
+    """The tenant already has as many unfinished jobs as it may."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(f"{n} unfinished jobs")
+        self.n = n
 
 
 class StaleAttempt(Exception):
@@ -145,7 +155,9 @@ class Store:
                 kwargs["connect_args"] = {"connect_timeout": 10}
         if self.is_sqlite and (path := url.split("///", 1)[-1]) and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.engine: Engine = create_engine(url, **kwargs)
+        self.engine: Engine = create_engine(
+            url, json_serializer=reads.dumps, json_deserializer=reads.loads, **kwargs
+        )
         write_bind = self.engine
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_connect)
@@ -177,6 +189,12 @@ class Store:
     def read(self) -> Iterator[Session]:
         with self._sessions() as s:
             yield s
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A pooled connection for the prebuilt statements of `reads`."""
+        with self.engine.connect() as conn:
+            yield conn
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Session]:
@@ -215,9 +233,10 @@ class Store:
             s.add(f)
         return f
 
-    def get_file(self, tenant: str, file_id: str) -> File | None:
-        with self.read() as s:
-            return s.scalar(select(File).where(File.id == file_id, File.tenant == tenant))
+    def get_file(self, tenant: str, file_id: str) -> reads.View | None:
+        """The file's row (the attributes of `File`, read-only), or None."""
+        with self._reading() as conn:
+            return reads.file(conn, tenant, file_id)
 
     def list_files(
         self, tenant: str, after: str | None, limit: int, purpose: str | None, order: str = "desc"
@@ -268,19 +287,27 @@ class Store:
 
     # -- jobs ---------------------------------------------------------------------------
 
-    def create_job(self, job: Job, first_event: str) -> tuple[Job, bool]:
+    def create_job(
+        self, job: Job, first_event: str, max_unfinished: int | None = None
+    ) -> tuple[Job, bool]:
         """Insert `job` (and its first event); with an idempotency key already used by
         this tenant, return that job instead: (job, created). A different body under the
-        same key raises `IdempotencyConflict`."""
+        same key raises `IdempotencyConflict`; a tenant with `max_unfinished` unfinished
+        jobs already, `TooManyUnfinished` (counted in the inserting transaction, one create
+        of a tenant at a time: two cannot both take the last place)."""
         if job.idempotency_key:
             existing = self.job_by_idempotency_key(job.tenant, job.idempotency_key)
             if existing is not None:
                 return self._same_or_conflict(existing, job), False
         try:
-            with self.write() as s:
-                s.add(job)
-                s.flush()
-                s.add(_event(job.id, first_event))
+            with self._write_lock, self._write_bind.begin() as conn:
+                if max_unfinished is not None:
+                    if not self.is_sqlite:  # creates of one tenant count one at a time
+                        conn.execute(reads.TENANT_LOCK, {"tenant": job.tenant})
+                    n = reads.unfinished_jobs(conn, job.tenant, max_unfinished)
+                    if n >= max_unfinished:
+                        raise TooManyUnfinished(n)
+                reads.insert_job(conn, job, _event(job.id, first_event))
         except IntegrityError:
             existing = (
                 self.job_by_idempotency_key(job.tenant, job.idempotency_key)
@@ -309,6 +336,11 @@ class Store:
         with self.read() as s:
             return s.scalar(q)
 
+    def job_view(self, job_id: str, tenant: str) -> reads.View | None:
+        """What the API shows of a job: its row without the request (see `reads`)."""
+        with self._reading() as conn:
+            return reads.job(conn, tenant, job_id)
+
     def list_jobs(
         self,
         tenant: str,
@@ -316,32 +348,24 @@ class Store:
         limit: int,
         status: str | None = None,
         metadata: dict[str, str] | None = None,
-    ) -> tuple[list[Job], bool]:
-        q = select(Job).where(Job.tenant == tenant)
-        if status:
-            q = q.where(Job.status == status)
-        if after:
-            q = q.where(Job.seq < self._cursor(Job, after, "fine-tuning job", Job.tenant == tenant))
-        if metadata:
+    ) -> tuple[list[reads.View], bool]:
+        """A page of the tenant's jobs, newest first, as `job_view` rows; whether more follow."""
+        before = (
+            self._cursor(Job, after, "fine-tuning job", Job.tenant == tenant) if after else None
+        )
+        with self._reading() as conn:
+            if not metadata:
+                rows = reads.jobs_page(conn, tenant, status, before, limit + 1)
+                return rows[:limit], len(rows) > limit
             # metadata is a small JSON object: filter after the query (portable across
-            # SQLite and PostgreSQL JSON operators), reading in pages until `limit` match
-            rows: list[Job] = []
-            with self.read() as s:
-                for job in s.scalars(q.order_by(Job.seq.desc())):
-                    if all((job.metadata_ or {}).get(k) == v for k, v in metadata.items()):
-                        rows.append(job)
-                        if len(rows) > limit:
-                            break
-            return rows[:limit], len(rows) > limit
-        with self.read() as s:
-            rows = list(s.scalars(q.order_by(Job.seq.desc()).limit(limit + 1)))
+            # SQLite and PostgreSQL JSON operators), reading until `limit` + 1 match
+            rows = []
+            for job in reads.jobs_page(conn, tenant, status, before, None):
+                if all((job.metadata_ or {}).get(k) == v for k, v in metadata.items()):
+                    rows.append(job)
+                    if len(rows) > limit:
+                        break
         return rows[:limit], len(rows) > limit
-
-    def count_unfinished_jobs(self, tenant: str) -> int:
-        with self.read() as s:
-            return s.scalar(
-                select(func.count()).where(Job.tenant == tenant, Job.status.in_(ACTIVE))
-            )
 
     def file_bytes(self, tenant: str) -> int:
         """What the tenant's stored files take (results files included)."""

@@ -24,6 +24,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# a job's status: the first three may still change, the last three never do
+ACTIVE = ("validating_files", "queued", "running")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
 SeqType = BigInteger().with_variant(Integer(), "sqlite")
 

@@ -22,6 +22,7 @@ from service.store import (
     MetricPoint,
     StaleAttempt,
     Store,
+    TooManyUnfinished,
     new_id,
     request_hash,
 )
@@ -219,12 +220,25 @@ def test_concurrent_creates_with_one_key_store_one_job(store):
     assert count(store, Event) == 1  # only the winner logged its first event
 
 
+def test_concurrent_creates_past_a_tenants_unfinished_limit_store_exactly_the_limit(store):
+    add_job(store, tenant="rival")  # another tenant's job counts for it, not for acme
+    add_job(store, status="succeeded")  # a finished one counts for no one
+    results = run_together(THREADS, lambda _i: store.create_job(make_job(), "Created", 3))
+    created = [r for r in results if isinstance(r, tuple)]
+    refused = [r for r in results if isinstance(r, TooManyUnfinished)]
+    assert len(created) == 3, results
+    assert len(refused) == THREADS - 3, results
+    assert {r.n for r in refused} == {3}
+    assert store.count_jobs_by_status("acme") == {"queued": 3, "succeeded": 1}
+
+
 def test_concurrent_creates_with_one_key_and_two_bodies_conflict_for_the_losers(store):
     bodies = [{"model": "tiny-llama", "training_file": f"file-{i % 2}"} for i in range(THREADS)]
     results = run_together(
         THREADS, lambda i: store.create_job(make_job(key="k", body=bodies[i]), "Created")
     )
     (row,) = store.list_jobs("acme", None, 10)[0]
+    row = store.get_job(row.id)  # the list's rows leave out the request
     for body, r in zip(bodies, results, strict=True):
         if body == row.request:
             assert isinstance(r, tuple), r
@@ -528,6 +542,36 @@ def test_list_jobs_filters_on_metadata(store):
     assert has_more
     rows, _ = store.list_jobs("acme", None, 10, metadata={"team": "a", "run": "1"})
     assert [j.id for j in rows] == [a1.id]
+
+    # with status and a cursor, as the query's own filters
+    add_job(store, metadata={"team": "a"}, status="running")
+    rows, _ = store.list_jobs("acme", None, 10, status="queued", metadata={"team": "a"})
+    assert [j.id for j in rows] == [a2.id, a1.id]
+    rows, _ = store.list_jobs("acme", a2.id, 10, metadata={"team": "a"})
+    assert [j.id for j in rows] == [a1.id]
+
+
+def test_json_columns_hold_strict_json_on_both_backends(store):
+    """A diverged loss (NaN, inf) is stored as null: PostgreSQL's json refuses the
+    `NaN` that Python's json writes; integers past 64 bits and non-ASCII text round-trip."""
+    job = add_job(store)
+    store.update_job(
+        job.id, runtime={"nan": float("nan"), "inf": float("-inf"), "big": 2**70, "name": "é"}
+    )
+    want = {"nan": None, "inf": None, "big": 2**70, "name": "é"}
+    assert store.get_job(job.id).runtime == want
+    assert store.job_view(job.id, "acme").runtime == want
+    assert store.job_view(job.id, "rival") is None
+
+
+def test_rows_that_json_wrote_with_nan_still_read():
+    """Rows written before the strict encoder hold `NaN`; the decoder takes them."""
+    from service.store.reads import loads
+
+    got = loads('{"loss": NaN, "x": Infinity, "n": 1}')
+    assert got["loss"] != got["loss"]
+    assert got["x"] == float("inf")
+    assert loads(b'{"n": 1}') == {"n": 1}
 
 
 def test_files_of_another_tenant_are_invisible(store):
