@@ -128,10 +128,11 @@ def create_app(
 
     app.add_middleware(_Observe, metrics=ctx.metrics)
 
-    app.include_router(system.router)
+    # routes are matched in the order they are added: the most requested first
+    app.include_router(jobs.router, prefix="/v1")
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
-    app.include_router(jobs.router, prefix="/v1")
+    app.include_router(system.router)
     ui.install(app)
     _declare_plain_text_parameters(app)
     return app

@@ -47,7 +47,7 @@ from service.store import (
     new_id,
     request_hash,
 )
-from service.store.reads import View
+from service.store.statements import View
 
 Auto = Literal["auto"]
 

@@ -33,7 +33,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import UnknownCursor
-from service.store import reads
+from service.store import statements
 from service.store.models import (
     ACTIVE,
     TERMINAL,
@@ -156,7 +156,7 @@ class Store:
         if self.is_sqlite and (path := url.split("///", 1)[-1]) and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.engine: Engine = create_engine(
-            url, json_serializer=reads.dumps, json_deserializer=reads.loads, **kwargs
+            url, json_serializer=statements.dumps, json_deserializer=statements.loads, **kwargs
         )
         write_bind = self.engine
         if self.is_sqlite:
@@ -233,10 +233,10 @@ class Store:
             s.add(f)
         return f
 
-    def get_file(self, tenant: str, file_id: str) -> reads.View | None:
+    def get_file(self, tenant: str, file_id: str) -> statements.View | None:
         """The file's row (the attributes of `File`, read-only), or None."""
         with self._reading() as conn:
-            return reads.file(conn, tenant, file_id)
+            return statements.file(conn, tenant, file_id)
 
     def list_files(
         self, tenant: str, after: str | None, limit: int, purpose: str | None, order: str = "desc"
@@ -303,11 +303,11 @@ class Store:
             with self._write_lock, self._write_bind.begin() as conn:
                 if max_unfinished is not None:
                     if not self.is_sqlite:  # creates of one tenant count one at a time
-                        conn.execute(reads.TENANT_LOCK, {"tenant": job.tenant})
-                    n = reads.unfinished_jobs(conn, job.tenant, max_unfinished)
+                        conn.execute(statements.TENANT_LOCK, {"tenant": job.tenant})
+                    n = statements.unfinished_jobs(conn, job.tenant, max_unfinished)
                     if n >= max_unfinished:
                         raise TooManyUnfinished(n)
-                reads.insert_job(conn, job, _event(job.id, first_event))
+                statements.insert_job(conn, job, _event(job.id, first_event))
         except IntegrityError:
             existing = (
                 self.job_by_idempotency_key(job.tenant, job.idempotency_key)
@@ -336,10 +336,10 @@ class Store:
         with self.read() as s:
             return s.scalar(q)
 
-    def job_view(self, job_id: str, tenant: str) -> reads.View | None:
+    def job_view(self, job_id: str, tenant: str) -> statements.View | None:
         """What the API shows of a job: its row without the request (see `reads`)."""
         with self._reading() as conn:
-            return reads.job(conn, tenant, job_id)
+            return statements.job(conn, tenant, job_id)
 
     def list_jobs(
         self,
@@ -348,19 +348,19 @@ class Store:
         limit: int,
         status: str | None = None,
         metadata: dict[str, str] | None = None,
-    ) -> tuple[list[reads.View], bool]:
+    ) -> tuple[list[statements.View], bool]:
         """A page of the tenant's jobs, newest first, as `job_view` rows; whether more follow."""
         before = (
             self._cursor(Job, after, "fine-tuning job", Job.tenant == tenant) if after else None
         )
         with self._reading() as conn:
             if not metadata:
-                rows = reads.jobs_page(conn, tenant, status, before, limit + 1)
+                rows = statements.jobs_page(conn, tenant, status, before, limit + 1)
                 return rows[:limit], len(rows) > limit
             # metadata is a small JSON object: filter after the query (portable across
             # SQLite and PostgreSQL JSON operators), reading until `limit` + 1 match
             rows = []
-            for job in reads.jobs_page(conn, tenant, status, before, None):
+            for job in statements.jobs_page(conn, tenant, status, before, None):
                 if all((job.metadata_ or {}).get(k) == v for k, v in metadata.items()):
                     rows.append(job)
                     if len(rows) > limit:
@@ -389,16 +389,11 @@ class Store:
             values.setdefault("finished_at", int(time.time()))
         tx = self.write() if attempt is None else self.as_attempt(job_id, attempt)
         with tx as s:
-            res = s.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.status.not_in(TERMINAL))
-                .values(**values)
-                .execution_options(synchronize_session=False)
-            )
-            changed = res.rowcount == 1
+            conn = s.connection()
+            changed = statements.update_job(conn, job_id, values)
             if changed and event:
                 level = "error" if values.get("status") == "failed" else "info"
-                s.add(_event(job_id, event, level=level))
+                statements.insert_event(conn, _event(job_id, event, level=level))
             return changed
 
     def set_status_details(self, details: dict[str, str | None]) -> None:

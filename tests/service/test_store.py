@@ -566,7 +566,7 @@ def test_json_columns_hold_strict_json_on_both_backends(store):
 
 def test_rows_that_json_wrote_with_nan_still_read():
     """Rows written before the strict encoder hold `NaN`; the decoder takes them."""
-    from service.store.reads import loads
+    from service.store.statements import loads
 
     got = loads('{"loss": NaN, "x": Infinity, "n": 1}')
     assert got["loss"] != got["loss"]
