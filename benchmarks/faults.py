@@ -469,7 +469,9 @@ def _per_db(r: _Result) -> dict[str, Any]:
 def run(
     *,
     jobs: int = 2,
-    steps: int = 150,
+    # a control plane restarted under load takes 10-30 s to answer and an outage 30 s:
+    # 150 steps (~1 min) ended before half of 6 faults had landed
+    steps: int = 600,
     faults: int = 6,
     db: str = "both",
     outage_s: float = 30.0,

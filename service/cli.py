@@ -495,7 +495,9 @@ def bench_faults(
             help="fine-tuning jobs per database (each a driver, a controller and a worker)"
         ),
     ] = 2,
-    steps: Annotated[int, typer.Option(help="training steps per job")] = 150,
+    steps: Annotated[
+        int, typer.Option(help="training steps per job: long enough for the faults to land")
+    ] = 600,
     faults: Annotated[int, typer.Option(help="faults injected per database")] = 6,
     db: Annotated[str, typer.Option(help="sqlite, postgres or both")] = "both",
     outage: Annotated[
