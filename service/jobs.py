@@ -335,14 +335,6 @@ def json_problem(v: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
     return None
 
 
-def parse_request(body: Any) -> JobRequest:
-    """A `JobRequest`, or `InvalidRequest` naming the first wrong field."""
-    try:
-        return JobRequest.model_validate(body)
-    except ValidationError as e:
-        raise invalid_from(e) from None
-
-
 def invalid_from(e: ValidationError, prefix: str = "") -> InvalidRequest:
     loc, msg, others = describe_invalid(e.errors())
     param = f"{prefix}{'.'.join(loc)}" if loc else prefix.rstrip(".") or None

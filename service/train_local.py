@@ -180,7 +180,3 @@ def _pretrained(spec: TrainSpec, engine_cfg, phase):
     # 6N per token for the matmuls plus the attention term, as for the zoo models.
     flops = 6 * n_params + 12 * n_layers * hidden * spec.data.seq_len
     return engine, hf_tok.backend_tokenizer, hf_tok.eos_token_id, flops
-
-
-def summary_path(spec: TrainSpec) -> Path:
-    return spec.output_dir / spec.name / "summary.json"

@@ -23,7 +23,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -791,11 +791,6 @@ class Store:
     def get_stats(self, job_id: str) -> JobStats | None:
         with self.read() as s:
             return s.get(JobStats, job_id)
-
-    def files_by_ids(self, tenant: str, ids: Sequence[str]) -> dict[str, File]:
-        with self.read() as s:
-            rows = s.scalars(select(File).where(File.tenant == tenant, File.id.in_(list(ids))))
-            return {f.id: f for f in rows}
 
 
 def _check_current(s: Session, job_id: str, attempt: int, *, lock: bool) -> None:
