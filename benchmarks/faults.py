@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import math
 import os
 import random
 import shutil
@@ -63,6 +64,8 @@ MODEL = "gpt-small"  # 5.3M parameters: steps long enough for faults to land mid
 KINDS = ("control-plane", "driver", "store")
 DRIVER_KILLS_PER_JOB = 2
 MAX_ATTEMPTS = 5
+BATCH = 8  # rows a step
+MAX_EPOCHS = 50  # the API's ceiling on n_epochs
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -85,8 +88,11 @@ class _Serve:
         self.proc: subprocess.Popen | None = None
         self.log = data_dir / "serve.log"
 
-    def start(self, timeout: float = 180.0) -> None:
+    def start(self, timeout: float = 180.0) -> float:
+        """Start it; the seconds until `/readyz` answered 200."""
         import httpx
+
+        t0 = time.monotonic()
 
         cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)]
         with self.log.open("ab") as log:
@@ -99,7 +105,7 @@ class _Serve:
                 raise RuntimeError(f"pstar serve exited:\n{self.log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
+                    return time.monotonic() - t0
             time.sleep(0.3)
         raise RuntimeError(f"pstar serve not ready in {timeout:.0f} s")
 
@@ -169,6 +175,7 @@ class _Result:
     no_server: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
     why: list[str] = field(default_factory=list)
+    ready_s: list[float] = field(default_factory=list)  # a restarted control plane's
 
 
 def _ok(r: Any) -> None:
@@ -218,6 +225,7 @@ def _inject(
     rng: random.Random,
     outage_s: float,
     say: Any,
+    ready_s: list[float],
 ) -> bool:
     """One fault; False when there was nothing to inject it into (no running driver)."""
     import httpx
@@ -225,9 +233,10 @@ def _inject(
     if kind == "control-plane":
         serve.kill9()
         down = rng.uniform(1.0, 4.0)
-        say(f"control plane SIGKILLed; back in {down:.1f} s")
+        say(f"control plane SIGKILLed; started again in {down:.1f} s")
         time.sleep(down)
-        serve.start()
+        ready_s.append(round(serve.start(), 1))
+        say(f"control plane ready {ready_s[-1]:.1f} s after its start")
         return True
     if kind == "store":
         say(f"store stopped for {outage_s:.0f} s")
@@ -317,6 +326,10 @@ def _check(db: str, url: str, ray_url: str | None, ids: list[str], steps: int) -
     return res
 
 
+def _examples(steps: int) -> int:
+    return max(48, math.ceil(steps * BATCH / MAX_EPOCHS))
+
+
 def _one_db(
     db: str,
     *,
@@ -357,7 +370,8 @@ def _one_db(
         with httpx.Client(base_url=serve.url, headers=headers, timeout=60) as http:
             up = http.post(
                 "/v1/files",
-                files={"file": ("train.jsonl", io.BytesIO(chat_jsonl(48)))},
+                # enough examples that `steps` fit in at most 50 epochs of 8 a step
+                files={"file": ("train.jsonl", io.BytesIO(chat_jsonl(_examples(steps))))},
                 data={"purpose": "fine-tune"},
             )
             _ok(up)
@@ -368,8 +382,8 @@ def _one_db(
                 # padded rows of 128 tokens, 8 a step: long enough a step that the
                 # schedule's faults land while the jobs train
                 "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 8,
+                    "n_epochs": MAX_EPOCHS,
+                    "batch_size": BATCH,
                     "seq_len": 128,
                     "max_steps": steps,
                 },
@@ -393,6 +407,7 @@ def _one_db(
             order = [k for k in order if k != "store"]
         kills: dict[str, int] = {}
         done_faults: dict[str, int] = {}
+        ready_s: list[float] = []
         deadline = t0 + timeout_s
         # the first fault once a job trains: before that there is nothing to lose
         while time.monotonic() < deadline:
@@ -415,7 +430,7 @@ def _one_db(
                 break  # every job ended before the schedule did
             kind = queue.pop(0)
             tries += 1
-            if _inject(kind, serve, pg, ids, kills, rng, outage_s, say):
+            if _inject(kind, serve, pg, ids, kills, rng, outage_s, say, ready_s):
                 done_faults[kind] = done_faults.get(kind, 0) + 1
                 n += 1
                 if kind != "store":
@@ -429,7 +444,7 @@ def _one_db(
         poller.join(timeout=30)
         url = pg.url if pg else f"sqlite:///{data_dir / 'store.db'}"
         res = _check(db, url, ray_url, ids, steps)
-        res.faults = done_faults
+        res.faults, res.ready_s = done_faults, ready_s
         res.wall_s = time.monotonic() - t0
         lat = sorted(poller.latencies_ms)
         if lat:
@@ -463,6 +478,7 @@ def _per_db(r: _Result) -> dict[str, Any]:
         "api_no_server": r.no_server,
         "api_statuses": r.statuses,
         "wall_s": round(r.wall_s, 1),
+        "control_plane_ready_s": r.ready_s,
     }
 
 
