@@ -56,6 +56,14 @@ class FileObject(BaseModel):
         )
 
 
+def page_ends(data: list[Any]) -> dict[str, str | None]:
+    """`first_id` and `last_id` of a cursor page (None when it is empty)."""
+    return {
+        "first_id": data[0].id if data else None,
+        "last_id": data[-1].id if data else None,
+    }
+
+
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -50,6 +50,7 @@ from service.store import (
 from service.store.statements import View
 
 Auto = Literal["auto"]
+_J = TypeVar("_J")
 
 
 def _whole_float_to_int(v: Any) -> Any:
@@ -703,17 +704,11 @@ class JobService:
         )
 
     def get(self, tenant: str, job_id: str) -> Job:
-        job = self.store.get_job(job_id, tenant)
-        if job is None:
-            raise NotFound("fine_tuning_job", job_id, param="fine_tuning_job_id")
-        return job
+        return _found(self.store.get_job(job_id, tenant), job_id)
 
     def view(self, tenant: str, job_id: str) -> View:
         """What `GET .../jobs/{id}` shows (`Store.job_view`); 404 for another tenant's."""
-        job = self.store.job_view(job_id, tenant)
-        if job is None:
-            raise NotFound("fine_tuning_job", job_id, param="fine_tuning_job_id")
-        return job
+        return _found(self.store.job_view(job_id, tenant), job_id)
 
     def cancel(self, tenant: str, job_id: str) -> Job:
         job = self.get(tenant, job_id)
@@ -729,3 +724,9 @@ class JobService:
         if job.attempt:
             self.launcher.stop_quietly(f"{job_id}-a{job.attempt}")
         return self.get(tenant, job_id)
+
+
+def _found(job: _J | None, job_id: str) -> _J:
+    if job is None:
+        raise NotFound("fine_tuning_job", job_id, param="fine_tuning_job_id")
+    return job

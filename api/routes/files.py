@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse, Response
 
 from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
-from api.schemas import FileDeleted, FileList, FileObject
+from api.schemas import FileDeleted, FileList, FileObject, page_ends
 from service.errors import Conflict, NotFound
 from service.files import delete_file, file_path, receive_upload
 
@@ -68,14 +68,7 @@ def files_list(
 ) -> Response:
     rows, more = ctx(request).store.list_files(tenant, after, limit, purpose, order)
     data = [FileObject.of(f) for f in rows]
-    return respond(
-        FileList(
-            data=data,
-            has_more=more,
-            first_id=data[0].id if data else None,
-            last_id=data[-1].id if data else None,
-        )
-    )
+    return respond(FileList(data=data, has_more=more, **page_ends(data)))
 
 
 def _get(request: Request, tenant: str, file_id: str):

@@ -23,6 +23,7 @@ from api.schemas import (
     MemoryResponse,
     MetricsResponse,
     Series,
+    page_ends,
 )
 from service import exports
 from service.errors import InvalidRequest, NotFound
@@ -227,14 +228,7 @@ def jobs_checkpoints(
     )
     rows, more = c.store.list_checkpoints(job.id, after, limit)
     data = [JobCheckpoint.of(ck, name, exports.available(c.settings, job, ck)) for ck in rows]
-    return respond(
-        CheckpointList(
-            data=data,
-            has_more=more,
-            first_id=data[0].id if data else None,
-            last_id=data[-1].id if data else None,
-        )
-    )
+    return respond(CheckpointList(data=data, has_more=more, **page_ends(data)))
 
 
 @router.get(

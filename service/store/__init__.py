@@ -192,7 +192,7 @@ class Store:
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
-        """A pooled connection for the prebuilt statements of `reads`."""
+        """A pooled connection for the prebuilt statements of `statements`."""
         with self.engine.connect() as conn:
             yield conn
 
@@ -337,7 +337,7 @@ class Store:
             return s.scalar(q)
 
     def job_view(self, job_id: str, tenant: str) -> statements.View | None:
-        """What the API shows of a job: its row without the request (see `reads`)."""
+        """What the API shows of a job: its row without the request (`statements.View`)."""
         with self._reading() as conn:
             return statements.job(conn, tenant, job_id)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,23 +35,25 @@ class View(SimpleNamespace):
     of them: ~0.4 µs each from a SQLAlchemy `Row`, ~0.03 µs from a plain object)."""
 
 
-def _views(result: Result) -> list[View]:
+def _views(result: Result) -> Iterator[View]:
     keys = tuple(result.keys())
-    return [View(**dict(zip(keys, row, strict=True))) for row in result]
+    return (View(**dict(zip(keys, row, strict=True))) for row in result)
 
 
 def _view(result: Result) -> View | None:
-    views = _views(result)
-    return views[0] if views else None
+    return next(_views(result), None)
 
+
+def _attributes(model: Any) -> dict[str, Any]:
+    """A model's columns by the ORM's attribute names (`metadata_` is column `metadata`)."""
+    return {prop.key: prop.columns[0] for prop in inspect(model).column_attrs}
+
+
+_COLUMNS = {model: _attributes(model) for model in (Job, File, Event)}
 
 # every column of a job but the request, each under the ORM's attribute name
-JOB_VIEW = [
-    _JOBS.c[prop.columns[0].key].label(prop.key)
-    for prop in inspect(Job).column_attrs
-    if prop.key != "request"
-]
-_FILE_ROW = [_FILES.c[prop.columns[0].key].label(prop.key) for prop in inspect(File).column_attrs]
+JOB_VIEW = [col.label(attr) for attr, col in _COLUMNS[Job].items() if attr != "request"]
+_FILE_ROW = [col.label(attr) for attr, col in _COLUMNS[File].items()]
 
 _JOB_BY_ID = select(*JOB_VIEW).where(
     _JOBS.c.id == bindparam("id"), _JOBS.c.tenant == bindparam("tenant")
@@ -102,10 +105,8 @@ def jobs_page(
         params["before"] = before
     key = bool(status), before is not None
     if limit is None:
-        result = conn.execute(_ALL[key], params)
-        keys = tuple(result.keys())
-        return (View(**dict(zip(keys, row, strict=True))) for row in result)
-    return _views(conn.execute(_PAGES[key], {**params, "limit": limit}))
+        return _views(conn.execute(_ALL[key], params))
+    return list(_views(conn.execute(_PAGES[key], {**params, "limit": limit})))
 
 
 def file(conn: Connection, tenant: str, file_id: str) -> View | None:
@@ -128,16 +129,12 @@ def insert_event(conn: Connection, event: Event) -> None:
     conn.execute(_EVENTS.insert(), _values(event))
 
 
-# the job's columns by the ORM's attribute names, where the two differ
-_JOB_COLUMN = {prop.key: prop.columns[0].key for prop in inspect(Job).column_attrs}
-
-
 def update_job(conn: Connection, job_id: str, values: dict[str, Any]) -> bool:
     """Set `values` (by attribute name) on a job that is not terminal yet; whether it was."""
     q = (
         _JOBS.update()
         .where(_JOBS.c.id == job_id, _JOBS.c.status.not_in(TERMINAL))
-        .values({_JOB_COLUMN[k]: v for k, v in values.items()})
+        .values({_COLUMNS[Job][k]: v for k, v in values.items()})
     )
     return conn.execute(q).rowcount == 1
 
@@ -146,9 +143,8 @@ def _values(obj: Any) -> dict[str, Any]:
     """An ORM object's column values by column name, leaving out those it never set
     that the table fills in (the sequence, defaults)."""
     out = {}
-    for prop in inspect(type(obj)).column_attrs:
-        col = prop.columns[0]
-        value = obj.__dict__.get(prop.key)
+    for attr, col in _COLUMNS[type(obj)].items():
+        value = obj.__dict__.get(attr)
         if value is None and (col.primary_key or col.default is not None):
             continue
         out[col.key] = value
