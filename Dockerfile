@@ -25,6 +25,7 @@ COPY --chown=1000:100 pstar_core ./pstar_core
 COPY --chown=1000:100 service ./service
 COPY --chown=1000:100 api ./api
 COPY --chown=1000:100 benchmarks ./benchmarks
+COPY --chown=1000:100 pstar ./pstar
 RUN pip install --no-cache-dir .
 
 # the Ray image's unprivileged user (uid 1000); the manifests run every pod as non-root

@@ -94,7 +94,7 @@ class _Serve:
 
         t0 = time.monotonic()
 
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pstar", "serve", "--port", str(self.port)]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [*cmd, "--ray-cpus", "4"], stdout=log, stderr=subprocess.STDOUT, env=self.env

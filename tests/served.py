@@ -44,7 +44,7 @@ class Serve:
                 [
                     sys.executable,
                     "-m",
-                    "service.cli",
+                    "pstar",
                     "serve",
                     "--port",
                     str(self.port),

@@ -371,7 +371,7 @@ def test_another_tenant_never_sees_the_jobs(serve, jobs, browser):
 def test_the_offline_png_draws_what_the_page_plots(serve, jobs, browser, tmp_path):
     from typer.testing import CliRunner
 
-    from service.cli import app
+    from pstar.cli import app
     from service.plot_trace import memory_stats
 
     done, _ = jobs

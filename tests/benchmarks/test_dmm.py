@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 import pstar_core
 from benchmarks.dmm import choose_chunk_size, run_eviction
 from benchmarks.report import bench_dtype
+from pstar.cli import app
 from pstar_core.models import build
-from service.cli import app
 from service.plot_trace import plot_run_dir, plot_trace
 
 runner = CliRunner()

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks import doctor
+from pstar.cli import app
 from pstar_core.models import get_config
-from service.cli import app
 
 runner = CliRunner()
 

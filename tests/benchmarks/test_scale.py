@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from benchmarks.report import bench_dtype
 from benchmarks.scale import run_scale
-from service.cli import app
+from pstar.cli import app
 
 TINY = {"hidden": 64, "heads": 4, "vocab": 512, "seq": 16}
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.report import bench_dtype
-from service.cli import app
+from pstar.cli import app
 from tests.tiny import make_tiny_llama
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.zero import run_zero
-from service.cli import app
+from pstar.cli import app
 
 runner = CliRunner()
 

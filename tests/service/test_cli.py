@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from service.cli import app
+from pstar.cli import app
 
 runner = CliRunner()
 

@@ -29,7 +29,7 @@ def pstar(server, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
         "COLUMNS": "200",
     }
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", *args],
+        [sys.executable, "-m", "pstar", *args],
         capture_output=True,
         text=True,
         env=env,

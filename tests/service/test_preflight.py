@@ -48,7 +48,7 @@ def test_pstar_serve_exits_2_naming_what_to_set(tmp_path):
     env = {**os.environ, "PSTAR_DATA_DIR": str(tmp_path), "RAY_ADDRESS": "http://10.9.8.7:8265"}
     env.pop("PSTAR_DB_URL", None)
     r = subprocess.run(
-        [sys.executable, "-m", "service.cli", "serve"],
+        [sys.executable, "-m", "pstar", "serve"],
         env=env,
         capture_output=True,
         text=True,

@@ -328,7 +328,7 @@ def test_pstar_run_submits_a_spec_follows_it_and_prints_the_summary(serve, tmp_p
     )
     env = {**os.environ, "PSTAR_API_TOKEN": TOKEN, "COLUMNS": "200"}
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "run", str(spec), "--port", str(serve.port)],
+        [sys.executable, "-m", "pstar", "run", str(spec), "--port", str(serve.port)],
         capture_output=True,
         text=True,
         env=env,

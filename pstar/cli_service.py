@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from service.client import DEFAULT_URL, ApiError, Client, find_token
+from pstar.client import DEFAULT_URL, ApiError, Client, find_token
 
 console = Console()
 files_app = typer.Typer(help="Training files on the service.")
@@ -75,8 +75,8 @@ def serve(
     a local Ray head with its dashboard."""
     import logging
 
-    from service.server import serve as run_server
-    from service.server import token_file
+    from pstar.server import serve as run_server
+    from service.control_plane import token_file
     from service.settings import Settings, SettingsError
 
     logging.basicConfig(
@@ -97,13 +97,8 @@ def serve(
         where = "local head" if head is not None else "cluster"
         console.print(f"Ray {where}: dashboard {launcher.dashboard_url}")
 
-    from service.cli import api_app
-
     try:
-        run_server(
-            settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready,
-            app_factory=api_app,
-        )  # fmt: skip
+        run_server(settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready)
     except SettingsError as e:  # a deployment that would lose jobs (service.preflight)
         _fail(str(e))
 
@@ -395,7 +390,7 @@ def start_server(data_dir: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PSTAR_DATA_DIR": str(data_dir.resolve())}
     console.print(f"starting the control plane (SQLite, local Ray); log {data_dir / 'serve.log'}")
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "pstar", "serve", "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

@@ -1,5 +1,5 @@
 """The `pstar` command line: train, plan, models, bench, and the service's serve, run,
-files and jobs (`service/cli_service.py`). Progress and tables live here."""
+files and jobs (`pstar/cli_service.py`). Progress and tables live here."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from pstar.cli_service import register as register_service_commands
 from pstar_core.config import ConfigError
 
 app = typer.Typer(help="PatrickStar Service: chunk-based training of models larger than memory.")
@@ -52,20 +53,23 @@ def train(
     if workers > 0:
         from service.ray_train import run_ray
 
-        result = run_ray(
-            spec,
-            workers,
-            max_failures,
-            phase=console.print,
-            use_gpu=gpu,
-            cpus_per_worker=cpus_per_worker,
-        )
+        try:
+            result = run_ray(
+                spec,
+                workers,
+                max_failures,
+                phase=console.print,
+                use_gpu=gpu,
+                cpus_per_worker=cpus_per_worker,
+            )
+        except ConfigError as e:
+            _fail(str(e))
         if result["error"]:
             _fail(f"training failed: {result['error']}")
         m = result["metrics"]
         console.print(
-            f"step {m.get('step')}: loss {m.get('loss', float('nan')):.3f}, "
-            f"{m.get('tokens_per_s', 0):.0f} tok/s; checkpoint {result['checkpoint']}"
+            f"step {m.get('step')}: loss {m.get('train_loss', float('nan')):.3f}, "
+            f"{m.get('tokens_per_second', 0):.0f} tok/s; checkpoint {result['checkpoint']}"
         )
         return
     progress = Progress(
@@ -80,7 +84,7 @@ def train(
     task = progress.add_task("training", total=spec.train.steps, info="")
 
     def on_step(step: int, m: dict) -> None:
-        info = f"loss {m['loss']:.3f}  {m['tokens_per_s']:.0f} tok/s  lr {m['lr']:.2e}"
+        info = f"loss {m['train_loss']:.3f}  {m['tokens_per_second']:.0f} tok/s  lr {m['lr']:.2e}"
         progress.update(task, completed=step, info=info)
 
     def on_phase(msg: str) -> None:
@@ -91,9 +95,10 @@ def train(
             summary = run_training(spec, on_step=on_step, on_phase=on_phase)
     except ConfigError as e:
         _fail(str(e))
+    before, after = summary["heldout_ppl_before"], summary["heldout_ppl_after"]
     console.print(
-        f"held-out perplexity {summary['heldout_ppl_before']:.2f} -> "
-        f"{summary['heldout_ppl_after']:.2f}; checkpoint {summary['checkpoint']}"
+        f"held-out perplexity {'(resumed)' if before is None else f'{before:.2f}'} -> "
+        f"{after:.2f}; checkpoint {summary['checkpoint']}"
     )
 
 
@@ -146,13 +151,6 @@ def plan(
     )
     if json_out:
         print(json.dumps(result))
-
-
-def api_app(*args: Any, **kwargs: Any) -> Any:
-    """The HTTP app of `pstar serve`: the one place below `api/` that imports it."""
-    from api.app import create_app
-
-    return create_app(*args, **kwargs)
 
 
 @app.command()
@@ -539,17 +537,11 @@ def plot_trace_cmd(
     console.print(f"wrote {path}")
 
 
+register_service_commands(app)
+
+
 def main() -> None:
     app()
-
-
-def _register_service_commands() -> None:
-    from service.cli_service import register
-
-    register(app)
-
-
-_register_service_commands()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""`pstar serve`: the control plane process (store, Ray, the API, the reconciler).
+"""The control plane's parts, put together: the store, the Ray launcher and (with no
+`RAY_ADDRESS`) a local Ray head kept up by a supervisor, and the API token.
 
-With no `RAY_ADDRESS` it starts (or re-attaches to) a local Ray head and stops it on a
-clean exit unless asked to keep it; with no `PSTAR_API_TOKENS` it makes one token for
-tenant `default` and keeps it in `<data dir>/api_token` (mode 0600), where the CLI finds it.
+With no `RAY_ADDRESS` it starts (or re-attaches to) a local Ray head, stopped on a clean
+exit unless asked to keep it; with no `PSTAR_API_TOKENS` it makes one token for tenant
+`default` and keeps it in `<data dir>/api_token` (mode 0600), where the CLI finds it. The
+HTTP server that serves the API over these parts is `pstar.server` (nothing here knows
+HTTP).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from typing import Any
 from service.settings import Settings, new_token
 
 log = logging.getLogger(__name__)
-GRACEFUL_SHUTDOWN_S = 10  # after SIGTERM: requests in flight get this long
 
 
 def token_file(settings: Settings) -> Path:
@@ -80,31 +82,15 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
     return settings, store, launcher, head
 
 
-def serve(
-    settings: Settings,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    ray_cpus: int | None = None,
-    dashboard_port: int | None = None,
-    keep_ray: bool = False,
-    reconcile_interval_s: float = 1.0,
-    on_ready: Any = None,
-    *,
-    app_factory: Any,
-) -> None:
-    """Run the control plane until stopped. `app_factory` is `api.app.create_app`, handed
-    in by the CLI's serve command: nothing below `api/` imports it."""
-    import uvicorn
-
-    settings, store, launcher, head = build(settings, ray_cpus, dashboard_port)
-    supervisor = RaySupervisor(head, launcher) if head is not None else None
+def shutdown_hook(settings: Settings, store: Any, launcher: Any, head: Any, keep_ray: bool):
+    """What a control plane does on a clean exit: keep the logs of unfinished attempts (a
+    local head takes its Ray jobs' logs with it), close the store, stop the local head."""
 
     def shutdown() -> None:
         if head is not None and not keep_ray:
-            # the head takes its Ray jobs' logs with it: keep those of unfinished attempts
             from service.logs import save_attempt_log
 
-            for att in store.open_attempts():
+            for att in store.attempts.open():
                 save_attempt_log(settings, launcher, att)
         store.close()
         if head is not None and not keep_ray:
@@ -112,36 +98,4 @@ def serve(
             head.stop()
             log.info("the local Ray head has stopped")
 
-    app = app_factory(
-        settings,
-        store,
-        launcher,
-        reconcile=True,
-        reconcile_interval_s=reconcile_interval_s,
-        ray_supervisor=supervisor,
-        on_shutdown=shutdown,
-    )
-    if on_ready:
-        on_ready(settings, launcher, head)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        # open event streams end at shutdown; this bounds whatever else still runs
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    stopping_server(config, app).run()
-
-
-def stopping_server(config: Any, app: Any) -> Any:
-    """A uvicorn server that tells the app's open streams to end as soon as a signal asks
-    it to stop (uvicorn waits for open connections before the app's own shutdown runs)."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.ctx.streams.closing = True
-            super().handle_exit(sig, frame)
-
-    return _Server(config)
+    return shutdown

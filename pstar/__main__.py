@@ -1,0 +1,5 @@
+"""`python -m pstar`: the `pstar` command."""
+
+from pstar.cli import main
+
+main()

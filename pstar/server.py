@@ -1,0 +1,61 @@
+"""`pstar serve`: the control plane process, the API served by uvicorn over the parts
+`service.control_plane` puts together (store, Ray, the reconciler inside the app)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.app import create_app
+from service.control_plane import RaySupervisor, build, shutdown_hook
+from service.settings import Settings
+
+GRACEFUL_SHUTDOWN_S = 10  # after SIGTERM: requests in flight get this long
+
+
+def serve(
+    settings: Settings,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    ray_cpus: int | None = None,
+    dashboard_port: int | None = None,
+    keep_ray: bool = False,
+    reconcile_interval_s: float = 1.0,
+    on_ready: Any = None,
+) -> None:
+    """Run the control plane until stopped."""
+    import uvicorn
+
+    settings, store, launcher, head = build(settings, ray_cpus, dashboard_port)
+    app = create_app(
+        settings,
+        store,
+        launcher,
+        reconcile=True,
+        reconcile_interval_s=reconcile_interval_s,
+        ray_supervisor=RaySupervisor(head, launcher) if head is not None else None,
+        on_shutdown=shutdown_hook(settings, store, launcher, head, keep_ray),
+    )
+    if on_ready:
+        on_ready(settings, launcher, head)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        # open event streams end at shutdown; this bounds whatever else still runs
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    stopping_server(config, app).run()
+
+
+def stopping_server(config: Any, app: Any) -> Any:
+    """A uvicorn server that tells the app's open streams to end as soon as a signal asks
+    it to stop (uvicorn waits for open connections before the app's own shutdown runs)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.ctx.streams.closing = True
+            super().handle_exit(sig, frame)
+
+    return _Server(config)
