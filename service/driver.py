@@ -2,12 +2,12 @@
 
 Ray runs it as the entrypoint of Ray job `<job-id>-a<attempt>`; its environment names the
 data dir and the file that holds the store's URL (never the URL: the Ray dashboard shows
-a job's environment). It prepares the data (once per job: the encoded rows
-are cached in the job's directory), runs `TorchTrainer` with the fine-tuning worker loop
-(`service.finetune.train_func`), and reports the end: `succeeded` with the fine-tuned
-model, trained tokens and a metrics CSV, or `failed` with the reason. A driver that dies
-before reporting leaves the job active; the reconciler then starts the next attempt,
-which resumes from the run's last checkpoint (same run name and storage path).
+a job's environment). It prepares the data (once per job: the encoded rows are cached in
+the job's directory), runs `TorchTrainer` with the job's worker (`service.finetune.
+train_func` around the one loop of `service.worker`), and reports the end: `succeeded`
+with the fine-tuned model, trained tokens and a metrics CSV, or `failed` with the reason.
+A driver that dies before reporting leaves the job active; the reconciler then starts the
+next attempt, which resumes from the run's last checkpoint (same run name and storage).
 Every write of a driver is fenced to its attempt: one that the reconciler has replaced
 writes nothing, and stops itself once it notices (`watch_currency`). A store that cannot
 be reached is waited for (`through_outage`): a finished training is not lost to an outage.
@@ -28,11 +28,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from service.datasets import DataError
 from service.files import file_path
-from service.prepare import prepare
+from service.prepare import prepare, save_rows
 from service.registry import fine_tuned_name
 from service.settings import Settings
 from service.store import File, Job, StaleAttempt, Store
@@ -67,17 +65,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
             file_path(settings, valid) if valid else None,
             tokenizer_cache=job_dir / "tokenizer",
         )
-        data_file.parent.mkdir(parents=True, exist_ok=True)
-        rows = {
-            "train_ids": prep.train.input_ids,
-            "train_labels": prep.train.labels,
-            "train_lengths": prep.train.lengths,
-        }
-        if prep.valid is not None:
-            rows.update(valid_ids=prep.valid.input_ids, valid_labels=prep.valid.labels)
-        tmp = data_file.with_suffix(".tmp")
-        torch.save(rows, tmp)
-        os.replace(tmp, data_file)
+        save_rows(data_file, prep.train, prep.valid)
         meta = {
             **prep.report(),
             "vocab_size": len(prep.tokenizer),
@@ -99,7 +87,6 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     engine = dict(plan["engine"])
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
     method = plan.get("method") or {"type": "supervised"}
-    flops = _flops_per_token(plan["model"], meta["seq_len"], meta["vocab_size"], method)
     store.update_job(job.id, attempt=attempt, progress_total=total)
     return {
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
@@ -115,10 +102,10 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         "checkpoints_to_keep": CHECKPOINTS_TO_KEEP,
         "seed": job.seed,
         "data_file": str(data_file),
-        "tokenizer_dir": str(job_dir / "tokenizer"),
+        # a zoo model's tokenizer was trained on the data: the export carries it
+        "tokenizer_dir": str(job_dir / "tokenizer") if plan["model"]["kind"] == "zoo" else None,
         "export_dir": str(settings.finetuned_dir(job.id)),
         "storage_path": str(job_dir / "ray"),
-        "flops_per_token": flops,
     }
 
 
@@ -126,29 +113,6 @@ def _newest_checkpoint(store: Store, job_id: str) -> str | None:
     """The directory of the job's newest recorded checkpoint (see `finetune._resume`)."""
     rows, _ = store.list_checkpoints(job_id, None, CHECKPOINTS_TO_KEEP + 1)
     return max(rows, key=lambda c: c.step).path if rows else None
-
-
-def _flops_per_token(
-    model: dict[str, Any], seq_len: int, vocab: int, method: dict[str, Any] | None = None
-) -> float:
-    """6N per token for the matmuls plus the attention term 12 * layers * hidden * seq.
-
-    With LoRA the frozen weights get no weight gradient: 4 per frozen parameter (forward
-    and the gradient of the input), 6 per adapter parameter."""
-    from service.estimate import _meta_model
-
-    m = _meta_model(model, seq_len, vocab)
-    cfg = m.config
-    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    attention = 12 * layers * hidden * seq_len
-    if method and method.get("type") == "lora":
-        from service.lora import param_counts, wrap_meta
-
-        frozen, adapters = param_counts(wrap_meta(m, method["lora"]))
-        return 4 * frozen + 6 * adapters + attention
-    n = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
-    return 6 * n + attention
 
 
 def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:

@@ -9,6 +9,7 @@ with ChatML's turn markers as single tokens.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,24 @@ def prepare(
     if hp.get("max_steps"):
         total = min(total, hp["max_steps"])
     return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total)
+
+
+def save_rows(path: Path, train: Encoded, valid: Encoded | None) -> None:
+    """The rows the worker loop trains on (`service.worker.run_loop` reads them), written
+    whole or not at all."""
+    import torch
+
+    rows = {
+        "train_ids": train.input_ids,
+        "train_labels": train.labels,
+        "train_lengths": train.lengths,
+    }
+    if valid is not None:
+        rows.update(valid_ids=valid.input_ids, valid_labels=valid.labels)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(rows, tmp)
+    os.replace(tmp, path)
 
 
 def zoo_hf_config(name: str, vocab: int, seq_len: int):

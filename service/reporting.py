@@ -175,6 +175,9 @@ class Reporter:
             runtime=values,
         )
 
+    def resumed(self, step: int) -> None:
+        self.event(f"Attempt {self.attempt} resumed from the checkpoint at step {step}")
+
     def running(self) -> None:
         self._write("the status", self.store and self.store.mark_running, self.job_id, self.attempt)
 

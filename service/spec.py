@@ -34,7 +34,16 @@ class TrainLoopSpec(_Spec):
     batch_size: int = Field(default=8, gt=0, description="sequences per optimizer step")
     micro_batches: int = Field(default=1, gt=0, description="gradient accumulation steps")
     eval_batches: int = Field(default=8, gt=0, description="held-out batches for perplexity")
+    eval_every: int | None = Field(
+        default=None, gt=0, description="held-out loss every N steps (default: before and after)"
+    )
     log_every: int = Field(default=10, gt=0)
+    checkpoint_every: int | None = Field(
+        default=None,
+        gt=0,
+        description="checkpoint every N steps (default: at the end in one process; every "
+        "log_every steps on Ray workers, which a restarted worker group resumes from)",
+    )
     seed: int = 0
 
 

@@ -1,14 +1,19 @@
-"""The training loop of a job in one process: data, engine, steps, evaluation, outputs.
+"""`pstar train`: a spec (`service.spec.TrainSpec`) run by the one worker loop
+(`service.worker.run_loop`) in this process; `service.ray_train` runs it on N Ray Train
+workers.
 
-Progress goes to a callback (the CLI draws it); metrics go to `metrics.jsonl` in the run
-directory; a checkpoint is written at the end (and resumed from if present).
+The front's own part is what a spec says and a job does not: a text file cut into rows
+(every token trained on; the last `heldout_fraction` held out, the first `eval_batches`
+batches of those evaluated before and after), a zoo model built natively with a BPE
+tokenizer learned on the text, and a run directory with `metrics.jsonl`, the checkpoint
+(resumed from if present), `summary.json` and `trace.json` (for `pstar plot-trace`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -17,151 +22,93 @@ from typing import Any
 import torch
 
 import pstar_core
+from pstar_core.checkpoint import META
 from pstar_core.config import ConfigError
-from pstar_core.models import GPT, flops_per_token, get_config
-from service.data import BatchSampler, encode, read_text, split, train_tokenizer
+from pstar_core.models import GPT, get_config
+from service.data import read_text, train_tokenizer
+from service.datasets import Encoded, encode
+from service.prepare import save_rows
+from service.runlog import RunLog, StepCallback
 from service.spec import TrainSpec
-
-StepCallback = Callable[[int, dict[str, Any]], None]
-
-
-@torch.no_grad()
-def evaluate(engine: pstar_core.Engine, seqs: torch.Tensor, batches: int, batch_size: int) -> float:
-    """Held-out perplexity: exp of the mean token loss over the first `batches` batches."""
-    engine.eval()
-    losses = []
-    for i in range(min(batches, math.ceil(seqs.shape[0] / batch_size))):
-        x = seqs[i * batch_size : (i + 1) * batch_size]
-        losses.append(engine(input_ids=x, labels=x).loss.float().item())
-    engine.train()
-    return math.exp(sum(losses) / len(losses))
+from service.worker import Sink, prepare_kernels, run_loop, write_checkpoint
 
 
-def run_training(
-    spec: TrainSpec,
-    on_step: StepCallback | None = None,
-    on_phase: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    phase = on_phase or (lambda _msg: None)
+def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: None):
+    """(run, tokenizer) for a spec: the rows written where the loop reads them."""
     run_dir = spec.output_dir / spec.name
     run_dir.mkdir(parents=True, exist_ok=True)
     phase(f"reading {spec.data.path}")
     text = read_text(spec.data.path, spec.data.max_chars)
-    engine_cfg = spec.engine_config()
-    engine, tok, eos, cfg_flops = build_engine(spec, run_dir, text, phase)
-    train_seqs, held_seqs = split(
-        encode(tok, text, eos), spec.data.seq_len, spec.data.heldout_fraction
-    )
-    ckpt = run_dir / "checkpoint"
-    if (ckpt / "pstar_checkpoint.json").exists():
-        phase(f"resuming from {ckpt}")
-        engine.load_checkpoint(ckpt)
-
+    tok = load_tokenizer(spec, run_dir, text, phase)
+    rows = encode(tok, "text", [{"text": line} for line in text.splitlines()], spec.data.seq_len)
+    n = rows.input_ids.shape[0]
+    n_held = max(1, int(n * spec.data.heldout_fraction))
+    if n - n_held < 1:
+        raise ConfigError(f"data: only {n} sequences of {spec.data.seq_len} tokens; use more text")
     loop = spec.train
-    phase("held-out perplexity before training")
-    ppl_before = evaluate(engine, held_seqs, loop.eval_batches, loop.batch_size)
-    sampler = BatchSampler(train_seqs, loop.batch_size, loop.seed)
-    tokens_per_step = loop.batch_size * spec.data.seq_len
-    flops_per_step = cfg_flops * tokens_per_step
-    if engine_cfg.activation_checkpointing:
-        flops_per_step = flops_per_step * 4 // 3  # one more forward: 8N instead of 6N
-    metrics_file = (run_dir / "metrics.jsonl").open("a")
-    last: dict[str, Any] = {}
-    for step in range(engine.global_step, loop.steps):
-        t0 = time.perf_counter()
-        x = sampler.batch(step)
-        loss_sum = 0.0
-        for mb in x.chunk(loop.micro_batches):
-            loss = engine(input_ids=mb, labels=mb).loss / loop.micro_batches
-            engine.backward(loss)
-            loss_sum += loss.item()
-        applied = engine.step()
-        dt = time.perf_counter() - t0
-        last = {
-            "step": step + 1,
-            "loss": loss_sum,
-            "lr": engine.lr,
-            "step_applied": applied,
-            "step_time_s": dt,
-            "tokens_per_s": tokens_per_step / dt,
-            "tflops": flops_per_step / dt / 1e12,
-        }
-        if (step + 1) % loop.log_every == 0 or step + 1 == loop.steps:
-            stats = engine.stats()
-            last["model_data_bytes"] = stats["model_data_bytes"]
-            last["bytes_moved"] = stats["bytes_moved"]
-            metrics_file.write(json.dumps(last) + "\n")
-            metrics_file.flush()
-        if on_step:
-            on_step(step + 1, last)
-    metrics_file.close()
-    phase("held-out perplexity after training")
-    ppl_after = evaluate(engine, held_seqs, loop.eval_batches, loop.batch_size)
-    phase(f"saving checkpoint to {ckpt}")
-    engine.save_checkpoint(ckpt)
-    export = None
-    if spec.is_path_model:
-        export = run_dir / "hf"
-        phase(f"exporting a Hugging Face model directory to {export}")
-        engine.export_hf(export)
-    summary = {
-        "run_dir": str(run_dir),
-        "model": spec.model,
-        "params": engine.stats()["params"],
-        "steps": loop.steps,
-        "final_loss": last.get("loss"),
-        "heldout_ppl_before": ppl_before,
-        "heldout_ppl_after": ppl_after,
-        "checkpoint": str(ckpt),
-        "hf_export": str(export) if export else None,
-        "model_data_bytes_per_param": engine.stats()["model_data_bytes_per_param"],
+    train = _cut(rows, 0, n - n_held)
+    valid = _cut(rows, n - n_held, min(n, n - n_held + loop.eval_batches * loop.batch_size))
+    data_file = run_dir / "data" / "rows.pt"
+    save_rows(data_file, train, valid)
+    lora = bool(spec.engine.get("lora"))
+    run = {
+        "model": {"spec": spec.model, "vocab_size": len(tok)},
+        "method": "lora" if lora else "supervised",
+        "hyperparameters": {
+            "batch_size": loop.batch_size,
+            "micro_batches": loop.micro_batches,
+            "eval_every": loop.eval_every or 0,  # 0: held-out loss before and after only
+        },
+        "seq_len": spec.data.seq_len,
+        "total_steps": loop.steps,
+        "steps_per_epoch": math.ceil((n - n_held) / loop.batch_size),
+        "checkpoint_every": loop.checkpoint_every or 0,  # 0: at the end only
+        "seed": loop.seed,
+        "data_file": str(data_file),
+        "export_dir": str(run_dir / "hf") if spec.is_path_model else None,
+        "tokenizer_dir": None,  # a HF model's export copies its own tokenizer
+        "resume_from": None,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    # The engine's measured stats (tiers, moves, tracer moments) for `pstar plot-trace`.
-    (run_dir / "trace.json").write_text(json.dumps(engine.stats()))
-    return summary
+    return run, tok
 
 
-def ensure_tokenizer(spec: TrainSpec, run_dir: Path, text: str, phase=lambda _m: None):
-    """The run's BPE tokenizer for a zoo model: trained on the text once, then reused."""
+def _cut(rows: Encoded, start: int, stop: int) -> Encoded:
+    return Encoded(rows.input_ids[start:stop], rows.labels[start:stop], rows.lengths[start:stop])
+
+
+def load_tokenizer(spec: TrainSpec, run_dir: Path, text: str, phase=lambda _m: None):
+    """The model's own tokenizer (a HF directory), or for a zoo model a byte-level BPE
+    tokenizer trained on the text once and reused (`<run dir>/tokenizer.json`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if spec.is_path_model:
+        return AutoTokenizer.from_pretrained(spec.model)
     tok_path = run_dir / "tokenizer.json"
     if tok_path.exists():
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(tok_path))
-    phase("training the tokenizer")
-    return train_tokenizer(text, spec.data.vocab_size, tok_path)
+        raw = Tokenizer.from_file(str(tok_path))
+    else:
+        phase("training the tokenizer")
+        raw = train_tokenizer(text, spec.data.vocab_size, tok_path)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
 
 
-def build_engine(spec: TrainSpec, run_dir: Path, text: str, phase=lambda _m: None):
-    """(engine, tokenizer, eos id, FLOPs per token) for a spec; ZeRO if distributed is up."""
-    engine_cfg = spec.engine_config()
-    if spec.is_path_model:
-        return _pretrained(spec, engine_cfg, phase)
-    return _from_zoo(spec, engine_cfg, run_dir, text, phase)
-
-
-def _from_zoo(spec: TrainSpec, engine_cfg, run_dir: Path, text: str, phase):
-    """A zoo GPT trained from scratch with a BPE tokenizer learned on the text."""
-    tok = ensure_tokenizer(spec, run_dir, text, phase)
-    cfg = replace(
-        get_config(spec.model),
-        vocab_size=tok.get_vocab_size(),
-        seq_len=spec.data.seq_len,
-        **spec.model_overrides,
-    )
-    torch.manual_seed(spec.train.seed)
-    phase(f"building {spec.model} in chunks")
-    engine = pstar_core.initialize(lambda: GPT(cfg), engine_cfg)
-    return engine, tok, tok.token_to_id("<|endoftext|>"), flops_per_token(cfg)
-
-
-def _pretrained(spec: TrainSpec, engine_cfg, phase):
-    """A pretrained HF model directory, streamed into chunks, with its own tokenizer."""
-    from transformers import AutoTokenizer
-
+def build_engine(spec: TrainSpec, run: dict[str, Any], phase=lambda _m: None):
+    """The engine for a spec's model (ZeRO over the ranks if distributed is up)."""
     from pstar_core.hf import HFLoadError, is_hf_dir
 
+    engine_cfg = spec.engine_config()
+    torch.manual_seed(spec.train.seed)
+    if not spec.is_path_model:
+        cfg = replace(
+            get_config(spec.model),
+            vocab_size=run["model"]["vocab_size"],
+            seq_len=spec.data.seq_len,
+            **spec.model_overrides,
+        )
+        phase(f"building {spec.model} in chunks")
+        return pstar_core.initialize(lambda: GPT(cfg), engine_cfg)
     path = Path(spec.model)
     if not is_hf_dir(path):
         raise ConfigError(
@@ -170,13 +117,64 @@ def _pretrained(spec: TrainSpec, engine_cfg, phase):
         )
     phase(f"loading {path.name} into chunks")
     try:
-        engine = pstar_core.initialize(path, engine_cfg)
+        return pstar_core.initialize(path, engine_cfg)
     except HFLoadError as e:
         raise ConfigError(f"model: {e}") from None
-    hf_tok = AutoTokenizer.from_pretrained(str(path))
-    n_params = engine.stats()["params"]
-    n_layers = engine.module.config.num_hidden_layers
-    hidden = engine.module.config.hidden_size
-    # 6N per token for the matmuls plus the attention term, as for the zoo models.
-    flops = 6 * n_params + 12 * n_layers * hidden * spec.data.seq_len
-    return engine, hf_tok.backend_tokenizer, hf_tok.eos_token_id, flops
+
+
+class DirCheckpoints:
+    """The run's one checkpoint directory, replaced whole at each save, resumed from."""
+
+    def __init__(self, directory: Path, lora: bool) -> None:
+        self.directory, self.lora = directory, lora
+
+    def restore(self, engine: Any, sink: Sink) -> bool:
+        if not (self.directory / META).is_file():
+            return False
+        sink.phase(f"resuming from {self.directory}")
+        engine.load_checkpoint(self.directory)
+        return True
+
+    def save(self, engine: Any, values: dict[str, Any], step: int, final: bool) -> None:
+        if self.lora:  # the adapter goes beside the chunks: both come from one save
+            shutil.rmtree(self.directory / "adapter", ignore_errors=True)
+        write_checkpoint(engine, self.directory, self.lora, shared=True)
+
+
+def run_training(
+    spec: TrainSpec,
+    on_step: StepCallback | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train a spec in this process; the run's summary (also in `summary.json`)."""
+    phase = on_phase or (lambda _msg: None)
+    run_dir = spec.output_dir / spec.name
+    run, _tok = prepare_spec_run(spec, phase)
+    rep = RunLog(run, run_dir, spec.train.log_every, on_step=on_step, on_phase=phase)
+    prepare_kernels(rep)
+    engine = build_engine(spec, run, phase)
+    ckpt = run_dir / "checkpoint"
+    final = run_loop(run, engine, 0, 1, rep, DirCheckpoints(ckpt, run["method"] == "lora"))
+    stats = rep.latest_stats
+
+    def ppl(values: dict[str, Any]) -> float | None:
+        loss = values.get("full_valid_loss")
+        return math.exp(loss) if loss is not None else None
+
+    summary = {
+        "run_dir": str(run_dir),
+        "model": spec.model,
+        "params": stats["params"],
+        "steps": spec.train.steps,
+        "final_loss": rep.last.get("train_loss"),
+        "heldout_ppl_before": ppl(rep.before),  # None when resumed past the start
+        "heldout_ppl_after": ppl(final),
+        "checkpoint": str(ckpt),
+        "hf_export": run["export_dir"],
+        "model_data_bytes_per_param": stats["model_data_bytes_per_param"],
+        "trained_tokens": final["trained_tokens"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    # The engine's measured stats (tiers, moves, tracer moments) for `pstar plot-trace`.
+    (run_dir / "trace.json").write_text(json.dumps(stats))
+    return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pstar_core.kernels import adam
-from service import finetune
+from service import worker
 
 
 class _Events:
@@ -28,7 +28,7 @@ def test_a_worker_on_a_cpu_nothing_prepared_measures_before_training_and_says_so
     monkeypatch.setattr(adam, "_load_ext", lambda: None)  # and no compiler there
     monkeypatch.setattr(adam, "_MEASURE_ELEMS", 1 << 16)
     rep = _Events()
-    finetune._prepare_kernels(rep)
+    worker.prepare_kernels(rep)
     assert rep.phases == ["preparing kernels"]
     assert len(rep.events) == 2
     assert "not prepared for this CPU" in rep.events[0]
@@ -36,7 +36,7 @@ def test_a_worker_on_a_cpu_nothing_prepared_measures_before_training_and_says_so
     assert " s (" in rep.events[1]  # the time it took
     assert adam.prepared()
     again = _Events()
-    finetune._prepare_kernels(again)  # the next job on this node: nothing to do or say
+    worker.prepare_kernels(again)  # the next job on this node: nothing to do or say
     assert again.events == []
     assert again.phases == []
 
@@ -45,5 +45,5 @@ def test_a_worker_on_a_cpu_nothing_prepared_measures_before_training_and_says_so
 def test_a_forced_backend_needs_no_preparation(monkeypatch, backend):
     monkeypatch.setenv("PSTAR_ADAM_BACKEND", backend)
     rep = _Events()
-    finetune._prepare_kernels(rep)
+    worker.prepare_kernels(rep)
     assert rep.events == []
