@@ -217,31 +217,44 @@ def memory_values(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _full_validation(engine: Any, ids, labels, rank: int, world: int, batch: int):
-    loss, acc = evaluate(engine, ids, labels, rank, world, batch)
-    return {"full_valid_loss": loss, "full_valid_mean_token_accuracy": acc}
+class Supervised:
+    """The objective of supervised and LoRA fine-tuning and of `pstar train`: next-token
+    cross-entropy on the labelled tokens (the model's own loss).
+
+    A training method is an objective the loop calls, not a copy of the loop: it says
+    what one optimizer step does with this rank's rows (`train_step`) and what a held-out
+    evaluation measures (`evaluate`); the loop keeps batching, metrics, checkpoints and
+    resume the same for every method."""
+
+    name = "supervised"
+
+    def train_step(self, engine: Any, x: torch.Tensor, y: torch.Tensor, micro_batches: int):
+        """Forward and backward over `micro_batches` slices of this rank's rows, then the
+        optimizer step: (loss summed over tokens, correct predictions, tokens counted).
+        With more than one slice each slice's mean loss is weighted by its share of the
+        tokens, so the gradient is that of the whole batch at once."""
+        parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+        shares = [int((py[:, 1:] != -100).sum()) for _px, py in parts]
+        total = max(1, sum(shares))
+        loss_sum = correct = count = 0.0
+        for (px, py), share in zip(parts, shares, strict=True):
+            out = engine(input_ids=px, labels=py)
+            c, k = token_stats(out.logits.detach(), py)
+            loss = out.loss
+            del out  # the logits (batch x seq x vocab) are not kept through backward, step
+            engine.backward(loss if len(parts) == 1 else loss * (share / total))
+            loss_sum += float(loss.detach()) * k
+            correct += c
+            count += k
+        engine.step()
+        return loss_sum, correct, count
+
+    def evaluate(self, engine: Any, ids, labels, rank: int, world: int, batch: int):
+        """(mean loss per token, token accuracy) over the rows (see `evaluate`)."""
+        return evaluate(engine, ids, labels, rank, world, batch)
 
 
-def _train_step(engine: Any, x: torch.Tensor, y: torch.Tensor, micro_batches: int):
-    """Forward and backward over `micro_batches` slices of this rank's rows, then the
-    optimizer step: (loss summed over tokens, correct predictions, tokens counted). With
-    more than one slice each slice's mean loss is weighted by its share of the tokens, so
-    the gradient is that of the whole batch at once."""
-    parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
-    shares = [int((py[:, 1:] != -100).sum()) for _px, py in parts]
-    total = max(1, sum(shares))
-    loss_sum = correct = count = 0.0
-    for (px, py), share in zip(parts, shares, strict=True):
-        out = engine(input_ids=px, labels=py)
-        c, k = token_stats(out.logits.detach(), py)
-        loss = out.loss
-        del out  # the logits (batch x seq x vocab) are not kept through backward and step
-        engine.backward(loss if len(parts) == 1 else loss * (share / total))
-        loss_sum += float(loss.detach()) * k
-        correct += c
-        count += k
-    engine.step()
-    return loss_sum, correct, count
+OBJECTIVES = {"supervised": Supervised, "lora": Supervised}  # by the run's method
 
 
 def run_loop(
@@ -264,6 +277,11 @@ def run_loop(
     micro_batches = hp.get("micro_batches") or 1
     local = batch // world
     lora = run.get("method") == "lora"
+    objective = OBJECTIVES[run.get("method") or "supervised"]()
+
+    def full_validation() -> dict[str, float]:
+        loss, acc = objective.evaluate(engine, valid_ids, valid_labels, rank, world, local)
+        return {"full_valid_loss": loss, "full_valid_mean_token_accuracy": acc}
 
     if checkpoints.restore(engine, rep):
         rep.resumed(engine.global_step)
@@ -290,10 +308,15 @@ def run_loop(
     ckpt_every = run["checkpoint_every"]
     if valid_ids is not None and engine.global_step == 0:
         rep.phase("evaluating")
-        vl, va = evaluate(engine, valid_ids, valid_labels, rank, world, local)
-        before = {"full_valid_loss": vl, "full_valid_mean_token_accuracy": va}
+        before = full_validation()
         rep.metrics(
-            0, {"valid_loss": vl, "valid_mean_token_accuracy": va, **before}, "before training"
+            0,
+            {
+                "valid_loss": before["full_valid_loss"],
+                "valid_mean_token_accuracy": before["full_valid_mean_token_accuracy"],
+                **before,
+            },
+            "before training",
         )
     sampler = Batches(train_ids.shape[0], batch, per_epoch, run["seed"])
     flops_tok = flops_per_token(engine, train_ids.shape[1])
@@ -307,7 +330,7 @@ def run_loop(
         idx = sampler.indices(step)
         mine = idx[rank * local : (rank + 1) * local]
         x, y = train_ids[mine].to(engine.device), train_labels[mine].to(engine.device)
-        loss_tok, correct, count = _train_step(engine, x, y, micro_batches)
+        loss_tok, correct, count = objective.train_step(engine, x, y, micro_batches)
         real = int(lengths[mine].sum())  # tokens that are not padding
         loss_sum, correct, count, real_sum = all_sum(
             [loss_tok, correct, count, float(real)], engine.device
@@ -333,14 +356,14 @@ def run_loop(
             # the interval loss on a fixed sample (as OpenAI's valid_loss); the whole
             # file is evaluated before training and at the end (full_valid_loss)
             n = min(valid_ids.shape[0], VALID_SAMPLE_BATCHES * batch)
-            values["valid_loss"], values["valid_mean_token_accuracy"] = evaluate(
+            values["valid_loss"], values["valid_mean_token_accuracy"] = objective.evaluate(
                 engine, valid_ids[:n], valid_labels[:n], rank, world, local
             )
             rep.phase("training")
         if done == total and valid_ids is not None:
             # the whole validation file, as OpenAI's last metrics event carries it
             rep.phase("evaluating")
-            full_eval = _full_validation(engine, valid_ids, valid_labels, rank, world, local)
+            full_eval = full_validation()
             values.update(full_eval)
         rep.metrics(done, values, total=total)
         if step == first:  # the warm-up step of this attempt: the trace exists now
@@ -354,7 +377,7 @@ def run_loop(
     if valid_ids is not None:
         if full_eval is None:  # resumed from the final checkpoint: no step ran
             rep.phase("evaluating")
-            full_eval = _full_validation(engine, valid_ids, valid_labels, rank, world, local)
+            full_eval = full_validation()
         final.update(full_eval)
     last = rep.last_values()
     rep.phase("checkpointing")
