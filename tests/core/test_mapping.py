@@ -58,17 +58,33 @@ def test_auto_chunk_size_wastes_at_most_ten_percent_for_every_zoo_model(name):
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("gpt-tiny", "bf16"), ("gpt-tiny", "fp32")])
-def test_the_plan_is_what_the_engine_allocates_and_holds(name, dtype):
-    """`pstar plan` computes bytes from its tables; the engine measures its real chunks."""
+def test_the_plan_is_what_the_engine_allocates_and_holds(name, dtype, monkeypatch):
+    """`pstar plan` computes bytes from its tables; the engine's chunks are measured: the
+    storage their payloads really hold, one storage counted once."""
     import pstar_core
+    from pstar_core.chunk import ChunkType
     from pstar_core.models import build
+    from pstar_core.tiers import TierName
 
+    monkeypatch.delenv("PSTAR_HOST_ARENA", raising=False)  # a storage per host chunk
     result = plan_model(name, dtype, "auto")
-    st = pstar_core.initialize(lambda: build(name), {"dtype": dtype}).stats()
+    engine = pstar_core.initialize(lambda: build(name), {"dtype": dtype})
+    residency = engine.manager.residency
+    for c in residency.chunks():
+        # optimizer states are made at their first use (the first Adam step): now
+        residency.in_memory(c)
+    st = engine.stats()
     assert st["chunk_size"] == result["chunk_size"]
     assert st["model_data_bytes"] == result["model_data_bytes"]
+    storages: dict[int, int] = {}  # storage address -> bytes, over every list
     for kind, row in result["lists"].items():
-        assert (st["chunks"][kind]["count"], st["chunks"][kind]["bytes"]) == (
-            row["chunks"],
-            row["bytes"],
-        ), kind
+        chunks = engine.manager.lists[ChunkType(kind)]
+        held = {s.data_ptr(): s.nbytes() for s in (c.payload.untyped_storage() for c in chunks)}
+        measured = (len(chunks), sum(held.values()))
+        assert measured == (row["chunks"], row["bytes"]), kind  # the plan's tables
+        assert measured == (st["chunks"][kind]["count"], st["chunks"][kind]["bytes"]), kind
+        storages.update(held)
+    # no two lists share memory (the fp32 params are not their own master), and the host
+    # tier's account is the storage it holds
+    assert sum(storages.values()) == result["chunk_bytes"]
+    assert residency.tiers[TierName.HOST].used_bytes == result["chunk_bytes"]
