@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -136,8 +135,6 @@ class DirCheckpoints:
         return True
 
     def save(self, engine: Any, values: dict[str, Any], step: int, final: bool) -> None:
-        if self.lora:  # the adapter goes beside the chunks: both come from one save
-            shutil.rmtree(self.directory / "adapter", ignore_errors=True)
         write_checkpoint(engine, self.directory, self.lora, shared=True)
 
 
