@@ -17,7 +17,7 @@ class _JobsCollector:
     def collect(self):
         g = GaugeMetricFamily("pstar_jobs", "fine-tuning jobs by status", labels=["status"])
         try:
-            counts = self.store.count_jobs_by_status(self.tenant)
+            counts = self.store.jobs.count_by_status(self.tenant)
         except Exception:  # a scrape must not fail because the store is down; /readyz says so
             counts = {}
         for status in ("validating_files", "queued", "running", "succeeded", "failed", "cancelled"):

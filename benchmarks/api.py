@@ -426,7 +426,7 @@ def _job_count(url: str) -> int:
 
     store = Store(url)
     try:
-        return sum(store.count_jobs_by_status().values())
+        return sum(store.jobs.count_by_status().values())
     finally:
         store.close()
 
@@ -531,7 +531,7 @@ def _check_stored(db: _Database) -> dict[str, int]:
 
     store = Store(db.url)
     try:
-        with store.read() as s:
+        with store.db.read() as s:
             stored = collections.Counter(s.scalars(select(Job.id)))
             total = s.scalar(select(func.count()).select_from(Job))
     finally:

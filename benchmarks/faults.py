@@ -283,12 +283,12 @@ def _check(db: str, url: str, ray_url: str | None, ids: list[str], steps: int) -
     store = Store(url)
     try:
         for jid in ids:
-            job = store.get_job(jid)
+            job = store.jobs.get(jid)
             if job is None:
                 res.lost.append(jid)
                 res.why.append(f"{jid}: accepted but not stored")
                 continue
-            attempts = store.attempts(jid)
+            attempts = store.attempts.of_job(jid)
             res.attempts += len(attempts)
             if job.status not in TERMINAL:
                 res.lost.append(jid)
@@ -312,7 +312,7 @@ def _check(db: str, url: str, ray_url: str | None, ids: list[str], steps: int) -
             if stray or overlap:
                 res.duplicated.append(jid)
                 res.why.append(f"{jid}: Ray ran {stray or overlap} beside the store's attempts")
-            steps_seen = [p.step for p in store.metric_points(jid)]
+            steps_seen = [p.step for p in store.events.metric_points(jid)]
             if job.status != "succeeded":
                 res.wrong_state.append(jid)
                 res.why.append(f"{jid}: {job.status}: {job.error}")

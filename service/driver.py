@@ -51,14 +51,14 @@ def _data_file(settings: Settings, job: Job, train: File, valid: File | None) ->
 def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dict[str, Any]:
     """Tokenize (or reuse the cached rows) and decide everything the workers need."""
     job_dir = settings.job_dir(job.id)
-    train = store.get_file(job.tenant, job.training_file)
-    valid = store.get_file(job.tenant, job.validation_file) if job.validation_file else None
+    train = store.files.get(job.tenant, job.training_file)
+    valid = store.files.get(job.tenant, job.validation_file) if job.validation_file else None
     if train is None or (job.validation_file and valid is None):
         raise DataError("a file of this job was deleted")
     data_file = _data_file(settings, job, train, valid)
     meta_file = data_file.with_suffix(".json")
     if not meta_file.is_file():
-        store.update_job(job.id, attempt=attempt, status_detail="preparing data")
+        store.jobs.update(job.id, attempt=attempt, status_detail="preparing data")
         prep = prepare(
             job.plan,
             file_path(settings, train),
@@ -72,7 +72,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         }
         meta_file.write_text(json.dumps(meta))
         tr = prep.train
-        store.add_event(
+        store.events.add(
             job.id,
             f"Data: {tr.examples} training examples -> {tr.input_ids.shape[0]} rows of "
             f"{prep.seq_len} tokens ({tr.loss_tokens} trained on; {tr.truncated} truncated, "
@@ -87,7 +87,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     engine = dict(plan["engine"])
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
     method = plan.get("method") or {"type": "supervised"}
-    store.update_job(job.id, attempt=attempt, progress_total=total)
+    store.jobs.update(job.id, attempt=attempt, progress_total=total)
     return {
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
         "model": plan["model"],
@@ -111,7 +111,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
 
 def _newest_checkpoint(store: Store, job_id: str) -> str | None:
     """The directory of the job's newest recorded checkpoint (see `finetune._resume`)."""
-    rows, _ = store.list_checkpoints(job_id, None, CHECKPOINTS_TO_KEEP + 1)
+    rows, _ = store.checkpoints.page(job_id, None, CHECKPOINTS_TO_KEEP + 1)
     return max(rows, key=lambda c: c.step).path if rows else None
 
 
@@ -161,7 +161,7 @@ def metrics_csv(store: Store, job_id: str) -> bytes:
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(cols)
-    for p in store.metric_points(job_id):
+    for p in store.events.metric_points(job_id):
         w.writerow(["" if (v := p.values.get(src.get(c, c))) is None else v for c in cols])
     return buf.getvalue().encode()
 
@@ -180,7 +180,7 @@ def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> 
     settings.files_dir.mkdir(parents=True, exist_ok=True)
     tmp = settings.files_dir / f".{fid}.a{attempt}.part"
     tmp.write_bytes(data)
-    points = store.metric_points(job.id)
+    points = store.events.metric_points(job.id)
     trained = int(points[-1].values.get("trained_tokens", 0)) if points else 0
     name = fine_tuned_name(job.plan.get("base_model", job.model), job.suffix, job.id)
     results = File(
@@ -197,7 +197,7 @@ def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> 
         storage_name=fid,
     )
     try:
-        store.finish_job(
+        store.jobs.finish(
             job.id,
             attempt,
             results,
@@ -214,7 +214,7 @@ def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> 
 
 
 def fail(store: Store, job_id: str, attempt: int, code: str, message: str) -> None:
-    store.update_job(
+    store.jobs.update(
         job_id,
         event=f"The job failed: {message}",
         attempt=attempt,
@@ -253,7 +253,7 @@ def watch_currency(store: Store, job_id: str, attempt: int, every_s: float = 5.0
         while True:
             time.sleep(every_s)
             try:
-                current = store.attempt_is_current(job_id, attempt)
+                current = store.attempts.is_current(job_id, attempt)
             except Exception as e:
                 log.warning("could not ask the store whether attempt %d is current: %s", attempt, e)
                 continue
@@ -274,8 +274,8 @@ def main(argv: list[str]) -> int:
     # itself (see service.settings.job_env)
     settings = Settings.from_env()
     store = Store(settings.db_url, pool_size=2)
-    job = through_outage(store.get_job, job_id)
-    if job is None or not through_outage(store.attempt_is_current, job_id, attempt):
+    job = through_outage(store.jobs.get, job_id)
+    if job is None or not through_outage(store.attempts.is_current, job_id, attempt):
         log.info("job %s attempt %s is not current; nothing to do", job_id, attempt)
         return 0
     watch_currency(store, job_id, attempt)
@@ -306,7 +306,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         error = getattr(result, "error", None)
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
-    if error is not None and not through_outage(store.attempt_is_current, job_id, attempt):
+    if error is not None and not through_outage(store.attempts.is_current, job_id, attempt):
         # a worker's write was refused (StaleAttempt): another attempt owns the job now
         raise StaleAttempt(job_id, attempt, "a worker's write was refused")
     if error is not None and lost_cluster(error):
@@ -319,7 +319,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         log.error("job %s attempt %d failed: %s", job_id, attempt, text)
         through_outage(fail, store, job_id, attempt, "training_failed", _short(text))
         return 1
-    latest = through_outage(store.get_job, job_id) or job
+    latest = through_outage(store.jobs.get, job_id) or job
     through_outage(finish_success, settings, store, latest, attempt)
     log.info("job %s attempt %d: succeeded", job_id, attempt)
     return 0

@@ -36,8 +36,8 @@ def validate_job(
     settings: Settings, store: Store, jobs: JobService, tenant: str, req: JobRequest
 ) -> dict[str, Any]:
     _model, plan = jobs.resolve(tenant, req)
-    train = store.get_file(tenant, req.training_file)
-    valid = store.get_file(tenant, req.validation_file) if req.validation_file else None
+    train = store.files.get(tenant, req.training_file)
+    valid = store.files.get(tenant, req.validation_file) if req.validation_file else None
     try:
         prep = prepare(
             plan,

@@ -204,7 +204,7 @@ async def receive_upload(
             code="invalid_content_type",
         )
     quota = settings.limits.max_file_bytes_per_tenant
-    used = await asyncio.to_thread(store.file_bytes, tenant)
+    used = await asyncio.to_thread(store.files.total_bytes, tenant)
     if used >= quota:
         raise _over_quota(tenant, used, quota)
     limit = min(settings.max_upload_bytes, quota - used)
@@ -323,7 +323,7 @@ def _store(
         storage_name=file_id,
     )
     try:
-        return store.add_file(f)
+        return store.files.add(f)
     except BaseException:
         (settings.files_dir / file_id).unlink(missing_ok=True)
         raise
@@ -379,7 +379,7 @@ def file_path(settings: Settings, f: File) -> Path:
 
 
 def delete_file(settings: Settings, store: Store, tenant: str, file_id: str) -> File | None:
-    f = store.delete_file(tenant, file_id)
+    f = store.files.delete(tenant, file_id)
     if f is not None:
         (settings.files_dir / f.storage_name).unlink(missing_ok=True)
     return f

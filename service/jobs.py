@@ -529,7 +529,7 @@ class JobService:
         ):
             if fid is None:
                 continue
-            f = self.store.get_file(tenant, fid)
+            f = self.store.files.get(tenant, fid)
             if f is None:
                 raise InvalidRequest(
                     f"{param} '{fid}' does not exist; upload it with POST /v1/files "
@@ -646,7 +646,7 @@ class JobService:
         body = req.model_dump(mode="json", exclude_none=True)
         h = request_hash(body)
         if idempotency_key:
-            existing = self.store.job_by_idempotency_key(tenant, idempotency_key)
+            existing = self.store.jobs.by_idempotency_key(tenant, idempotency_key)
             if existing is not None:
                 return self._same(existing, h, idempotency_key), False
         _model, plan = self.resolve(tenant, req)
@@ -678,7 +678,7 @@ class JobService:
         )
         limit = self.settings.limits.max_unfinished_jobs_per_tenant
         try:
-            return self.store.create_job(job, f"Created fine-tuning job: {job.id}", limit)
+            return self.store.jobs.create(job, f"Created fine-tuning job: {job.id}", limit)
         except IdempotencyConflict as e:
             raise self._conflict(e.job, idempotency_key or "") from None
         except TooManyUnfinished as e:
@@ -704,15 +704,15 @@ class JobService:
         )
 
     def get(self, tenant: str, job_id: str) -> Job:
-        return _found(self.store.get_job(job_id, tenant), job_id)
+        return _found(self.store.jobs.get(job_id, tenant), job_id)
 
     def view(self, tenant: str, job_id: str) -> View:
-        """What `GET .../jobs/{id}` shows (`Store.job_view`); 404 for another tenant's."""
-        return _found(self.store.job_view(job_id, tenant), job_id)
+        """What `GET .../jobs/{id}` shows (`store.jobs.view`); 404 for another tenant's."""
+        return _found(self.store.jobs.view(job_id, tenant), job_id)
 
     def cancel(self, tenant: str, job_id: str) -> Job:
         job = self.get(tenant, job_id)
-        if not self.store.update_job(
+        if not self.store.jobs.update(
             job_id, event="Job cancelled", status="cancelled", cancel_requested=True
         ):
             job = self.get(tenant, job_id)

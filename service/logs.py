@@ -73,7 +73,7 @@ async def follow_logs(
     server's event loop, which every other request shares."""
     seen = 0
     while True:
-        fresh = await asyncio.to_thread(store.get_job, job.id) or job
+        fresh = await asyncio.to_thread(store.jobs.get, job.id) or job
         if fresh.attempt == 0 and fresh.status not in TERMINAL:
             await sleep(1.0)
             continue
@@ -90,7 +90,7 @@ async def follow_logs(
                 except Exception as e:  # the head went away mid-stream
                     yield f"(log stream interrupted: {e})\n"
             seen = fresh.attempt
-        fresh = await asyncio.to_thread(store.get_job, job.id) or fresh
+        fresh = await asyncio.to_thread(store.jobs.get, job.id) or fresh
         if fresh.status in TERMINAL and fresh.attempt == seen:
             yield f"===== job {fresh.status} =====\n"
             return

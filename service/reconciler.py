@@ -96,8 +96,8 @@ class Reconciler:
         # one query for the unfinished jobs with their current attempts (of the waiting ones
         # only the oldest few) and Ray's view of the open attempts: a tick's cost follows
         # the jobs that run, not the length of the queue
-        pairs = self.store.active_jobs_with_attempts(self._waiting_lookahead())
-        orphans = self.store.open_attempts_of_finished_jobs()
+        pairs = self.store.jobs.active_with_attempts(self._waiting_lookahead())
+        orphans = self.store.attempts.open_of_finished_jobs()
         try:
             # Ray is asked about the attempts that may have ended, and about no other
             asked = {a.submission_id for _, a in pairs if a is not None and a.state == "submitted"}
@@ -115,7 +115,7 @@ class Reconciler:
                     continue
                 self._guarded(job, att, ray)
             if waiting:  # every new reason to wait (or none) of the tick, in one write
-                self.store.set_status_details(waiting)
+                self.store.jobs.set_status_details(waiting)
             self._stop_orphans(ray, orphans)
         except Unavailable as e:  # Ray or the store went away mid-tick: every job waits
             log.warning("reconciling stopped for this tick: %s", e.message)
@@ -188,7 +188,7 @@ class Reconciler:
             f"{sum(min(BACKOFF_CAP_S, BACKOFF_S * 2**i) for i in range(n - 1)):.0f} s): {cause}"
         )
         try:
-            self.store.update_job(
+            self.store.jobs.update(
                 job.id,
                 event=f"The job failed: {message}",
                 status="failed",
@@ -223,7 +223,7 @@ class Reconciler:
             if self.launcher.status(att.submission_id) is None:
                 self._submit(job, att)
             else:
-                self.store.update_attempt(job.id, att.number, state="submitted")
+                self.store.attempts.update(job.id, att.number, state="submitted")
             return
         if att.state == "submitted":
             status = ray.status(att.submission_id)
@@ -244,7 +244,7 @@ class Reconciler:
         # follows are one write; the log is kept after it and cannot change the outcome.
         what = "Ray no longer knows it (head restarted)" if status is None else f"Ray says {status}"
         if att.number >= job.max_attempts:
-            self.store.close_attempt(
+            self.store.attempts.close(
                 job.id,
                 att.number,
                 status,
@@ -261,7 +261,7 @@ class Reconciler:
             )
             self._keep_log(att)
             return
-        nxt = self.store.close_attempt(
+        nxt = self.store.attempts.close(
             job.id,
             att.number,
             status,
@@ -285,7 +285,7 @@ class Reconciler:
         del self._checking[job.id]
         problem = check.result()  # a check that raised goes to the job's error boundary
         if problem:
-            self.store.update_job(
+            self.store.jobs.update(
                 job.id,
                 event=f"File validation failed: {problem}",
                 status="failed",
@@ -296,13 +296,13 @@ class Reconciler:
                 },
             )
             return
-        self.store.update_job(job.id, event="Files validated; the job is queued", status="queued")
+        self.store.jobs.update(job.id, event="Files validated; the job is queued", status="queued")
 
     def _file_problem(self, job: ActiveJob) -> str | None:
         from service.files import file_path
 
         for fid in filter(None, (job.training_file, job.validation_file)):
-            f = self.store.get_file(job.tenant, fid)
+            f = self.store.files.get(job.tenant, fid)
             if f is None:
                 return f"file {fid} was deleted"
             path = file_path(self.settings, f)
@@ -315,7 +315,7 @@ class Reconciler:
         return None
 
     def _next_attempt(self, job: ActiveJob, reason: str) -> None:
-        att = self.store.start_attempt(job.id, job.attempt + 1, reason)
+        att = self.store.attempts.start(job.id, job.attempt + 1, reason)
         crash_point("attempt-recorded")
         if att is not None:
             self._submit(job, att)
@@ -325,7 +325,7 @@ class Reconciler:
         env = job_env(self.settings)
         self.launcher.submit(att.submission_id, job.id, att.number, env)
         crash_point("ray-has-attempt")
-        self.store.update_attempt(job.id, att.number, state="submitted")
+        self.store.attempts.update(job.id, att.number, state="submitted")
 
     def _keep_log(self, att: Attempt | ActiveAttempt) -> None:
         """Copy an ended attempt's Ray log into the job's directory. Best effort: a full
@@ -346,7 +346,7 @@ class Reconciler:
                 if job.status != "succeeded":
                     self.launcher.stop_quietly(att.submission_id)
             elif status in ENDED or status is None:
-                self.store.close_attempt(att.job_id, att.number, status)
+                self.store.attempts.close(att.job_id, att.number, status)
                 self._keep_log(att)
 
 

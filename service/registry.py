@@ -54,7 +54,7 @@ def zoo_models() -> list[ModelRef]:
 def fine_tuned_models(settings: Settings, store: Store, tenant: str) -> list[ModelRef]:
     return [
         _fine_tuned(settings, job, job.fine_tuned_model, job.finished_at or job.created_at)
-        for job in store.fine_tuned_models(tenant)
+        for job in store.jobs.fine_tuned_models(tenant)
         if job.fine_tuned_model
     ]
 
@@ -80,7 +80,7 @@ def list_models(settings: Settings, store: Store, tenant: str) -> list[ModelRef]
 def resolve_model(settings: Settings, store: Store, tenant: str, model_id: str) -> ModelRef | None:
     """The model a tenant means by `model_id`, or None (also for another tenant's model)."""
     if model_id.startswith("ft:"):
-        job = store.job_by_model(tenant, model_id)
+        job = store.jobs.by_model(tenant, model_id)
         if job is None:
             return None
         return _fine_tuned(settings, job, model_id, job.finished_at or 0)

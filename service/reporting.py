@@ -149,7 +149,7 @@ class Reporter:
             self._phase = detail
             self._write(
                 "the phase",
-                self.store and self.store.update_job,
+                self.store and self.store.jobs.update,
                 self.job_id,
                 attempt=self.attempt,
                 status_detail=detail,
@@ -158,7 +158,7 @@ class Reporter:
     def event(self, message: str, **data: Any) -> None:
         self._write(
             "an event",
-            self.store and self.store.add_event,
+            self.store and self.store.events.add,
             self.job_id,
             message,
             data=data or None,
@@ -169,7 +169,7 @@ class Reporter:
         """What the engine decided on this hardware (the job object shows it)."""
         self._write(
             "the runtime",
-            self.store and self.store.update_job,
+            self.store and self.store.jobs.update,
             self.job_id,
             attempt=self.attempt,
             runtime=values,
@@ -179,7 +179,9 @@ class Reporter:
         self.event(f"Attempt {self.attempt} resumed from the checkpoint at step {step}")
 
     def running(self) -> None:
-        self._write("the status", self.store and self.store.mark_running, self.job_id, self.attempt)
+        self._write(
+            "the status", self.store and self.store.jobs.mark_running, self.job_id, self.attempt
+        )
 
     def metrics(
         self, step: int, values: dict[str, Any], note: str = "", total: int | None = None
@@ -194,7 +196,7 @@ class Reporter:
         msg = metrics_message(step, total, values) + (f" ({note})" if note else "")
         self._write(
             "metrics",
-            self.store.record_metrics,
+            self.store.events.record_metrics,
             self.job_id,
             self.attempt,
             step,
@@ -206,7 +208,7 @@ class Reporter:
             eta = int(time.time() + per_step * (total - step)) if per_step else None
             self._write(
                 "progress",
-                self.store.update_job,
+                self.store.jobs.update,
                 self.job_id,
                 attempt=self.attempt,
                 progress_step=step,
@@ -217,14 +219,14 @@ class Reporter:
     def last_values(self) -> dict[str, Any]:
         if self._last or self.store is None:
             return dict(self._last)
-        points = self._write("", self.store.metric_points, self.job_id) or []
+        points = self._write("", self.store.events.metric_points, self.job_id) or []
         return dict(points[-1].values) if points else {}
 
     def values_at(self, step: int) -> dict[str, Any]:
         """The numbers recorded for `step` (what a resumed attempt continues from)."""
         if self.store is None or step == 0:
             return {}
-        points = self._write("", self.store.metric_points, self.job_id, step, step) or []
+        points = self._write("", self.store.events.metric_points, self.job_id, step, step) or []
         return dict(points[0].values) if points else {}
 
     def stats(self, stats: dict[str, Any]) -> None:
@@ -232,7 +234,7 @@ class Reporter:
             return
         self._write(
             "tracer stats",
-            self.store.set_stats,
+            self.store.events.set_stats,
             self.job_id,
             trace=stats["tracer"],
             tiers=stats["tiers"],
@@ -245,7 +247,7 @@ class Reporter:
             return
         self._write(
             "a checkpoint",
-            self.store.add_checkpoint,
+            self.store.checkpoints.add,
             self.job_id,
             step,
             {k: v for k, v in values.items() if isinstance(v, (int, float))},

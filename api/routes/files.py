@@ -66,13 +66,13 @@ def files_list(
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     order: Literal["asc", "desc"] = "desc",
 ) -> Response:
-    rows, more = ctx(request).store.list_files(tenant, after, limit, purpose, order)
+    rows, more = ctx(request).store.files.page(tenant, after, limit, purpose, order)
     data = [FileObject.of(f) for f in rows]
     return respond(FileList(data=data, has_more=more, **page_ends(data)))
 
 
 def _get(request: Request, tenant: str, file_id: str):
-    f = ctx(request).store.get_file(tenant, file_id)
+    f = ctx(request).store.files.get(tenant, file_id)
     if f is None:
         raise NotFound("file", file_id, param="file_id")
     return f
@@ -97,7 +97,7 @@ def files_content(file_id: str, request: Request, tenant: Tenant) -> FileRespons
 def files_delete(file_id: str, request: Request, tenant: Tenant) -> Response:
     c = ctx(request)
     _get(request, tenant, file_id)
-    job = c.store.file_in_use(tenant, file_id)
+    job = c.store.files.in_use(tenant, file_id)
     if job is not None:
         raise Conflict(
             f"file {file_id} is used by job {job}, which has not finished; cancel the job "

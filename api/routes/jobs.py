@@ -91,7 +91,7 @@ def jobs_list(
         for k, v in request.query_params.items()
         if k.startswith("metadata[") and k.endswith("]")
     }
-    rows, more = ctx(request).store.list_jobs(tenant, after, limit, status, metadata or None)
+    rows, more = ctx(request).store.jobs.page(tenant, after, limit, status, metadata or None)
     return respond(JobList(data=[FineTuningJob.of(j) for j in rows], has_more=more))
 
 
@@ -126,7 +126,7 @@ def jobs_events(
     """Events newest first (as OpenAI); `after` pages to older ones."""
     c = ctx(request)
     c.jobs.get(tenant, fine_tuning_job_id)
-    rows, more = c.store.list_events(fine_tuning_job_id, _event_cursor(after), limit, type)
+    rows, more = c.store.events.page(fine_tuning_job_id, _event_cursor(after), limit, type)
     return respond(EventList(data=[JobEvent.of(e) for e in rows], has_more=more))
 
 
@@ -178,7 +178,7 @@ async def jobs_events_stream(
         ended = None
         while not await request.is_disconnected() and not c.streams.closing:
             rows, more = await run_in_threadpool(
-                c.store.list_events, fine_tuning_job_id, seq, 500, None, "asc"
+                c.store.events.page, fine_tuning_job_id, seq, 500, None, "asc"
             )
             for e in rows:
                 ev = JobEvent.of(e)
@@ -226,7 +226,7 @@ def jobs_checkpoints(
     name = job.fine_tuned_model or fine_tuned_name(
         (job.plan or {}).get("base_model", job.model), job.suffix, job.id
     )
-    rows, more = c.store.list_checkpoints(job.id, after, limit)
+    rows, more = c.store.checkpoints.page(job.id, after, limit)
     data = [JobCheckpoint.of(ck, name, exports.available(c.settings, job, ck)) for ck in rows]
     return respond(CheckpointList(data=data, has_more=more, **page_ends(data)))
 
@@ -265,7 +265,7 @@ def jobs_checkpoint_content(
     writes) is a 404 saying which it has."""
     c = ctx(request)
     job = c.jobs.get(tenant, fine_tuning_job_id)
-    ck = c.store.get_checkpoint(job.id, checkpoint_id)
+    ck = c.store.checkpoints.get(job.id, checkpoint_id)
     if ck is None:
         raise NotFound("checkpoint", checkpoint_id, param="checkpoint_id")
     chosen = variant or exports.default_variant(job)
@@ -301,7 +301,7 @@ def jobs_metrics(
     c.jobs.get(tenant, fine_tuning_job_id)
     wanted = {n.strip() for n in names.split(",") if n.strip()} if names else None
     series: dict[str, Series] = {}
-    for p in c.store.metric_points(fine_tuning_job_id, step_from, step_to):
+    for p in c.store.events.metric_points(fine_tuning_job_id, step_from, step_to):
         for k, v in p.values.items():
             if (wanted is not None and k not in wanted) or not isinstance(v, (int, float)):
                 continue
@@ -321,7 +321,7 @@ def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Re
     N_i, chunk bytes on the device, the device budget and A_j; tier budgets and peaks."""
     c = ctx(request)
     c.jobs.get(tenant, fine_tuning_job_id)
-    st = c.store.get_stats(fine_tuning_job_id)
+    st = c.store.events.get_stats(fine_tuning_job_id)
     trace = (st.trace if st else None) or {}
     tiers = (st.tiers if st else None) or {}
     nm = [int(x) for x in trace.get("non_model_bytes", [])]

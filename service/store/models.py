@@ -8,6 +8,7 @@ Times are UNIX seconds (floats where sub-second order matters, as for events).
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, ClassVar
 
 from sqlalchemy import (
@@ -30,6 +31,11 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
 SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def new_id(prefix: str) -> str:
+    """A public id: `prefix`, a dash and 24 hex digits (`file-…`, `ftjob-…`, `ftckpt-…`)."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 class Base(DeclarativeBase):

@@ -72,7 +72,7 @@ def ids(api) -> Ids:
     g = theirs.files.create(file=("theirs.jsonl", io.BytesIO(GOOD)), purpose="fine-tune")
     # the API only takes fine-tuning files; a file stored for another purpose (an older
     # version, another tool on the same store) is put in the store directly
-    other = api.store.add_file(
+    other = api.store.files.add(
         File(
             id=new_id("file"),
             tenant="acme",
@@ -93,13 +93,13 @@ def ids(api) -> Ids:
 
 
 def stored_jobs(api, tenant: str = "acme") -> set[str]:
-    rows, more = api.store.list_jobs(tenant, None, 100_000)
+    rows, more = api.store.jobs.page(tenant, None, 100_000)
     assert not more
     return {j.id for j in rows}
 
 
 def stored_files(api, tenant: str = "acme") -> set[str]:
-    rows, more = api.store.list_files(tenant, None, 100_000, None, "desc")
+    rows, more = api.store.files.page(tenant, None, 100_000, None, "desc")
     assert not more
     return {f.id for f in rows}
 

@@ -110,7 +110,7 @@ def test_a_job_within_the_limits_is_accepted_with_its_spill_budget(api, train_fi
         },
     )
     assert r.status_code == 200, r.text
-    job = api.store.get_job(r.json()["id"])
+    job = api.store.jobs.get(r.json()["id"])
     assert (job.workers, job.gpus) == (2, 0)
     assert job.plan["engine"]["memory"]["disk_budget"] == 1 << 20
     api.client().fine_tuning.jobs.cancel(job.id)
@@ -150,10 +150,10 @@ def test_uploads_past_the_tenants_storage_quota_get_429_and_leave_nothing(api, t
     line = b'{"text": "' + b"x" * 1000 + b'"}\n'
     kept = []
     files, entries = stored_files(api), files_dir_entries(api)
-    used = api.store.file_bytes("acme")
+    used = api.store.files.total_bytes("acme")
     while used + 20 * len(line) <= LIMITS.max_file_bytes_per_tenant:
         kept.append(c.files.create(file=("f.jsonl", io.BytesIO(line * 20)), purpose="fine-tune"))
-        used = api.store.file_bytes("acme")
+        used = api.store.files.total_bytes("acme")
     with pytest.raises(openai.RateLimitError) as e:
         c.files.create(file=("f.jsonl", io.BytesIO(line * 20)), purpose="fine-tune")
     assert e.value.body["code"] == "quota_exceeded"
@@ -244,8 +244,8 @@ def test_prometheus_token_counts_every_tenants_jobs_and_opens_nothing_else(api, 
     c = api.client()
     job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
     prom = {"Authorization": f"Bearer {METRICS_TOKEN}"}
-    every = api.store.count_jobs_by_status()
-    mine = api.store.count_jobs_by_status("acme")
+    every = api.store.jobs.count_by_status()
+    mine = api.store.jobs.count_by_status("acme")
     assert every != mine  # rival has jobs too (an earlier test made one)
     text = httpx.get(api.url + "/metrics", headers=prom).text
     for status, n in every.items():

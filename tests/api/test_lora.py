@@ -63,7 +63,7 @@ def test_a_lora_job_is_created_with_the_sdk_and_echoes_its_method(api, train_fil
     again = c.fine_tuning.jobs.retrieve(job.id)
     assert again.method.model_extra["lora"] == job.method.model_extra["lora"]
     # the engine section the workers run with carries the adapters; nothing else does
-    plan = api.store.get_job(job.id).plan
+    plan = api.store.jobs.get(job.id).plan
     assert plan["engine"]["lora"] == {**LORA, "alpha": 16.0}
     assert plan["method"] == {"type": "lora", "lora": {**LORA, "alpha": 16.0}}
 
@@ -91,7 +91,7 @@ def test_a_supervised_job_echoes_supervised_and_has_no_lora_settings(api, train_
     job = api.client().fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
     assert job.method.type == "supervised"
     assert "lora" not in job.model_extra["hyperparameters_resolved"]
-    assert "lora" not in api.store.get_job(job.id).plan["engine"]
+    assert "lora" not in api.store.jobs.get(job.id).plan["engine"]
 
 
 def lora_body(model: str = "tiny-llama", **fields: Any):
@@ -341,7 +341,7 @@ def finished_lora_job(api, train_file: str):
         # a few MiB, not a multiple of 512: several reads and a padded tar block
         _write(d / "adapter" / "adapter_model.safetensors", os.urandom(3 * 2**20 + 7))
         cks.append(
-            api.store.add_checkpoint(
+            api.store.checkpoints.add(
                 job.id,
                 step,
                 {},
@@ -357,7 +357,7 @@ def finished_lora_job(api, train_file: str):
     _write(export / "tokenizer.json", b"{}")
     _write(export / "adapter" / "adapter_config.json", b"{}")
     name = f"ft:tiny-llama::{job.id}"
-    assert api.store.update_job(
+    assert api.store.jobs.update(
         job.id, status="succeeded", fine_tuned_model=name, finished_at=int(time.time())
     )
     return job, cks, name
@@ -390,7 +390,7 @@ def test_a_lora_jobs_model_is_its_adapter_on_the_model_it_started_from(api, trai
         training_file=train_file,
         method={"type": "lora"},  # type: ignore[arg-type]
     )
-    plan = api.store.get_job(again.id).plan
+    plan = api.store.jobs.get(again.id).plan
     assert plan["model"]["path"] == str(api.settings.finetuned_dir(job.id))
     assert plan["base_model"] == "tiny-llama"
 
@@ -450,8 +450,8 @@ def test_a_full_fine_tuning_jobs_final_checkpoint_downloads_as_the_full_model(ap
     job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
     root = api.settings.runs_dir / job.id / "ray" / job.id
     att = driver_attempt(api.store, job.id)
-    mid = api.store.add_checkpoint(job.id, 5, {}, str(root / "a"), keep=3, attempt=att)
-    last = api.store.add_checkpoint(
+    mid = api.store.checkpoints.add(job.id, 5, {}, str(root / "a"), keep=3, attempt=att)
+    last = api.store.checkpoints.add(
         job.id, 10, {}, str(root / "b"), keep=3, final=True, attempt=att
     )
     err = assert_envelope(content(api, job.id, last.id), 404, "variant")

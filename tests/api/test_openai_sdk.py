@@ -227,7 +227,7 @@ def test_prometheus_metrics_count_requests_and_jobs(api):
     # a tenant counts its own jobs only
     for tenant in ("acme", "rival"):
         text = httpx.get(api.url + "/metrics", headers=api.headers(tenant)).text
-        mine = api.store.count_jobs_by_status(tenant).get("queued", 0)
+        mine = api.store.jobs.count_by_status(tenant).get("queued", 0)
         assert f'pstar_jobs{{status="queued"}} {float(mine)}' in text, text
 
 

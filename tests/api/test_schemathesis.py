@@ -108,7 +108,7 @@ def objects(api) -> Objects:
     # the dry launcher runs nothing: the final checkpoint and the export a driver leaves
     # are written here (before the cancel, as a driver would), so a checkpoint's content
     # route has something to send
-    final = api.store.add_checkpoint(
+    final = api.store.checkpoints.add(
         cancelled.id,
         4,
         {},

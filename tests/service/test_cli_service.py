@@ -49,7 +49,7 @@ def test_submit_uploads_the_spec_files_and_the_job_shows_in_list_get_and_events(
     out = pstar(server, "jobs", "submit", str(spec)).stdout
     assert "uploaded train.jsonl" in out
     job_id = next(w for w in out.split() if w.startswith("ftjob-")).rstrip(":")
-    job = server.store.get_job(job_id)
+    job = server.store.jobs.get(job_id)
     assert job.tenant == "acme"
     assert job.plan["hyperparameters"]["batch_size"] == 2
     assert job_id in pstar(server, "jobs", "list").stdout
@@ -77,7 +77,7 @@ def test_files_upload_and_list_show_the_stored_file(server, tmp_path):
     good.write_text("\n".join(chat_lines(6)) + "\n")
     out = pstar(server, "files", "upload", str(good)).stdout
     file_id = next(w for w in out.split() if w.startswith("file-")).rstrip(":")
-    stored = server.store.get_file("acme", file_id)
+    stored = server.store.files.get("acme", file_id)
     assert (stored.filename, stored.examples, stored.bytes) == (
         "words.jsonl",
         6,
@@ -92,9 +92,9 @@ def test_validate_prints_the_data_report_and_stores_nothing(server, tmp_path):
     (tmp_path / "train.jsonl").write_text("\n".join(chat_lines(10)) + "\n")
     spec = tmp_path / "job.yaml"
     spec.write_text("model: gpt-tiny\ntraining_file: train.jsonl\n")
-    jobs_before = len(server.store.list_jobs("acme", None, 100)[0])
+    jobs_before = len(server.store.jobs.page("acme", None, 100)[0])
     out = pstar(server, "jobs", "validate", str(spec)).stdout
     report = json.loads(out[out.index("{") :])  # after the upload's own line
     assert report["data"]["training_file"]["examples"] == 10
     assert isinstance(report["fits"], bool)
-    assert len(server.store.list_jobs("acme", None, 100)[0]) == jobs_before
+    assert len(server.store.jobs.page("acme", None, 100)[0]) == jobs_before

@@ -44,8 +44,8 @@ def assert_nothing_lost_or_doubled(store: Store, ray_file: Path, jobs) -> None:
     ray = ray_of(ray_file)
     assert all(n == 1 for n in ray["submits"].values()), ray["submits"]
     for j in jobs:
-        job = store.get_job(j.id)
-        atts = store.attempts(j.id)
+        job = store.jobs.get(j.id)
+        atts = store.attempts.of_job(j.id)
         assert [a.number for a in atts] == list(range(1, job.attempt + 1))
         if job.status in ("succeeded", "failed", "cancelled"):
             continue
@@ -64,7 +64,7 @@ def test_a_crash_while_starting_attempts_loses_none_and_submits_none_twice(db_ur
     assert reconcile(db_url, tmp_path, ray_file, 5, crash) == -9  # died at its first step
     assert reconcile(db_url, tmp_path, ray_file, 3) == 0  # the restart carries it forward
     assert_nothing_lost_or_doubled(store, ray_file, jobs)
-    assert [store.get_job(j.id).attempt for j in jobs] == [1, 1, 1]
+    assert [store.jobs.get(j.id).attempt for j in jobs] == [1, 1, 1]
     store.close()
 
 
@@ -79,7 +79,7 @@ def test_a_crash_between_ending_an_attempt_and_starting_the_next_loses_nothing(
     ray_file = tmp_path / "ray.json"
     assert reconcile(db_url, tmp_path, ray_file, 2) == 0
     set_ray(ray_file, f"{lost.id}-a1", "FAILED")  # its driver died: attempt 2 must follow
-    with store.write() as s:  # the other one is on its last attempt: it must fail instead
+    with store.db.write() as s:  # the other one is on its last attempt: it must fail instead
         from sqlalchemy import update
 
         from service.store import Job
@@ -89,9 +89,9 @@ def test_a_crash_between_ending_an_attempt_and_starting_the_next_loses_nothing(
     assert reconcile(db_url, tmp_path, ray_file, 3, crash) == -9
     assert reconcile(db_url, tmp_path, ray_file, 3) == 0
     assert_nothing_lost_or_doubled(store, ray_file, jobs)
-    assert store.get_job(lost.id).attempt == 2
-    assert store.get_attempt(lost.id, 1).state == "ended"
-    failed = store.get_job(last.id)
+    assert store.jobs.get(lost.id).attempt == 2
+    assert store.attempts.get(lost.id, 1).state == "ended"
+    failed = store.jobs.get(last.id)
     assert (failed.status, failed.error["code"]) == ("failed", "attempts_exhausted")
-    assert store.get_job(jobs[2].id).attempt == 1  # untouched
+    assert store.jobs.get(jobs[2].id).attempt == 1  # untouched
     store.close()

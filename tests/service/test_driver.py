@@ -16,7 +16,7 @@ def world(local_service):
 
 
 def _results(settings, store, tenant="acme"):
-    files = store.list_files(tenant, None, 100, "fine-tune-results")[0]
+    files = store.files.page(tenant, None, 100, "fine-tune-results")[0]
     on_disk = sorted(p.name for p in settings.files_dir.iterdir())
     return [f.id for f in files], on_disk
 
@@ -24,13 +24,13 @@ def _results(settings, store, tenant="acme"):
 def test_success_writes_one_metrics_csv_even_when_an_attempt_finishes_twice(world):
     settings, store = world
     job = running_job(store, status="running")
-    store.record_metrics(job.id, 1, 1, {"train_loss": 2.5, "step": 1}, "Step 1")
+    store.events.record_metrics(job.id, 1, 1, {"train_loss": 2.5, "step": 1}, "Step 1")
     # a driver that died after writing its results: the next attempt finishes again
     finish_success(settings, store, job, 1)
-    with store.write() as s:  # as if the first end had not been recorded
+    with store.db.write() as s:  # as if the first end had not been recorded
         s.execute(update(Job).where(Job.id == job.id).values(status="running"))
-    finish_success(settings, store, store.get_job(job.id), 1)
-    done = store.get_job(job.id)
+    finish_success(settings, store, store.jobs.get(job.id), 1)
+    done = store.jobs.get(job.id)
     assert done.status == "succeeded"
     fid = results_file_id(job.id)
     assert done.result_files == [fid]
@@ -41,26 +41,26 @@ def test_success_writes_one_metrics_csv_even_when_an_attempt_finishes_twice(worl
 def test_a_job_cancelled_before_its_driver_finished_keeps_no_results_file(world):
     settings, store = world
     job = running_job(store, status="running")
-    store.update_job(job.id, status="cancelled")
+    store.jobs.update(job.id, status="cancelled")
     with pytest.raises(StaleAttempt, match="cancelled"):
         finish_success(settings, store, job, 1)
-    assert store.get_job(job.id).status == "cancelled"
+    assert store.jobs.get(job.id).status == "cancelled"
     assert _results(settings, store) == ([], [])
 
 
 def test_a_replaced_attempt_can_neither_succeed_nor_fail_the_job(world):
     settings, store = world
     job = running_job(store, status="running")
-    store.close_attempt(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
+    store.attempts.close(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
     with pytest.raises(StaleAttempt):
         finish_success(settings, store, job, 1)
     with pytest.raises(StaleAttempt):
         fail(store, job.id, 1, "training_failed", "zombie")
-    now = store.get_job(job.id)
+    now = store.jobs.get(job.id)
     assert (now.status, now.attempt, now.error, now.result_files) == ("running", 2, None, [])
     assert _results(settings, store) == ([], [])
     finish_success(settings, store, now, 2)
-    assert store.get_job(job.id).status == "succeeded"
+    assert store.jobs.get(job.id).status == "succeeded"
 
 
 class _Outage:
@@ -70,13 +70,23 @@ class _Outage:
         self.store, self.down, self.refused = store, False, 0
 
     def __getattr__(self, name):
-        real = getattr(self.store, name)
+        return _Down(self, getattr(self.store, name))
+
+
+class _Down:
+    """One of the store's resources (`store.jobs`, ...) behind `_Outage`'s switch."""
+
+    def __init__(self, outage: _Outage, resource) -> None:
+        self.outage, self.resource = outage, resource
+
+    def __getattr__(self, name):
+        real = getattr(self.resource, name)
 
         def call(*args, **kwargs):
-            if self.down:
+            if self.outage.down:
                 from sqlalchemy.exc import OperationalError
 
-                self.refused += 1
+                self.outage.refused += 1
                 raise OperationalError("SELECT 1", {}, Exception("connection refused"))
             return real(*args, **kwargs)
 
@@ -105,14 +115,14 @@ def test_a_worker_keeps_its_writes_through_a_store_outage_and_writes_them_in_ord
         rep.metrics(step, {"train_loss": 3.0 - step / 10}, total=6)
     rep.checkpoint(4, {"train_loss": 2.6}, False, "checkpoint_000001")
     assert down.refused > 0
-    assert [p.step for p in store.metric_points(job.id)] == [1]
+    assert [p.step for p in store.events.metric_points(job.id)] == [1]
     down.down = False
     rep.metrics(5, {"train_loss": 2.5}, total=6)  # the first write after it: all go in
-    points = store.metric_points(job.id)
+    points = store.events.metric_points(job.id)
     assert [p.step for p in points] == [1, 2, 3, 4, 5]
     assert points[2].values["train_loss"] == pytest.approx(2.7)
-    assert [c.step for c in store.list_checkpoints(job.id, None, 10)[0]] == [4]
-    assert store.get_job(job.id).progress_step == 5  # the newest progress, written last
+    assert [c.step for c in store.checkpoints.page(job.id, None, 10)[0]] == [4]
+    assert store.jobs.get(job.id).progress_step == 5  # the newest progress, written last
     assert rep.flush(timeout_s=0)
 
 
@@ -123,11 +133,11 @@ def test_a_worker_stops_when_a_kept_write_turns_out_stale(world):
     rep = _reporter(down, job.id)
     down.down = True
     rep.metrics(1, {"train_loss": 3.0})
-    store.close_attempt(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
+    store.attempts.close(job.id, 1, "FAILED", next_reason="Attempt 2 resumes")
     down.down = False
     with pytest.raises(StaleAttempt):
         rep.metrics(2, {"train_loss": 2.9})
-    assert store.metric_points(job.id) == []
+    assert store.events.metric_points(job.id) == []
 
 
 def test_a_driver_waits_out_a_store_outage_to_record_its_success(world, monkeypatch):
@@ -146,11 +156,11 @@ def test_a_driver_waits_out_a_store_outage_to_record_its_success(world, monkeypa
     monkeypatch.setattr(driver.time, "sleep", sleep)
     driver.through_outage(finish_success, settings, down, job, 1)
     assert sleeps == [1.0, 2.0, 4.0]
-    assert store.get_job(job.id).status == "succeeded"
+    assert store.jobs.get(job.id).status == "succeeded"
     # past its patience the error is the driver's to report
     down.down = True
     monkeypatch.setattr(driver.time, "sleep", lambda s: None)
     from sqlalchemy.exc import OperationalError
 
     with pytest.raises(OperationalError):
-        driver.through_outage(down.get_job, job.id, within_s=0.0)
+        driver.through_outage(down.jobs.get, job.id, within_s=0.0)

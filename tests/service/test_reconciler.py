@@ -57,15 +57,15 @@ def test_a_queued_job_gets_attempt_1_submitted_once_across_ticks(world):
     for _ in range(3):
         rec.tick()
     assert ray.submits == [f"{job.id}-a1"]
-    assert store.get_job(job.id).attempt == 1
-    assert store.get_attempt(job.id, 1).state == "submitted"
+    assert store.jobs.get(job.id).attempt == 1
+    assert store.attempts.get(job.id, 1).state == "submitted"
 
 
 def test_a_tick_asks_ray_about_open_attempts_only(world):
     rec, store, ray = world
     done, running = add_job(store), add_job(store)
     rec.tick()  # both submitted
-    store.update_job(done.id, status="succeeded")
+    store.jobs.update(done.id, status="succeeded")
     ray.state[f"{done.id}-a1"] = "SUCCEEDED"
     waiting = [add_job(store) for _ in range(5)]  # past the tenant's 4 running jobs
     ray.asked.clear()
@@ -86,20 +86,20 @@ def test_an_attempt_ray_lost_becomes_the_next_attempt_until_none_are_left(world)
         ray.state[f"{job.id}-a{n}"] = "FAILED"  # the driver died without reporting
         rec.tick()
         assert ray.submits[-1] == f"{job.id}-a{n + 1}"
-        assert store.get_attempt(job.id, n).state == "ended"
-        assert store.get_job(job.id).status_detail == "recovering"
+        assert store.attempts.get(job.id, n).state == "ended"
+        assert store.jobs.get(job.id).status_detail == "recovering"
     ray.state.pop(f"{job.id}-a3")  # the head restarted: Ray no longer knows attempt 3
     rec.tick()
-    done = store.get_job(job.id)
+    done = store.jobs.get(job.id)
     assert done.status == "failed"
     assert done.error["code"] == "attempts_exhausted"
     assert ray.submits == [f"{job.id}-a{n}" for n in (1, 2, 3)]
     msgs = [e.message for e in events_of(store, job.id)]
     assert any("no attempts left" in m and "no longer knows" in m for m in msgs)
-    assert store.get_attempt(job.id, 3).ray_status == "LOST"
+    assert store.attempts.get(job.id, 3).ray_status == "LOST"
     rec.tick()  # a failed job stays failed and gets nothing more
     assert len(ray.submits) == 3
-    assert store.get_job(job.id).status == "failed"
+    assert store.jobs.get(job.id).status == "failed"
 
 
 def test_an_attempt_left_submitting_by_a_crash_is_looked_up_before_it_is_submitted(world):
@@ -107,27 +107,27 @@ def test_an_attempt_left_submitting_by_a_crash_is_looked_up_before_it_is_submitt
     # a control plane died between recording attempt 1 and hearing back from Ray: Ray
     # has the job, so it must not be submitted again
     found = add_job(store)
-    store.start_attempt(found.id, 1, "Attempt 1 submitted to Ray")
+    store.attempts.start(found.id, 1, "Attempt 1 submitted to Ray")
     ray.state[f"{found.id}-a1"] = "RUNNING"
     # ... and one died before Ray got it: that one is submitted now
     missing = add_job(store)
-    store.start_attempt(missing.id, 1, "Attempt 1 submitted to Ray")
+    store.attempts.start(missing.id, 1, "Attempt 1 submitted to Ray")
     rec.tick()
     assert ray.submits == [f"{missing.id}-a1"]
-    assert store.get_attempt(found.id, 1).state == "submitted"
-    assert store.get_attempt(missing.id, 1).state == "submitted"
+    assert store.attempts.get(found.id, 1).state == "submitted"
+    assert store.attempts.get(missing.id, 1).state == "submitted"
 
 
 def test_a_job_that_finished_while_its_attempt_ran_gets_no_new_attempt(world):
     rec, store, ray = world
     job = add_job(store)
     rec.tick()
-    store.update_job(job.id, status="succeeded")  # the driver reported the end
+    store.jobs.update(job.id, status="succeeded")  # the driver reported the end
     ray.state[f"{job.id}-a1"] = "SUCCEEDED"
     rec.tick()
     assert ray.submits == [f"{job.id}-a1"]
-    assert store.get_attempt(job.id, 1).state == "ended"
-    assert store.get_job(job.id).status == "succeeded"
+    assert store.attempts.get(job.id, 1).state == "ended"
+    assert store.jobs.get(job.id).status == "succeeded"
 
 
 def test_a_cancelled_job_whose_ray_job_still_runs_is_stopped(world):
@@ -135,7 +135,7 @@ def test_a_cancelled_job_whose_ray_job_still_runs_is_stopped(world):
     job = add_job(store)
     rec.tick()
     ray.state[f"{job.id}-a1"] = "RUNNING"
-    store.update_job(job.id, status="cancelled")  # the stop did not reach Ray
+    store.jobs.update(job.id, status="cancelled")  # the stop did not reach Ray
     rec.tick()
     assert ray.stopped == [f"{job.id}-a1"]
 
@@ -189,16 +189,16 @@ def test_a_poison_job_fails_alone_after_its_retries_and_never_holds_up_the_other
     rec.tick()
     # one tick: the poison job raised, every job after it was submitted anyway
     assert ray.submits == [f"{j.id}-a1" for j in healthy]
-    assert store.get_job(poison.id).status == "queued"
+    assert store.jobs.get(poison.id).status == "queued"
     for _ in range(reconciler.MAX_JOB_ERRORS + 2):
         rec.tick()
     assert ray.refusals == reconciler.MAX_JOB_ERRORS
-    failed = store.get_job(poison.id)
+    failed = store.jobs.get(poison.id)
     assert failed.status == "failed"
     assert failed.error["code"] == "submission_refused"
     assert "bad env" in failed.error["message"]
     assert "5 tries" in failed.error["message"]
-    assert all(store.get_job(j.id).status == "queued" for j in healthy)
+    assert all(store.jobs.get(j.id).status == "queued" for j in healthy)
     assert len(ray.submits) == len(healthy)  # none submitted twice
 
 
@@ -207,7 +207,7 @@ def test_a_job_that_raises_waits_out_its_backoff_then_recovers(local_service, mo
     job, other = add_job(store), add_job(store)
     ray = ScriptedLauncher()
     rec = Reconciler(settings, store, ray)
-    real = store.update_attempt
+    real = store.attempts.update
     broken = {"on": True}
 
     def flaky(job_id, number, **values):
@@ -215,20 +215,20 @@ def test_a_job_that_raises_waits_out_its_backoff_then_recovers(local_service, mo
             raise OSError("disk I/O error (test)")
         return real(job_id, number, **values)
 
-    monkeypatch.setattr(store, "update_attempt", flaky)
+    monkeypatch.setattr(store.attempts, "update", flaky)
     rec.tick()
-    assert store.get_attempt(other.id, 1).state == "submitted"
-    assert store.get_attempt(job.id, 1).state == "submitting"  # its write failed
+    assert store.attempts.get(other.id, 1).state == "submitted"
+    assert store.attempts.get(job.id, 1).state == "submitting"  # its write failed
     rec.tick()  # within its backoff: not tried again
     assert rec._trouble[job.id].errors == 1
     broken["on"] = False
     monkeypatch.setattr(reconciler, "BACKOFF_S", 0.0)
     rec._trouble[job.id] = rec._trouble[job.id]._replace(retry_at=0.0)
     rec.tick()  # Ray has it (the submission went through): recorded, not resubmitted
-    assert store.get_attempt(job.id, 1).state == "submitted"
+    assert store.attempts.get(job.id, 1).state == "submitted"
     assert ray.submits.count(f"{job.id}-a1") == 1
     assert job.id not in rec._trouble
-    assert store.get_job(job.id).status == "queued"
+    assert store.jobs.get(job.id).status == "queued"
 
 
 def test_an_attempt_ended_without_its_consequence_is_carried_forward(world):
@@ -236,12 +236,12 @@ def test_an_attempt_ended_without_its_consequence_is_carried_forward(world):
     job = add_job(store)
     rec.tick()
     # what an older control plane killed between its two writes left behind
-    store.update_attempt(job.id, 1, state="ended", ray_status="FAILED")
+    store.attempts.update(job.id, 1, state="ended", ray_status="FAILED")
     ray.state[f"{job.id}-a1"] = "FAILED"
     rec.tick()
     assert ray.submits == [f"{job.id}-a1", f"{job.id}-a2"]
-    assert store.get_job(job.id).attempt == 2
-    assert store.get_attempt(job.id, 2).state == "submitted"
+    assert store.jobs.get(job.id).attempt == 2
+    assert store.attempts.get(job.id, 2).state == "submitted"
 
 
 def test_a_log_that_cannot_be_kept_does_not_keep_the_job_from_its_next_attempt(world, monkeypatch):
@@ -256,7 +256,7 @@ def test_a_log_that_cannot_be_kept_does_not_keep_the_job_from_its_next_attempt(w
     ray.state[f"{job.id}-a1"] = "FAILED"
     rec.tick()
     assert ray.submits[-1] == f"{job.id}-a2"
-    assert store.get_attempt(job.id, 1).state == "ended"
+    assert store.attempts.get(job.id, 1).state == "ended"
     assert job.id not in rec._trouble
 
 
@@ -269,10 +269,10 @@ def test_files_are_checked_off_the_reconciler_thread_against_size_and_checksum(l
     for name, stored, on_disk in (("good", good, good), ("bad", good, bad), ("short", good, b"x")):
         f = make_file("acme", name)
         f.bytes, f.sha256 = len(stored), hashlib.sha256(stored).hexdigest()
-        store.add_file(f)
+        store.files.add(f)
         (settings.files_dir / name).write_bytes(on_disk)
         rows.append(add_job(store, status="validating_files", body=None))
-        with store.write() as s:
+        with store.db.write() as s:
             s.execute(update(Job).where(Job.id == rows[-1].id).values(training_file=f.id))
     ray = ScriptedLauncher()
     rec = Reconciler(settings, store, ray)
@@ -283,10 +283,10 @@ def test_files_are_checked_off_the_reconciler_thread_against_size_and_checksum(l
     ]
     for _ in range(50):
         rec.tick()
-        if all(store.get_job(j.id).status != "validating_files" for j in rows):
+        if all(store.jobs.get(j.id).status != "validating_files" for j in rows):
             break
         time.sleep(0.05)
-    ok, changed, short = (store.get_job(j.id) for j in rows)
+    ok, changed, short = (store.jobs.get(j.id) for j in rows)
     assert ok.status == "queued"
     assert (changed.status, changed.error["code"]) == ("failed", "invalid_training_file")
     assert "checksum differs" in changed.error["message"]
@@ -309,7 +309,7 @@ def test_jobs_past_the_tenants_running_limits_wait_in_queued_saying_why(local_se
     rec = Reconciler(settings, store, ray)
     first = add_job(store)
     wide = add_job(store)
-    with store.write() as s:  # a 3-worker job: with the first, over the 3 workers
+    with store.db.write() as s:  # a 3-worker job: with the first, over the 3 workers
         s.execute(update(Job).where(Job.id == wide.id).values(workers=3))
     third = add_job(store)
     fourth = add_job(store)
@@ -318,26 +318,26 @@ def test_jobs_past_the_tenants_running_limits_wait_in_queued_saying_why(local_se
     # the first and the third fit (2 jobs, 2 workers); the wide one would make 4 workers,
     # the fourth a third job; rival's share is its own
     assert sorted(ray.submits) == sorted(f"{j.id}-a1" for j in (first, third, theirs))
-    waiting = store.get_job(wide.id)
+    waiting = store.jobs.get(wide.id)
     assert (waiting.status, waiting.attempt) == ("queued", 0)
     assert waiting.status_detail == (
         "waiting: the tenant runs 1 workers of its 3 (PSTAR_MAX_RUNNING_WORKERS_PER_TENANT); "
         "this job needs 3"
     )
-    assert store.get_job(fourth.id).status_detail == (
+    assert store.jobs.get(fourth.id).status_detail == (
         "waiting: the tenant runs 2 jobs of its 2 (PSTAR_MAX_RUNNING_JOBS_PER_TENANT); "
         "this job needs 1"
     )
     rec.tick()
     assert len(ray.submits) == 3
     for done in (first, third):
-        store.update_job(done.id, status="succeeded")
+        store.jobs.update(done.id, status="succeeded")
         ray.state[f"{done.id}-a1"] = "SUCCEEDED"
     rec.tick()  # nothing runs: the wide job (older) starts, then the fourth is over 3 workers
-    started = store.get_job(wide.id)
+    started = store.jobs.get(wide.id)
     assert ray.submits[-1] == f"{wide.id}-a1"
     assert (started.attempt, started.status_detail) == (1, None)
-    assert "PSTAR_MAX_RUNNING_WORKERS_PER_TENANT" in store.get_job(fourth.id).status_detail
+    assert "PSTAR_MAX_RUNNING_WORKERS_PER_TENANT" in store.jobs.get(fourth.id).status_detail
 
 
 def test_a_store_outage_blames_no_job_and_the_jobs_go_on_once_it_is_back(
@@ -351,7 +351,7 @@ def test_a_store_outage_blames_no_job_and_the_jobs_go_on_once_it_is_back(
     jobs = [add_job(store) for _ in range(2)]
     rec.tick()
     ray.state[f"{jobs[0].id}-a1"] = "FAILED"  # needs a next attempt while the store is down
-    real = {name: getattr(store, name) for name in ("close_attempt", "update_attempt")}
+    real = {name: getattr(store.attempts, name) for name in ("close", "update")}
     down = {"on": True}
 
     def flaky(name):
@@ -363,12 +363,12 @@ def test_a_store_outage_blames_no_job_and_the_jobs_go_on_once_it_is_back(
         return call
 
     for name in real:
-        monkeypatch.setattr(store, name, flaky(name))
+        monkeypatch.setattr(store.attempts, name, flaky(name))
     for _ in range(3 * reconciler.MAX_JOB_ERRORS):  # far more ticks than a poison job gets
         rec.tick()
     assert rec._trouble == {}
-    assert [store.get_job(j.id).status for j in jobs] == ["queued", "queued"]
+    assert [store.jobs.get(j.id).status for j in jobs] == ["queued", "queued"]
     down["on"] = False
     rec.tick()
     assert ray.submits[-1] == f"{jobs[0].id}-a2"
-    assert store.get_attempt(jobs[0].id, 2).state == "submitted"
+    assert store.attempts.get(jobs[0].id, 2).state == "submitted"

@@ -64,7 +64,7 @@ def store_of(serve):
 
 
 def metric_steps(serve, job_id: str) -> list[int]:
-    return [p.step for p in store_of(serve).metric_points(job_id)]
+    return [p.step for p in store_of(serve).events.metric_points(job_id)]
 
 
 def events(client, job_id: str):
@@ -395,8 +395,8 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
         assert done.status == "succeeded", done.error
         assert done.fine_tuned_model in [m.id for m in c.models.list()]
         store = Store(db_url)
-        assert [p.step for p in store.metric_points(job.id)] == list(range(0, 13))
-        assert store.get_stats(job.id).trace["non_model_bytes"]  # the tracer, from rank 0
+        assert [p.step for p in store.events.metric_points(job.id)] == list(range(0, 13))
+        assert store.events.get_stats(job.id).trace["non_model_bytes"]  # the tracer, from rank 0
         assert [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id)] == [
             12,
             10,
@@ -494,7 +494,7 @@ def test_a_lora_job_trains_adapters_on_the_frozen_base_and_each_checkpoint_downl
     assert done.status == "succeeded", done.error
     # each rank holds at least the dry run's LoRA model data (whole chunks, maybe gathered
     # ones too) and well under what full fine-tuning would need
-    last = store_of(serve).metric_points(job.id)[-1].values
+    last = store_of(serve).events.metric_points(job.id)[-1].values
     held = sum(last[f"model_data_bytes_{t}"] for t in ("device", "host", "disk"))
     h = {"Authorization": f"Bearer {TOKEN}"}
     planned = {}
