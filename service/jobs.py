@@ -23,9 +23,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -38,6 +36,7 @@ from pstar_core.config import LORA_DEFAULT_TARGETS as ALL_LINEAR
 from pstar_core.config import ConfigError, EngineConfig, LoraConfig
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, describe_invalid
 from service.registry import ModelRef, resolve_model
+from service.resources import WHOLE, Body, Resources
 from service.settings import Limits, Settings
 from service.store import (
     IdempotencyConflict,
@@ -53,15 +52,6 @@ Auto = Literal["auto"]
 _J = TypeVar("_J")
 
 
-def _whole_float_to_int(v: Any) -> Any:
-    # JSON Schema's "integer" (what the API's document says) takes 2.0; a strict int would
-    # refuse it, and a lax one would also take "2" and true, which we refuse
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-# last in `Annotated[int, Field(strict=True, ...), WHOLE]`, so it runs first and the
-# limits stay in the document as minimum/maximum
-WHOLE = BeforeValidator(_whole_float_to_int)
 # pretrained weights want a small step; a from-scratch zoo model a large one
 BASE_LR = {"base": 1e-4, "fine-tuned": 1e-4, "zoo": 1e-3}
 # set by the service, never by a client: the device follows `resources.use_gpu`, spill
@@ -99,11 +89,7 @@ MetadataKey = Annotated[str, Field(max_length=64), AfterValidator(_plain_text)]
 MetadataValue = Annotated[str, Field(max_length=512), AfterValidator(_plain_text)]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class Hyperparameters(_Body):
+class Hyperparameters(Body):
     n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50), WHOLE] = Field(
         default="auto", description="passes over the training file"
     )
@@ -125,7 +111,7 @@ class Hyperparameters(_Body):
     )
 
 
-class Supervised(_Body):
+class Supervised(Body):
     hyperparameters: Hyperparameters | None = None
 
 
@@ -168,7 +154,7 @@ TargetModules = Annotated[
 ]
 
 
-class Lora(_Body):
+class Lora(Body):
     """Low-rank adapters on a pretrained model (ours, beside OpenAI's methods): its
     weights stay frozen, only the adapters train."""
 
@@ -196,7 +182,7 @@ class Lora(_Body):
 METHOD_TYPES = ("supervised", "lora")
 
 
-class Method(_Body):
+class Method(Body):
     # OpenAI's three are parsed (so dpo gets a message saying it is not supported); the
     # document lists the ones this service runs: supervised (every weight) and ours, lora
     type: Literal["supervised", "lora", "dpo", "reinforcement"] = Field(
@@ -229,23 +215,7 @@ class Method(_Body):
         return self.lora if self.type == "lora" else self.supervised
 
 
-class Resources(_Body):
-    num_workers: Annotated[int, Field(strict=True, ge=1, le=256), WHOLE] = Field(
-        default=1, description="Ray Train workers; the chunks are sharded over them (ZeRO)"
-    )
-    use_gpu: Annotated[bool, Field(strict=True)] = Field(
-        default=False, description="one GPU per worker, NCCL between them"
-    )
-    cpus_per_worker: Annotated[float, Field(gt=0, le=512)] = 1.0
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        default="PACK",
-        description="how Ray places the workers on nodes: PACK (as few nodes as may be), "
-        "SPREAD (as many), STRICT_PACK (one node), STRICT_SPREAD (one worker per node; the "
-        "job waits for as many nodes as workers)",
-    )
-
-
-class JobRequest(_Body):
+class JobRequest(Body):
     """`POST /v1/fine_tuning/jobs`: OpenAI's body, plus `engine`, `resources`,
     `checkpoint_every`, `max_attempts` and `hyperparameters.max_steps/seq_len/eval_every`."""
 

@@ -199,7 +199,7 @@ def parse_default_resources(raw: str) -> dict:
 
     from pydantic import ValidationError
 
-    from service.jobs import Resources
+    from service.resources import Resources
 
     try:
         value = json.loads(raw)
