@@ -97,6 +97,31 @@ def _peft(model_dir: Path, dtype: str) -> tuple[Any, Any]:
     return model, step
 
 
+def _allocated(engine: Any) -> dict[str, dict[str, float]]:
+    """What the engine's chunks really allocate, measured from their payloads' storages
+    (each storage counted once), for the frozen list and the trainable lists apart:
+    bytes per parameter (padding in the chunks included) and per chunk element. Part 1
+    has no disk tier, so every chunk is in memory once a step has made its optimizer
+    states."""
+    from pstar_core.chunk import TRAINABLE_LISTS, ChunkType
+
+    st = engine.stats()
+    params = {"frozen": st["params"] - st["trainable_params"], "trainable": st["trainable_params"]}
+    kinds = {"frozen": (ChunkType.FROZEN,), "trainable": TRAINABLE_LISTS}
+    per_param: dict[str, float] = {}
+    per_elem: dict[str, float] = {}
+    for part, lists in kinds.items():
+        chunks = [c for kind in lists for c in engine.manager.lists[kind]]
+        if not chunks or not params[part]:
+            continue
+        held = {s.data_ptr(): s.nbytes() for s in (c.payload.untyped_storage() for c in chunks)}
+        per_param[part] = sum(held.values()) / params[part]
+        # the elements of one list's chunks: the same in each of the trainable lists
+        elems = len(engine.manager.lists[lists[0]]) * st["chunk_size"]
+        per_elem[part] = sum(held.values()) / elems
+    return {"per_param": per_param, "per_chunk_elem": per_elem}
+
+
 def _peft_model_bytes(model: Any) -> int:
     """Weights + fp32 gradients + two Adam moments of the trainable ones."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -138,6 +163,7 @@ def step_and_memory(
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     st_lora, st_full = eng_lora.stats(), eng_full.stats()
+    alloc_lora, alloc_full = _allocated(eng_lora), _allocated(eng_full)
     out = {
         "s_per_step": {k: median(v) for k, v in times.items()},
         "ratio_step_vs_peft": median(
@@ -156,6 +182,12 @@ def step_and_memory(
         "bytes_per_param_lora": st_lora["model_data_bytes_per_param"],
         "bytes_per_param_split": st_lora["bytes_per_param"],
         "bytes_per_param_full": st_full["model_data_bytes_per_param"],
+        # measured: the chunks' storage per parameter (padding included) and per chunk
+        # element, frozen and trainable lists apart
+        "allocated_bytes_per_param_split": alloc_lora["per_param"],
+        "allocated_bytes_per_param_full": alloc_full["per_param"]["trainable"],
+        "allocated_bytes_per_chunk_elem_split": alloc_lora["per_chunk_elem"],
+        "allocated_bytes_per_chunk_elem_full": alloc_full["per_chunk_elem"]["trainable"],
         "first_losses": {k: v[0] for k, v in losses.items()},
         "compute_dtype_seen": {k: f() for k, f in seen.items()},
         "engine_dtype": st_lora["precision"]["dtype"],
@@ -181,7 +213,9 @@ def step_and_memory(
     split = out["bytes_per_param_split"]
     console.print(
         f"engine lora: base {split['frozen']:.2f} B/param, adapters {split['trainable']:.2f} "
-        f"B/param ({out['adapter_params']:,} of {n:,} params); step ratio vs peft "
+        f"B/param ({out['adapter_params']:,} of {n:,} params), allocated with the chunks' "
+        f"padding {alloc_lora['per_param'].get('frozen', 0):.2f} and "
+        f"{alloc_lora['per_param'].get('trainable', 0):.2f}; step ratio vs peft "
         f"{out['ratio_step_vs_peft']:.2f}, vs full {out['ratio_step_lora_vs_full']:.2f} "
         f"(medians of {rounds} interleaved rounds)"
     )
