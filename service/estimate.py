@@ -26,7 +26,8 @@ from pstar_core.tiers import host_memory_limit
 from service.datasets import DataError
 from service.errors import InvalidRequest
 from service.files import file_path
-from service.jobs import JobRequest, JobService
+from service.job_request import JobRequest
+from service.jobs import JobService
 from service.prepare import prepare
 from service.settings import Settings
 from service.store import Store

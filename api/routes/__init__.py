@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from api.auth import require_tenant
 from service.errors import InvalidRequest
-from service.jobs import text_problem
+from service.job_request import text_problem
 
 Tenant = Annotated[str, Depends(require_tenant)]
 

@@ -27,7 +27,7 @@ from api.schemas import (
 )
 from service import exports
 from service.errors import InvalidRequest, NotFound
-from service.jobs import JobRequest
+from service.job_request import JobRequest
 from service.registry import fine_tuned_name
 
 router = APIRouter(
