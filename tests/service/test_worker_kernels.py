@@ -25,7 +25,10 @@ def test_a_worker_on_a_cpu_nothing_prepared_measures_before_training_and_says_so
 ):
     monkeypatch.setenv("PSTAR_EXT_DIR", str(tmp_path))  # a new CPU type: nothing on disk
     monkeypatch.delenv("PSTAR_ADAM_BACKEND", raising=False)
-    monkeypatch.setattr(adam, "_load_ext", lambda: None)  # and no compiler there
+    # and no compiler there: the build really fails (with or without one on this machine)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(adam, "_ext_module", None)
+    monkeypatch.setattr(adam, "_ext_failed", False)
     monkeypatch.setattr(adam, "_MEASURE_ELEMS", 1 << 16)
     rep = _Events()
     worker.prepare_kernels(rep)
