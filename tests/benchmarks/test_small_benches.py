@@ -10,29 +10,42 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.report import bench_dtype
+from benchmarks.report import bench_dtype, median
 from pstar.cli import app
 from tests.tiny import make_tiny_llama
 
 runner = CliRunner()
 
 
-def last_json(args: list[str]) -> dict:
+def invoke(args: list[str]) -> tuple[dict, str]:
+    """The command's last JSON line, and everything it printed (the table)."""
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    return json.loads(res.output.strip().splitlines()[-1])
+    return json.loads(res.output.strip().splitlines()[-1]), res.output
+
+
+def last_json(args: list[str]) -> dict:
+    return invoke(args)[0]
 
 
 ADAM = ["bench", "adam", "--numel", "20000", "--repeats", "1", "--json"]
 
 
 @pytest.fixture(scope="module")
-def adam() -> dict:
-    return last_json([*ADAM, "--threads", "1", "--threads", "2"])
+def adam_run() -> tuple[dict, str]:
+    return invoke([*ADAM, "--threads", "1", "--threads", "2"])
 
 
-def test_bench_adam_times_both_host_kernels_per_chunk_dtype_and_thread_count(adam):
+@pytest.fixture(scope="module")
+def adam(adam_run) -> dict:
+    return adam_run[0]
+
+
+@pytest.mark.requires_compiler  # ours is one of the two kernels
+def test_bench_adam_times_both_host_kernels_per_chunk_dtype_and_thread_count(adam_run):
+    adam, printed = adam_run
     assert adam["threads"] == [1, 2]
+    assert adam["backends_run"] == ["cpp", "fused"]
     assert set(adam["elems_per_s"]) == {"bf16", "fp32"}
     for dtype, by_threads in adam["elems_per_s"].items():
         assert set(by_threads) == {"1", "2"}, dtype
@@ -40,8 +53,24 @@ def test_bench_adam_times_both_host_kernels_per_chunk_dtype_and_thread_count(ada
             assert set(rates) == set(adam["backends_run"])
             assert all(r > 0 for r in rates.values())
     assert set(adam["torch_adamw_fused_elems_per_s"]) == {"1", "2"}
-    if "cpp" in adam["backends_run"]:
-        assert set(adam["ratio_cpp_vs_fused"]["bf16"]) == {"1", "2"}
+    # every rate and ratio comes from the kernels' own timings, reported beside them: one
+    # timed call per round (--repeats 1), each kernel timed on its own
+    times = adam["times_s"]
+    for dtype in ("bf16", "fp32"):
+        for n in ("1", "2"):
+            cpp, fused = times[f"{dtype}/cpp/{n}"], times[f"{dtype}/fused/{n}"]
+            assert len(cpp) == len(fused) == 1
+            assert cpp != fused  # two measurements, not one reported twice
+            rates = adam["elems_per_s"][dtype][n]
+            assert rates["cpp"] == adam["numel"] / median(cpp)  # JSON keeps doubles exact
+            assert rates["fused"] == adam["numel"] / median(fused)
+            # cpp ÷ fused in speed is fused ÷ cpp in time; the bench divides the two rates
+            # (three roundings of 2^-53 relative each, against one here): 1e-15 is 4.5 ulp
+            ratio = adam["ratio_cpp_vs_fused"][dtype][n]
+            assert ratio == pytest.approx(median(fused) / median(cpp), rel=1e-15)
+    # and the table shows both kernels beside torch's own AdamW
+    for row in ("cpp (ours)", "fused (torch's)", "torch AdamW fused"):
+        assert row in printed, row
 
 
 def test_bench_adam_reports_the_engines_default_kernel_per_dtype_and_threads(adam):
@@ -90,6 +119,12 @@ def test_bench_overhead_in_fp32_runs_every_recipe_in_fp32_against_plain_torch():
     assert r["engine_s"] > 0
     assert r["baseline_s"] > 0
     assert "fp32 on CPU" in res.output
+    # the ratio is of two recipes' own step times, reported beside it (one step each)
+    engine, torch_fp32 = r["step_times_s"]["engine"], r["step_times_s"]["torch fp32"]
+    assert engine != torch_fp32  # two measurements, not one reported twice
+    assert (r["engine_s"], r["baseline_s"]) == (median(engine), median(torch_fp32))
+    assert r["ratio"] == median(engine) / median(torch_fp32)
+    assert "torch fp32 (baseline)" in res.output
 
 
 def test_bench_overhead_in_bf16_compares_with_the_bf16_master_recipe():
