@@ -30,9 +30,13 @@ F that of the frozen list (gathered twice, never reduced):
 
     theory_bytes = (2 + 1) x (N - 1) / N x P  +  2 x (N - 1) / N x F
 
-`comm_bytes` is the engine's own counter over the timed steps ÷ steps;
-`comm_bytes_wire` counts the same thing independently by wrapping torch.distributed's
-collectives in the worker (the same wrapper gives the FSDP2/DeepSpeed byte columns).
+`comm_bytes` is the engine's own counter over the timed steps ÷ steps (`comm_calls`: per
+collective). Independently, every worker wraps torch.distributed's collectives and counts
+what is really handed to them: per collective, the calls and the bytes of the tensors
+given to send and to receive into, as passed, with no model of the algorithm
+(`wire`, per step). From those the ring algorithm's share each rank sends, the model the
+engine's counter uses (see [Note: bytes sent] in pstar_core/zero.py), gives
+`comm_bytes_wire` and the FSDP2/DeepSpeed byte columns.
 
 `run_collectives` isolates the communication pattern: the bytes of a GPT's parameters (in
 the dtype) are all-gathered over 2 gloo ranks either as chunk-sized all-gathers (the
@@ -159,33 +163,37 @@ def _launch(kind: str, world: int, threads: int, spec: dict[str, Any]) -> list[d
 
 
 class _WireCounter:
-    """Bytes this rank sends, counted by wrapping torch.distributed's collectives.
+    """The tensors this rank hands to torch.distributed's collectives, counted by wrapping
+    them: per collective kind, the calls and the bytes of the tensors it gives (to be sent
+    to the others) and receives into, as passed. Only the outermost call counts, as some
+    wrap others internally.
 
-    Counting follows the engine's convention: all-gather (N-1) x input, reduce-scatter
-    (N-1) x output shard, all-reduce 2 (N-1)/N x tensor (ring), broadcast (N-1) x tensor
-    on the source. Only the outermost call counts, as some wrap others internally.
+    Given and received, per kind: an all-gather gives its input and receives the list (or
+    buffer) of all ranks' pieces; a reduce-scatter gives its list (or buffer) and receives
+    its shard; an all-reduce gives and receives its tensor; a broadcast gives its tensor on
+    the source and receives it elsewhere; a reduce gives its tensor except on the
+    destination, which receives.
     """
 
-    # name -> (kind, positional index of the tensor that sizes it, its keyword names)
-    SPECS: ClassVar[dict[str, tuple[str, int, tuple[str, ...]]]] = {
-        "all_gather_into_tensor": ("gather", 1, ("input_tensor",)),
-        "all_gather_single": ("gather", 1, ("input_tensor",)),
-        "_all_gather_base": ("gather", 1, ("input_tensor", "input")),
-        "all_gather": ("gather", 1, ("tensor",)),
-        "reduce_scatter_tensor": ("scatter", 0, ("output",)),
-        "reduce_scatter_single": ("scatter", 0, ("output",)),
-        "_reduce_scatter_base": ("scatter", 0, ("output",)),
-        "reduce_scatter": ("scatter", 0, ("output",)),
-        "all_reduce": ("all_reduce", 0, ("tensor",)),
-        "broadcast": ("broadcast", 0, ("tensor",)),
+    # function -> (kind, the parameter holding what it gives, what it receives into)
+    SPECS: ClassVar[dict[str, tuple[str, str, str]]] = {
+        "all_gather": ("all_gather", "tensor", "tensor_list"),
+        "all_gather_into_tensor": ("all_gather", "input_tensor", "output_tensor"),
+        "all_gather_single": ("all_gather", "input_tensor", "output_tensor"),
+        "_all_gather_base": ("all_gather", "input_tensor", "output_tensor"),
+        "reduce_scatter": ("reduce_scatter", "input_list", "output"),
+        "reduce_scatter_tensor": ("reduce_scatter", "input", "output"),
+        "reduce_scatter_single": ("reduce_scatter", "input", "output"),
+        "_reduce_scatter_base": ("reduce_scatter", "input", "output"),
+        "all_reduce": ("all_reduce", "tensor", "tensor"),
+        "broadcast": ("broadcast", "tensor", "tensor"),
+        "reduce": ("reduce", "tensor", "tensor"),
     }
 
     def __init__(self) -> None:
-        self.bytes = 0
-        # all-reduce and broadcast: the small control messages (flags, norms) beside the
-        # all-gathers and reduce-scatters that move model data
-        self.control_bytes = 0
-        self.by_call: dict[str, list[int]] = {}  # name -> [calls, bytes], to see the path
+        # kind -> [calls, bytes given, bytes received]
+        self.by_kind: dict[str, list[int]] = {}
+        self.by_call: dict[str, int] = {}  # function -> calls, to see the path taken
         self._depth = threading.local()
 
     def install(self) -> None:
@@ -199,20 +207,46 @@ class _WireCounter:
                 if fn is not None and not getattr(fn, "_pstar_wrapped", False):
                     setattr(mod, name, self._wrap(fn, name, *spec))
 
-    def _wrap(
-        self, fn: Callable[..., Any], name: str, kind: str, pos: int, keys: tuple[str, ...]
-    ) -> Any:
+    def snapshot(self) -> dict[str, list[int]]:
+        return {k: list(v) for k, v in self.by_kind.items()}
+
+    def since(self, mark: dict[str, list[int]], steps: int) -> dict[str, dict[str, float]]:
+        """Per step since `mark`: kind -> calls, bytes given, bytes received."""
+        out = {}
+        for kind, now in self.by_kind.items():
+            was = mark.get(kind, [0, 0, 0])
+            calls, given, received = (n - w for n, w in zip(now, was, strict=True))
+            if calls:
+                out[kind] = {
+                    "calls": calls / steps,
+                    "given_bytes": given / steps,
+                    "received_bytes": received / steps,
+                }
+        return out
+
+    def _wrap(self, fn: Callable[..., Any], name: str, kind: str, give: str, get: str) -> Any:
+        import inspect
+
+        signature = inspect.signature(fn)
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._depth, "n", 0)
             if depth == 0:
-                t = args[pos] if len(args) > pos else next(kwargs[k] for k in keys if k in kwargs)
-                sent = self._sent(kind, t, args, kwargs)
-                self.bytes += sent
-                if kind in ("all_reduce", "broadcast"):
-                    self.control_bytes += sent
-                entry = self.by_call.setdefault(name, [0, 0])
+                passed = signature.bind(*args, **kwargs).arguments
+                given, received = _nbytes(passed[give]), _nbytes(passed[get])
+                if kind in ("broadcast", "reduce"):
+                    root = _is_root(passed, "src" if kind == "broadcast" else "dst")
+                    # broadcast: the source gives, the others receive; reduce: the
+                    # others give, the destination receives
+                    if (kind == "broadcast") == root:
+                        received = 0
+                    else:
+                        given = 0
+                entry = self.by_kind.setdefault(kind, [0, 0, 0])
                 entry[0] += 1
-                entry[1] += sent
+                entry[1] += given
+                entry[2] += received
+                self.by_call[name] = self.by_call.get(name, 0) + 1
             self._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)
@@ -222,19 +256,44 @@ class _WireCounter:
         wrapper._pstar_wrapped = True  # type: ignore[attr-defined]
         return wrapper
 
-    @staticmethod
-    def _sent(kind: str, t: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        import torch.distributed as dist
 
-        group = kwargs.get("group")
-        n = dist.get_world_size(group)
-        nbytes = t.numel() * t.element_size()
-        if kind in ("gather", "scatter"):
-            return nbytes * (n - 1)
-        if kind == "all_reduce":
-            return 2 * (n - 1) * nbytes // n
-        src = args[1] if len(args) > 1 else kwargs.get("src", kwargs.get("group_src", 0))
-        return nbytes * (n - 1) if dist.get_rank() == src else 0
+def _nbytes(t: Any) -> int:
+    """Bytes of a tensor, or of a list of them, as passed."""
+    if isinstance(t, list | tuple):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+def _is_root(passed: dict[str, Any], role: str) -> bool:
+    """Whether this rank is the broadcast's source (`role` "src") or the reduce's
+    destination ("dst"), named by global rank or by rank in the group."""
+    import torch.distributed as dist
+
+    group = passed.get("group")
+    if passed.get(f"group_{role}") is not None:
+        return dist.get_rank(group) == passed[f"group_{role}"]
+    return dist.get_rank() == (passed.get(role) or 0)
+
+
+def ring_sent(wire: dict[str, dict[str, float]], nproc: int) -> float:
+    """What the standard algorithms make a rank send for the collectives counted in
+    `wire` (the model of [Note: bytes sent] in pstar_core/zero.py): an all-gather (N-1) x
+    what it gives, a reduce-scatter (N-1) x what it receives, a ring all-reduce
+    2 (N-1)/N x its tensor, a broadcast (N-1) x its tensor on the source, a reduce its
+    tensor once."""
+    factor = {
+        "all_gather": nproc - 1,
+        "broadcast": nproc - 1,
+        "reduce": 1,
+        "all_reduce": 2 * (nproc - 1) / nproc,
+    }
+    total = 0.0
+    for kind, w in wire.items():
+        if kind == "reduce_scatter":
+            total += (nproc - 1) * w["received_bytes"]
+        else:
+            total += factor[kind] * w["given_bytes"]
+    return total
 
 
 def _init_dist(world: int) -> None:
@@ -312,16 +371,13 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter
         engine.step()
         return float(out.loss.detach())
 
-    marks: dict[str, int] = {}
-
-    def flag_bytes() -> int:  # the failure flags before each collective (zero.py's Note)
-        return engine.stats()["comm_calls"].get("failure_flag", {}).get("bytes", 0)
+    marks: dict[str, Any] = {}
 
     def on_warm() -> None:
-        marks["engine"] = engine.stats()["comm_bytes_sent"]
-        marks["flags"] = flag_bytes()
-        marks["wire"] = wire.bytes
-        marks["control"] = wire.control_bytes
+        stats = engine.stats()
+        marks["engine"] = stats["comm_bytes_sent"]
+        marks["calls"] = stats["comm_calls"]
+        marks["wire"] = wire.snapshot()
 
     times, losses = _timed_loop(spec, world, _batches(spec, rank, world), step, on_warm)
     stats = engine.stats()
@@ -329,15 +385,21 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: _WireCounter
     param_bytes = sum(c.nbytes for c in engine.manager.lists[ChunkType.PARAM])
     frozen_bytes = sum(c.nbytes for c in engine.manager.lists[ChunkType.FROZEN])
     share = (nproc - 1) / nproc
+    was = marks["calls"]
+    calls = {  # the engine's counter per collective, per timed step
+        k: {f: (v[f] - was.get(k, {}).get(f, 0)) / spec["steps"] for f in ("calls", "bytes")}
+        for k, v in stats["comm_calls"].items()
+    }
+    measured = wire.since(marks["wire"], spec["steps"])
     return {
         "times": times,
         "losses": losses,
         "comm_bytes": (stats["comm_bytes_sent"] - marks["engine"]) / spec["steps"],
+        "comm_calls": {k: v for k, v in calls.items() if v["calls"]},
         # of which the failure flags (an 8-byte all-reduce before each collective)
-        "comm_bytes_flags": (flag_bytes() - marks["flags"]) / spec["steps"],
-        "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
-        # of which all-reduces and broadcasts (control messages, not model data)
-        "comm_bytes_wire_control": (wire.control_bytes - marks["control"]) / spec["steps"],
+        "comm_bytes_flags": calls.get("failure_flag", {}).get("bytes", 0),
+        "wire": measured,  # what was handed to torch.distributed, per timed step
+        "comm_bytes_wire": ring_sent(measured, nproc),
         "wire_by_call": wire.by_call,  # whole run, warm-up and set-up included
         "theory_bytes": 3 * share * param_bytes + 2 * share * frozen_bytes,
         "param_list_bytes": param_bytes,
@@ -430,16 +492,18 @@ def _peer_result(
     import torch
 
     seen = watch_compute_dtype(module)
-    marks: dict[str, int] = {}
+    marks: dict[str, Any] = {}
 
     def on_warm() -> None:
-        marks["wire"] = wire.bytes
+        marks["wire"] = wire.snapshot()
 
     times, losses = _timed_loop(spec, world, _batches(spec, rank, world), step, on_warm)
+    measured = wire.since(marks["wire"], spec["steps"])
     return {
         "times": times,
         "losses": losses,
-        "comm_bytes_wire": (wire.bytes - marks["wire"]) / spec["steps"],
+        "wire": measured,
+        "comm_bytes_wire": ring_sent(measured, world),
         "wire_by_call": wire.by_call,  # whole run, warm-up and set-up included
         "threads": torch.get_num_threads(),
         "init_peak_bytes": init_peak_bytes,
@@ -630,9 +694,10 @@ def run_zero(
         "ratio_vs_deepspeed": secs[OURS_2] / ds if ds else None,
         "comm_bytes": ours2[0]["comm_bytes"],
         "comm_bytes_per_rank": [r["comm_bytes"] for r in ours2],
+        "comm_calls": [r["comm_calls"] for r in ours2],  # per rank: the engine's counter
         "comm_bytes_wire": ours2[0]["comm_bytes_wire"],
-        "comm_bytes_wire_control": ours2[0]["comm_bytes_wire_control"],
         "comm_bytes_flags": ours2[0]["comm_bytes_flags"],
+        "wire": [r["wire"] for r in ours2],  # per rank: what torch.distributed was handed
         "wire_by_call": ours2[0]["wire_by_call"],
         "theory_bytes": ours2[0]["theory_bytes"],
         "param_list_bytes": ours2[0]["param_list_bytes"],
@@ -645,7 +710,11 @@ def run_zero(
             k: v[0]["comm_bytes_wire"] for k, v in runs.items() if k in (FSDP2, DEEPSPEED)
             if isinstance(v, list)
         },
-        # per collective [calls, bytes] over the whole run (set-up and warm-up included)
+        "peer_wire": {
+            k: v[0]["wire"] for k, v in runs.items() if k in (FSDP2, DEEPSPEED)
+            if isinstance(v, list)
+        },
+        # calls per collective function over the whole run (set-up and warm-up included)
         "peer_wire_by_call": {
             k: v[0]["wire_by_call"] for k, v in runs.items() if k in (FSDP2, DEEPSPEED)
             if isinstance(v, list)
@@ -701,10 +770,10 @@ def run_zero(
         f"{result['param_chunks']} param chunks (padded), own per rank "
         f"{result['own_param_chunks']} holding "
         f"{[_fmt_bytes(b) for b in result['own_param_used_bytes']]} of params; comm "
-        f"{_fmt_bytes(result['comm_bytes'])}/step (wire count "
-        f"{_fmt_bytes(result['comm_bytes_wire'])}, of which {result['comm_bytes_wire_control']:.0f}"
-        " bytes all-reduce/broadcast control) vs theory 3 x (N-1)/N x list = "
-        f"{_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}"
+        f"{_fmt_bytes(result['comm_bytes'])}/step (from the tensors torch.distributed was "
+        f"handed: {_fmt_bytes(result['comm_bytes_wire'])}, of which "
+        f"{result['comm_bytes_flags']:.0f} bytes of failure flags) vs theory 3 x (N-1)/N x "
+        f"list = {_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}"
     )
     return finish(console, result, load_before, load_after, json_out)
 

@@ -53,20 +53,47 @@ def test_each_rank_reports_its_peak_memory_during_initialize(zero):
 
 
 def test_our_counter_and_the_wire_count_agree_and_ranks_send_alike(zero):
+    # `wire`: what each rank handed to torch.distributed (counted by wrapping its
+    # collectives in the worker), per timed step; `comm_calls`: the engine's own counter
+    n = 2
     assert zero["comm_bytes"] > 0
     assert zero["comm_bytes_per_rank"][0] == zero["comm_bytes_per_rank"][1]
-    # counted independently by wrapping torch.distributed in the worker: the same
-    # all-gathers, reduce-scatters and the failure flags' small all-reduces
-    assert zero["comm_bytes_wire"] == zero["comm_bytes"]
-    assert 0 < zero["comm_bytes_flags"] == zero["comm_bytes_wire_control"] < 1024
+    assert zero["wire"][0] == zero["wire"][1]
+    for wire, ours in zip(zero["wire"], zero["comm_calls"], strict=True):
+        # every collective the engine counted reached torch.distributed, and no other: the
+        # groups' all-gathers and reduce-scatters, each after a failure flag's all-reduce
+        assert set(wire) == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert set(ours) == {"all_gather", "reduce_scatter", "failure_flag"}
+        gather, scatter, flags = wire["all_gather"], wire["reduce_scatter"], wire["all_reduce"]
+        assert gather["calls"] == ours["all_gather"]["calls"] > 0
+        assert scatter["calls"] == ours["reduce_scatter"]["calls"] > 0
+        assert flags["calls"] == ours["failure_flag"]["calls"] == gather["calls"] + scatter["calls"]
+        # a gather gives one chunk and receives the group's n; a reduce-scatter the reverse
+        assert gather["received_bytes"] == n * gather["given_bytes"]
+        assert scatter["given_bytes"] == n * scatter["received_bytes"]
+        # the engine counts the ring algorithms' share of those tensors ([Note: bytes sent]
+        # in pstar_core/zero.py): (n-1) x the chunk given, (n-1) x the shard received, and
+        # 2 (n-1)/n x each 8-byte flag
+        assert ours["all_gather"]["bytes"] == (n - 1) * gather["given_bytes"]
+        assert ours["reduce_scatter"]["bytes"] == (n - 1) * scatter["received_bytes"]
+        assert ours["failure_flag"]["bytes"] == 2 * (n - 1) / n * flags["given_bytes"]
+        assert flags["given_bytes"] == 8 * flags["calls"]
+    assert zero["comm_bytes"] == sum(c["bytes"] for c in zero["comm_calls"][0].values())
+    assert 0 < zero["comm_bytes_flags"] < 1024
 
 
 def test_comm_bytes_equal_the_theoretical_volume(zero):
-    # counted at each collective call from the tensors handed to it; the theory: every
-    # group is all-gathered once in forward and once in backward and its grads
-    # reduce-scattered once (the tied wte/lm_head group stays gathered between its uses),
-    # each sending (N-1)/N of the padded list: 2 ranks, 3 x 1/2 of the param list
-    assert zero["comm_bytes"] - zero["comm_bytes_flags"] == 1.5 * zero["param_list_bytes"]
+    # the theory: every group is all-gathered once in forward and once in backward and its
+    # grads reduce-scattered once (the tied wte/lm_head group stays gathered between its
+    # uses). Measured from the tensors handed to torch.distributed: the whole padded param
+    # list received twice by the gathers and given once to the reductions
+    param_list = zero["param_list_bytes"]
+    for wire in zero["wire"]:
+        assert wire["all_gather"]["received_bytes"] == 2 * param_list
+        assert wire["reduce_scatter"]["given_bytes"] == param_list
+    # and counted by the engine: each collective sending (n-1)/n of what it moves, 2 ranks:
+    # 3 x 1/2 of the param list
+    assert zero["comm_bytes"] - zero["comm_bytes_flags"] == 1.5 * param_list
 
 
 def test_cli_collectives_prints_throughputs_and_ratio_as_the_last_json_line():
