@@ -26,6 +26,9 @@ class ChunkType(enum.Enum):
 
 
 PARAM_LISTS = (ChunkType.PARAM, ChunkType.FROZEN)  # the lists whose chunks hold parameters
+# the four aligned lists of trainable tensors: a tensor has the same (chunk index, offset)
+# in each, and the param list comes first
+TRAINABLE_LISTS = (ChunkType.PARAM, ChunkType.PARAM_FP32, ChunkType.MOMENTUM, ChunkType.VARIANCE)
 
 
 class TensorState(enum.Enum):

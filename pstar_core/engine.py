@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from pstar_core import lora, startup
-from pstar_core.chunk import ChunkType, TensorSlot, TensorState
+from pstar_core.chunk import TRAINABLE_LISTS, ChunkType, TensorSlot, TensorState
 from pstar_core.config import ConfigError, EngineConfig, missing_unexpected
 from pstar_core.devices import resolve_device, to_device
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
-from pstar_core.manager import TRAINABLE_LISTS, ChunkManager
+from pstar_core.manager import ChunkManager
 from pstar_core.manager import TrainingPhase as P
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
@@ -704,4 +704,4 @@ def _enable_activation_checkpointing(module: nn.Module) -> None:
         fn()
 
 
-__all__ = ["TRAINABLE_LISTS", "Engine", "initialize"]
+__all__ = ["Engine", "initialize"]

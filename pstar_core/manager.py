@@ -26,7 +26,7 @@ import torch
 
 from pstar_core import placement
 from pstar_core.accum import GradAccumulator
-from pstar_core.chunk import PARAM_LISTS, Chunk, ChunkType, TensorSlot, TensorState
+from pstar_core.chunk import TRAINABLE_LISTS, Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import MemoryConfig
 from pstar_core.mapping import Plan
 from pstar_core.residency import Residency
@@ -37,8 +37,7 @@ from pstar_core.zero import GatheredGroups, ZeroGroup
 log = logging.getLogger(__name__)
 
 S = TensorState
-TRAINABLE_LISTS = (ChunkType.PARAM, ChunkType.PARAM_FP32, ChunkType.MOMENTUM, ChunkType.VARIANCE)
-__all__ = ["PARAM_LISTS", "TRAINABLE_LISTS", "ChunkManager", "TrainingPhase"]
+__all__ = ["ChunkManager", "TrainingPhase"]
 
 
 class TrainingPhase(enum.Enum):
@@ -174,7 +173,17 @@ class ChunkManager:
         self.tracer.close_window(device.new_window(), device.compute_low_bytes)
         traced = self.tracer.end_pass()
         if traced:
-            self.margin_bytes = placement.place_optimizer_states(self)
+            # the 'static' policy keeps every optimizer state on the host
+            trace = None if self.memory.policy == "static" else self.tracer.trace
+            self.device_adam, self.margin_bytes = placement.place_optimizer_states(
+                trace,
+                self.lists,
+                self.owned,
+                device_budget_bytes=self.residency.tiers[TierName.DEVICE].budget_bytes,
+                nproc=self.zero.nproc,
+                chunk_size=self.plan.chunk_size,
+                device=self.device,
+            )
         return traced
 
     def end_iteration(self) -> None:
@@ -296,7 +305,7 @@ class ChunkManager:
         acc = self.grad_accum.get(index)
         if acc is not None:
             chunks.append(acc)
-        self.residency.make_resident(chunks, placement.adam_tier(self, index))
+        self.residency.make_resident(chunks, placement.adam_tier(self.device_adam, index))
         self.residency.tiers[TierName.DEVICE].start_compute()
         self.residency.prefetch()
 

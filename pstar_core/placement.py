@@ -12,20 +12,33 @@ on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from pstar_core.chunk import ChunkType
+import torch
+
+from pstar_core.chunk import PARAM_LISTS, TRAINABLE_LISTS, Chunk, ChunkType
 from pstar_core.kernels import adam_temporary_bytes
 from pstar_core.tiers import TierName
 
+if TYPE_CHECKING:
+    from pstar_core.tracer import Trace
+
 ADAM_MOMENT = "adam."  # the moment of Adam on trainable chunk i is named f"adam.{i}"
 
-if TYPE_CHECKING:
-    from pstar_core.manager import ChunkManager
 
-
-def place_optimizer_states(m: ChunkManager) -> int:
-    """Decide `m.device_adam` from the trace (again after a re-trace); the margin.
+def place_optimizer_states(
+    trace: Trace | None,
+    lists: Mapping[ChunkType, Sequence[Chunk]],
+    owned: Callable[[Chunk], bool],
+    *,
+    device_budget_bytes: int,
+    nproc: int,
+    chunk_size: int,
+    device: torch.device,
+) -> tuple[set[int], int]:
+    """The trainable chunks whose Adam runs on the device, decided from the trace (again
+    after a re-trace), and the margin; none and 0 without a trace.
 
     The margin comes from the peak non-model memory of the forward and backward moments
     only: Adam's own moments measured whatever tier the traced step happened to update
@@ -34,39 +47,36 @@ def place_optimizer_states(m: ChunkManager) -> int:
     Adam itself needs on the device is reserved explicitly instead: its temporaries are
     written into the trace at the device-Adam moments, so A_j there leaves room for them.
     """
-    from pstar_core.manager import PARAM_LISTS, TRAINABLE_LISTS
-
-    trace = m.tracer.trace
-    m.device_adam.clear()
-    if trace is None or m.memory.policy == "static":
-        return 0
-    params = sum(c.nbytes for c in m.own_chunks(PARAM_LISTS))
-    if m.zero.enabled:  # two gathered groups may be in flight at once
-        params += 2 * (m.zero.nproc - 1) * m.lists[ChunkType.PARAM][0].nbytes
+    device_adam: set[int] = set()
+    if trace is None:
+        return device_adam, 0
+    params = sum(c.nbytes for kind in PARAM_LISTS for c in lists[kind] if owned(c))
+    if nproc > 1:  # two gathered groups may be in flight at once
+        params += 2 * (nproc - 1) * lists[ChunkType.PARAM][0].nbytes
     peak = max(
         (n for name, n in zip(trace.names, trace.non_model, strict=False) if not _is_adam(name)),
         default=0,
     )
-    margin = m.residency.tiers[TierName.DEVICE].budget_bytes - peak - params
-    temporary = adam_temporary_bytes(m.plan.chunk_size, m.device)
+    margin = device_budget_bytes - peak - params
+    temporary = adam_temporary_bytes(chunk_size, device)
     left = margin - temporary
-    for i, chunk in enumerate(m.lists[ChunkType.PARAM]):
-        if not m.owned(chunk):
+    for i, chunk in enumerate(lists[ChunkType.PARAM]):
+        if not owned(chunk):
             continue
-        triple = sum(m.lists[k][i].nbytes for k in TRAINABLE_LISTS[1:])
+        triple = sum(lists[k][i].nbytes for k in TRAINABLE_LISTS[1:])
         if triple > left:
             break
-        m.device_adam.add(i)
+        device_adam.add(i)
         left -= triple
-    _reserve_adam_temporaries(trace, m.device_adam, temporary)
-    return margin
+    _reserve_adam_temporaries(trace, device_adam, temporary)
+    return device_adam, margin
 
 
 def _is_adam(moment_name: str) -> bool:
     return moment_name.startswith(ADAM_MOMENT)
 
 
-def _reserve_adam_temporaries(trace, device_adam: set[int], temporary: int) -> None:
+def _reserve_adam_temporaries(trace: Trace, device_adam: set[int], temporary: int) -> None:
     """N_j at the moments of Adam on the device: at least what the kernel allocates
     there (a warm-up that ran them on the host measured nothing on the device)."""
     if not temporary:
@@ -76,6 +86,6 @@ def _reserve_adam_temporaries(trace, device_adam: set[int], temporary: int) -> N
             trace.non_model[j] = max(trace.non_model[j], temporary)
 
 
-def adam_tier(m: ChunkManager, index: int) -> TierName:
+def adam_tier(device_adam: set[int], index: int) -> TierName:
     """Where Adam runs for trainable chunk `index` (the host until a trace exists)."""
-    return TierName.DEVICE if index in m.device_adam else TierName.HOST
+    return TierName.DEVICE if index in device_adam else TierName.HOST
