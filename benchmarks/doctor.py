@@ -106,15 +106,17 @@ def _engine(device: str, memory: dict[str, Any] | None = None, dtype: str | None
 
 
 def _train(engine, data: list[torch.Tensor], on_operator: Callable[[], None] | None = None):
+    """Train on `data`; `on_operator` runs once each operator's chunks are in place (an
+    observer of the manager's Access, `ChunkManager.on_access`)."""
     losses = []
+    observers = engine.manager.on_access
+    observe = None
     if on_operator is not None:
-        orig = engine.manager.access_slots
 
-        def access(slots, forward=False):
-            orig(slots, forward)
+        def observe(_slots):
             on_operator()
 
-        engine.manager.access_slots = access
+        observers.append(observe)
     try:
         for x in data:
             out = engine(input_ids=x, labels=x)
@@ -122,8 +124,8 @@ def _train(engine, data: list[torch.Tensor], on_operator: Callable[[], None] | N
             engine.step()
             losses.append(float(out.loss.detach()))
     finally:
-        if on_operator is not None:
-            del engine.manager.access_slots
+        if observe is not None:
+            observers.remove(observe)
     return losses
 
 

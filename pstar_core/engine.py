@@ -232,7 +232,7 @@ class Engine:
         for slot in self.slots.values():
             if slot.state is not S.HOLD:  # a lazily loaded frozen one is HOLD already
                 slot.set_state(S.HOLD)
-            slot.param.data = m._placeholder
+            m.drop_storage(slot)
 
     # -- training -----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -86,7 +86,14 @@ class ChunkManager:
         # instead of reading stale memory, while dtype and device stay truthful.
         self._placeholder = torch.empty(0, dtype=dtype, device=device)
         self.residency = Residency(
-            self.lists, memory, device, self.tracer, self.owned, lambda: self.grad_accum.values()
+            self.lists,
+            memory,
+            device,
+            self.tracer,
+            self.owned,
+            extra=lambda: self.grad_accum.values(),
+            # ZeRO's reductions in flight hold device memory until waited on
+            settle=lambda: self.groups.settle(),
         )
         self.grad_accum = GradAccumulator(self.residency, self.lists)
         self.groups = GatheredGroups(
@@ -99,6 +106,10 @@ class ChunkManager:
         )
         self.device_adam: set[int] = set()  # trainable chunks whose Adam runs on the device
         self.margin_bytes = 0  # device bytes left for optimizer states by the last trace
+        # Observers of Access, each called with an operator's slots once `access_slots`
+        # has put them in place (`pstar doctor` samples the allocator there). Empty, they
+        # cost Access one test of this list.
+        self.on_access: list[Callable[[Sequence[TensorSlot]], None]] = []
 
     # -- layout -------------------------------------------------------------------------
 
@@ -139,6 +150,11 @@ class ChunkManager:
             if c.payload is not None or c.tier == TierName.DISK:  # disk: spilled while loading
                 self.residency.forget(c)
             c.zero_pending = False  # gathered from its owner, never made here
+
+    def drop_storage(self, slot: TensorSlot) -> None:
+        """Point the parameter at the empty placeholder: a parameter has storage only
+        while an operator uses it (what Release does, for a slot outside an operator)."""
+        slot.param.data = self._placeholder
 
     def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:
         """Fail before training if one operator's chunks cannot fit on the device at all."""
@@ -219,6 +235,9 @@ class ChunkManager:
                 if s.compute_refs == 1:
                     s.param.data = chunk.view(s)
                 s.forward_uses += forward
+        if self.on_access:
+            for observe in self.on_access:
+                observe(slots)
 
     def release(self, slot: TensorSlot, target: TensorState) -> None:
         """Algorithm 2: the operator is done with `slot` (the last of its users sets

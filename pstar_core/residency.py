@@ -47,6 +47,7 @@ class Residency:
         tracer: MemoryTracer,
         owned: Callable[[Chunk], bool],
         extra: Callable[[], Iterable[Chunk]],
+        settle: Callable[[], bool] = lambda: False,
     ) -> None:
         self.lists = lists
         self.memory = memory
@@ -58,15 +59,11 @@ class Residency:
         self._extra = extra  # chunks outside the lists that may be evicted (grad accum)
         self._last_use: dict[int, int] = {}  # LRU: the clock at each chunk's last use
         self._clock = 0  # operators started so far
-        # waits for collectives still in flight and frees their buffers; True if it freed
-        # anything (ZeRO's gathered groups register theirs: their reductions run async)
-        self._settle: Callable[[], bool] = lambda: False
-        self._by_moment: tuple[object, list[list[tuple[str, int]]]] | None = None
-
-    def settle_with(self, settle: Callable[[], bool]) -> None:
-        """What to call when the device is short of room and nothing can be evicted:
-        wait for in-flight collectives, True if that freed memory (ZeRO's reductions)."""
+        # What to call when the device is short of room and nothing can be evicted: waits
+        # for collectives still in flight and frees their buffers, True if it freed
+        # anything (ZeRO's reductions run async: `GatheredGroups.settle`)
         self._settle = settle
+        self._by_moment: tuple[object, list[list[tuple[str, int]]]] | None = None
 
     def chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterator[Chunk]:
         for kind, chunks in self.lists.items():

@@ -321,8 +321,9 @@ class GatheredGroups:
     [Note: overlapped reductions] After backward a group's reduce-scatter is issued
     asynchronously and the backward of the next layers runs while it is in flight; it is
     waited on (`settle`) before the next gather, at the end of backward, or when the
-    device needs the memory its buffer holds. Collectives are issued at the same points
-    on every rank; only the waits move, so the order every rank sees is unchanged.
+    device needs the memory its buffer holds (the manager gives `settle` to `Residency`,
+    which calls it when nothing is left to evict). Collectives are issued at the same
+    points on every rank; only the waits move, so the order every rank sees is unchanged.
     """
 
     def __init__(self, zero: ZeroGroup, lists, owner, residency, stash, forward_done) -> None:
@@ -336,7 +337,6 @@ class GatheredGroups:
         self.live: dict[tuple[ChunkType, int], list[Chunk]] = {}
         self.in_flight: list[InFlight] = []  # reduce-scatters issued, oldest first
         self._buffers: dict[int, torch.Tensor] = {}  # own chunk id -> its group's buffer
-        residency.settle_with(self.settle)
 
     @property
     def contiguous(self) -> bool:
