@@ -19,8 +19,6 @@ import torch
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.residency import Residency
 
-S = TensorState
-
 
 class GradAccumulator:
     def __init__(self, residency: Residency, lists: dict[ChunkType, list[Chunk]]) -> None:
@@ -44,11 +42,11 @@ class GradAccumulator:
             self.peak_bytes = max(self.peak_bytes, self.bytes)
         r.colocate([chunk, acc, master])
         for s in chunk.slots:
-            if s.state is S.HOLD_AFTER_BWD:
+            if s.state is TensorState.HOLD_AFTER_BWD:
                 acc.flat(s).add_(chunk.flat(s))
                 chunk.flat(s).copy_(master.flat(s))
                 s.grad_in_accum = True
-                s.set_state(S.HOLD)
+                s.set_state(TensorState.HOLD)
 
     def get(self, index: int) -> Chunk | None:
         return self.chunks.get(index)

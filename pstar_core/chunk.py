@@ -39,19 +39,25 @@ class TensorState(enum.Enum):
     HOLD_AFTER_BWD = "HOLD_AFTER_BWD"
 
 
-S = TensorState
 # Allowed transitions. COMPUTE -> COMPUTE is a nested access (tied weights, or a forward
 # re-run by activation checkpointing inside backward). HOLD_AFTER_BWD -> COMPUTE is absent
 # on purpose: the slot then holds a gradient, so computing on it would be silently wrong;
 # the manager first moves the gradient out (HOLD_AFTER_BWD -> HOLD) when accumulating.
 _LEGAL: dict[TensorState, frozenset[TensorState]] = {
-    S.FREE: frozenset({S.HOLD, S.COMPUTE}),
-    S.HOLD: frozenset({S.COMPUTE, S.FREE}),
-    S.COMPUTE: frozenset({S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}),
-    S.HOLD_AFTER_FWD: frozenset({S.COMPUTE, S.HOLD}),
-    S.HOLD_AFTER_BWD: frozenset({S.HOLD, S.FREE}),
+    TensorState.FREE: frozenset({TensorState.HOLD, TensorState.COMPUTE}),
+    TensorState.HOLD: frozenset({TensorState.COMPUTE, TensorState.FREE}),
+    TensorState.COMPUTE: frozenset(
+        {
+            TensorState.COMPUTE,
+            TensorState.HOLD,
+            TensorState.HOLD_AFTER_FWD,
+            TensorState.HOLD_AFTER_BWD,
+        }
+    ),
+    TensorState.HOLD_AFTER_FWD: frozenset({TensorState.COMPUTE, TensorState.HOLD}),
+    TensorState.HOLD_AFTER_BWD: frozenset({TensorState.HOLD, TensorState.FREE}),
 }
-HOLD_LIKE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD})
+HOLD_LIKE = frozenset({TensorState.HOLD, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD})
 
 
 class IllegalTransition(RuntimeError):

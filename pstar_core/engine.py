@@ -27,8 +27,7 @@ from pstar_core.config import ConfigError, EngineConfig, missing_unexpected
 from pstar_core.devices import resolve_device, to_device
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
-from pstar_core.manager import ChunkManager
-from pstar_core.manager import TrainingPhase as P
+from pstar_core.manager import ChunkManager, TrainingPhase
 from pstar_core.mapping import make_plan
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
@@ -37,7 +36,6 @@ from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
 log = logging.getLogger(__name__)
-S = TensorState
 WeightSource = Callable[["Engine"], None]
 
 
@@ -230,8 +228,8 @@ class Engine:
                 param.payload.copy_(master.payload)
         self.excluded.sync_from_masters()
         for slot in self.slots.values():
-            if slot.state is not S.HOLD:  # a lazily loaded frozen one is HOLD already
-                slot.set_state(S.HOLD)
+            if slot.state is not TensorState.HOLD:  # a lazily loaded frozen one is HOLD already
+                slot.set_state(TensorState.HOLD)
             m.drop_storage(slot)
 
     # -- training -----------------------------------------------------------------------
@@ -245,44 +243,44 @@ class Engine:
         evaluating = not (torch.is_grad_enabled() and self.module.training)
         args, kwargs = to_device((args, kwargs), self.device)  # the caller's batch, moved
         with self._abandon_on_error():
-            if m.phase is P.IDLE:
+            if m.phase is TrainingPhase.IDLE:
                 shape = batch_shape(args, kwargs)
                 if evaluating:
-                    m.phase = P.EVALUATION
+                    m.phase = TrainingPhase.EVALUATION
                     m.tracer.start_untraced_pass(shape)
                 else:
                     # an iteration (and the warm-up trace) starts with a training forward,
                     # so an evaluation before training does not become the traced iteration
                     m.tracer.start_iteration(shape)
-            if m.phase is not P.EVALUATION:
-                m.phase = P.FORWARD
+            if m.phase is not TrainingPhase.EVALUATION:
+                m.phase = TrainingPhase.FORWARD
             with self._saved_tensor_hooks:
                 out = self.module(*args, **kwargs)
             m.finish_forward()
             m.reset_after_forward()
-            if m.phase is P.EVALUATION:
+            if m.phase is TrainingPhase.EVALUATION:
                 m.end_pass()
-                m.phase = P.IDLE
+                m.phase = TrainingPhase.IDLE
         return out
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients add up over calls until `step()`."""
         self._check_open()
         with self._abandon_on_error():
-            self.manager.phase = P.BACKWARD
+            self.manager.phase = TrainingPhase.BACKWARD
             if self.scaler.enabled:
                 loss = loss.float() * self.scaler.scale
             loss.backward()
             # Accessed for backward but received no gradient (frozen, or not on the loss
             # path).
-            self.manager.release_all(S.HOLD)
+            self.manager.release_all(TensorState.HOLD)
             self.manager.finish_backward()
 
     def step(self) -> bool:
         """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
         self._check_open()
         with self._abandon_on_error():
-            self.manager.phase = P.STEP
+            self.manager.phase = TrainingPhase.STEP
             return self._step()
 
     def _step(self) -> bool:
@@ -319,7 +317,7 @@ class Engine:
         return True
 
     def _end_iteration(self) -> None:
-        self.manager.phase = P.IDLE
+        self.manager.phase = TrainingPhase.IDLE
         self.manager.end_iteration()
         self.manager.end_pass()
         self._freed.maybe_return()
@@ -355,19 +353,22 @@ class Engine:
         m = self.manager
         m.tracer.abort()
         m.groups.drop_all()
-        m.release_all(S.HOLD)
+        m.release_all(TensorState.HOLD)
         m.reset_after_forward()
-        if any(s.state is S.HOLD_AFTER_BWD for s in m.slots) or m.grad_accum:
+        if any(s.state is TensorState.HOLD_AFTER_BWD for s in m.slots) or m.grad_accum:
             self.optimizer.drop_grads()
         self.excluded.zero_grad()
-        m.phase = P.IDLE
+        m.phase = TrainingPhase.IDLE
 
     def close(self) -> None:
         """Free every chunk (all tiers), close the spill file and remove the hooks. The
         engine cannot be used afterwards; closing twice is harmless. Also `with engine:`."""
         if self._closed:
             return
-        if self.manager.phase is not P.IDLE or self.manager.tracer.mode is not Mode.IDLE:
+        if (
+            self.manager.phase is not TrainingPhase.IDLE
+            or self.manager.tracer.mode is not Mode.IDLE
+        ):
             self._abandon(RuntimeError("the engine was closed inside an iteration"))
         for h in self._hooks:
             h.remove()
@@ -479,8 +480,8 @@ class Engine:
         else:
             m.residency.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
             self.frozen_from_source = False
-            if slot.state is S.FREE:  # streaming in: a chunk whose tensors are all in
-                slot.set_state(S.HOLD)  # may go to disk to make room for the next
+            if slot.state is TensorState.FREE:  # streaming in: a chunk whose tensors are all in
+                slot.set_state(TensorState.HOLD)  # may go to disk to make room for the next
 
     def export_hf(
         self,
@@ -501,7 +502,10 @@ class Engine:
         return export_hf(self, Path(directory), dtype, max_shard_bytes, variant)
 
     def _require_no_pending_grads(self, what: str) -> None:
-        if any(s.state is not S.HOLD for s in self.slots.values()) or self.manager.grad_accum:
+        if (
+            any(s.state is not TensorState.HOLD for s in self.slots.values())
+            or self.manager.grad_accum
+        ):
             raise RuntimeError(
                 f"{what}: there are gradients not yet applied; call step() first "
                 "(or load before the first backward)"

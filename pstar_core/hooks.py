@@ -34,8 +34,6 @@ from pstar_core.chunk import TensorSlot, TensorState
 from pstar_core.manager import ChunkManager
 from pstar_core.tiers import TierName
 
-S = TensorState
-
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
@@ -79,7 +77,7 @@ def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> 
     frozen = [s for s in slots if not s.trainable]
 
     def hook(_mod: torch.nn.Module, args: Any, output: Any) -> None:
-        target = S.HOLD if _in_backward() else S.HOLD_AFTER_FWD
+        target = TensorState.HOLD if _in_backward() else TensorState.HOLD_AFTER_FWD
         for s in slots:
             manager.release(s, target)
         if torch.is_grad_enabled():

@@ -36,7 +36,6 @@ from pstar_core.zero import GatheredGroups, ZeroGroup
 
 log = logging.getLogger(__name__)
 
-S = TensorState
 __all__ = ["ChunkManager", "TrainingPhase"]
 
 
@@ -221,16 +220,16 @@ class ChunkManager:
             # evict another chunk of this operator, which must come back before a
             # parameter points at it.
             for s in slots:
-                if s.state is S.HOLD_AFTER_BWD:
+                if s.state is TensorState.HOLD_AFTER_BWD:
                     self.grad_accum.stash(self.param_chunk(s))
             self.residency.make_resident(chunks, TierName.DEVICE)
             self.residency.tiers[TierName.DEVICE].start_compute()
             self.residency.prefetch()
             for s in slots:
                 chunk = self.param_chunk(s)
-                if s.state is S.FREE:
+                if s.state is TensorState.FREE:
                     chunk.flat(s).zero_()
-                s.set_state(S.COMPUTE)
+                s.set_state(TensorState.COMPUTE)
                 s.compute_refs += 1
                 if s.compute_refs == 1:
                     s.param.data = chunk.view(s)
@@ -242,7 +241,7 @@ class ChunkManager:
     def release(self, slot: TensorSlot, target: TensorState) -> None:
         """Algorithm 2: the operator is done with `slot` (the last of its users sets
         `target` and drops the storage). Only a COMPUTE tensor can be released."""
-        if slot.state is not S.COMPUTE:
+        if slot.state is not TensorState.COMPUTE:
             raise RuntimeError(
                 f"release of {slot.name} in state {slot.state.name}: only a tensor in COMPUTE "
                 f"can be released (to {target.name})"
@@ -252,33 +251,33 @@ class ChunkManager:
             return
         slot.set_state(target)
         slot.param.data = self._placeholder
-        if self.zero.enabled and target is S.HOLD_AFTER_FWD:
+        if self.zero.enabled and target is TensorState.HOLD_AFTER_FWD:
             self.groups.maybe_release(self.param_chunk(slot), backward=False)
 
     @staticmethod
     def _forward_done(s: TensorSlot) -> bool:
         # A tied weight is registered by several modules and used by each in forward:
         # its group stays gathered until the last of them has run.
-        return s.state is S.HOLD_AFTER_FWD and s.forward_uses >= len(s.aliases)
+        return s.state is TensorState.HOLD_AFTER_FWD and s.forward_uses >= len(s.aliases)
 
     def release_all(self, target: TensorState) -> None:
         """Force every COMPUTE tensor to `target` (end of forward/backward clean-up)."""
         for slot in self.slots:
-            if slot.state is S.COMPUTE:
+            if slot.state is TensorState.COMPUTE:
                 slot.compute_refs = 1
                 self.release(slot, target)
 
     def grad_ready(self, slot: TensorSlot, grad: torch.Tensor) -> None:
         """Backward is done with `slot`: its gradient overwrites the param slot."""
         chunk = self.param_chunk(slot)
-        if slot.state is not S.COMPUTE:
+        if slot.state is not TensorState.COMPUTE:
             # A gradient for a tensor not accessed in backward (used outside its module's
             # forward): bring its chunk back first; the slot still holds the value.
             self.residency.make_resident([chunk], TierName.DEVICE)
-            slot.set_state(S.COMPUTE)
+            slot.set_state(TensorState.COMPUTE)
         chunk.view(slot).copy_(grad)
         slot.compute_refs = 0
-        slot.set_state(S.HOLD_AFTER_BWD)
+        slot.set_state(TensorState.HOLD_AFTER_BWD)
         slot.param.data = self._placeholder
         if self.zero.enabled:
             self.groups.maybe_release(chunk, backward=True)
@@ -290,10 +289,10 @@ class ChunkManager:
         Without this, a LoRA base would stay on the device until backward ends."""
         chunks = []
         for s in slots:
-            if s.trainable or s.state is not S.COMPUTE:
+            if s.trainable or s.state is not TensorState.COMPUTE:
                 continue
-            self.release(s, S.HOLD)
-            if s.state is S.HOLD:
+            self.release(s, TensorState.HOLD)
+            if s.state is TensorState.HOLD:
                 s.backward_done = True
                 chunks.append(self.param_chunk(s))
         if self.zero.enabled:
@@ -304,8 +303,8 @@ class ChunkManager:
         for slot in self.slots:
             slot.forward_uses = 0
             slot.backward_done = False
-            if slot.state is S.HOLD_AFTER_FWD:
-                slot.set_state(S.HOLD)
+            if slot.state is TensorState.HOLD_AFTER_FWD:
+                slot.set_state(TensorState.HOLD)
 
     def finish_forward(self) -> None:
         """End of forward: drop every group still gathered (same order on every rank)."""

@@ -19,8 +19,6 @@ from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm, grad_sq_norm_d
 from pstar_core.manager import ChunkManager
 from pstar_core.tracer import profiled
 
-S = TensorState
-
 
 @dataclass(frozen=True)
 class GroupHyper:
@@ -120,13 +118,13 @@ class ChunkAdamW:
             chunk = self.manager.lists[ChunkType.PARAM][index]
             self.manager.residency.colocate([chunk, acc])
             for s in chunk.slots:
-                if s.state is S.HOLD_AFTER_BWD:
+                if s.state is TensorState.HOLD_AFTER_BWD:
                     acc.flat(s).add_(chunk.flat(s))
                     s.grad_in_accum = True
 
     @staticmethod
     def _has_grad(slot: TensorSlot) -> bool:
-        return slot.state is S.HOLD_AFTER_BWD or slot.grad_in_accum
+        return slot.state is TensorState.HOLD_AFTER_BWD or slot.grad_in_accum
 
     def grad_norm_sq(self) -> float:
         """Sum of squared (still scaled) gradients over all trainable chunks."""
@@ -188,17 +186,17 @@ class ChunkAdamW:
         """Skip this step (fp16 overflow): restore params from the master, drop the grads."""
         lists = self.manager.lists
         for chunk in self.manager.own_chunks([ChunkType.PARAM]):
-            if not any(s.state is S.HOLD_AFTER_BWD for s in chunk.slots):
+            if not any(s.state is TensorState.HOLD_AFTER_BWD for s in chunk.slots):
                 continue
             master = lists[ChunkType.PARAM_FP32][chunk.index]
             self.manager.residency.colocate([chunk, master])
             for s in chunk.slots:
-                if s.state is S.HOLD_AFTER_BWD:
+                if s.state is TensorState.HOLD_AFTER_BWD:
                     chunk.flat(s).copy_(master.flat(s))
         self.end_step()
 
     def end_step(self) -> None:
         for s in self.manager.slots:
-            if s.state is S.HOLD_AFTER_BWD:
-                s.set_state(S.HOLD)
+            if s.state is TensorState.HOLD_AFTER_BWD:
+                s.set_state(TensorState.HOLD)
         self.manager.free_grad_accum()

@@ -1,9 +1,11 @@
 """Memory tiers: the compute device, host memory, and disk spill files, each with a budget.
 
-A tier allocates chunk payloads and counts the bytes it holds. The device tier is
-`cuda:N` when there is a GPU, else the CPU with an enforced budget, so every code path
-(eviction, placement, moves) runs on a machine without a GPU. A move between tiers is
-always a real copy into a fresh buffer, and the old buffer is dropped.
+A tier allocates chunk payloads and counts the bytes it holds. The device tier is the
+compute device: an accelerator (`cuda:N`, or the test suite's second device), its budget
+from what its memory can give when it has allocator statistics; or the CPU with an
+enforced budget, so every code path (eviction, placement, moves) runs on a machine
+without a GPU. A move between tiers is always a real copy into a fresh buffer, and the
+old buffer is dropped.
 
 On a device that can page-lock host memory the host tier's chunks live in one pool the
 engine registers itself (see [Note: one pinned pool]); the test suite's second device
@@ -241,7 +243,7 @@ class Tier:
 
     def start_compute(self) -> None:
         """The operator's chunks are in place: from here the tracer takes the least chunk
-        bytes held as C_i (see [Note: C_i on CUDA] in tracer.py)."""
+        bytes held as C_i (see [Note: C_i on an accelerator] in tracer.py)."""
         self.compute_low_bytes = self.used_bytes
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

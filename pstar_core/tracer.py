@@ -12,8 +12,9 @@ The device's peak is taken per moment, N_i plus the most chunk bytes of window i
 iteration and since the start, never as the sum of two peaks from different moments.
 
 What is measured:
-- On CUDA: the caching allocator's `memory_allocated` and `max_memory_allocated`, with
-  the peak reset at each moment. (Not exercised on a machine without a GPU.)
+- On an accelerator (CUDA, or the test suite's second device, which has the same
+  allocator statistics): its caching allocator's `memory_allocated` and
+  `max_memory_allocated`, with the peak reset at each moment.
 - On the CPU: every allocation and free of the iteration, from the PyTorch profiler's
   memory events (`profile_memory=True`), which come from the CPU allocator itself, so a
   temporary an operator allocates and frees inside its forward counts. Chunk payload
@@ -152,8 +153,8 @@ class MemoryTracer:
         self.last_measured_peak_device_bytes = 0
         self._pass = Trace()  # this pass's moments (a trace in the making when TRACING)
         self._profiler: torch.profiler.profile | None = None  # measuring on the CPU
-        self._measuring_cuda = False  # measuring with the CUDA allocator's peaks
-        self._cuda_peaks: list[int] = []
+        self._measuring_device = False  # measuring with the device allocator's peaks
+        self._device_peaks: list[int] = []
         self._logged: set[str] = set()
         self._allocator = capabilities(device).allocator_stats  # memory counters to read
         # [Note: memory carried into an iteration] The trace's N_j are what the warm-up
@@ -300,8 +301,8 @@ class MemoryTracer:
         if self._profiler is not None:
             with record_function(MOMENT):
                 pass
-        elif self._measuring_cuda and self.moment > 0:
-            self._close_cuda_window()
+        elif self._measuring_device and self.moment > 0:
+            self._close_device_window()
         return self.moment
 
     def close_window(self, window_chunk_peak: int, window_compute_low: int | None = None) -> None:
@@ -370,8 +371,8 @@ class MemoryTracer:
             self._profiler.__enter__()
             _ACTIVE.add(self)
         else:  # an accelerator: its caching allocator's peaks (CUDA, or the test device)
-            self._cuda_peaks = []
-            self._measuring_cuda = True
+            self._device_peaks = []
+            self._measuring_device = True
             device_module(self.device).reset_peak_memory_stats(self.device)
 
     def _stop_measuring(self, p: Trace) -> int:
@@ -383,29 +384,29 @@ class MemoryTracer:
             p.non_model = _cpu_non_model(prof, p.moments)
             del prof
             return_freed_host_memory()  # the profile's objects and buffers
-        elif self._measuring_cuda:
-            self._measuring_cuda = False
-            self._close_cuda_window()
-            # [Note: C_i on CUDA] R_i is the allocator's peak over window i, which comes
+        elif self._measuring_device:
+            self._measuring_device = False
+            self._close_device_window()
+            # [Note: C_i on an accelerator] R_i is the allocator's peak over window i, which comes
             # while the operator computes, after its chunks were brought and its group
             # gathered; C_i taken at the moment's start would leave those chunk bytes
             # (a whole gathered group) inside N_i. The least chunk bytes held from then to
             # the window's end is subtracted instead: exact when nothing leaves during the
             # operator, and never more than the chunks there at R's peak (N_i is never
             # underestimated). On the CPU the profiler separates chunk allocations
-            # exactly, so this applies to CUDA only.
+            # exactly, so this applies to accelerators only.
             p.non_model = [
-                max(0, r - c) for r, c in zip(self._cuda_peaks, p.chunk_compute, strict=False)
+                max(0, r - c) for r, c in zip(self._device_peaks, p.chunk_compute, strict=False)
             ]
         else:
             return 0
         return p.device_peak()
 
-    def _close_cuda_window(self) -> None:
+    def _close_device_window(self) -> None:
         """R of the moment that just ended: the allocator's peak since the last reset
         (allocated; reserved kept beside it)."""
         accel = device_module(self.device)
-        self._cuda_peaks.append(accel.max_memory_allocated(self.device))
+        self._device_peaks.append(accel.max_memory_allocated(self.device))
         self._pass.reserved_peak.append(accel.max_memory_reserved(self.device))
         accel.reset_peak_memory_stats(self.device)
 

@@ -41,7 +41,6 @@ from pstar_core.devices import capabilities, check
 from pstar_core.tiers import TierName
 from pstar_core.tracer import profiled
 
-S = TensorState
 Work = dist.Work
 
 
@@ -361,13 +360,13 @@ class GatheredGroups:
         members = self._members(c)
         own = members[self.zero.rank]
         for m in members:
-            if any(s.state is S.HOLD_AFTER_BWD for s in m.slots):
+            if any(s.state is TensorState.HOLD_AFTER_BWD for s in m.slots):
                 if m is own:
                     self.stash(m)
                 else:  # its owner moves those grads out of the way in its own stash
                     for s in m.slots:
-                        if s.state is S.HOLD_AFTER_BWD:
-                            s.set_state(S.HOLD)
+                        if s.state is TensorState.HOLD_AFTER_BWD:
+                            s.set_state(TensorState.HOLD)
         remote = [m for m in members if m is not own]
         r = self.residency
         r.make_resident([own], TierName.DEVICE)
@@ -416,7 +415,9 @@ class GatheredGroups:
     def _backward_done(s: TensorSlot) -> bool:
         # a trainable tensor is done when its gradient sits in the slot, a frozen one
         # when the gradients of its operator's inputs exist
-        return s.state is S.HOLD_AFTER_BWD or (s.state is S.HOLD and s.backward_done)
+        return s.state is TensorState.HOLD_AFTER_BWD or (
+            s.state is TensorState.HOLD and s.backward_done
+        )
 
     def _release(self, key: tuple[ChunkType, int], reduce: bool) -> None:
         """Reduce-scatter the group's grads (after backward), then drop remote chunks."""
@@ -448,7 +449,7 @@ class GatheredGroups:
         # restore the owner's values from its fp32 master afterwards.
         for m in members:
             for s in m.slots:
-                if s.state is not S.HOLD_AFTER_BWD:
+                if s.state is not TensorState.HOLD_AFTER_BWD:
                     m.flat(s).zero_()
         r = self.residency
         for m in members:
@@ -482,7 +483,7 @@ class GatheredGroups:
             own.payload.div_(self.zero.nproc)
         master = self.lists[ChunkType.PARAM_FP32][own.index]
         for s in own.slots:
-            if s.state is not S.HOLD_AFTER_BWD:
+            if s.state is not TensorState.HOLD_AFTER_BWD:
                 r.in_memory(master)
                 own.flat(s).copy_(master.flat(s))
         self._drop(members, own)
