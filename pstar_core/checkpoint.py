@@ -27,6 +27,10 @@ one host staging buffer of a chunk. So saving needs one chunk beyond the engine'
 A checkpoint is written into a temporary sibling directory and renamed into place, so a
 failure while saving leaves the previous checkpoint intact. Chunks are read back one at
 a time, so loading needs no more host memory than one chunk beyond the engine's own.
+
+What is saved comes through two protocols, never the engine itself: the chunks and the
+tensors through its `ChunkStore` (`store`), and the rest as a `TrainingState` the engine
+hands over and takes back (`Checkpointable`).
 """
 
 from __future__ import annotations
@@ -35,18 +39,15 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 
 from pstar_core.chunk import Chunk, ChunkType
-from pstar_core.devices import rng_state, set_rng_state
-from pstar_core.tiers import TierName
-
-if TYPE_CHECKING:
-    from pstar_core.engine import Engine
+from pstar_core.store import ChunkStore
 
 FORMAT_VERSION = 2  # 2: no param chunks (re-derived from the masters)
 READABLE_VERSIONS = (1, 2)
@@ -60,17 +61,47 @@ class CheckpointError(RuntimeError):
     """The checkpoint is missing, corrupt, or was written for a different model/config."""
 
 
+@dataclass
+class TrainingState:
+    """What a checkpoint keeps beside the chunks and the tensors' step counts."""
+
+    global_step: int
+    lr_scale: float  # the schedule's factor on every group's lr
+    scaler: dict[str, Any]  # the loss scaler's state
+    rng: Any  # the CPU's and this rank's device's RNG states (`devices.rng_state`)
+    excluded: dict[str, Any]  # the excluded parameters' values and optimizer state
+    # where Adam ran for each chunk (`ChunkManager.placement_state`); None in checkpoints
+    # written before it was kept
+    placement: dict[str, Any] | None
+
+
+class Checkpointable(Protocol):
+    """What saves and restores a checkpoint: an `Engine`."""
+
+    @property
+    def tensors(self) -> ChunkStore:
+        """The chunks and the tensors."""
+
+    def training_state(self) -> TrainingState:
+        """The state beside the chunks, now."""
+
+    def load_training_state(self, state: TrainingState) -> None:
+        """Continue from `state` (the chunks are loaded already)."""
+
+
 def _rank_file(rank: int, world: int, suffix: str) -> str:
     return f"rank{rank}-of-{world}{suffix}"
 
 
-def _meta(engine: Engine) -> dict[str, Any]:
-    return {
+def _meta(store: ChunkStore, state: TrainingState | None = None) -> dict[str, Any]:
+    """The metadata file's contents; without `state`, the layout only (what a checkpoint
+    must match to load)."""
+    meta = {
         "format_version": FORMAT_VERSION,
-        "dtype": engine.config.dtype,
-        "chunk_size": engine.plan.chunk_size,
-        "world_size": engine.zero.nproc,
-        "lists": {k.value: len(v) for k, v in engine.manager.lists.items()},
+        "dtype": store.compute_dtype,
+        "chunk_size": store.chunk_size,
+        "world_size": store.zero.nproc,
+        "lists": {k.value: len(v) for k, v in store.lists.items()},
         "tensors": [
             {
                 "name": s.name,
@@ -79,17 +110,19 @@ def _meta(engine: Engine) -> dict[str, Any]:
                 "offset": s.offset,
                 "trainable": s.trainable,
             }
-            for s in engine.manager.slots
+            for s in store.slots
         ],
-        "frozen": "source" if engine.frozen_from_source else "saved",
-        "source_dir": str(engine.source_dir) if engine.source_dir is not None else None,
-        "global_step": engine.global_step,
-        "lr_scale": engine.optimizer.lr_scale,
-        "scaler": engine.scaler.state_dict(),
+        "frozen": "source" if store.frozen_from_source else "saved",
+        "source_dir": str(store.source_dir) if store.source_dir is not None else None,
     }
+    if state is not None:
+        meta["global_step"] = state.global_step
+        meta["lr_scale"] = state.lr_scale
+        meta["scaler"] = state.scaler
+    return meta
 
 
-def save_checkpoint(engine: Engine, directory: Path, shared: bool = True) -> Path:
+def save_checkpoint(engine: Checkpointable, directory: Path, shared: bool = True) -> Path:
     """Every rank writes its own shard; rank 0 writes the metadata.
 
     `shared=True`: all ranks see `directory` (one filesystem); the checkpoint is built in
@@ -98,12 +131,13 @@ def save_checkpoint(engine: Engine, directory: Path, shared: bool = True) -> Pat
     into its own (fresh) `directory`, for frameworks that collect per-rank directories
     (Ray Train); file names never collide across ranks.
     """
-    zero = engine.zero
+    store, state = engine.tensors, engine.training_state()
+    zero = store.zero
     directory = directory.resolve()
     directory.parent.mkdir(parents=True, exist_ok=True)
     if not shared:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_rank_files(engine, directory)
+        _write_rank_files(store, state, directory)
         return directory
     tmp = directory.parent / f".{directory.name}.tmp"
     if zero.rank == 0:
@@ -111,7 +145,7 @@ def save_checkpoint(engine: Engine, directory: Path, shared: bool = True) -> Pat
         tmp.mkdir()
     _barrier(zero)
     try:
-        _write_rank_files(engine, tmp)
+        _write_rank_files(store, state, tmp)
         _barrier(zero)
         if zero.rank == 0:
             _replace_dir(tmp, directory)
@@ -128,30 +162,24 @@ def _barrier(zero) -> None:
         zero.barrier()
 
 
-def _write_rank_files(engine: Engine, directory: Path) -> None:
-    m, zero = engine.manager, engine.zero
-    chunks = _saved_chunks(engine, not engine.frozen_from_source)
+def _write_rank_files(store: ChunkStore, state: TrainingState, directory: Path) -> None:
+    zero = store.zero
+    chunks = _saved_chunks(store, not store.frozen_from_source)
     write_streamed(
         directory / _rank_file(zero.rank, zero.nproc, ".safetensors"),
         [(f"{c.kind.value}.{c.index}", c) for c in chunks],
-        lambda c: None if c.zero_pending else m.residency.in_memory(c).payload,
+        lambda c: None if c.zero_pending else store.in_memory(c).payload,
     )
     extra = {
-        "rng": rng_state(engine.device),  # the CPU's and this rank's device's, not all GPUs'
-        "excluded": engine.excluded.state_dict(),
-        "steps": [s.step for s in m.slots],
-        # where Adam ran for each chunk: a resumed engine's first (warm-up) step updates
-        # the same chunks on the same tier, so it runs the same kernels as the run it
-        # continues (a fused device kernel and the host's differ in the last bits)
-        "placement": {
-            "device": engine.device.type,
-            "device_budget": m.residency.tiers[TierName.DEVICE].budget_bytes,
-            "device_adam": sorted(m.device_adam),
-        },
+        "rng": state.rng,  # the CPU's and this rank's device's, not all GPUs'
+        "excluded": state.excluded,
+        "steps": [s.step for s in store.slots],
+        # where Adam ran for each chunk (see `placement.saved`)
+        "placement": state.placement,
     }
     torch.save(extra, directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"))
     if zero.rank == 0:
-        (directory / META).write_text(json.dumps(_meta(engine), indent=1))
+        (directory / META).write_text(json.dumps(_meta(store, state), indent=1))
 
 
 def write_streamed(path: Path, entries: list[tuple[str, Chunk]], payload_of) -> None:
@@ -197,12 +225,12 @@ def _write_zeros(f: Any, nbytes: int, block: int = 2**20) -> None:
         nbytes -= n
 
 
-def _saved_chunks(engine: Engine, frozen_saved: bool) -> list[Any]:
+def _saved_chunks(store: ChunkStore, frozen_saved: bool) -> list[Any]:
     """This rank's chunks that a checkpoint holds: the optimizer lists, and the frozen
     list unless its source directory holds it (param chunks are re-derived)."""
     return [
         c
-        for c in engine.manager.own_chunks()
+        for c in store.own_chunks()
         if c.kind is not ChunkType.PARAM and (frozen_saved or c.kind is not ChunkType.FROZEN)
     ]
 
@@ -215,7 +243,9 @@ def _replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(engine: Engine, directory: Path) -> None:
+def load_checkpoint(engine: Checkpointable, directory: Path) -> None:
+    """Load the chunks into the engine's store, then hand it the training state."""
+    store = engine.tensors
     meta_path = directory / META
     if not meta_path.is_file():
         raise CheckpointError(f"{directory} is not a pstar checkpoint (no {META})")
@@ -223,31 +253,29 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
-    _check_compatible(engine, meta, directory)
-    zero = engine.zero
+    _check_compatible(store, meta, directory)
+    zero = store.zero
     frozen_saved = meta.get("frozen", "saved") == "saved"
-    if meta["dtype"] != engine.config.dtype:
+    if meta["dtype"] != store.compute_dtype:
         log.info(
             "checkpoint %s was written in %s; this engine computes in %s (param chunks are "
             "re-derived from the fp32 masters)",
             directory,
             meta["dtype"],
-            engine.config.dtype,
+            store.compute_dtype,
         )
     path = directory / _rank_file(zero.rank, zero.nproc, ".safetensors")
-    residency = engine.manager.residency
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for c in _saved_chunks(engine, frozen_saved):
+            for c in _saved_chunks(store, frozen_saved):
                 key = f"{c.kind.value}.{c.index}"
                 # copy_ casts: frozen chunks saved in another compute dtype
-                residency.in_memory(c).payload.copy_(f.get_tensor(key))
+                store.in_memory(c).payload.copy_(f.get_tensor(key))
     except (OSError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot read chunk data from {path}: {e}") from None
-    lists = engine.manager.lists
-    for param in engine.manager.own_chunks([ChunkType.PARAM]):
-        master = lists[ChunkType.PARAM_FP32][param.index]
-        residency.colocate([param, master])
+    for param in store.own_chunks([ChunkType.PARAM]):
+        master = store.lists[ChunkType.PARAM_FP32][param.index]
+        store.colocate([param, master])
         param.payload.copy_(master.payload)  # what Adam wrote there: the cast of the master
     extra = torch.load(
         directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"),
@@ -255,37 +283,29 @@ def load_checkpoint(engine: Engine, directory: Path) -> None:
         map_location="cpu",  # written on whatever device; placed by the engine
     )
     if frozen_saved:
-        engine.frozen_from_source = False
-    set_rng_state(extra["rng"], engine.device)
-    engine.excluded.load_state_dict(extra["excluded"])
-    for slot, step in zip(engine.manager.slots, extra["steps"], strict=True):
+        store.frozen_from_source = False
+    for slot, step in zip(store.slots, extra["steps"], strict=True):
         slot.step = int(step)
-    _restore_placement(engine, extra.get("placement"))
-    engine.global_step = int(meta["global_step"])
-    engine.optimizer.lr_scale = float(meta["lr_scale"])
-    engine.scaler.load_state_dict(meta["scaler"])
+    engine.load_training_state(
+        TrainingState(
+            global_step=int(meta["global_step"]),
+            lr_scale=float(meta["lr_scale"]),
+            scaler=meta["scaler"],
+            rng=extra["rng"],
+            excluded=extra["excluded"],
+            placement=extra.get("placement"),
+        )
+    )
 
 
-def _restore_placement(engine: Engine, saved: dict[str, Any] | None) -> None:
-    """Until this engine's own trace decides again, Adam runs where it ran for the run
-    being continued, on the same kind of device with at least its budget (a smaller one
-    may not hold those chunks; the step is then as any warm-up's, on the host)."""
-    m = engine.manager
-    if saved is None or m.tracer.trace is not None or saved["device"] != engine.device.type:
-        return
-    if m.residency.tiers[TierName.DEVICE].budget_bytes < saved["device_budget"]:
-        return
-    m.device_adam = {i for i in saved["device_adam"] if i < len(m.lists[ChunkType.PARAM])}
-
-
-def _check_compatible(engine: Engine, meta: dict[str, Any], directory: Path) -> None:
+def _check_compatible(store: ChunkStore, meta: dict[str, Any], directory: Path) -> None:
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{directory}: format version {meta.get('format_version')}, "
             f"this engine reads {list(READABLE_VERSIONS)}"
         )
-    ours = _meta(engine)
-    if meta.get("frozen") == "source" and not engine.frozen_from_source:
+    ours = _meta(store)
+    if meta.get("frozen") == "source" and not store.frozen_from_source:
         raise CheckpointError(
             f"{directory}: the checkpoint leaves its frozen weights to the model directory "
             f"{meta.get('source_dir')}; initialize the engine from that directory first"

@@ -1,42 +1,47 @@
 """`initialize(model_fn, config) -> Engine`: the one verb of the engine, and the Engine.
 
 The model is built on the `meta` device, so no weight exists before its chunk slot does;
-each parameter is then materialized straight into its slot (the fp32 master slot for a
-trainable parameter, so initialization happens at full precision) and initialized by the
-model's own init code. The param chunks are cast from the masters, and from then on a
-parameter has storage only while an operator uses it.
+each parameter is then materialized straight into its slot (see `materialize`), and from
+then on a parameter has storage only while an operator uses it.
+
+The Engine wires the parts together and runs the iteration: forward (`__call__`),
+`backward` and `step`. What it reports (`stats`), what it reads and writes
+(`tensors`: state dicts, checkpoints, Hugging Face export) and how it gives up a failed
+iteration (`abandon`) live in modules of their own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from pstar_core import lora, startup
-from pstar_core.chunk import TRAINABLE_LISTS, ChunkType, TensorSlot, TensorState
-from pstar_core.config import ConfigError, EngineConfig, missing_unexpected
-from pstar_core.devices import resolve_device, to_device
+from pstar_core import checkpoint, hf, lora, startup, stats
+from pstar_core.abandon import IterationGuard
+from pstar_core.checkpoint import TrainingState
+from pstar_core.chunk import TensorSlot, TensorState
+from pstar_core.config import ConfigError, EngineConfig
+from pstar_core.devices import resolve_device, rng_state, set_rng_state, to_device
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import ChunkManager, TrainingPhase
-from pstar_core.mapping import make_plan
+from pstar_core.mapping import Plan, make_plan
+from pstar_core.materialize import WeightSource, materialize
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
-from pstar_core.tiers import FreedMemory, TierName, return_freed_host_memory
+from pstar_core.tensors import ModelTensors
+from pstar_core.tiers import FreedMemory, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
 log = logging.getLogger(__name__)
-WeightSource = Callable[["Engine"], None]
 
 
 def initialize(
@@ -57,9 +62,7 @@ def initialize(
     """
     cfg = EngineConfig.parse(config)
     if isinstance(model_fn, (str, Path)):
-        from pstar_core.hf import initialize_from_hf_dir
-
-        return initialize_from_hf_dir(Path(model_fn), cfg, process_group)
+        return _from_hf_dir(Path(model_fn), cfg, process_group)
     if not callable(model_fn):
         raise TypeError(f"model_fn must be a callable returning an nn.Module, got {model_fn!r}")
     with torch.device("meta"):
@@ -67,6 +70,20 @@ def initialize(
     if not isinstance(module, nn.Module):
         raise TypeError(f"model_fn returned {type(module).__name__}, expected an nn.Module")
     return Engine(with_lora(module, cfg), cfg, process_group=process_group)
+
+
+def _from_hf_dir(directory: Path, cfg: EngineConfig, process_group: Any) -> Engine:
+    """An engine whose weights stream from a Hugging Face model directory (`hf`)."""
+    module, files = hf.model_on_meta(directory)
+    engine = Engine(
+        with_lora(module, cfg),
+        cfg,
+        weights=lambda store: hf.stream_weights(store, files),
+        process_group=process_group,
+    )
+    engine.tensors.source_dir = directory
+    engine.tensors.frozen_from_source = True
+    return engine
 
 
 def with_lora(module: nn.Module, cfg: EngineConfig) -> nn.Module:
@@ -95,9 +112,6 @@ class Engine:
         process_group: Any = None,
     ) -> None:
         self.module = module
-        self.source_dir: Path | None = None  # a HF model directory the weights came from
-        # the frozen chunks hold exactly what `source_dir` holds (checkpoints leave them out)
-        self.frozen_from_source = False
         self.device = resolve_device(cfg.device)
         self.global_step = 0
 
@@ -130,32 +144,18 @@ class Engine:
             self.zero.nproc,
         )
         self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
-        self._lazy_frozen = startup.allocate(self.manager.residency, weights is not None)
+        lazy_frozen = startup.allocate(self.manager.residency, weights is not None)
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
         )
         group_by_id = {id(p): g for (_, p), g in zip(params, group_of, strict=True)}
-        self.slots: dict[int, TensorSlot] = {}
-        tr_place = iter(self.plan.trainable.placements)
-        fr_place = iter(self.plan.frozen.placements)
-        for names, p in chunked:
-            place = next(tr_place if p.requires_grad else fr_place)
-            slot = TensorSlot(
-                names[0],
-                names,
-                p,
-                p.shape,
-                place.chunk_index,
-                place.offset,
-                p.numel(),
-                p.requires_grad,
-                group_by_id[id(p)],
-            )
-            self.manager.add_slot(slot)
-            self.slots[id(p)] = slot
-        self.by_name = {n: s for s in self.slots.values() for n in s.aliases}
+        self.slots = _add_slots(chunked, self.plan, group_by_id, self.manager)  # by id(param)
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
-        self._materialize(weights)
+        # the model's tensors by name: what state dicts, checkpoints and exports read
+        self.tensors = ModelTensors(module, self.manager, self.slots, self.excluded, cfg.dtype)
+        self.by_name = self.tensors.by_name
+        adapter_dir = cfg.lora.adapter_dir if cfg.lora is not None else None
+        materialize(self.tensors, self.slots, weights, lazy_frozen, adapter_dir)
         self.manager.drop_remote()
         self.load_peak_bytes = startup.enforce_budgets(self.manager.residency)
         startup.pin_host_chunks(self.manager.residency)
@@ -163,74 +163,15 @@ class Engine:
             [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
         )
         self._closed = False
-        self._gather_cache: tuple[Any, torch.Tensor] | None = None
         if cfg.activation_checkpointing:
             _enable_activation_checkpointing(module)
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
+        self._guard = IterationGuard(self.manager, self.optimizer, self.excluded)
         self._hooks = install_hooks(module, self.slots, self.manager)
         self._saved_tensor_hooks = saved_tensor_hooks(self.manager)
         return_freed_host_memory()  # what loading the weights left behind
         self._freed = FreedMemory()
-
-    # -- materialization ----------------------------------------------------------------
-
-    def _materialize(self, weights: WeightSource | None) -> None:
-        """Point every parameter at its slot, initialize or load, then cast the masters down.
-
-        With `weights` (a callable filling the slots, e.g. streaming a HF checkpoint), the
-        model's random init is skipped except on modules without chunked parameters,
-        whose non-persistent buffers (rotary frequencies) only init code can compute.
-        """
-        m = self.manager
-        preloaded = False
-        # Another rank's tensor is initialized into a staging buffer and dropped, where
-        # init code will write it: a random init writes every tensor, a weights source
-        # only the adapters peft initializes; the others stay empty here.
-        adapters = lora.is_peft(self.module)
-        written = [s for s in self.slots.values() if weights is None or (adapters and s.trainable)]
-        staging = _Staging(written, m, self.dtype)
-        for slot in self.slots.values():
-            if slot.param.is_meta:
-                _rehome(slot.param, self.device)
-            if self._lazy_frozen and not slot.trainable:
-                continue  # streamed into its chunk by load_tensor; no view needed
-            kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-            chunk = m.chunk_of(kind, slot)
-            view = chunk.view(slot) if m.owned(chunk) else staging.view(slot)
-            if not slot.param.is_meta and slot.param.numel():
-                if view is not None:
-                    view.copy_(slot.param.data)  # model_fn built real weights: keep them
-                preloaded = True
-            if view is not None:
-                slot.param.data = view
-        preloaded |= self.excluded.materialize()
-        for mod in self.module.modules():
-            for name, buf in mod._buffers.items():
-                if buf is not None and buf.is_meta:
-                    mod._buffers[name] = torch.empty_like(buf, device=self.device)
-                elif buf is not None and buf.device != self.device:
-                    mod._buffers[name] = buf.to(self.device)
-        with torch.no_grad():
-            if weights is not None:
-                _init_buffer_only_modules(self.module, self.slots)
-                weights(self)
-            elif not preloaded:
-                _run_model_init(self.module)
-            if lora.is_peft(self.module) and not preloaded:
-                lora.init_adapters(self.module)
-            if self.config.lora is not None and self.config.lora.adapter_dir is not None:
-                lora.load_adapter(self, self.config.lora.adapter_dir)
-        for param, master in zip(
-            m.lists[ChunkType.PARAM], m.lists[ChunkType.PARAM_FP32], strict=True
-        ):
-            if m.owned(param):
-                param.payload.copy_(master.payload)
-        self.excluded.sync_from_masters()
-        for slot in self.slots.values():
-            if slot.state is not TensorState.HOLD:  # a lazily loaded frozen one is HOLD already
-                slot.set_state(TensorState.HOLD)
-            m.drop_storage(slot)
 
     # -- training -----------------------------------------------------------------------
 
@@ -242,7 +183,7 @@ class Engine:
         m = self.manager
         evaluating = not (torch.is_grad_enabled() and self.module.training)
         args, kwargs = to_device((args, kwargs), self.device)  # the caller's batch, moved
-        with self._abandon_on_error():
+        with self._guard.on_error():
             if m.phase is TrainingPhase.IDLE:
                 shape = batch_shape(args, kwargs)
                 if evaluating:
@@ -266,7 +207,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients add up over calls until `step()`."""
         self._check_open()
-        with self._abandon_on_error():
+        with self._guard.on_error():
             self.manager.phase = TrainingPhase.BACKWARD
             if self.scaler.enabled:
                 loss = loss.float() * self.scaler.scale
@@ -279,7 +220,7 @@ class Engine:
     def step(self) -> bool:
         """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
         self._check_open()
-        with self._abandon_on_error():
+        with self._guard.on_error():
             self.manager.phase = TrainingPhase.STEP
             return self._step()
 
@@ -322,17 +263,6 @@ class Engine:
         self.manager.end_pass()
         self._freed.maybe_return()
 
-    @contextlib.contextmanager
-    def _abandon_on_error(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException as e:
-            try:
-                self._abandon(e)
-            except Exception:  # the original error is what the caller needs to see
-                log.exception("could not reset the engine after an error")
-            raise
-
     def abandon_iteration(self) -> None:
         """Give up the iteration under way, as after an exception inside it: the gradients
         accumulated since the last `step()` are dropped (parameters keep their values),
@@ -345,20 +275,7 @@ class Engine:
         so a loop that catches it on every rank and goes on stays in step (see [Note:
         ranks fail together] in zero.py).
         """
-        self._abandon(RuntimeError("abandon_iteration() was called"))
-
-    def _abandon(self, error: BaseException) -> None:
-        if self.zero.enabled:
-            self.zero.report_failure(error)
-        m = self.manager
-        m.tracer.abort()
-        m.groups.drop_all()
-        m.release_all(TensorState.HOLD)
-        m.reset_after_forward()
-        if any(s.state is TensorState.HOLD_AFTER_BWD for s in m.slots) or m.grad_accum:
-            self.optimizer.drop_grads()
-        self.excluded.zero_grad()
-        m.phase = TrainingPhase.IDLE
+        self._guard.abandon(RuntimeError("abandon_iteration() was called"))
 
     def close(self) -> None:
         """Free every chunk (all tiers), close the spill file and remove the hooks. The
@@ -369,7 +286,7 @@ class Engine:
             self.manager.phase is not TrainingPhase.IDLE
             or self.manager.tracer.mode is not Mode.IDLE
         ):
-            self._abandon(RuntimeError("the engine was closed inside an iteration"))
+            self._guard.abandon(RuntimeError("the engine was closed inside an iteration"))
         for h in self._hooks:
             h.remove()
         self.manager.close()
@@ -397,91 +314,53 @@ class Engine:
         """The current learning rate of the base optimizer group."""
         return self.config.optimizer.lr * self.optimizer.lr_scale
 
-    # -- state ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Measured numbers: chunks per list and tier, bytes, utilization, bytes moved."""
+        return stats.engine_stats(
+            self.manager,
+            self.excluded,
+            self.precision,
+            self.scaler,
+            load_peak_bytes=self.load_peak_bytes,
+            global_step=self.global_step,
+            lr=self.lr,
+        )
+
+    # -- state (see `tensors` and `checkpoint`) -------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict under its own names; trainable weights are fp32 masters.
         Every tensor is a host copy, wherever its chunk is (the device may not hold the
         whole model)."""
-        names = self.module.state_dict(keep_vars=True)
-        out = {name: self.read_tensor(name).to("cpu", copy=True) for name in names}
-        self.forget_gathered()
-        return out
-
-    def forget_gathered(self) -> None:
-        """Drop the chunk cached by `read_tensor` under ZeRO."""
-        self._gather_cache = None
-
-    def read_tensor(self, name: str) -> torch.Tensor:
-        """A view of one state-dict entry: the fp32 master of a trainable parameter."""
-        slot = self.by_name.get(name)
-        if slot is None:
-            value = self.excluded.value(name)
-            return (value if value is not None else self.module.get_buffer(name)).detach()
-        kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
-        chunk = self.manager.chunk_of(kind, slot)
-        if self.zero.enabled:
-            return self._gathered(chunk)[slot.offset : slot.end].view(slot.shape)
-        return self.manager.residency.in_memory(chunk).view(slot)
-
-    def _gathered(self, chunk: Any) -> torch.Tensor:
-        """A host copy of any rank's chunk, broadcast by its owner (every rank must ask too).
-
-        The broadcast goes through a buffer on the compute device (NCCL takes no host
-        memory); one chunk is cached, so reading a chunk's tensors in order costs one
-        broadcast and memory stays bounded by a chunk.
-        """
-        key = (chunk.kind, chunk.index)
-        if self._gather_cache is None or self._gather_cache[0] != key:
-            if self.manager.owned(chunk):
-                buf = self.manager.residency.in_memory(chunk).payload.to(self.device)
-            else:
-                buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
-            self.zero.broadcast(buf, src=self.manager.owner(chunk))
-            self._gather_cache = (key, buf.cpu())
-        return self._gather_cache[1]
+        return self.tensors.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights by name (the masters at full precision; optimizer states kept)."""
         self._require_no_pending_grads("load_state_dict")
-        own = self.module.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
-        if strict and (missing or unexpected):
-            raise KeyError(
-                "state dict does not match the model: "
-                + missing_unexpected(missing, unexpected, 10)
-            )
-        for name, value in state.items():
-            if name in own:
-                self.load_tensor(name, value, own[name])
+        self.tensors.load_state_dict(state, strict)
 
-    @torch.no_grad()
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """A view of one state-dict entry: the fp32 master of a trainable parameter."""
+        return self.tensors.read_tensor(name)
+
     def load_tensor(self, name: str, value: torch.Tensor, own: torch.Tensor) -> None:
         """Write one state-dict entry (any dtype) into its slot, or into a plain tensor."""
-        slot = self.by_name.get(name)
-        if slot is None:
-            self.excluded.load(name, own, value)
-            return
-        if tuple(value.shape) != tuple(slot.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(value.shape)} in the source, "
-                f"{tuple(slot.shape)} in the model"
-            )
-        m = self.manager
-        if not m.owned(m.param_chunk(slot)):
-            return  # another rank owns this tensor and loads it there
-        if slot.trainable:
-            chunks = [m.chunk_of(k, slot) for k in (ChunkType.PARAM_FP32, ChunkType.PARAM)]
-            m.residency.make_resident([c for c in chunks if c.tier == TierName.DISK], TierName.HOST)
-            master = chunks[0].view(slot)
-            master.copy_(value)
-            chunks[1].view(slot).copy_(master)
-        else:
-            m.residency.in_memory(m.chunk_of(ChunkType.FROZEN, slot)).view(slot).copy_(value)
-            self.frozen_from_source = False
-            if slot.state is TensorState.FREE:  # streaming in: a chunk whose tensors are all in
-                slot.set_state(TensorState.HOLD)  # may go to disk to make room for the next
+        self.tensors.load_tensor(name, value, own)
+
+    def forget_gathered(self) -> None:
+        """Drop the chunk cached by `read_tensor` under ZeRO."""
+        self.tensors.forget_gathered()
+
+    @property
+    def source_dir(self) -> Path | None:
+        """The Hugging Face model directory the weights came from, if any."""
+        return self.tensors.source_dir
+
+    @property
+    def frozen_from_source(self) -> bool:
+        """The frozen chunks hold exactly what `source_dir` holds (checkpoints leave them
+        out)."""
+        return self.tensors.frozen_from_source
 
     def export_hf(
         self,
@@ -496,10 +375,8 @@ class Engine:
         A LoRA model exports as `variant="adapter"` (the default: a PEFT adapter directory
         that `PeftModel.from_pretrained` loads on its base) or `"merged"` (the base with
         the adapters folded in, a plain transformers model)."""
-        from pstar_core.hf import export_hf
-
         self._require_no_pending_grads("export_hf")
-        return export_hf(self, Path(directory), dtype, max_shard_bytes, variant)
+        return hf.export_hf(self.tensors, Path(directory), dtype, max_shard_bytes, variant)
 
     def _require_no_pending_grads(self, what: str) -> None:
         if (
@@ -517,93 +394,33 @@ class Engine:
         With `shared` (one filesystem for all ranks) the directory is replaced atomically;
         otherwise each rank fills its own directory (see `pstar_core.checkpoint`).
         """
-        from pstar_core.checkpoint import save_checkpoint
-
         self._require_no_pending_grads("save_checkpoint")
-        return save_checkpoint(self, Path(directory), shared)
+        return checkpoint.save_checkpoint(self, Path(directory), shared)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore a checkpoint written by `save_checkpoint` for the same model and config."""
-        from pstar_core.checkpoint import load_checkpoint
-
         self._require_no_pending_grads("load_checkpoint")
-        load_checkpoint(self, Path(directory))
+        checkpoint.load_checkpoint(self, Path(directory))
 
-    def stats(self) -> dict[str, Any]:
-        """Measured numbers: chunks per list and tier, bytes, utilization, bytes moved."""
-        m = self.manager
-        chunks: dict[str, dict[str, Any]] = {}
-        model_bytes = 0
-        for kind, lst in m.lists.items():
-            tiers: dict[str, int] = {}
-            lst = [c for c in lst if m.owned(c)]
-            for c in lst:
-                if c.tier is not None:
-                    tiers[c.tier] = tiers.get(c.tier, 0) + 1
-            used = sum(c.used_elems for c in lst)
-            esize = torch.empty((), dtype=lst[0].dtype).element_size() if lst else 0
-            model_bytes += used * esize
-            chunks[kind.value] = {
-                "count": len(lst),
-                "bytes": sum(c.nbytes for c in lst),
-                "used_bytes": used * esize,
-                "utilization": used / (len(lst) * self.plan.chunk_size) if lst else 1.0,
-                "by_tier": tiers,
-            }
-        model_bytes += m.grad_accum.bytes + self.excluded.model_data_bytes()
-        n_params = self.plan.params + self.excluded.numel  # of the whole model
-        return {
-            "dtype": self.config.dtype,  # resolved: never 'auto'
-            "compute_dtype": self.config.dtype,
-            "precision": self.precision.as_dict(),
-            "chunk_size": self.plan.chunk_size,
-            "params": n_params,
-            "trainable_params": self.plan.trainable_params + self.excluded.trainable_numel,
-            "chunks": chunks,
-            "chunk_bytes": sum(c["bytes"] for c in chunks.values()) + m.grad_accum.bytes,
-            "utilization": self.plan.utilization,
-            "model_data_bytes": model_bytes,
-            "model_data_bytes_per_param": model_bytes / n_params if n_params else 0.0,
-            # frozen weights (a LoRA base) and trainable ones apart: ~2 and 14 in bf16
-            "bytes_per_param": _bytes_per_param(chunks, self.plan, self.zero.nproc),
-            "grad_accum_bytes": m.grad_accum.bytes,
-            "peak_grad_accum_bytes": m.grad_accum.peak_bytes,
-            "bytes_moved": dict(m.residency.transfers.bytes_moved),
-            "prefetched": dict(m.residency.transfers.prefetched),
-            "moves": dict(m.residency.transfers.moves),
-            "bytes_moved_last_iteration": dict(m.residency.transfers.last_iteration_bytes_moved),
-            "moves_last_iteration": dict(m.residency.transfers.last_iteration_moves),
-            "tiers": m.residency.tier_bytes(),
-            "load_peak_bytes": dict(self.load_peak_bytes),  # per tier, while loading
-            "tracer": self.manager.tracer.stats(),
-            "margin_bytes": self.manager.margin_bytes,
-            "device_adam_chunks": len(m.device_adam),
-            "world_size": self.zero.nproc,
-            "device": str(self.device),
-            "threads": torch.get_num_threads(),
-            "rank": self.zero.rank,
-            "comm_bytes_sent": self.zero.bytes_sent,
-            "comm_overlapped_reductions": self.zero.overlapped,
-            "host_pool": self.manager.residency.host_pool(),
-            "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in self.zero.calls.items()},
-            "comm_bytes_by_list": {k: dict(v) for k, v in self.zero.by_list.items()},
-            "overflow_count": self.scaler.overflows,
-            "loss_scale": self.scaler.scale,
-            "global_step": self.global_step,
-            "lr": self.lr,
-        }
+    def training_state(self) -> TrainingState:
+        """What a checkpoint keeps beside the chunks (see `pstar_core.checkpoint`)."""
+        return TrainingState(
+            global_step=self.global_step,
+            lr_scale=self.optimizer.lr_scale,
+            scaler=self.scaler.state_dict(),
+            rng=rng_state(self.device),
+            excluded=self.excluded.state_dict(),
+            placement=self.manager.placement_state(),
+        )
 
-
-def _bytes_per_param(chunks: dict[str, dict[str, Any]], plan: Any, nproc: int) -> dict[str, float]:
-    """Model data per parameter of the frozen list and of the trainable lists, from the
-    bytes this rank's chunks use (a rank holds 1/nproc of each list)."""
-    frozen = chunks[ChunkType.FROZEN.value]["used_bytes"]
-    trainable = sum(chunks[k.value]["used_bytes"] for k in TRAINABLE_LISTS)
-    n_frozen = plan.params - plan.trainable_params
-    return {
-        "frozen": frozen * nproc / n_frozen if n_frozen else 0.0,
-        "trainable": trainable * nproc / plan.trainable_params if plan.trainable_params else 0.0,
-    }
+    def load_training_state(self, state: TrainingState) -> None:
+        """Continue from a checkpoint's training state (its chunks are loaded already)."""
+        set_rng_state(state.rng, self.device)
+        self.excluded.load_state_dict(state.excluded)
+        self.manager.restore_placement(state.placement)
+        self.global_step = state.global_step
+        self.optimizer.lr_scale = state.lr_scale
+        self.scaler.load_state_dict(state.scaler)
 
 
 def batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BatchShape | None:
@@ -623,73 +440,41 @@ def batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BatchShape | N
     return BatchShape(tokens=t.numel(), seq=t.shape[-1])
 
 
+def _add_slots(
+    chunked: list[tuple[tuple[str, ...], nn.Parameter]],
+    plan: Plan,
+    group_by_id: dict[int, int],
+    manager: ChunkManager,
+) -> dict[int, TensorSlot]:
+    """A slot for each chunked parameter where the plan puts it, added to the manager;
+    by the parameter's id."""
+    slots: dict[int, TensorSlot] = {}
+    tr_place = iter(plan.trainable.placements)
+    fr_place = iter(plan.frozen.placements)
+    for names, p in chunked:
+        place = next(tr_place if p.requires_grad else fr_place)
+        slot = TensorSlot(
+            names[0],
+            names,
+            p,
+            p.shape,
+            place.chunk_index,
+            place.offset,
+            p.numel(),
+            p.requires_grad,
+            group_by_id[id(p)],
+        )
+        manager.add_slot(slot)
+        slots[id(p)] = slot
+    return slots
+
+
 def _unique_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
     """Parameters in registration (= initialization) order, each with all its names."""
     seen: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         seen.setdefault(id(p), ([], p))[0].append(name)
     return [(tuple(names), p) for names, p in seen.values()]
-
-
-class _Staging:
-    """Where other ranks' tensors are initialized (and dropped) under ZeRO: the model's
-    init code runs over every parameter in order, so the random stream reaches this
-    rank's own tensors exactly as on one rank, but another rank's tensor only ever
-    occupies a buffer the size of the largest such tensor (one per dtype), reused by all
-    of them, instead of its chunk. A pretrained load writes only this rank's tensors, so
-    it needs none (but for a LoRA model's adapters, which peft initializes)."""
-
-    def __init__(self, slots: Any, m: Any, dtype: torch.dtype) -> None:
-        need: dict[torch.dtype, int] = {}
-        self.slots = set()  # of the tensors init code writes, other ranks' (by id)
-        for s in slots:
-            if not m.owned(m.param_chunk(s)):
-                dt = torch.float32 if s.trainable else dtype
-                need[dt] = max(need.get(dt, 0), s.numel)
-                self.slots.add(id(s))
-        self.dtype = dtype
-        self.buffers = {dt: torch.empty(n, dtype=dt, device="cpu") for dt, n in need.items()}
-
-    def view(self, slot: TensorSlot) -> torch.Tensor | None:
-        """Where another rank's tensor is written while initializing (None: nothing writes
-        it here, so it stays empty)."""
-        if id(slot) not in self.slots:
-            return None
-        buf = self.buffers[torch.float32 if slot.trainable else self.dtype]
-        return buf[: slot.numel].view(slot.shape)
-
-
-def _rehome(param: nn.Parameter, device: torch.device) -> None:
-    """Turn a meta parameter into an empty one on `device`, keeping the Python object.
-
-    `param.data = x` cannot cross from meta to a real device, and replacing the object
-    would break tied weights and any reference the user holds; swapping keeps both.
-    """
-    empty = nn.Parameter(torch.empty(0, device=device), requires_grad=param.requires_grad)
-    torch.utils.swap_tensors(param, empty)
-
-
-def _init_buffer_only_modules(module: nn.Module, slots: dict[int, TensorSlot]) -> None:
-    hf_init = getattr(module, "_init_weights", None)
-    for mod in module.modules():
-        if any(id(p) in slots for p in mod.parameters(recurse=False)) or not mod._buffers:
-            continue
-        if hf_init is not None:
-            hf_init(mod)
-        elif hasattr(mod, "reset_parameters"):
-            mod.reset_parameters()
-
-
-def _run_model_init(module: nn.Module) -> None:
-    """Run the model's own initializer on the materialized slots."""
-    if hasattr(module, "initialize_weights"):  # transformers PreTrainedModel
-        module.initialize_weights()
-    elif hasattr(module, "init_weights"):
-        module.init_weights()
-    else:
-        for mod in module.modules():
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
 
 
 def _enable_activation_checkpointing(module: nn.Module) -> None:

@@ -9,6 +9,9 @@ files lack, is an error that names it.
 Out: `export_hf` writes config, safetensors shards and the source's tokenizer files so
 that `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads the result. Shards
 are sized like chunks and written one at a time, so memory stays bounded by one shard.
+
+Both sides read and write the model through a `ChunkStore` (`store`), not the engine:
+`model_on_meta` + `stream_weights` are what `initialize` does with a model directory.
 """
 
 from __future__ import annotations
@@ -20,17 +23,15 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from pstar_core import lora
-from pstar_core.config import EngineConfig, missing_unexpected
-
-if TYPE_CHECKING:
-    from pstar_core.engine import Engine
+from pstar_core.config import DTYPES, missing_unexpected
+from pstar_core.store import ChunkStore
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -76,10 +77,10 @@ def weight_files(directory: Path) -> list[Path]:
     raise HFLoadError(f"{directory}: no {SAFE_SINGLE} or {SAFE_INDEX}{hint}")
 
 
-def initialize_from_hf_dir(directory: Path, cfg: EngineConfig, process_group=None) -> Engine:
+def model_on_meta(directory: Path) -> tuple[nn.Module, list[Path]]:
+    """The causal LM of a model directory, built on `meta` from its `config.json`, and
+    its weight files (for `stream_weights`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pstar_core.engine import Engine, with_lora
 
     if not is_hf_dir(directory):
         raise HFLoadError(f"{directory} is not a Hugging Face model directory (no config.json)")
@@ -90,23 +91,15 @@ def initialize_from_hf_dir(directory: Path, cfg: EngineConfig, process_group=Non
     files = weight_files(directory)
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(hf_config)
-    engine = Engine(
-        with_lora(module, cfg),
-        cfg,
-        weights=lambda e: stream_weights(e, files),
-        process_group=process_group,
-    )
-    engine.source_dir = directory
-    engine.frozen_from_source = True
-    return engine
+    return module, files
 
 
-def stream_weights(engine: Engine, files: list[Path]) -> None:
+def stream_weights(store: ChunkStore, files: list[Path]) -> None:
     """Copy every tensor of `files` into its slot (or buffer), one tensor at a time.
 
     For a LoRA model the files hold the base model: their names map to the base weights
     under the adapters, and the adapters themselves are not expected."""
-    module = engine.module
+    module = store.module
     own = module.state_dict(keep_vars=True)
     if lora.is_peft(module):
         by_file = {b: n for n in own if (b := lora.base_name(n)) is not None}
@@ -128,13 +121,13 @@ def stream_weights(engine: Engine, files: list[Path]) -> None:
                         if not any(p.search(key) for p in ignorable):
                             unexpected.append(key)
                         continue
-                    engine.load_tensor(name, f.get_tensor(key), own[name])
+                    store.load_tensor(name, f.get_tensor(key), own[name])
                     loaded.add(name)
         except SafetensorError as e:
             raise HFLoadError(f"{path} is not a readable safetensors file: {e}") from None
     covered = set(loaded)
     for name in loaded:
-        slot = engine.by_name.get(name)
+        slot = store.by_name.get(name)
         if slot is not None:
             covered.update(slot.aliases)  # tied weights: one tensor in the file serves all names
     missing = [n for n in by_file.values() if n not in covered]
@@ -145,7 +138,7 @@ def stream_weights(engine: Engine, files: list[Path]) -> None:
 
 
 def export_hf(
-    engine: Engine,
+    store: ChunkStore,
     out: Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
@@ -154,7 +147,7 @@ def export_hf(
     """Write a directory that transformers (`variant` 'full' or 'merged') or peft
     ('adapter') loads, from the engine's fp32 masters. With ZeRO every rank takes part
     and rank 0 writes; the directory appears whole or not at all."""
-    is_lora = lora.is_peft(engine.module)
+    is_lora = lora.is_peft(store.module)
     variant = variant or ("adapter" if is_lora else "full")
     allowed = ("adapter", "merged") if is_lora else ("full",)
     if variant not in allowed:
@@ -163,20 +156,20 @@ def export_hf(
             f"export variant {variant!r}: {kind} exports as {' or '.join(map(repr, allowed))}"
         )
     if variant == "adapter":
-        return _export_adapter(engine, out, dtype)
-    module = engine.module.get_base_model() if is_lora else engine.module
+        return _export_adapter(store, out, dtype)
+    module = store.module.get_base_model() if is_lora else store.module
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TypeError(
             f"export_hf needs a transformers model; {type(module).__name__} is not one "
             "(use save_checkpoint or state_dict instead)"
         )
-    dtype = dtype or engine.dtype
+    dtype = dtype or DTYPES[store.compute_dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     if max_shard_bytes is None:
-        max_shard_bytes = max(engine.plan.chunk_size * esize, 64 * 2**20)
-    names = _export_names(engine)
-    adapted = lora.layers(engine.module) if is_lora else {}
+        max_shard_bytes = max(store.chunk_size * esize, 64 * 2**20)
+    names = _export_names(store)
+    adapted = lora.layers(store.module) if is_lora else {}
     shards: list[list[tuple[str, str]]] = [[]]
     size = 0
     for out_name, name, numel in names:
@@ -192,10 +185,10 @@ def export_hf(
         # shard holds copies, bounded by `max_shard_bytes`
         layer = adapted.get(name)
         if layer is not None:
-            return lora.merged_weight(engine, name, layer).to(dtype)  # a fresh tensor
-        return engine.read_tensor(name).to("cpu", dtype, copy=True).contiguous()
+            return lora.merged_weight(store, name, layer).to(dtype)  # a fresh tensor
+        return store.read_tensor(name).to("cpu", dtype, copy=True).contiguous()
 
-    with _staged(engine, out) as tmp:
+    with _staged(store, out) as tmp:
         if tmp is not None:
             saved_dtype = config.dtype
             config.dtype = dtype  # what from_pretrained(dtype="auto") will pick
@@ -217,41 +210,39 @@ def export_hf(
                 save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
             weight_map.update(dict.fromkeys((o for o, _ in shard), fname))
-        engine.forget_gathered()
+        store.forget_gathered()
         if tmp is not None:
             if len(shards) > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=1))
-            _copy_side_files(engine, tmp)
+            _copy_side_files(store, tmp)
     return out.resolve()
 
 
-def _export_adapter(engine: Engine, out: Path, dtype: torch.dtype | None) -> Path:
+def _export_adapter(store: ChunkStore, out: Path, dtype: torch.dtype | None) -> Path:
     """`adapter_config.json` + `adapter_model.safetensors`, as `peft` saves them (fp32
     masters unless `dtype` says otherwise; adapters are small)."""
-    names = lora.adapter_names(engine)
+    names = lora.adapter_names(store)
     tensors = {
-        lora.adapter_file_name(n): engine.read_tensor(n).to(
-            "cpu", dtype or torch.float32, copy=True
-        )
+        lora.adapter_file_name(n): store.read_tensor(n).to("cpu", dtype or torch.float32, copy=True)
         for n in names
     }
-    engine.forget_gathered()
-    with _staged(engine, out) as tmp:
+    store.forget_gathered()
+    with _staged(store, out) as tmp:
         if tmp is not None:
-            base = str(engine.source_dir) if engine.source_dir is not None else None
-            lora.write_adapter_config(engine.module, tmp, base)
+            base = str(store.source_dir) if store.source_dir is not None else None
+            lora.write_adapter_config(store.module, tmp, base)
             save_file(tensors, str(tmp / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            _copy_side_files(engine, tmp)
+            _copy_side_files(store, tmp)
     return out.resolve()
 
 
 @contextlib.contextmanager
-def _staged(engine: Engine, out: Path) -> Iterator[Path | None]:
+def _staged(store: ChunkStore, out: Path) -> Iterator[Path | None]:
     """A temporary sibling of `out` that replaces it when the block ends well (rank 0; the
     other ranks get None and wait for it)."""
     out = out.resolve()
-    writer = engine.zero.rank == 0
+    writer = store.zero.rank == 0
     tmp = out.parent / f".{out.name}.tmp-export"
     if writer:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,26 +260,26 @@ def _staged(engine: Engine, out: Path) -> Iterator[Path | None]:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if engine.zero.enabled:
-        engine.zero.barrier()
+    if store.zero.enabled:
+        store.zero.barrier()
 
 
-def _copy_side_files(engine: Engine, tmp: Path) -> None:
-    if engine.source_dir is not None:
+def _copy_side_files(store: ChunkStore, tmp: Path) -> None:
+    if store.source_dir is not None:
         for side in SIDE_FILES:
-            if (engine.source_dir / side).is_file():
-                shutil.copy2(engine.source_dir / side, tmp / side)
+            if (store.source_dir / side).is_file():
+                shutil.copy2(store.source_dir / side, tmp / side)
 
 
-def _export_names(engine: Engine) -> list[tuple[str, str, int]]:
+def _export_names(store: ChunkStore) -> list[tuple[str, str, int]]:
     """(name in the export, engine name, elements) of each tensor to write: each tied
     tensor once, under its first name; for a LoRA model the base model's names, adapters
     left out (they are merged into their layers' weights)."""
     out: list[tuple[str, str, int]] = []
     written: set[int] = set()
-    rename = lora.base_name if lora.is_peft(engine.module) else (lambda n: n)
-    for name, value in engine.module.state_dict(keep_vars=True).items():
-        slot = engine.by_name.get(name)
+    rename = lora.base_name if lora.is_peft(store.module) else (lambda n: n)
+    for name, value in store.module.state_dict(keep_vars=True).items():
+        slot = store.by_name.get(name)
         if slot is not None:
             if id(slot) in written:
                 continue

@@ -20,16 +20,14 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from pstar_core.config import ConfigError, LoraConfig, missing_unexpected
-
-if TYPE_CHECKING:
-    from pstar_core.engine import Engine
+from pstar_core.store import ChunkStore
 
 ADAPTER = "default"  # peft's name of the one adapter the engine trains
 ADAPTER_CONFIG = "adapter_config.json"
@@ -166,18 +164,18 @@ def adapter_file_name(name: str) -> str:
     return _ADAPTER_PARAM.sub(r".\1.weight", name)
 
 
-def adapter_names(engine: Engine) -> list[str]:
-    return [s.name for s in engine.manager.slots if _ADAPTER_PARAM.search(s.name)]
+def adapter_names(store: ChunkStore) -> list[str]:
+    return [s.name for s in store.slots if _ADAPTER_PARAM.search(s.name)]
 
 
-def load_adapter(engine: Engine, directory: Path) -> None:
+def load_adapter(store: ChunkStore, directory: Path) -> None:
     """Copy the adapter weights of a PEFT directory into their slots; every adapter of the
     model must be in the file and nothing else."""
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():
         raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS} (only safetensors adapters load)")
-    own = engine.module.state_dict(keep_vars=True)
-    wanted = {adapter_file_name(n): n for n in adapter_names(engine)}
+    own = store.module.state_dict(keep_vars=True)
+    wanted = {adapter_file_name(n): n for n in adapter_names(store)}
     seen: set[str] = set()
     unexpected: list[str] = []
     try:
@@ -187,7 +185,7 @@ def load_adapter(engine: Engine, directory: Path) -> None:
                 if name is None:
                     unexpected.append(key)
                     continue
-                engine.load_tensor(name, f.get_tensor(key), own[name])
+                store.load_tensor(name, f.get_tensor(key), own[name])
                 seen.add(key)
     except SafetensorError as e:
         raise AdapterError(f"{path} is not a readable safetensors file: {e}") from None
@@ -209,13 +207,13 @@ def layers(module: nn.Module) -> dict[str, Any]:
     return out
 
 
-def merged_weight(engine: Engine, weight_name: str, layer: Any) -> torch.Tensor:
+def merged_weight(store: ChunkStore, weight_name: str, layer: Any) -> torch.Tensor:
     """W + (alpha / r) B A for one adapted layer, in fp32 on the host, as peft merges."""
-    w = engine.read_tensor(weight_name).to("cpu", torch.float32, copy=True)
+    w = store.read_tensor(weight_name).to("cpu", torch.float32, copy=True)
     prefix = weight_name[: -len("base_layer.weight")]
     # copies: reading the next tensor may evict this one's chunk (see hf.export_hf)
-    a = engine.read_tensor(f"{prefix}lora_A.{ADAPTER}.weight").to("cpu", torch.float32, copy=True)
-    b = engine.read_tensor(f"{prefix}lora_B.{ADAPTER}.weight").to("cpu", torch.float32, copy=True)
+    a = store.read_tensor(f"{prefix}lora_A.{ADAPTER}.weight").to("cpu", torch.float32, copy=True)
+    b = store.read_tensor(f"{prefix}lora_B.{ADAPTER}.weight").to("cpu", torch.float32, copy=True)
     delta = (b @ a) * layer.scaling[ADAPTER]
     if getattr(layer, "fan_in_fan_out", False):
         delta = delta.T

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -200,6 +201,22 @@ class ChunkManager:
                 device=self.device,
             )
         return traced
+
+    def placement_state(self) -> dict[str, Any]:
+        """Where Adam runs for each chunk, for a checkpoint (see `placement.saved`)."""
+        budget = self.residency.tiers[TierName.DEVICE].budget_bytes
+        return placement.saved(self.device, budget, self.device_adam)
+
+    def restore_placement(self, saved: dict[str, Any] | None) -> None:
+        """Until this engine's own trace decides again, Adam runs where it ran for the run
+        a checkpoint continues (see `placement.restored`)."""
+        if self.tracer.trace is not None:
+            return
+        budget = self.residency.tiers[TierName.DEVICE].budget_bytes
+        n = len(self.lists[ChunkType.PARAM])
+        device_adam = placement.restored(saved, self.device, budget, n)
+        if device_adam is not None:
+            self.device_adam = device_adam
 
     def end_iteration(self) -> None:
         self.residency.end_iteration()

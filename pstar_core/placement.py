@@ -13,7 +13,7 @@ on the device.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -89,3 +89,32 @@ def _reserve_adam_temporaries(trace: Trace, device_adam: set[int], temporary: in
 def adam_tier(device_adam: set[int], index: int) -> TierName:
     """Where Adam runs for trainable chunk `index` (the host until a trace exists)."""
     return TierName.DEVICE if index in device_adam else TierName.HOST
+
+
+def saved(device: torch.device, device_budget_bytes: int, device_adam: set[int]) -> dict[str, Any]:
+    """Where Adam ran for each chunk, as a checkpoint keeps it: a resumed engine's first
+    (warm-up) step updates the same chunks on the same tier, so it runs the same kernels
+    as the run it continues (a fused device kernel and the host's differ in the last
+    bits)."""
+    return {
+        "device": device.type,
+        "device_budget": device_budget_bytes,
+        "device_adam": sorted(device_adam),
+    }
+
+
+def restored(
+    saved: dict[str, Any] | None,
+    device: torch.device,
+    device_budget_bytes: int,
+    num_chunks: int,
+) -> set[int] | None:
+    """The chunks whose Adam ran on the device in the run being continued, until this
+    engine's own trace decides again: on the same kind of device with at least its budget
+    (a smaller one may not hold those chunks; the step is then as any warm-up's, on the
+    host); None where that does not hold."""
+    if saved is None or saved["device"] != device.type:
+        return None
+    if device_budget_bytes < saved["device_budget"]:
+        return None
+    return {i for i in saved["device_adam"] if i < num_chunks}

@@ -20,7 +20,7 @@ def allocate(r: Residency, streamed: bool = False) -> bool:
     memory and are allocated at their first use (`Chunk.zero_pending`). Other ranks'
     chunks never get memory here: under ZeRO a rank materializes only its own share
     (their tensors are initialized into a staging buffer and dropped, see
-    `Engine._materialize`).
+    `materialize`).
 
     `streamed` (the weights stream from files into the slots, one tensor at a time):
     frozen chunks, too, get memory only when their first tensor arrives, and once all
