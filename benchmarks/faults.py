@@ -36,14 +36,10 @@ import contextlib
 import io
 import itertools
 import math
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,6 +52,7 @@ from rich.table import Table
 
 from benchmarks.api import chat_jsonl
 from benchmarks.report import finish, load_avg, machine
+from benchmarks.serve_process import ServeProcess
 
 __all__ = ["run"]
 
@@ -67,64 +64,6 @@ MAX_ATTEMPTS = 5
 BATCH = 8  # rows a step
 MAX_EPOCHS = 50  # the API's ceiling on n_epochs
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-class _Serve:
-    """`pstar serve` in its own process, on a fixed port across restarts."""
-
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
-        self.data_dir = data_dir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            **os.environ,
-            "PSTAR_DATA_DIR": str(data_dir),
-            "PSTAR_API_TOKENS": f"bench:{TOKEN}",
-            **env,
-        }
-        self.env.pop("PSTAR_CRASH_AT", None)
-        self.proc: subprocess.Popen | None = None
-        self.log = data_dir / "serve.log"
-
-    def start(self, timeout: float = 180.0) -> float:
-        """Start it; the seconds until `/readyz` answered 200."""
-        import httpx
-
-        t0 = time.monotonic()
-
-        cmd = [sys.executable, "-m", "pstar", "serve", "--port", str(self.port)]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, "--ray-cpus", "4"], stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pstar serve exited:\n{self.log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            time.sleep(0.3)
-        raise RuntimeError(f"pstar serve not ready in {timeout:.0f} s")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        from service.local_ray import LocalRayHead
-
-        LocalRayHead(self.data_dir / "ray").stop()  # a head a killed serve left behind
 
 
 class _Poller(threading.Thread):
@@ -204,7 +143,7 @@ def _jobs_now(http: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _all_ended(serve: _Serve, ids: list[str]) -> bool:
+def _all_ended(serve: ServeProcess, ids: list[str]) -> bool:
     import httpx
 
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -218,7 +157,7 @@ def _all_ended(serve: _Serve, ids: list[str]) -> bool:
 
 def _inject(
     kind: str,
-    serve: _Serve,
+    serve: ServeProcess,
     pg: Any,
     ids: list[str],
     kills: dict[str, int],
@@ -363,7 +302,9 @@ def _one_db(
             env["PSTAR_DB_URL"] = pg.url
         data_dir = root / "data"
         data_dir.mkdir()
-        serve = _Serve(data_dir, env)
+        serve = ServeProcess(
+            data_dir, f"bench:{TOKEN}", {k: v for k, v in env.items() if k != "PSTAR_CRASH_AT"}
+        )
         serve.start()
         say("control plane up")
         headers = {"Authorization": f"Bearer {TOKEN}"}

@@ -5,77 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from benchmarks.serve_process import ServeProcess
+
 TOKEN = "tok-e2e-acme-0123456789"
 RIVAL_TOKEN = "tok-e2e-rival-0123456789"
 
 
-class Serve:
-    """A `pstar serve` process: started, killed and stopped by PID."""
+class Serve(ServeProcess):
+    """A `pstar serve` process with the two test tenants' tokens."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.env = env or {}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.log = data_dir / "serve.log"
-
-    def start(self) -> None:
-        env = {
-            **os.environ,
-            "PSTAR_DATA_DIR": str(self.data_dir),
-            "PSTAR_API_TOKENS": f"acme:{TOKEN},rival:{RIVAL_TOKEN}",
-            **self.env,
-        }
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "pstar",
-                    "serve",
-                    "--port",
-                    str(self.port),
-                    "--ray-cpus",
-                    "4",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise AssertionError("pstar serve was not ready in 180 s:\n" + self.log.read_text()[-3000:])
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        super().__init__(data_dir, f"acme:{TOKEN},rival:{RIVAL_TOKEN}", env)
 
     def client(self, token: str = TOKEN):
         import openai
@@ -110,10 +55,7 @@ def start_serve(data_dir: Path) -> Serve:
 
 
 def stop_serve(s: Serve) -> None:
-    from service.local_ray import LocalRayHead
-
-    s.terminate()
-    LocalRayHead(s.data_dir / "ray").stop()  # in case a test left it behind
+    s.stop()  # and the local Ray head, in case a test left it behind
 
 
 def upload_chat_files(serve: Serve, train_rows: int = 64) -> tuple[str, str]:
