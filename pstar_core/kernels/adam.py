@@ -76,7 +76,7 @@ _ext_module: ModuleType | None = None
 _ext_failed = False
 
 
-def _ext_root() -> Path:
+def ext_root() -> Path:
     env = os.environ.get("PSTAR_EXT_DIR")
     return Path(env) if env else Path.home() / ".cache" / "pstar" / "ext"
 
@@ -104,7 +104,7 @@ def _ext_name(source: str) -> str:
 
 
 @contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
+def build_lock(path: Path) -> Iterator[None]:
     """Inter-process lock held across the whole build + import.
 
     torch.utils.cpp_extension's own FileBaton (``<build_dir>/lock``) already serializes
@@ -134,9 +134,9 @@ def _load_ext() -> ModuleType | None:
             name = _ext_name(source)
             # One directory per extension version: load_inline writes main.cpp and the
             # baton file at fixed names inside build_directory, so versions must not share.
-            build_dir = _ext_root() / name
+            build_dir = ext_root() / name
             build_dir.mkdir(parents=True, exist_ok=True)
-            with _build_lock(_ext_root() / f"{name}.flock"):
+            with build_lock(ext_root() / f"{name}.flock"):
                 (build_dir / "lock").unlink(missing_ok=True)
                 _ext_module = cpp_extension.load_inline(
                     name=name,
@@ -188,7 +188,7 @@ _choices: dict[tuple[str, str, int], dict[str, Any]] = {}
 def _choice_path() -> Path:
     source = _SOURCE_PATH.read_text(encoding="utf-8")
     capability = torch.backends.cpu.get_cpu_capability()
-    return _ext_root() / f"{_ext_name(source)}.{capability}.choice.json"
+    return ext_root() / f"{_ext_name(source)}.{capability}.choice.json"
 
 
 def _dtype_key(dtype: torch.dtype) -> str:
@@ -235,7 +235,7 @@ def _measured(dtype: torch.dtype, threads: int) -> dict[str, Any]:
         if key in _choices:
             return _choices[key]
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _build_lock(path.with_suffix(".flock")):
+        with build_lock(path.with_suffix(".flock")):
             saved = json.loads(path.read_text()) if path.is_file() else {}
             entry = saved.get(f"{key[1]}/{key[2]}")
             if entry is None:

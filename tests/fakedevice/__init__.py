@@ -67,7 +67,8 @@ from types import ModuleType
 
 import torch
 
-from pstar_core.kernels.adam import _build_lock, _ext_root
+from pstar_core.kernels.adam import build_lock, ext_root
+from tests.fakedevice import fakenccl
 
 DEVICE = "fakegpu"
 _SOURCE_PATH = Path(__file__).with_name("fakegpu.cpp")
@@ -88,10 +89,10 @@ def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     name = _ext_name(_SOURCE_PATH.read_text(encoding="utf-8"))
-    build_dir = _ext_root() / name
+    build_dir = ext_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    with _build_lock(_ext_root() / f"{name}.flock"):
-        (build_dir / "lock").unlink(missing_ok=True)  # a stale baton (see _build_lock)
+    with build_lock(ext_root() / f"{name}.flock"):
+        (build_dir / "lock").unlink(missing_ok=True)  # a stale baton (see build_lock)
         return cpp_extension.load(
             name=name,
             sources=[str(_SOURCE_PATH)],
@@ -136,9 +137,7 @@ def load() -> ModuleType:
                 torch.utils.generate_methods_for_privateuse1_backend()
             _ext = ext
             _initialized = True
-            from tests.fakedevice import fakenccl
-
-            fakenccl.register()
+            fakenccl.register(ext)
     return sys.modules[__name__]
 
 

@@ -19,7 +19,9 @@ collective to the `_Collectives` object below, and the logic stays here.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -140,15 +142,16 @@ class _Collectives:
         return _work(self.gloo.barrier(c10d.BarrierOptions()), lambda: None)
 
 
-def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> c10d.Backend:
-    from tests import fakedevice
-
+def _create(
+    ext: ModuleType, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> c10d.Backend:
     # a gloo backend of its own, under its own keys of the group's store
     gloo = c10d.ProcessGroupGloo(c10d.PrefixStore(f"{NAME}/", store), rank, size, timeout)
-    return fakedevice.extension().FakeNcclBackend(rank, size, _Collectives(gloo))
+    return ext.FakeNcclBackend(rank, size, _Collectives(gloo))
 
 
-def register() -> None:
-    """Make ``fakenccl`` a c10d backend for the ``fakegpu`` device (idempotent)."""
+def register(ext: ModuleType) -> None:
+    """Make ``fakenccl`` a c10d backend for the ``fakegpu`` device (idempotent); `ext` is
+    the device's built extension, which holds the backend class."""
     if NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(NAME, _create, devices=["fakegpu"])
+        dist.Backend.register_backend(NAME, functools.partial(_create, ext), devices=["fakegpu"])
