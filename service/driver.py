@@ -110,7 +110,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
 
 
 def _newest_checkpoint(store: Store, job_id: str) -> str | None:
-    """The directory of the job's newest recorded checkpoint (see `finetune._resume`)."""
+    """The directory of the job's newest recorded checkpoint (see `finetune.resume`)."""
     rows, _ = store.checkpoints.page(job_id, None, CHECKPOINTS_TO_KEEP + 1)
     return max(rows, key=lambda c: c.step).path if rows else None
 

@@ -35,7 +35,7 @@ def train_func(config: dict[str, Any]) -> None:
     prepare_kernels(rep)
     rep.phase("loading model")
     torch.manual_seed(run["seed"])
-    engine = _build_engine(run)
+    engine = build_job_engine(run)
     run_loop(
         run, engine, rank, world, rep, RayCheckpoints(run, rep), name=f"job {config['job_id']}"
     )
@@ -44,19 +44,19 @@ def train_func(config: dict[str, Any]) -> None:
 class RayCheckpoints:
     """Checkpoints through Ray Train: `ray.train.report` persists each one under the run's
     storage (named `checkpoint_dir_name`), and `sink.checkpoint` records it (the store, for
-    a job); a restarted worker group or a new attempt resumes from the newest (`_resume`)."""
+    a job); a restarted worker group or a new attempt resumes from the newest (`resume`)."""
 
     def __init__(self, run: dict[str, Any], sink: Any) -> None:
         self.run, self.sink = run, sink
 
     def restore(self, engine: Any, sink: Sink) -> bool:
-        return _resume(engine, self.run, sink)
+        return resume(engine, self.run, sink)
 
     def save(self, engine: Any, values: dict[str, Any], step: int, final: bool) -> None:
-        _report_checkpoint(engine, values, self.sink, step, final)
+        report_checkpoint(engine, values, self.sink, step, final)
 
 
-def _resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:
+def resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:
     """Load the newest checkpoint of the job, if there is one; True if one was loaded.
 
     Two places know checkpoints. Ray Train's own registry (`get_checkpoint`) is what a
@@ -97,7 +97,7 @@ def checkpoint_dir_name(step: int, attempt: int) -> str:
     return f"checkpoint_step{step:09d}_a{attempt}"
 
 
-def _report_checkpoint(
+def report_checkpoint(
     engine: Any, values: dict[str, Any], rep: Any, step: int, final: bool
 ) -> None:
     import ray.train
@@ -114,7 +114,7 @@ def _report_checkpoint(
     rep.checkpoint(step, values, final, name)
 
 
-def _build_engine(run: dict[str, Any]):
+def build_job_engine(run: dict[str, Any]):
     import pstar_core
     from service.prepare import model_fn
 

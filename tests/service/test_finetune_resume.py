@@ -7,7 +7,7 @@ import pytest
 import ray.train
 
 import pstar_core
-from service.finetune import _resume
+from service.finetune import resume
 from tests.core.helpers import MODELS, batches, engine_config, run_engine
 
 
@@ -54,7 +54,7 @@ def test_resume_takes_the_newer_of_rays_and_the_stores_checkpoint(
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray_ckpt)
     run = {"resume_from": str(saved / store_has) if store_has else None}
     engine, rep = _fresh(), _Rep()
-    assert _resume(engine, run, rep) is (expect > 0)
+    assert resume(engine, run, rep) is (expect > 0)
     assert engine.global_step == expect
     assert rep.phases == (["recovering"] if expect else [])
 
@@ -69,7 +69,7 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from service.finetune import _build_engine, _report_checkpoint, checkpoint_dir_name
+    from service.finetune import build_job_engine, checkpoint_dir_name, report_checkpoint
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
@@ -83,7 +83,7 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
         "resume_from": None,
     }
     torch.manual_seed(0)
-    engine = _build_engine(run)
+    engine = build_job_engine(run)
     x = torch.randint(3, 300, (2, 16))
     for _ in range(2):
         engine.backward(engine(input_ids=x, labels=x).loss)
@@ -100,15 +100,15 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
 
     Rep.run = run
     monkeypatch.setattr(ray.train, "report", report)
-    _report_checkpoint(engine, {}, Rep(), 2, final=False)
+    report_checkpoint(engine, {}, Rep(), 2, final=False)
     saved = tmp_path / checkpoint_dir_name(2, 1)
     assert {p.name for p in (saved / "adapter").iterdir()} >= {
         "adapter_config.json",
         "adapter_model.safetensors",
     }
-    fresh = _build_engine(run)
+    fresh = build_job_engine(run)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint(str(saved)))
-    assert _resume(fresh, run, _Rep())
+    assert resume(fresh, run, _Rep())
     assert fresh.global_step == 2
     with torch.no_grad():
         fresh.eval()
