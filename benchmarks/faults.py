@@ -302,9 +302,8 @@ def _one_db(
             env["PSTAR_DB_URL"] = pg.url
         data_dir = root / "data"
         data_dir.mkdir()
-        serve = ServeProcess(
-            data_dir, f"bench:{TOKEN}", {k: v for k, v in env.items() if k != "PSTAR_CRASH_AT"}
-        )
+        serve = ServeProcess(data_dir, f"bench:{TOKEN}", env)
+        serve.env.pop("PSTAR_CRASH_AT", None)  # crashes come from the bench, not inherited
         serve.start()
         say("control plane up")
         headers = {"Authorization": f"Bearer {TOKEN}"}

@@ -36,24 +36,22 @@ def train_func(config: dict[str, Any]) -> None:
     rep.phase("loading model")
     torch.manual_seed(run["seed"])
     engine = build_job_engine(run)
-    run_loop(
-        run, engine, rank, world, rep, RayCheckpoints(run, rep), name=f"job {config['job_id']}"
-    )
+    run_loop(run, engine, rank, world, rep, RayCheckpoints(run), name=f"job {config['job_id']}")
 
 
 class RayCheckpoints:
     """Checkpoints through Ray Train: `ray.train.report` persists each one under the run's
-    storage (named `checkpoint_dir_name`), and `sink.checkpoint` records it (the store, for
-    a job); a restarted worker group or a new attempt resumes from the newest (`resume`)."""
+    storage (named `checkpoint_dir_name`), and the sink records it (the store, for a job);
+    a restarted worker group or a new attempt resumes from the newest (`resume`)."""
 
-    def __init__(self, run: dict[str, Any], sink: Any) -> None:
-        self.run, self.sink = run, sink
+    def __init__(self, run: dict[str, Any]) -> None:
+        self.run = run
 
     def restore(self, engine: Any, sink: Sink) -> bool:
         return resume(engine, self.run, sink)
 
-    def save(self, engine: Any, values: dict[str, Any], step: int, final: bool) -> None:
-        report_checkpoint(engine, values, self.sink, step, final)
+    def save(self, engine: Any, sink: Sink, values: dict[str, Any], step: int, final: bool) -> None:
+        report_checkpoint(engine, values, sink, step, final)
 
 
 def resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:

@@ -18,8 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 from pstar_core.config import ConfigError
+from service.finetune import RayCheckpoints
+from service.runlog import RunLog
 from service.spec import TrainSpec
 from service.train_local import build_engine, prepare_spec_run
+from service.worker import prepare_kernels, run_loop
 
 
 def with_ray_device(spec: TrainSpec) -> TrainSpec:
@@ -36,10 +39,6 @@ def train_func(config: dict[str, Any]) -> None:
     """The per-worker function run by `TorchTrainer`: the one loop on this rank's share."""
     import ray.train
 
-    from service.finetune import RayCheckpoints
-    from service.runlog import RunLog
-    from service.worker import prepare_kernels, run_loop
-
     spec = with_ray_device(TrainSpec.model_validate_json(config["spec_json"]))
     run = config["run"]
     ctx = ray.train.get_context()
@@ -47,7 +46,7 @@ def train_func(config: dict[str, Any]) -> None:
     rep = RunLog(run, spec.output_dir / spec.name, spec.train.log_every, rank=rank)
     prepare_kernels(rep)
     engine = build_engine(spec, run)
-    run_loop(run, engine, rank, world, rep, RayCheckpoints(run, rep), name=spec.name)
+    run_loop(run, engine, rank, world, rep, RayCheckpoints(run), name=spec.name)
 
 
 def run_ray(

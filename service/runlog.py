@@ -4,7 +4,7 @@ A `service.worker.Sink` for files and the command line: rank 0 appends a metrics
 `<run dir>/metrics.jsonl` every `log_every` steps and at the last (the same names and
 meanings a job's metrics have, plus the run's `world_size` and `attempt_resumed`), and
 hands every step and phase to callbacks (the CLI's progress bar). The values before
-training, the last step's, the final ones and the engine's stats stay on the object for
+training, the last step's and the engine's latest stats stay on the object for
 the run's summary.
 """
 
@@ -39,9 +39,7 @@ class RunLog:
         self._phase: str | None = None
         self.before: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
-        self.final: dict[str, Any] = {}
         self.latest_stats: dict[str, Any] = {}
-        self.checkpoint_dir: str | None = None
         self.run_fields: dict[str, Any] = {"attempt_resumed": 0}
 
     def _say(self, msg: str) -> None:
@@ -94,10 +92,10 @@ class RunLog:
         self.latest_stats = stats
 
     def checkpoint(self, step: int, values: dict[str, Any], final: bool, dir_name: str) -> None:
-        self.checkpoint_dir = dir_name
+        pass  # Ray Train keeps its registry; the run directory holds it (`ray/`)
 
     def finished(self, final: dict[str, Any]) -> None:
-        self.final = dict(final)
+        pass  # run_loop returns the final values to the front, which writes the summary
 
     def flush(self) -> bool:
         return True

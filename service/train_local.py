@@ -134,7 +134,7 @@ class DirCheckpoints:
         engine.load_checkpoint(self.directory)
         return True
 
-    def save(self, engine: Any, values: dict[str, Any], step: int, final: bool) -> None:
+    def save(self, engine: Any, sink: Sink, values: dict[str, Any], step: int, final: bool) -> None:
         write_checkpoint(engine, self.directory, self.lora, shared=True)
 
 

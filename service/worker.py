@@ -35,6 +35,7 @@ class Sink(Protocol):
     """Whom the loop tells what happens (rank 0 writes; every rank may export gauges)."""
 
     attempt: int
+    run: dict[str, Any]
 
     def phase(self, detail: str) -> None: ...
     def event(self, message: str, **data: Any) -> None: ...
@@ -59,8 +60,9 @@ class Checkpoints(Protocol):
         """Load the newest checkpoint into the engine, if there is one; True if loaded."""
         ...
 
-    def save(self, engine: Any, values: dict[str, Any], step: int, final: bool) -> None:
-        """Keep the engine's state at `step` (every rank calls it: shards are per rank)."""
+    def save(self, engine: Any, sink: Sink, values: dict[str, Any], step: int, final: bool) -> None:
+        """Keep the engine's state at `step` (every rank calls it: shards are per rank),
+        and tell `sink` where it went."""
         ...
 
 
@@ -234,16 +236,24 @@ class Supervised:
         With more than one slice each slice's mean loss is weighted by its share of the
         tokens, so the gradient is that of the whole batch at once."""
         parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
-        shares = [int((py[:, 1:] != -100).sum()) for _px, py in parts]
-        total = max(1, sum(shares))
+        if len(parts) == 1:
+            shares, total = [1], 1
+        else:
+            shares = [int((py[:, 1:] != -100).sum()) for _px, py in parts]
+            total = max(1, sum(shares))
         loss_sum = correct = count = 0.0
         for (px, py), share in zip(parts, shares, strict=True):
             out = engine(input_ids=px, labels=py)
             c, k = token_stats(out.logits.detach(), py)
             loss = out.loss
+            if len(parts) > 1:
+                # a slice with no labelled token has a NaN mean loss; it still takes part
+                # in backward (ZeRO's reductions are collective), with a zero gradient
+                weighted = loss * (share / total) if share else out.logits.sum() * 0.0
             del out  # the logits (batch x seq x vocab) are not kept through backward, step
-            engine.backward(loss if len(parts) == 1 else loss * (share / total))
-            loss_sum += float(loss.detach()) * k
+            engine.backward(loss if len(parts) == 1 else weighted)
+            if k:
+                loss_sum += float(loss.detach()) * k
             correct += c
             count += k
         engine.step()
@@ -370,7 +380,7 @@ def run_loop(
             rep.stats(stats)
         if ckpt_every and done % ckpt_every == 0 and done < total:
             rep.phase("checkpointing")
-            checkpoints.save(engine, values, done, final=False)
+            checkpoints.save(engine, rep, values, done, final=False)
             rep.phase("training")
     # the end: full validation, the final checkpoint, the export
     final: dict[str, Any] = {"trained_tokens": trained_tokens}
@@ -381,7 +391,7 @@ def run_loop(
         final.update(full_eval)
     last = rep.last_values()
     rep.phase("checkpointing")
-    checkpoints.save(engine, {**last, **final}, engine.global_step, final=True)
+    checkpoints.save(engine, rep, {**last, **final}, engine.global_step, final=True)
     if run.get("export_dir"):
         rep.phase("exporting")
         _export(engine, run, rank, lora)

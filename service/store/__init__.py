@@ -81,7 +81,6 @@ class Store:
     def __init__(self, url: str, *, pool_size: int = 20) -> None:
         self.url = url
         self.db = Database(url, pool_size=pool_size)
-        self.is_sqlite = self.db.is_sqlite
         self.engine: Engine = self.db.engine
         self.files = Files(self.db)
         self.jobs = Jobs(self.db)
