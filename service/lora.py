@@ -65,10 +65,3 @@ def is_linear(module: Any) -> bool:
     from transformers.pytorch_utils import Conv1D
 
     return isinstance(module, (nn.Linear, Conv1D))
-
-
-def param_counts(wrapped: Any) -> tuple[int, int]:
-    """(frozen base parameters, adapter parameters) of a wrapped model, tied ones once."""
-    seen = {id(p): p for p in wrapped.parameters()}.values()
-    frozen = sum(p.numel() for p in seen if not p.requires_grad)
-    return frozen, sum(p.numel() for p in seen if p.requires_grad)
