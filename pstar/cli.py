@@ -452,6 +452,41 @@ def bench_lora(
         _fail(str(e))
 
 
+@bench_app.command("packing")
+def bench_packing(
+    model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    data: Annotated[Path, typer.Option(help="chat or completion JSONL")] = Path(
+        ".cache/data/wordnet-train.jsonl"
+    ),
+    steps: Annotated[int, typer.Option(help="timed steps per layout, interleaved")] = 6,
+    batch: Annotated[int, typer.Option(help="rows per step (the main job's batch)")] = 8,
+    seq_len: Annotated[
+        int | None, typer.Option(help="row length; default: as a job's auto")
+    ] = None,
+    check_examples: Annotated[
+        int, typer.Option(help="examples whose packed loss is checked against alone")
+    ] = 32,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Packing: the main job's data packed vs one example per row, trained tokens per second."""
+    from benchmarks.packing import run
+
+    if not (model_dir / "config.json").is_file():
+        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    if not data.is_file():
+        _fail(f"{data} does not exist (scripts/setup.sh writes the WordNet data)")
+    try:
+        run(
+            model_dir, data, steps=steps, batch=batch, seq_len=seq_len, dtype=dtype,
+            check_examples=check_examples, json_out=json_out,
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
+
+
 @bench_app.command("api")
 def bench_api(
     seconds: Annotated[
