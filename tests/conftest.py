@@ -96,6 +96,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         fakedevice.load()
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for a module's page tests (`tests.browser`)."""
+    from tests.browser import chromium_session
+
+    with chromium_session() as driver:
+        yield driver
+
+
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     from service.pg_local import PgServer, find_pg_bindir

@@ -203,6 +203,12 @@ async function renderJob(id) {
     if (!confirm(`Cancel ${id}? The run stops; its checkpoints stay.`)) return;
     try { renderHead(await api(`/fine_tuning/jobs/${id}/cancel`, { method: "POST" })); } catch (e) { showError(e); }
   });
+  // pause: a checkpoint at the next step boundary, the workers freed; resume: from it
+  for (const verb of ["pause", "resume"]) {
+    $(`#${verb}`).addEventListener("click", async () => {
+      try { renderHead(await api(`/fine_tuning/jobs/${id}/${verb}`, { method: "POST" })); } catch (e) { showError(e); }
+    });
+  }
   fetch("/readyz", { headers: { Authorization: `Bearer ${state.token}` } }).then((r) => r.json()).then((h) => {
     state.rayDashboard = h.ray_dashboard_url;
     renderHead(state.job);
@@ -247,12 +253,47 @@ function renderHead(job) {
   const pct = job.progress.total ? (100 * job.progress.step) / job.progress.total : 0;
   $("#job-bar").style.width = `${pct.toFixed(1)}%`;
   $("#job-error").textContent = job.error ? `${job.error.code}: ${job.error.message}` : "";
-  $("#cancel").hidden = ["succeeded", "failed", "cancelled"].includes(job.status);
+  const ended = ["succeeded", "failed", "cancelled"].includes(job.status);
+  $("#cancel").hidden = ended;
+  $("#pause").hidden = ended || job.status === "paused" || job.pause_requested;
+  $("#resume").hidden = job.status !== "paused";
+  $("#job-method").textContent = methodFacts(job).join(" · ");
   const link = $("#ray-link");
   if (state.rayDashboard && job.ray_submission_id) {
     link.href = `${state.rayDashboard}/#/jobs/${job.ray_submission_id}`;
     link.hidden = false;
   }
+}
+
+// what the job trains and how: the method (DPO's beta, LoRA's rank), the data's layout
+// (packed rows and their fill), and early stopping's state
+function methodFacts(job) {
+  const out = [];
+  const m = job.method || {};
+  const section = m[m.type] || {};
+  const lora = section.lora || (m.type === "lora" ? section : null);
+  let what = `method ${m.type}`;
+  if (m.type === "dpo") what += ` (β ${section.hyperparameters?.beta ?? "auto"})`;
+  if (lora && lora.r) what += `, LoRA r ${lora.r}`;
+  out.push(what);
+  const d = job.data;
+  if (d) {
+    const fill = d.fill_ratio != null ? `${(100 * d.fill_ratio).toFixed(0)}% filled` : "";
+    const layout = d.packing?.packed
+      ? `packed ${Number(d.examples_per_row).toFixed(1)} examples/row`
+      : "one example per row";
+    out.push(`${d.rows} rows of ${d.seq_len}, ${layout}, ${fill}`);
+  }
+  const es = job.early_stopping;
+  if (es) {
+    let s = `early stopping (patience ${es.patience}, min Δ ${es.min_delta})`;
+    if (es.stopped) s += `: stopped at step ${es.stopped_at_step}, best step ${es.best_step} (${fmtNum(es.best_valid_loss)})`;
+    else if (es.best_step != null) s += `: best ${fmtNum(es.best_valid_loss)} at step ${es.best_step}, ${es.evals_without_improvement} eval(s) without improvement`;
+    else s += ": watching";
+    out.push(s);
+  }
+  if (job.pause_requested) out.push("pausing at the next step boundary");
+  return out;
 }
 
 // the compute dtype the engine chose (dtype 'auto') and on what: "bf16 (auto: CPU AVX512)"
@@ -309,6 +350,9 @@ const CHART_DEFS = {
   tiers: { names: (all) => ["device", "host", "disk"].map((t) => `model_data_bytes_${t}`).filter((n) => all.has(n)), fmt: fmtBytes, stacked: true },
   moved: { names: (all) => [...all].filter((n) => n.startsWith("bytes_moved_")).sort(), fmt: fmtBytes, stacked: true },
   peak: { names: () => ["peak_non_model_bytes"], fmt: fmtBytes, budget: true },
+  // DPO only (its card shows once a reward arrives)
+  rewards: { names: (all) => ["reward_margin", "chosen_reward", "rejected_reward", "valid_reward_margin"].filter((n) => all.has(n)), fmt: fmtNum, optional: true },
+  accuracy: { names: (all) => ["reward_accuracy", "valid_reward_accuracy"].filter((n) => all.has(n)), fmt: fmtNum, optional: true },
 };
 
 function seriesData(names) {
@@ -349,8 +393,13 @@ function chartData(key) {
 function makeChart(key) {
   const def = CHART_DEFS[key];
   const { names, raw, data } = chartData(key);
-  const target = $(`#chart-${key}`);
+  // an optional chart's card (DPO's) is hidden until its first series arrives
+  const target = $(def.optional ? `#opt-chart-${key}` : `#chart-${key}`);
   if (!target) return;
+  if (def.optional) {
+    $(`#card-${key}`).hidden = names.length === 0;
+    if (names.length === 0) return;
+  }
   if (state.charts[key]) { state.charts[key].destroy(); delete state.charts[key]; }
   target.replaceChildren(); // one chart per card, whoever drew here before
   const series = [{ label: "step" }];
@@ -398,7 +447,10 @@ function makeCharts() {
 function refreshCharts() {
   for (const key of Object.keys(CHART_DEFS)) {
     const u = state.charts[key];
-    if (!u) continue;
+    if (!u) {
+      if (CHART_DEFS[key].optional) makeChart(key); // its first series may have arrived
+      continue;
+    }
     const { names, data } = chartData(key);
     if (names.length !== u.series.length - 1 - (CHART_DEFS[key].budget ? 1 : 0)) {
       u.destroy();

@@ -12,14 +12,14 @@ Last-Event-ID, the end block, and the same auth as every route.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.browser import shot as _shot
+from tests.browser import sign_in as _sign_in
+from tests.browser import wait_page as _wait
 from tests.served import (
     RIVAL_TOKEN,
     TOKEN,
@@ -31,18 +31,6 @@ from tests.served import (
 )
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-SHOTS = Path(os.environ.get("PSTAR_SCREENSHOT_DIR", ROOT / "runs" / "screenshots"))
-
-
-def _browser_binaries() -> tuple[str, str]:
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        why = "Debian's chromium and chromium-driver are missing (scripts/test.sh installs them)"
-        if os.environ.get("PSTAR_TESTS_WITHOUT_BROWSER") == "1":
-            pytest.skip(why + " (PSTAR_TESTS_WITHOUT_BROWSER=1)")
-        pytest.fail(why + ", or set PSTAR_TESTS_WITHOUT_BROWSER=1 to skip the browser tests")
-    return chromium, driver
 
 
 @pytest.fixture(scope="module")
@@ -78,54 +66,6 @@ def _metrics(serve, job_id: str, name: str | None = None) -> dict:
     r.raise_for_status()
     series = r.json()["series"]
     return series.get(name) if name else series
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver_path = _browser_binaries()
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
-        opts.add_argument(arg)
-    opts.add_argument("--window-size=1400,2200")
-    service = Service(driver_path)
-    driver = webdriver.Chrome(service=service, options=opts)
-    driver.set_script_timeout(60)
-    yield driver
-    pid = service.process.pid if service.process else None
-    driver.quit()
-    if pid is not None:  # chromedriver (and with it the browser) is gone, by PID
-        with __import__("contextlib").suppress(ProcessLookupError):
-            os.kill(pid, 9)
-
-
-def _sign_in(browser, serve, token: str) -> None:
-    browser.get(f"{serve.url}/ui/")
-    browser.execute_script("sessionStorage.clear()")
-    browser.get(f"{serve.url}/ui/")
-    _wait(browser, "return !!document.querySelector('#token')", "the sign-in form")
-    browser.find_element("css selector", "#token").send_keys(token)
-    browser.find_element("css selector", "#signin button").click()
-
-
-def _wait(browser, script: str, what: str, timeout: float = 60):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = browser.execute_script(script)
-        if got:
-            return got
-        time.sleep(0.25)
-    raise AssertionError(f"the page never showed {what} in {timeout:.0f} s")
-
-
-def _shot(browser, name: str) -> Path:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    path = SHOTS / f"{name}.png"
-    browser.save_screenshot(str(path))
-    return path
 
 
 # -- the event stream over HTTP ------------------------------------------------------------
@@ -299,6 +239,35 @@ def test_two_renders_of_a_job_page_that_overlap_draw_each_chart_once(serve, jobs
     )
     _wait(browser, "return window.pstar.streamState === 'ended'", "the stream end, again")
     assert _charts_per_card(browser) == [1] * 7
+
+
+def test_pause_and_resume_buttons_pause_the_running_job_and_resume_it(serve, jobs, browser):
+    _, running = jobs
+    c = serve.client()
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{running}")
+    _wait(browser, "return window.pstar.streamState === 'live'", "the live stream")
+    assert "method supervised" in browser.find_element("css selector", "#job-method").text
+    assert not browser.find_element("css selector", "#resume").is_displayed()
+    browser.find_element("css selector", "#pause").click()
+    _wait(
+        browser,
+        "return document.querySelector('#job-status').textContent === 'paused'",
+        "the paused status",
+        120,
+    )
+    assert c.fine_tuning.jobs.retrieve(running).status == "paused"
+    assert not browser.find_element("css selector", "#pause").is_displayed()
+    _shot(browser, "job-paused")
+    browser.find_element("css selector", "#resume").click()
+    _wait(
+        browser,
+        "return ['queued', 'running'].includes(document.querySelector('#job-status').textContent)",
+        "the resumed job queued",
+        60,
+    )
+    assert c.fine_tuning.jobs.retrieve(running).status in ("queued", "running")
+    assert browser.find_element("css selector", "#pause").is_displayed()
 
 
 def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_first(
