@@ -1,12 +1,14 @@
 """Training data of a fine-tuning job: per-line validation, tokenization, loss masks.
 
-Three formats, decided by the first line of a file (every other line must match it):
+Four formats, decided by the first line of a file (every other line must match it):
 
 - `chat`: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}`;
   the loss is on assistant messages (their content and end-of-turn token);
 - `completion`: `{"prompt": ..., "completion": ...}`; the loss is on the completion and EOS;
 - `text`: `{"text": ...}` lines, or a plain UTF-8 text file (one document per line); the
-  loss is on every token.
+  loss is on every token;
+- `preference`: `{"input": {"messages": [...]}, "preferred_output": [assistant message],
+  "non_preferred_output": [assistant message]}`, pairs for DPO (`service.preference`).
 
 Chat examples are rendered with the base model's own chat template (a ChatML template
 when the tokenizer has none); an assistant message with `"weight": 0` is shown to the
@@ -20,8 +22,10 @@ the span ends there and a token must lie wholly inside it.)
 Batches: one example per row, right-padded to `seq_len` (longer examples are truncated
 and counted); padded and untrained positions get label -100, which the loss ignores. With
 right padding and causal attention, real tokens never attend to pads, so no attention mask
-is needed and every batch has the same shape (the warm-up trace stays valid). Text data
-is instead concatenated (EOS between documents) and cut into full `seq_len` rows.
+is needed and every batch has the same shape (the warm-up trace stays valid). Packed
+rows (`service.packing`) hold several examples each, with positions that restart at every
+example. Text data is instead concatenated (EOS between documents) and cut into full
+`seq_len` rows.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ from typing import Any
 import torch
 
 IGNORE = -100
-FORMATS = ("chat", "completion", "text")
+FORMATS = ("chat", "completion", "text", "preference")
+# a preference pair (DPO), OpenAI's format: the prompt and two answers, the first preferred
+PREFERRED, NON_PREFERRED = "preferred_output", "non_preferred_output"
+PREFERENCE_KEYS = ("input", PREFERRED, NON_PREFERRED)
 ROLES = ("system", "developer", "user", "assistant")
 MAX_LINE_BYTES = 16 << 20
 MAX_REPORTED_ERRORS = 20
@@ -140,6 +147,8 @@ def classify(obj: Any) -> tuple[str | None, str | None]:
         return None, f"expected a JSON object, got {type(obj).__name__}"
     if "messages" in obj:
         return "chat", _check_chat(obj)
+    if PREFERRED in obj or NON_PREFERRED in obj:
+        return "preference", _check_preference(obj)
     if "prompt" in obj or "completion" in obj:
         return "completion", _check_completion(obj)
     if "text" in obj:
@@ -149,7 +158,10 @@ def classify(obj: Any) -> tuple[str | None, str | None]:
         if not isinstance(obj["text"], str) or not obj["text"].strip():
             return None, "'text' must be a non-empty string"
         return "text", None
-    return None, "expected 'messages' (chat), 'prompt' and 'completion', or 'text'"
+    return None, (
+        "expected 'messages' (chat), 'prompt' and 'completion', 'text', or 'input' with "
+        "'preferred_output' and 'non_preferred_output' (preference pairs for DPO)"
+    )
 
 
 def _check_chat(obj: dict[str, Any]) -> str | None:
@@ -192,6 +204,58 @@ def _check_completion(obj: dict[str, Any]) -> str | None:
         return "'prompt' must be a string"
     if not isinstance(obj.get("completion"), str) or not obj["completion"]:
         return "'completion' must be a non-empty string"
+    return None
+
+
+def _check_preference(obj: dict[str, Any]) -> str | None:
+    extra = set(obj) - set(PREFERENCE_KEYS)
+    if extra:
+        keys = ", ".join(repr(k) for k in PREFERENCE_KEYS)
+        return f"unknown key(s) {sorted(extra)} beside {keys}"
+    inp = obj.get("input")
+    if not isinstance(inp, dict):
+        return "'input' must be an object with 'messages'"
+    extra = set(inp) - {"messages", "tools", "parallel_tool_calls"}
+    if extra:
+        return f"input has unknown key(s) {sorted(extra)}"
+    if inp.get("tools"):
+        return "input.tools: tools are not supported; remove them"
+    msgs = inp.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return "input.messages must be a non-empty list"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"input.messages[{i}] must be an object"
+        if m.get("role") not in ROLES:
+            return (
+                f"input.messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
+            )
+        if not isinstance(m.get("content"), str):
+            return f"input.messages[{i}].content must be a string"
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            return f"input.messages[{i}] has unknown key(s) {sorted(extra)}"
+    if msgs[-1]["role"] == "assistant":
+        return (
+            "input.messages ends with an assistant message; the answers go in "
+            "preferred_output and non_preferred_output"
+        )
+    answers = []
+    for key in (PREFERRED, NON_PREFERRED):
+        out = obj.get(key)
+        if not isinstance(out, list) or len(out) != 1 or not isinstance(out[0], dict):
+            return f"'{key}' must be a list of one assistant message"
+        m = out[0]
+        if m.get("role") != "assistant":
+            return f"{key}[0].role must be 'assistant', got {m.get('role')!r}"
+        if not isinstance(m.get("content"), str) or not m["content"]:
+            return f"{key}[0].content must be a non-empty string"
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            return f"{key}[0] has unknown key(s) {sorted(extra)}"
+        answers.append(m["content"])
+    if answers[0] == answers[1]:
+        return "preferred_output and non_preferred_output are the same answer"
     return None
 
 
@@ -250,6 +314,9 @@ class Encoded:
     input_ids: torch.Tensor  # (N, seq_len) long
     labels: torch.Tensor  # (N, seq_len) long, IGNORE where no loss
     lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    # packed rows (`service.packing`): each example's positions restart at 0, which is
+    # also what keeps attention inside it; None when every row holds one example
+    position_ids: torch.Tensor | None = None
     examples: int = 0  # examples read
     tokens: int = 0  # real tokens in the rows (not padding)
     loss_tokens: int = 0  # tokens the loss is taken on
@@ -257,16 +324,29 @@ class Encoded:
     dropped: int = 0  # examples with nothing left to train on after the cut
     longest: int = 0  # tokens of the longest example before the cut
 
-    def report(self) -> dict[str, int]:
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+    def report(self) -> dict[str, Any]:
+        # (rows, seq_len), or (pairs, 2, seq_len) for preference pairs
+        rows = int(self.input_ids.shape[0])
+        seq_len = int(self.input_ids.shape[-1]) if self.input_ids.dim() >= 2 else 0
+        slots = self.input_ids.numel() if seq_len else 0
+        kept = self.examples - self.dropped
         return {
             "examples": self.examples,
-            "rows": int(self.input_ids.shape[0]),
-            "seq_len": int(self.input_ids.shape[1]) if self.input_ids.dim() == 2 else 0,
+            "rows": rows,
+            "seq_len": seq_len,
             "tokens": self.tokens,
             "loss_tokens": self.loss_tokens,
             "truncated_examples": self.truncated,
             "dropped_examples": self.dropped,
             "longest_example_tokens": self.longest,
+            "packed": self.packed,
+            # the share of the row slots that hold a real token (the rest is padding)
+            "fill_ratio": self.tokens / slots if slots else 0.0,
+            "examples_per_row": kept / rows if rows else 0.0,
         }
 
 
@@ -330,12 +410,13 @@ def tokenize(
     return [example_tokens(tokenizer, fmt, ex) for ex in examples]
 
 
-def to_rows(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> Encoded:
-    """Right-padded rows of `seq_len` with labels; cut and dropped examples counted."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pad = 0 if pad is None else pad
-    rows, labels, lengths = [], [], []
+def cut_examples(
+    tokenized: list[tuple[list[int], list[int]]], seq_len: int
+) -> tuple[list[tuple[list[int], list[int]]], Encoded]:
+    """The examples cut to `seq_len` (those with nothing left to train on dropped), and an
+    `Encoded` with the counts (its rows still empty: `to_rows` or `packing.pack` fill them)."""
     out = Encoded(torch.empty(0), torch.empty(0))
+    kept = []
     for ids, mask in tokenized:
         out.examples += 1
         out.longest = max(out.longest, len(ids))
@@ -348,6 +429,22 @@ def to_rows(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_le
             continue
         out.tokens += len(ids)
         out.loss_tokens += sum(mask[1:])
+        kept.append((ids, mask))
+    return kept, out
+
+
+def pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return 0 if pad is None else pad
+
+
+def to_rows(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> Encoded:
+    """Right-padded rows of `seq_len` with labels, one example each; cut and dropped
+    examples counted."""
+    pad = pad_id(tokenizer)
+    kept, out = cut_examples(tokenized, seq_len)
+    rows, labels, lengths = [], [], []
+    for ids, mask in kept:
         n_pad = seq_len - len(ids)
         lengths.append(len(ids))
         rows.append(ids + [pad] * n_pad)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,10 @@ from service.datasets import (
     auto_seq_len,
     encode,
     read_examples,
-    to_rows,
     tokenize,
 )
+from service.packing import padding_share, rows, wants_packing
+from service.preference import pair_rows, tokenize_pairs
 
 ZOO_VOCAB = 4096
 ZOO_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -38,11 +39,14 @@ class Prepared:
     format: str
     steps_per_epoch: int
     total_steps: int
+    # asked ("auto", True, False), decided, and the padding share one example per row has
+    packing: dict[str, Any] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
         return {
             "format": self.format,
             "seq_len": self.seq_len,
+            "packing": self.packing,
             "training_file": self.train.report(),
             "validation_file": self.valid.report() if self.valid is not None else None,
             "steps_per_epoch": self.steps_per_epoch,
@@ -86,6 +90,10 @@ def _texts(fmt: str, examples: list[Any]):
         elif fmt == "completion":
             yield ex["prompt"]
             yield ex["completion"]
+        elif fmt == "preference":
+            yield from (m["content"] for m in ex["input"]["messages"])
+            yield ex["preferred_output"][0]["content"]
+            yield ex["non_preferred_output"][0]["content"]
         else:
             yield ex["text"]
 
@@ -107,21 +115,26 @@ def prepare(
 ) -> Prepared:
     """Tokenize the files as the plan says; raises `DataError` for unusable data."""
     fmt, train_ex = read_examples(train_path)
+    dpo = (plan.get("method") or {}).get("type") == "dpo"
+    if dpo != (fmt == "preference"):
+        raise DataError(_method_format_mismatch("training file", fmt, dpo))
     tok = load_tokenizer(plan["model"], fmt, train_ex, tokenizer_cache)
     hp = plan["hyperparameters"]
     seq_len = hp["seq_len"]
     limit = max_positions(plan["model"])
-    tokenized = tokenize(tok, fmt, train_ex) if fmt != "text" else None
+    tokenized = _tokenized(tok, fmt, train_ex)
     if seq_len == "auto":
-        longest = max((len(ids) for ids, _ in tokenized), default=16) if tokenized else 256
+        longest = max((_longest(fmt, t) for t in tokenized), default=16) if tokenized else 256
         seq_len = auto_seq_len(longest, limit)
     if seq_len > limit:
         raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
-    train = (
-        to_rows(tok, tokenized, seq_len)
-        if tokenized is not None
-        else encode(tok, fmt, train_ex, seq_len)
-    )
+    # plans stored before packing existed ran one example per row; pairs are never packed
+    asked = hp.get("packing", False)
+    packed = fmt in ("chat", "completion") and wants_packing(asked, tokenized, seq_len)
+    packing: dict[str, Any] = {"requested": asked, "packed": packed}
+    if fmt in ("chat", "completion"):
+        packing["padding_share_unpacked"] = round(padding_share(tokenized, seq_len), 4)
+    train = _rows(tok, fmt, train_ex, tokenized, seq_len, packed)
     if train.input_ids.shape[0] == 0 and fmt == "text":
         # text rows are full cuts of the concatenated documents: a short text fills none
         raise DataError(
@@ -136,7 +149,9 @@ def prepare(
     valid = None
     if valid_path is not None:
         vfmt, valid_ex = read_examples(valid_path)
-        valid = encode(tok, vfmt, valid_ex, seq_len)
+        if dpo != (vfmt == "preference"):
+            raise DataError(_method_format_mismatch("validation file", vfmt, dpo))
+        valid = _rows(tok, vfmt, valid_ex, _tokenized(tok, vfmt, valid_ex), seq_len, packed)
         if valid.input_ids.shape[0] == 0:
             raise DataError("the validation file has no rows to evaluate at this seq_len")
     batch = hp["batch_size"]
@@ -144,7 +159,41 @@ def prepare(
     total = per_epoch * hp["n_epochs"]
     if hp.get("max_steps"):
         total = min(total, hp["max_steps"])
-    return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total)
+    return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing)
+
+
+def _method_format_mismatch(what: str, fmt: str, dpo: bool) -> str:
+    if dpo:
+        return (
+            f"the {what} holds {fmt} examples, and method.type 'dpo' trains on preference "
+            "pairs ('input', 'preferred_output', 'non_preferred_output' per line)"
+        )
+    return (
+        f"the {what} holds preference pairs, which only method.type 'dpo' trains on; set "
+        "method.type 'dpo' or upload chat, completion or text examples"
+    )
+
+
+def _tokenized(tok: Any, fmt: str, examples: list[Any]) -> list[Any] | None:
+    """(ids, mask) per example, or per pair a tuple of two; None for text (cut later)."""
+    if fmt == "text":
+        return None
+    if fmt == "preference":
+        return tokenize_pairs(tok, examples)
+    return tokenize(tok, fmt, examples)
+
+
+def _longest(fmt: str, t: Any) -> int:
+    """Tokens of an example, or of the longer side of a pair."""
+    return max(len(t[0][0]), len(t[1][0])) if fmt == "preference" else len(t[0])
+
+
+def _rows(tok: Any, fmt: str, examples: list[Any], tokenized: Any, seq_len: int, packed: bool):
+    if fmt == "text":
+        return encode(tok, fmt, examples, seq_len)
+    if fmt == "preference":
+        return pair_rows(tok, tokenized, seq_len)
+    return rows(tok, tokenized, seq_len, packed)
 
 
 def save_rows(path: Path, train: Encoded, valid: Encoded | None) -> None:
@@ -152,16 +201,20 @@ def save_rows(path: Path, train: Encoded, valid: Encoded | None) -> None:
     whole or not at all."""
     import torch
 
-    rows = {
+    out = {
         "train_ids": train.input_ids,
         "train_labels": train.labels,
         "train_lengths": train.lengths,
     }
+    if train.position_ids is not None:
+        out["train_position_ids"] = train.position_ids
     if valid is not None:
-        rows.update(valid_ids=valid.input_ids, valid_labels=valid.labels)
+        out.update(valid_ids=valid.input_ids, valid_labels=valid.labels)
+        if valid.position_ids is not None:
+            out["valid_position_ids"] = valid.position_ids
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save(rows, tmp)
+    torch.save(out, tmp)
     os.replace(tmp, path)
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import pstar_core
+from service.objectives import Rows, Supervised
 from service.runlog import RunLog
-from service.worker import Supervised, flops_per_token
+from service.worker import flops_per_token
 from tests.core.helpers import MODELS, SEQ, VOCAB, engine_config
 
 
@@ -37,8 +38,8 @@ def _engine():
 
 def _trained(micro_batches: int, x: torch.Tensor, y: torch.Tensor):
     engine = _engine()
-    result = Supervised().train_step(engine, x, y, micro_batches)
-    return engine.state_dict(), result
+    r = Supervised().train_step(engine, Rows(x, y), micro_batches)
+    return engine.state_dict(), (r["loss_sum"], r["correct"], r["count"])
 
 
 def test_micro_batches_give_the_step_of_the_whole_batch_weighted_by_labelled_tokens():
@@ -59,7 +60,8 @@ def test_a_slice_without_labelled_tokens_adds_nothing_and_no_nan():
     y[:2] = -100  # the first slice of 2 has nothing to learn from
     only, _ = _trained(1, x[2:], y[2:])
     engine = _engine()
-    loss, _correct, count = Supervised().train_step(engine, x, y, 2)
+    r = Supervised().train_step(engine, Rows(x, y), 2)
+    loss, count = r["loss_sum"], r["count"]
     assert count == int((y[2:, 1:] != -100).sum())
     assert math.isfinite(loss)
     for name, value in engine.state_dict().items():
