@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from service.worker import Sink, prepare_kernels, run_loop, write_checkpoint
+from service.worker import Sink, prepare_kernels, read_loop_state, run_loop, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +46,44 @@ class RayCheckpoints:
 
     def __init__(self, run: dict[str, Any]) -> None:
         self.run = run
+        self._names: set[str] = set()  # reported by this worker in this attempt
 
-    def restore(self, engine: Any, sink: Sink) -> bool:
-        return resume(engine, self.run, sink)
+    def restore(self, engine: Any, sink: Sink) -> dict[str, Any] | None:
+        return resume_state(engine, self.run, sink)
 
-    def save(self, engine: Any, sink: Sink, values: dict[str, Any], step: int, final: bool) -> None:
-        report_checkpoint(engine, values, sink, step, final)
+    def save(
+        self,
+        engine: Any,
+        sink: Sink,
+        values: dict[str, Any],
+        step: int,
+        final: bool,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        name = checkpoint_dir_name(step, sink.attempt)
+        if name in self._names:  # the best model of an early stop, at a step saved before
+            name += "_final"
+        self._names.add(name)
+        report_checkpoint(engine, values, sink, step, final, state=state, name=name)
 
 
 def resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:
-    """Load the newest checkpoint of the job, if there is one; True if one was loaded.
+    """Load the newest checkpoint of the job, if there is one; True if one was loaded
+    (`resume_state`)."""
+    return resume_state(engine, run, rep) is not None
+
+
+def resume_state(engine: Any, run: dict[str, Any], rep: Any) -> dict[str, Any] | None:
+    """Load the newest checkpoint of the job, if there is one: the loop's state kept with
+    it, or None when there was none.
 
     Two places know checkpoints. Ray Train's own registry (`get_checkpoint`) is what a
     restarted worker group of this attempt resumes from. A new attempt (its driver or the
-    head was lost) reads the same registry from storage, but Ray persists it a moment
-    after `report` returns: a driver killed in that moment leaves it one checkpoint
-    behind, or empty. The store records each checkpoint's directory once every rank has
-    written it (`run["resume_from"]`, set by the driver), so the newer of the two wins.
+    head was lost, or the job was paused) reads the same registry from storage, but Ray
+    persists it a moment after `report` returns: a driver killed in that moment leaves it
+    one checkpoint behind, or empty. The store records each checkpoint's directory once
+    every rank has written it (`run["resume_from"]`, set by the driver), so the newer of
+    the two wins.
     """
     import ray.train
 
@@ -76,16 +97,16 @@ def resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:
     if stored is not None and not (stored / META).is_file():
         stored = None  # deleted with its run directory, or never complete
     if checkpoint is None and stored is None:
-        return False
+        return None
     rep.phase("recovering")
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             if stored is None or step_of(Path(d)) >= step_of(stored):
                 engine.load_checkpoint(Path(d))
-                return True
+                return read_loop_state(Path(d))
     log.info("resuming from the store's newest checkpoint %s", stored)
     engine.load_checkpoint(stored)
-    return True
+    return read_loop_state(stored)
 
 
 def checkpoint_dir_name(step: int, attempt: int) -> str:
@@ -96,14 +117,22 @@ def checkpoint_dir_name(step: int, attempt: int) -> str:
 
 
 def report_checkpoint(
-    engine: Any, values: dict[str, Any], rep: Any, step: int, final: bool
+    engine: Any,
+    values: dict[str, Any],
+    rep: Any,
+    step: int,
+    final: bool,
+    state: dict[str, Any] | None = None,
+    name: str | None = None,
 ) -> None:
     import ray.train
 
-    name = checkpoint_dir_name(step, rep.attempt)
+    name = name or checkpoint_dir_name(step, rep.attempt)
     with tempfile.TemporaryDirectory() as d:
-        # rank 0's adapter directory goes into the checkpoint with the others' shards
-        write_checkpoint(engine, Path(d) / "ckpt", lora=rep.run.get("method") == "lora")
+        # rank 0's adapter directory and loop state go into the checkpoint with the
+        # others' shards
+        lora = rep.run.get("lora", rep.run.get("method") == "lora")
+        write_checkpoint(engine, Path(d) / "ckpt", lora=lora, state=state)
         ray.train.report(
             {**values, "step": step},
             checkpoint=ray.train.Checkpoint.from_directory(Path(d) / "ckpt"),

@@ -19,6 +19,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PENDING_WRITES = 10_000  # writes kept through a store outage: ~2 per step, hours of them
+PAUSE_POLL_S = 1.0  # how often rank 0 asks the store whether a pause was asked for
 
 GAUGES = (
     "train_loss",
@@ -59,6 +60,7 @@ class Reporter:
         self._pending: list[tuple[str, Any, tuple, dict]] = []
         self._last: dict[str, Any] = {}
         self._gauges: dict[str, Any] = {}
+        self._pause, self._pause_read_at = False, float("-inf")
         try:
             from ray.util.metrics import Gauge
 
@@ -204,8 +206,9 @@ class Reporter:
             msg,
         )
         if total:
-            per_step = values.get("step_time_s")
-            eta = int(time.time() + per_step * (total - step)) if per_step else None
+            eta = {}
+            if values.get("estimated_finish") is not None:  # the loop's (service.eta)
+                eta["estimated_finish"] = int(values["estimated_finish"])
             self._write(
                 "progress",
                 self.store.jobs.update,
@@ -213,7 +216,7 @@ class Reporter:
                 attempt=self.attempt,
                 progress_step=step,
                 progress_total=total,
-                estimated_finish=eta,
+                **eta,
             )
 
     def last_values(self) -> dict[str, Any]:
@@ -257,10 +260,47 @@ class Reporter:
             attempt=self.attempt,
         )
 
+    def early_stopping(self, view: dict[str, Any]) -> None:
+        """Early stopping's settings and findings, for the job object."""
+        self._write(
+            "early stopping",
+            self.store and self.store.jobs.update,
+            self.job_id,
+            attempt=self.attempt,
+            early_stopping=view,
+        )
+
+    def pause_requested(self) -> bool:
+        """Whether the job's owner asked to pause it (rank 0 reads the store, at most every
+        `PAUSE_POLL_S`; a store that cannot be read asks for nothing)."""
+        if self.store is None:
+            return False
+        now = time.monotonic()
+        if now - self._pause_read_at >= PAUSE_POLL_S:
+            self._pause_read_at = now
+            got = self._write("", self.store.jobs.pause_requested, self.job_id)
+            self._pause = bool(got)
+        return self._pause
+
+    def paused(self, step: int) -> None:
+        """The pause's checkpoint is written: the job is paused, this attempt ended."""
+        self._write(
+            "the pause", self.store and self.store.jobs.paused, self.job_id, self.attempt, step
+        )
+
     def finished(self, final: dict[str, Any]) -> None:
         if "full_valid_loss" in final:
+            also = [
+                f"{label} {final[k]:.3f}"
+                for k, label in (
+                    ("full_valid_mean_token_accuracy", "token accuracy"),
+                    ("full_valid_reward_accuracy", "reward accuracy"),
+                    ("full_valid_reward_margin", "reward margin"),
+                )
+                if isinstance(final.get(k), (int, float))
+            ]
             self.event(
-                f"Full validation loss {final['full_valid_loss']:.4f}, token accuracy "
-                f"{final['full_valid_mean_token_accuracy']:.3f}",
+                f"Full validation loss {final['full_valid_loss']:.4f}"
+                + "".join(f", {x}" for x in also),
                 **final,
             )

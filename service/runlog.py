@@ -94,6 +94,15 @@ class RunLog:
     def checkpoint(self, step: int, values: dict[str, Any], final: bool, dir_name: str) -> None:
         pass  # Ray Train keeps its registry; the run directory holds it (`ray/`)
 
+    def early_stopping(self, view: dict[str, Any]) -> None:
+        self.run_fields["early_stopping"] = view
+
+    def pause_requested(self) -> bool:
+        return False  # a run without the service stops with Ctrl-C and resumes from its dir
+
+    def paused(self, step: int) -> None:
+        pass
+
     def finished(self, final: dict[str, Any]) -> None:
         pass  # run_loop returns the final values to the front, which writes the summary
 

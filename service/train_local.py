@@ -29,7 +29,7 @@ from service.datasets import Encoded, encode
 from service.prepare import save_rows
 from service.runlog import RunLog, StepCallback
 from service.spec import TrainSpec
-from service.worker import Sink, prepare_kernels, run_loop, write_checkpoint
+from service.worker import Sink, prepare_kernels, read_loop_state, run_loop, write_checkpoint
 
 
 def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: None):
@@ -127,15 +127,23 @@ class DirCheckpoints:
     def __init__(self, directory: Path, lora: bool) -> None:
         self.directory, self.lora = directory, lora
 
-    def restore(self, engine: Any, sink: Sink) -> bool:
+    def restore(self, engine: Any, sink: Sink) -> dict[str, Any] | None:
         if not (self.directory / META).is_file():
-            return False
+            return None
         sink.phase(f"resuming from {self.directory}")
         engine.load_checkpoint(self.directory)
-        return True
+        return read_loop_state(self.directory)
 
-    def save(self, engine: Any, sink: Sink, values: dict[str, Any], step: int, final: bool) -> None:
-        write_checkpoint(engine, self.directory, self.lora, shared=True)
+    def save(
+        self,
+        engine: Any,
+        sink: Sink,
+        values: dict[str, Any],
+        step: int,
+        final: bool,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        write_checkpoint(engine, self.directory, self.lora, shared=True, state=state)
 
 
 def run_training(

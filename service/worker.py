@@ -15,8 +15,8 @@ chunks are sharded over the ranks with chunk ZeRO).
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,7 +24,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from service.early_stopping import EarlyStopping
+from service.eta import Eta
 from service.lora import adapter_dir
+from service.objectives import Split, Supervised, all_sum
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,9 @@ class Sink(Protocol):
     def last_values(self) -> dict[str, Any]: ...
     def stats(self, stats: dict[str, Any]) -> None: ...
     def checkpoint(self, step: int, values: dict[str, Any], final: bool, dir_name: str) -> None: ...
+    def early_stopping(self, view: dict[str, Any]) -> None: ...
+    def pause_requested(self) -> bool: ...
+    def paused(self, step: int) -> None: ...
     def finished(self, final: dict[str, Any]) -> None: ...
     def flush(self) -> bool: ...
 
@@ -56,23 +62,54 @@ class Sink(Protocol):
 class Checkpoints(Protocol):
     """Where a run's checkpoints go and where a restarted run finds its newest one."""
 
-    def restore(self, engine: Any, sink: Sink) -> bool:
-        """Load the newest checkpoint into the engine, if there is one; True if loaded."""
+    def restore(self, engine: Any, sink: Sink) -> dict[str, Any] | None:
+        """Load the newest checkpoint into the engine, if there is one: the loop's state
+        kept with it ({} if none), or None when there was nothing to load."""
         ...
 
-    def save(self, engine: Any, sink: Sink, values: dict[str, Any], step: int, final: bool) -> None:
-        """Keep the engine's state at `step` (every rank calls it: shards are per rank),
-        and tell `sink` where it went."""
+    def save(
+        self,
+        engine: Any,
+        sink: Sink,
+        values: dict[str, Any],
+        step: int,
+        final: bool,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        """Keep the engine's state at `step` and the loop's `state` (every rank calls it:
+        shards are per rank), and tell `sink` where it went."""
         ...
 
 
-def write_checkpoint(engine: Any, directory: Path, lora: bool, shared: bool = False) -> None:
-    """What a checkpoint holds: this rank's chunks and, for a LoRA run, the PEFT adapter
-    (every rank takes part: the adapters may be sharded; rank 0 writes it). `shared`: one
-    directory all ranks see, replaced whole (`Engine.save_checkpoint`)."""
+LOOP_STATE = "loop_state.json"  # beside a checkpoint's chunks: what the loop itself keeps
+
+
+def write_checkpoint(
+    engine: Any,
+    directory: Path,
+    lora: bool,
+    shared: bool = False,
+    state: dict[str, Any] | None = None,
+) -> None:
+    """What a checkpoint holds: this rank's chunks, for a LoRA run the PEFT adapter (every
+    rank takes part: the adapters may be sharded; rank 0 writes it), and the loop's state
+    (early stopping's; rank 0 writes it). `shared`: one directory all ranks see, replaced
+    whole (`Engine.save_checkpoint`)."""
     engine.save_checkpoint(directory, shared=shared)
     if lora:
         engine.export_hf(adapter_dir(directory), variant="adapter")
+    if state is not None and this_rank() == 0:
+        (directory / LOOP_STATE).write_text(json.dumps(state))
+
+
+def this_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def read_loop_state(directory: Path) -> dict[str, Any]:
+    """The loop's state a checkpoint kept ({} for one written before there was any)."""
+    f = Path(directory) / LOOP_STATE
+    return json.loads(f.read_text()) if f.is_file() else {}
 
 
 class Batches:
@@ -87,50 +124,6 @@ class Batches:
         perm = torch.randperm(self.rows, generator=g)
         pos = torch.arange(i * self.batch, (i + 1) * self.batch) % self.rows
         return perm[pos]
-
-
-def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """(correct next-token predictions, tokens counted) where labels are not ignored."""
-    pred = logits[:, :-1].argmax(-1)
-    tgt = labels[:, 1:].to(pred.device)
-    mask = tgt != -100
-    return float((pred == tgt)[mask].sum()), int(mask.sum())
-
-
-def all_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum across ranks (on the engine's device: NCCL takes no CPU tensors)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-@torch.no_grad()
-def evaluate(
-    engine: Any, ids: torch.Tensor, labels: torch.Tensor, rank: int, world: int, batch: int
-):
-    """(mean loss per token, token accuracy) over the rows, split evenly over the ranks
-    (every rank runs the same number of forwards: ZeRO gathers are collective)."""
-    n = ids.shape[0]
-    per_rank = math.ceil(n / world)
-    rounds = math.ceil(per_rank / batch)
-    loss_sum = correct = count = 0.0
-    engine.eval()
-    for r in range(rounds):
-        idx = (torch.arange(batch) + r * batch) * world + rank
-        real = idx < n
-        idx = idx % n
-        x, y = ids[idx].to(engine.device), labels[idx].clone()
-        y[~real] = -100  # wrapped rows keep the shapes equal but count nothing
-        out = engine(input_ids=x, labels=y.to(engine.device))
-        c, k = token_stats(out.logits, y)
-        if k:
-            loss_sum += float(out.loss) * k
-        correct += c
-        count += k
-    engine.train()
-    loss_sum, correct, count = all_sum([loss_sum, correct, count], engine.device)
-    return (loss_sum / count, correct / count) if count else (float("nan"), float("nan"))
 
 
 def flops_per_token(engine: Any, seq_len: int) -> float:
@@ -219,52 +212,18 @@ def memory_values(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class Supervised:
-    """The objective of supervised and LoRA fine-tuning and of `pstar train`: next-token
-    cross-entropy on the labelled tokens (the model's own loss).
+def objective_for(run: dict[str, Any]) -> Any:
+    """The training method's objective (`service.objectives`)."""
+    if run.get("method") == "dpo":
+        from service.dpo import DPO
 
-    A training method is an objective the loop calls, not a copy of the loop: it says
-    what one optimizer step does with this rank's rows (`train_step`) and what a held-out
-    evaluation measures (`evaluate`); the loop keeps batching, metrics, checkpoints and
-    resume the same for every method."""
-
-    name = "supervised"
-
-    def train_step(self, engine: Any, x: torch.Tensor, y: torch.Tensor, micro_batches: int):
-        """Forward and backward over `micro_batches` slices of this rank's rows, then the
-        optimizer step: (loss summed over tokens, correct predictions, tokens counted).
-        With more than one slice each slice's mean loss is weighted by its share of the
-        tokens, so the gradient is that of the whole batch at once."""
-        parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
-        if len(parts) == 1:
-            shares, total = [1], 1
-        else:
-            shares = [int((py[:, 1:] != -100).sum()) for _px, py in parts]
-            total = max(1, sum(shares))
-        loss_sum = correct = count = 0.0
-        for (px, py), share in zip(parts, shares, strict=True):
-            out = engine(input_ids=px, labels=py)
-            c, k = token_stats(out.logits.detach(), py)
-            loss = out.loss
-            if len(parts) > 1:
-                # a slice with no labelled token has a NaN mean loss; it still takes part
-                # in backward (ZeRO's reductions are collective), with a zero gradient
-                weighted = loss * (share / total) if share else out.logits.sum() * 0.0
-            del out  # the logits (batch x seq x vocab) are not kept through backward, step
-            engine.backward(loss if len(parts) == 1 else weighted)
-            if k:
-                loss_sum += float(loss.detach()) * k
-            correct += c
-            count += k
-        engine.step()
-        return loss_sum, correct, count
-
-    def evaluate(self, engine: Any, ids, labels, rank: int, world: int, batch: int):
-        """(mean loss per token, token accuracy) over the rows (see `evaluate`)."""
-        return evaluate(engine, ids, labels, rank, world, batch)
+        return DPO(run)
+    return Supervised()
 
 
-OBJECTIVES = {"supervised": Supervised, "lora": Supervised}  # by the run's method
+def agreed(flag: bool, device: torch.device) -> bool:
+    """Rank 0's `flag`, on every rank (what it read from the store the others cannot)."""
+    return bool(all_sum([float(flag)], device)[0])
 
 
 def run_loop(
@@ -276,25 +235,37 @@ def run_loop(
     checkpoints: Checkpoints,
     name: str = "",
 ) -> dict[str, Any]:
-    """Train `engine` on the run's rows to `run["total_steps"]`, then checkpoint and export;
-    the final values (trained tokens, full validation) are returned and told to `rep`."""
+    """Train `engine` on the run's rows to `run["total_steps"]` (or until early stopping
+    ends it), then checkpoint and export; the final values (trained tokens, full
+    validation) are returned and told to `rep`. A pause asked for through `rep` ends the
+    loop at a step boundary with a checkpoint and no export (`{"paused_at_step": s}`)."""
     data = torch.load(run["data_file"], weights_only=True)
-    train_ids, train_labels = data["train_ids"], data["train_labels"]
-    lengths = data["train_lengths"]
-    valid_ids, valid_labels = data.get("valid_ids"), data.get("valid_labels")
+    train, valid = Split.of(data, "train"), Split.of(data, "valid")
     hp = run["hyperparameters"]
     batch, total, per_epoch = hp["batch_size"], run["total_steps"], run["steps_per_epoch"]
     micro_batches = hp.get("micro_batches") or 1
     local = batch // world
-    lora = run.get("method") == "lora"
-    objective = OBJECTIVES[run.get("method") or "supervised"]()
+    lora = run.get("lora", run.get("method") == "lora")
+    objective = objective_for(run)
+    eta = Eta(total)
 
     def full_validation() -> dict[str, float]:
-        loss, acc = objective.evaluate(engine, valid_ids, valid_labels, rank, world, local)
-        return {"full_valid_loss": loss, "full_valid_mean_token_accuracy": acc}
+        t0 = time.perf_counter()
+        got = objective.evaluate(engine, valid, rank, world, local)
+        eta.full_eval(time.perf_counter() - t0)
+        return {f"full_{k}": v for k, v in got.items()}
 
-    if checkpoints.restore(engine, rep):
+    restored = checkpoints.restore(engine, rep)
+    if restored is not None:
         rep.resumed(engine.global_step)
+    stopper = EarlyStopping.of(run.get("early_stopping"), (restored or {}).get("early_stopping"))
+    best_dir = Path(run["best_dir"]) if run.get("best_dir") else None
+    if stopper is not None and best_dir is None:
+        raise ValueError("early stopping needs run['best_dir'] for the best model")
+
+    def loop_state() -> dict[str, Any]:
+        return {"early_stopping": stopper.state()} if stopper is not None else {}
+
     st = engine.stats()
     if rank == 0:
         rep.runtime(runtime_values(st))
@@ -312,24 +283,19 @@ def run_loop(
         total,
     )
     rep.running()
+    splits = {"train": train, **({"valid": valid} if valid is not None else {})}
+    objective.prepare(engine, splits, rank, world, local, rep)
     eval_every = hp.get("eval_every")
     if eval_every is None:
         eval_every = max(1, total // 10)
     ckpt_every = run["checkpoint_every"]
-    if valid_ids is not None and engine.global_step == 0:
+    if valid is not None and engine.global_step == 0:
         rep.phase("evaluating")
         before = full_validation()
-        rep.metrics(
-            0,
-            {
-                "valid_loss": before["full_valid_loss"],
-                "valid_mean_token_accuracy": before["full_valid_mean_token_accuracy"],
-                **before,
-            },
-            "before training",
-        )
-    sampler = Batches(train_ids.shape[0], batch, per_epoch, run["seed"])
-    flops_tok = flops_per_token(engine, train_ids.shape[1])
+        interval = {k.removeprefix("full_"): v for k, v in before.items()}
+        rep.metrics(0, {**interval, **before}, "before training")
+    sampler = Batches(len(train), batch, per_epoch, run["seed"])
+    flops_tok = flops_per_token(engine, train.seq_len)
     trained_tokens = int(rep.values_at(engine.global_step).get("trained_tokens", 0))
     comm_before = engine.stats()["comm_bytes_sent"]
     rep.phase("training")
@@ -339,59 +305,85 @@ def run_loop(
         t0 = time.perf_counter()
         idx = sampler.indices(step)
         mine = idx[rank * local : (rank + 1) * local]
-        x, y = train_ids[mine].to(engine.device), train_labels[mine].to(engine.device)
-        loss_tok, correct, count = objective.train_step(engine, x, y, micro_batches)
-        real = int(lengths[mine].sum())  # tokens that are not padding
-        loss_sum, correct, count, real_sum = all_sum(
-            [loss_tok, correct, count, float(real)], engine.device
-        )
+        sums = objective.train_step(engine, train.rows(mine, engine.device), micro_batches)
+        real = int(train.lengths[mine].sum())  # tokens that are not padding
+        *summed, real_sum = all_sum([*sums.values(), float(real)], engine.device)
         dt = time.perf_counter() - t0
         trained_tokens += int(real_sum)
         stats = engine.stats()
+        slots = batch * train.seq_len
         values = {
-            "train_loss": loss_sum / max(count, 1),
-            "train_mean_token_accuracy": correct / max(count, 1),
+            **objective.values(dict(zip(sums, summed, strict=True))),
             "lr": engine.lr,
             "step_time_s": dt,
-            "tokens_per_second": batch * x.shape[1] / dt,
-            "tflops": flops_tok * batch * x.shape[1] / dt / 1e12,
+            "tokens_per_second": slots / dt,
+            "tflops": flops_tok * slots / dt / 1e12,
             "trained_tokens": trained_tokens,
             **memory_values(stats),
             "comm_bytes_sent": stats["comm_bytes_sent"] - comm_before,
         }
         comm_before = stats["comm_bytes_sent"]
         done = step + 1
-        if valid_ids is not None and eval_every and (done % eval_every == 0) and done < total:
+        if valid is not None and eval_every and (done % eval_every == 0) and done < total:
             rep.phase("evaluating")
             # the interval loss on a fixed sample (as OpenAI's valid_loss); the whole
             # file is evaluated before training and at the end (full_valid_loss)
-            n = min(valid_ids.shape[0], VALID_SAMPLE_BATCHES * batch)
-            values["valid_loss"], values["valid_mean_token_accuracy"] = objective.evaluate(
-                engine, valid_ids[:n], valid_labels[:n], rank, world, local
-            )
+            sample = valid.head(min(len(valid), VALID_SAMPLE_BATCHES * batch))
+            values.update(objective.evaluate(engine, sample, rank, world, local))
+            if stopper is not None:
+                verdict = stopper.observe(done, values["valid_loss"])
+                if verdict == "improved":  # the model to export if the run stops early
+                    rep.phase("keeping the best checkpoint")
+                    write_checkpoint(engine, best_dir, lora, shared=True, state=loop_state())
+                rep.early_stopping(stopper.view())
             rep.phase("training")
-        if done == total and valid_ids is not None:
+        stopping = stopper is not None and stopper.stopped
+        if done == total and valid is not None:
             # the whole validation file, as OpenAI's last metrics event carries it
             rep.phase("evaluating")
             full_eval = full_validation()
             values.update(full_eval)
+        if (finish := eta.step_done(done if not stopping else total)) is not None:
+            values["estimated_finish"] = finish
         rep.metrics(done, values, total=total)
         if step == first:  # the warm-up step of this attempt: the trace exists now
             rep.stats(stats)
+        if stopping:
+            break
+        if done < total and agreed(rep.pause_requested(), engine.device):
+            rep.phase("pausing")
+            checkpoints.save(engine, rep, values, done, final=False, state=loop_state())
+            rep.paused(done)
+            rep.flush()
+            return {"paused_at_step": done}
         if ckpt_every and done % ckpt_every == 0 and done < total:
             rep.phase("checkpointing")
-            checkpoints.save(engine, rep, values, done, final=False)
+            t0 = time.perf_counter()
+            checkpoints.save(engine, rep, values, done, final=False, state=loop_state())
+            eta.checkpoint(time.perf_counter() - t0)
             rep.phase("training")
-    # the end: full validation, the final checkpoint, the export
+    # the end: early stopping's best model, full validation, the final checkpoint, export
     final: dict[str, Any] = {"trained_tokens": trained_tokens}
-    if valid_ids is not None:
-        if full_eval is None:  # resumed from the final checkpoint: no step ran
+    if stopper is not None and stopper.stopped:
+        rep.phase("restoring the best checkpoint")
+        engine.load_checkpoint(best_dir)
+        rep.event(
+            f"Early stopping at step {stopper.stopped_at_step}: {stopper.reason()}. The model "
+            f"of step {stopper.best_step} is the fine-tuned model.",
+            **stopper.view(),
+        )
+        full_eval = None  # of the best model, below
+        final["early_stopping"] = stopper.view()
+    if valid is not None:
+        if full_eval is None:  # resumed from the final checkpoint, or the best model
             rep.phase("evaluating")
             full_eval = full_validation()
         final.update(full_eval)
     last = rep.last_values()
     rep.phase("checkpointing")
-    checkpoints.save(engine, rep, {**last, **final}, engine.global_step, final=True)
+    checkpoints.save(
+        engine, rep, {**last, **final}, engine.global_step, final=True, state=loop_state()
+    )
     if run.get("export_dir"):
         rep.phase("exporting")
         _export(engine, run, rank, lora)
