@@ -142,7 +142,9 @@ class FineTuningJob(BaseModel):
     organization_id: str
     result_files: list[str]
     seed: int
-    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    status: Literal[
+        "validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"
+    ]
     trained_tokens: int | None = None
     training_file: str
     validation_file: str | None = None
@@ -168,6 +170,20 @@ class FineTuningJob(BaseModel):
         "(CPU capability, threads, host Adam kernel)"
     )
     resources: dict[str, Any]
+    pause_requested: bool = Field(
+        default=False, description="a pause is on its way: at the next step boundary"
+    )
+    early_stopping: dict[str, Any] | None = Field(
+        default=None,
+        description="the early-stopping settings and what they found: evals, best_step, "
+        "best_valid_loss, evals_without_improvement, stopped (and stopped_at_step)",
+    )
+    data: dict[str, Any] | None = Field(
+        default=None,
+        description="the prepared training data: format, seq_len, rows, fill_ratio (real "
+        "tokens over row slots), examples_per_row, packing (asked, decided, the padding "
+        "one example per row would leave), loss_tokens, steps",
+    )
 
     @classmethod
     def of(cls, j: JobRow) -> FineTuningJob:
@@ -179,6 +195,12 @@ class FineTuningJob(BaseModel):
         method = (j.plan or {}).get("method") or {"type": "supervised"}
         kind = method["type"]
         lora = method.get("lora")
+        section: dict[str, Any] = {"hyperparameters": openai_hp}
+        if kind == "dpo":
+            openai_hp = {**openai_hp, "beta": hp.get("beta", "auto")}
+            section = {"hyperparameters": openai_hp, **({"lora": lora} if lora else {})}
+        else:
+            section.update(lora or {})
         return cls(
             id=j.id,
             created_at=j.created_at,
@@ -196,7 +218,7 @@ class FineTuningJob(BaseModel):
             validation_file=j.validation_file,
             estimated_finish=j.estimated_finish,
             metadata=j.metadata_,
-            method={"type": kind, kind: {"hyperparameters": openai_hp, **(lora or {})}},
+            method={"type": kind, kind: section},
             user_provided_suffix=j.suffix,
             status_detail=j.status_detail,
             progress=Progress(step=j.progress_step, total=j.progress_total),
@@ -205,7 +227,18 @@ class FineTuningJob(BaseModel):
             ray_submission_id=f"{j.id}-a{j.attempt}" if j.attempt else None,
             hyperparameters_resolved=_resolved(hp, lora, (j.plan or {}).get("engine"), j.runtime),
             resources=(j.plan or {}).get("resources", {}),
+            pause_requested=bool(getattr(j, "pause_requested", False)),
+            early_stopping=getattr(j, "early_stopping", None)
+            or _early_stopping_settings((j.plan or {}).get("early_stopping")),
+            data=getattr(j, "data_report", None),
         )
+
+
+def _early_stopping_settings(settings: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A job's early stopping before its first evaluation: the settings, nothing found."""
+    if not settings:
+        return None
+    return {**settings, "evals": 0, "best_step": None, "best_valid_loss": None, "stopped": False}
 
 
 def _resolved(

@@ -293,6 +293,22 @@ def jobs_cancel(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -
     console.print(f"{job['id']}: {job['status']}")
 
 
+@jobs_app.command("pause")
+def jobs_pause(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """Pause a job: it writes a checkpoint at its next step boundary and frees its workers
+    (a queued one leaves the queue at once)."""
+    job = _call(_client(url, data_dir).post, f"/v1/fine_tuning/jobs/{job_id}/pause")
+    how = " (pausing at the next step boundary)" if job.get("pause_requested") else ""
+    console.print(f"{job['id']}: {job['status']}{how}")
+
+
+@jobs_app.command("resume")
+def jobs_resume(job_id: str, url: Url = DEFAULT_URL, data_dir: DataDir = None) -> None:
+    """Resume a paused job from its checkpoint."""
+    job = _call(_client(url, data_dir).post, f"/v1/fine_tuning/jobs/{job_id}/resume")
+    console.print(f"{job['id']}: {job['status']}")
+
+
 def follow_job(c: Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
     """A progress bar until the job ends; events are printed as they come."""
     progress = Progress(

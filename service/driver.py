@@ -34,6 +34,7 @@ from service.prepare import prepare, save_rows
 from service.registry import fine_tuned_name
 from service.settings import Settings
 from service.store import File, Job, StaleAttempt, Store
+from service.store.models import PAUSED
 
 log = logging.getLogger("pstar.driver")
 CHECKPOINTS_TO_KEEP = 3
@@ -72,15 +73,24 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         }
         meta_file.write_text(json.dumps(meta))
         tr = prep.train
+        rep = tr.report()
+        layout = (
+            f"packed, {rep['examples_per_row']:.1f} examples per row"
+            if tr.packed
+            else "one example per row"
+        )
         store.events.add(
             job.id,
-            f"Data: {tr.examples} training examples -> {tr.input_ids.shape[0]} rows of "
-            f"{prep.seq_len} tokens ({tr.loss_tokens} trained on; {tr.truncated} truncated, "
+            f"Data: {tr.examples} training examples -> {rep['rows']} rows of "
+            f"{prep.seq_len} tokens ({layout}, {rep['fill_ratio']:.0%} filled; "
+            f"{tr.loss_tokens} tokens trained on; {tr.truncated} truncated, "
             f"{tr.dropped} dropped); {prep.total_steps} steps",
             data=meta,
             attempt=attempt,
         )
     meta = json.loads(meta_file.read_text())
+    if job.data_report is None:
+        store.jobs.update(job.id, attempt=attempt, data_report=_data_report(meta))
     plan = job.plan
     total = meta["total_steps"]
     hp = dict(plan["hyperparameters"], seq_len=meta["seq_len"])
@@ -92,6 +102,10 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
         "model": plan["model"],
         "method": method["type"],
+        "lora": bool(method.get("lora")),
+        "early_stopping": plan.get("early_stopping"),
+        # the best evaluation's model, kept across attempts while early stopping watches
+        "best_dir": str(job_dir / "best"),
         "engine": engine,
         "hyperparameters": hp,
         "seq_len": meta["seq_len"],
@@ -106,6 +120,24 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         "tokenizer_dir": str(job_dir / "tokenizer") if plan["model"]["kind"] == "zoo" else None,
         "export_dir": str(settings.finetuned_dir(job.id)),
         "storage_path": str(job_dir / "ray"),
+    }
+
+
+def _data_report(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the job object and the dashboard show of the prepared data."""
+    train = meta["training_file"]
+    return {
+        "format": meta["format"],
+        "seq_len": meta["seq_len"],
+        "packing": meta.get("packing", {}),
+        **{
+            k: train.get(k)
+            for k in ("examples", "rows", "fill_ratio", "examples_per_row", "loss_tokens")
+        },
+        "truncated_examples": train.get("truncated_examples"),
+        "dropped_examples": train.get("dropped_examples"),
+        "steps_per_epoch": meta["steps_per_epoch"],
+        "total_steps": meta["total_steps"],
     }
 
 
@@ -183,6 +215,8 @@ def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> 
     points = store.events.metric_points(job.id)
     trained = int(points[-1].values.get("trained_tokens", 0)) if points else 0
     name = fine_tuned_name(job.plan.get("base_model", job.model), job.suffix, job.id)
+    early = job.early_stopping or {}
+    stopped = early.get("stopped_at_step")
     results = File(
         id=fid,
         tenant=job.tenant,
@@ -202,12 +236,17 @@ def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> 
             attempt,
             results,
             lambda: os.replace(tmp, settings.files_dir / fid),
-            f"The job has successfully completed; fine-tuned model {name}",
+            f"The job has successfully completed; fine-tuned model {name}"
+            + (
+                f" (stopped early at step {stopped}: the model of step {early['best_step']})"
+                if stopped
+                else ""
+            ),
             status_detail=None,
             fine_tuned_model=name,
             trained_tokens=trained,
             result_files=[fid],
-            progress_step=job.progress_total or (points[-1].step if points else 0),
+            progress_step=stopped or job.progress_total or (points[-1].step if points else 0),
         )
     finally:
         tmp.unlink(missing_ok=True)
@@ -320,6 +359,10 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         through_outage(fail, store, job_id, attempt, "training_failed", _short(text))
         return 1
     latest = through_outage(store.jobs.get, job_id) or job
+    if latest.status == PAUSED:  # its workers paused it, with a checkpoint
+        through_outage(store.attempts.end_paused, job_id, attempt)
+        log.info("job %s attempt %d: paused", job_id, attempt)
+        return 0
     through_outage(finish_success, settings, store, latest, attempt)
     log.info("job %s attempt %d: succeeded", job_id, attempt)
     return 0

@@ -90,6 +90,12 @@ class Hyperparameters(Body):
     eval_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = Field(
         default=None, description="steps between validation losses (default: 10 per run)"
     )
+    packing: Auto | Annotated[bool, Field(strict=True)] = Field(
+        default="auto",
+        description="several short examples per row of seq_len tokens, attention kept inside "
+        "each (a batch is then batch_size rows); auto: packs when one example per row would "
+        "leave more than a third of the row slots padding",
+    )
 
 
 class Supervised(Body):
@@ -135,11 +141,10 @@ TargetModules = Annotated[
 ]
 
 
-class Lora(Body):
-    """Low-rank adapters on a pretrained model (ours, beside OpenAI's methods): its
-    weights stay frozen, only the adapters train."""
+class LoraSettings(Body):
+    """Low-rank adapters on a pretrained model: its weights stay frozen, only the
+    adapters train."""
 
-    hyperparameters: Hyperparameters | None = None
     r: Annotated[int, Field(strict=True, ge=1, le=4096), WHOLE] = Field(
         default=_ENGINE_LORA.r, description="rank of each adapter"
     )
@@ -160,18 +165,43 @@ class Lora(Body):
         return self.model_dump(mode="json", exclude={"hyperparameters"})
 
 
-METHOD_TYPES = ("supervised", "lora")
+class Lora(LoraSettings):
+    """LoRA fine-tuning (ours, beside OpenAI's methods): supervised, on the adapters."""
+
+    hyperparameters: Hyperparameters | None = None
+
+
+class DpoHyperparameters(Hyperparameters):
+    beta: Auto | Annotated[float, Field(gt=0, le=100)] = Field(
+        default="auto",
+        description="how far the policy may move from the reference: the weight of the "
+        "log-probability ratios in the DPO loss; auto: 0.1",
+    )
+
+
+class Dpo(Body):
+    """Direct Preference Optimization on preference pairs (OpenAI's `dpo`); with `lora`
+    (ours) only low-rank adapters train, and the reference is the base without them."""
+
+    hyperparameters: DpoHyperparameters | None = None
+    lora: LoraSettings | None = Field(
+        default=None, description="train low-rank adapters instead of every weight"
+    )
+
+
+METHOD_TYPES = ("supervised", "lora", "dpo")
 
 
 class Method(Body):
-    # OpenAI's three are parsed (so dpo gets a message saying it is not supported); the
-    # document lists the ones this service runs: supervised (every weight) and ours, lora
+    # OpenAI's three are parsed (so reinforcement gets a message saying it is not
+    # supported); the document lists the ones this service runs: supervised (every
+    # weight), dpo (preference pairs) and ours, lora
     type: Literal["supervised", "lora", "dpo", "reinforcement"] = Field(
         json_schema_extra={"enum": list(METHOD_TYPES)}
     )
     supervised: Supervised | None = None
     lora: Lora | None = None
-    dpo: dict[str, Any] | None = None
+    dpo: Dpo | None = None
     reinforcement: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -179,7 +209,8 @@ class Method(Body):
         if self.type not in METHOD_TYPES:
             raise ValueError(
                 f"method.type '{self.type}' is not supported; use 'supervised' (every weight "
-                "trains) or 'lora' (low-rank adapters on a frozen model)"
+                "trains), 'dpo' (preference pairs) or 'lora' (low-rank adapters on a frozen "
+                "model)"
             )
         # a section for a method not asked for would be stored and never read
         for name in ("supervised", "lora", "dpo", "reinforcement"):
@@ -192,13 +223,28 @@ class Method(Body):
         return self
 
     @property
-    def section(self) -> Supervised | Lora | None:
-        return self.lora if self.type == "lora" else self.supervised
+    def section(self) -> Supervised | Lora | Dpo | None:
+        return {"lora": self.lora, "dpo": self.dpo}.get(self.type, self.supervised)
+
+
+class EarlyStoppingRequest(Body):
+    """Stop when the validation loss stops improving (ours; Together's names)."""
+
+    patience: Annotated[int, Field(strict=True, ge=1, le=1000), WHOLE] = Field(
+        description="evaluations in a row without improvement that stop the job"
+    )
+    min_delta: Annotated[float, Field(ge=0, le=1e6)] = Field(
+        default=0.0, description="an improvement is a validation loss lower by more than this"
+    )
+    warmup_evals: Annotated[int, Field(strict=True, ge=0, le=1000), WHOLE] = Field(
+        default=0, description="evaluations at the start that never count toward patience"
+    )
 
 
 class JobRequest(Body):
     """`POST /v1/fine_tuning/jobs`: OpenAI's body, plus `engine`, `resources`,
-    `checkpoint_every`, `max_attempts` and `hyperparameters.max_steps/seq_len/eval_every`."""
+    `checkpoint_every`, `max_attempts`, `early_stopping` and
+    `hyperparameters.max_steps/seq_len/eval_every/packing`."""
 
     model: ModelName
     training_file: FileId
@@ -215,6 +261,12 @@ class JobRequest(Body):
     resources: Resources = Field(default_factory=Resources)
     checkpoint_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = None
     max_attempts: Annotated[int, Field(strict=True, ge=1, le=10), WHOLE] = 3
+    early_stopping: EarlyStoppingRequest | None = Field(
+        default=None,
+        description="stop on the validation loss (needs a validation_file; evaluated every "
+        "hyperparameters.eval_every steps); the best evaluation's model becomes the "
+        "fine-tuned model",
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -249,15 +301,26 @@ class JobRequest(Body):
         return section.hyperparameters if section is not None else None
 
     @property
-    def lora(self) -> Lora | None:
-        """The adapter settings of a LoRA job (defaults filled in); None otherwise."""
+    def lora(self) -> LoraSettings | None:
+        """The adapter settings of a LoRA job, or a DPO job on adapters (defaults filled
+        in); None otherwise."""
+        if self.method_type == "dpo" and self.method and self.method.dpo:
+            return self.method.dpo.lora
         if self.method_type != "lora":
             return None
         return (self.method.lora if self.method else None) or Lora()
 
     @property
     def hp(self) -> Hyperparameters:
-        return self.method_hyperparameters or self.hyperparameters or Hyperparameters()
+        given = self.method_hyperparameters or self.hyperparameters
+        if self.method_type == "dpo":
+            # top-level hyperparameters of a DPO job carry no beta: its default applies
+            return (
+                DpoHyperparameters(**given.model_dump(exclude_unset=True))
+                if given
+                else DpoHyperparameters()
+            )
+        return given or Hyperparameters()
 
 
 def json_problem(v: Any, where: str, depth: int = 0) -> tuple[str, str] | None:

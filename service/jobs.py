@@ -6,7 +6,8 @@ exists for this tenant, the files are this tenant's processed fine-tuning files,
 hyperparameters are in range, the engine section is a valid `pstar_core` config. The
 stored `plan` is what the Ray job driver runs, with every "auto" decided.
 
-Status: validating_files -> queued -> running -> succeeded | failed | cancelled.
+Status: validating_files -> queued -> running -> succeeded | failed | cancelled; a queued or
+running job may be paused (-> paused) and resumed (-> queued).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import random
 import time
 from typing import Any, TypeVar
 
+from service.dpo import DEFAULT_BETA
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from service.job_request import (
     BASE_LR,
+    DpoHyperparameters,
     JobRequest,
     auto_batch_size,
     auto_epochs,
@@ -38,6 +41,7 @@ from service.store import (
     new_id,
     request_hash,
 )
+from service.store.models import PAUSED
 from service.store.statements import View
 
 _J = TypeVar("_J")
@@ -63,6 +67,14 @@ class JobService:
                 "fine-tune",
                 param="model",
                 code="model_not_found",
+            )
+        if req.method_type == "dpo" and model.kind == "zoo":
+            raise InvalidRequest(
+                f"method.type 'dpo' teaches a pretrained model preferences, and '{req.model}' "
+                "is a zoo model trained from scratch (its weights start random); fine-tune a "
+                "pretrained model (GET /v1/models: kind 'base' or 'fine-tuned')",
+                param="model",
+                code="model_not_available",
             )
         if req.lora is not None and model.kind == "zoo":
             raise InvalidRequest(
@@ -95,7 +107,25 @@ class JobService:
                     param=param,
                     code="invalid_file",
                 )
+            if (f.format == "preference") != (req.method_type == "dpo"):
+                want = (
+                    "preference pairs ('input', 'preferred_output', 'non_preferred_output')"
+                    if req.method_type == "dpo"
+                    else "chat, completion or text examples"
+                )
+                raise InvalidRequest(
+                    f"{param} '{fid}' holds {f.format} examples, and method.type "
+                    f"'{req.method_type}' trains on {want}",
+                    param=param,
+                    code="invalid_file",
+                )
             files[param] = f
+        if req.early_stopping is not None and "validation_file" not in files:
+            raise InvalidRequest(
+                "early_stopping watches the validation loss: give a validation_file",
+                param="early_stopping",
+                code="invalid_value",
+            )
         train = files["training_file"]
         hp = req.hp
         workers = req.resources.num_workers
@@ -164,11 +194,20 @@ class JobService:
                 "max_steps": hp.max_steps,
                 "seq_len": hp.seq_len,
                 "eval_every": hp.eval_every,
+                "packing": hp.packing,
+                **(
+                    {"beta": DEFAULT_BETA if hp.beta == "auto" else float(hp.beta)}
+                    if isinstance(hp, DpoHyperparameters)
+                    else {}
+                ),
             },
             "engine": engine_config(req, lr),
             "resources": req.resources.model_dump(),
             "checkpoint_every": req.checkpoint_every,
             "suffix": req.suffix,
+            "early_stopping": (
+                req.early_stopping.model_dump() if req.early_stopping is not None else None
+            ),
         }
         return model, plan
 
@@ -274,6 +313,44 @@ class JobService:
             )
         if job.attempt:
             self.launcher.stop_quietly(f"{job_id}-a{job.attempt}")
+        return self.get(tenant, job_id)
+
+    def pause(self, tenant: str, job_id: str) -> Job:
+        """Pause a job (OpenAI's `POST .../pause`): one waiting for its first attempt leaves
+        the queue at once; one with an attempt writes a checkpoint at its next step
+        boundary and frees its workers (while it waits for resources, its Ray job is stopped
+        and it pauses at its last checkpoint). A paused job is paused already; any other
+        status is refused, saying which."""
+        job = self.get(tenant, job_id)
+        if job.status == PAUSED:
+            return job
+        how = self.store.jobs.pause(job_id, tenant)
+        if how is None:
+            job = self.get(tenant, job_id)
+            raise InvalidRequest(
+                f"job {job_id} is {job.status}; only a job that has not ended can be paused",
+                param="fine_tuning_job_id",
+                code="job_not_pausable",
+            )
+        job = self.get(tenant, job_id)
+        if how == "requested" and job.status == "queued" and job.attempt:
+            # waiting in Ray for resources (or recovering): nothing to wait for
+            self.launcher.stop_quietly(f"{job_id}-a{job.attempt}")
+        return job
+
+    def resume(self, tenant: str, job_id: str) -> Job:
+        """Resume a paused job (OpenAI's `POST .../resume`): queued again, its next attempt
+        continues from the pause's checkpoint, with the losses an uninterrupted run has."""
+        self.get(tenant, job_id)
+        if not self.store.jobs.resume(job_id, tenant):
+            job = self.get(tenant, job_id)
+            raise InvalidRequest(
+                f"job {job_id} is {job.status}"
+                + (" (a pause is on its way)" if job.pause_requested else "")
+                + "; only a paused job can be resumed",
+                param="fine_tuning_job_id",
+                code="job_not_resumable",
+            )
         return self.get(tenant, job_id)
 
 

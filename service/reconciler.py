@@ -32,6 +32,7 @@ from service.faults import crash_point
 from service.launcher import ENDED, LIVE
 from service.settings import Settings, job_env
 from service.store import ActiveAttempt, ActiveJob, Attempt, Store
+from service.store.models import PAUSED, PAUSED_RAY_STATUS
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +108,10 @@ class Reconciler:
             for job, att in pairs:
                 if self._stop.is_set():
                     return
-                if (
-                    att is None
-                    and job.status == "queued"
-                    and not self._admitted(job, shares, waiting)
-                ):
+                # a job waiting for its first attempt, or resumed after a pause, starts
+                # only within its tenant's running limits
+                starting = att is None or att.paused
+                if starting and job.status == "queued" and not self._admitted(job, shares, waiting):
                     continue
                 self._guarded(job, att, ray)
             if waiting:  # every new reason to wait (or none) of the tick, in one write
@@ -217,6 +217,18 @@ class Reconciler:
         if att is None:
             self._next_attempt(job, "Attempt 1 submitted to Ray")
             return
+        if att.paused:
+            if job.status == "queued":  # resumed: a new attempt, which a pause does not spend
+                nxt = self.store.attempts.close(
+                    job.id,
+                    att.number,
+                    att.ray_status,
+                    next_reason=f"Attempt {att.number + 1} submitted to Ray: it resumes the "
+                    "paused job from its checkpoint",
+                )
+                if nxt is not None:
+                    self._submit(job, nxt)
+            return
         if att.state == "submitting":
             # a crash may have come between recording the attempt and Ray taking it: ask
             # Ray itself (not the tick's snapshot, which predates a submission of this tick)
@@ -243,7 +255,19 @@ class Reconciler:
         # the driver did not report an end, so it or the head was lost. The end and what
         # follows are one write; the log is kept after it and cannot change the outcome.
         what = "Ray no longer knows it (head restarted)" if status is None else f"Ray says {status}"
-        if att.number >= job.max_attempts:
+        if job.pause_requested:
+            # asked to pause, and the attempt ended first (stopped while it waited for
+            # resources, or lost): the job pauses where its last checkpoint left it
+            self.store.attempts.close(
+                job.id,
+                att.number,
+                status,
+                pause=f"Job paused: attempt {att.number} ended ({what}) before it trained on; "
+                "resume continues from the last checkpoint",
+            )
+            self._keep_log(att)
+            return
+        if att.number - job.pauses >= job.max_attempts:  # attempts a pause ended are free
             self.store.attempts.close(
                 job.id,
                 att.number,
@@ -342,11 +366,15 @@ class Reconciler:
         mark ended what Ray has finished."""
         for att, job in orphans:
             status = ray.status(att.submission_id)
+            paused = job.status == PAUSED
             if status in LIVE:
-                if job.status != "succeeded":
+                # a paused job's driver ends by itself, once its workers have paused
+                if job.status != "succeeded" and not paused:
                     self.launcher.stop_quietly(att.submission_id)
             elif status in ENDED or status is None:
-                self.store.attempts.close(att.job_id, att.number, status)
+                self.store.attempts.close(
+                    att.job_id, att.number, PAUSED_RAY_STATUS if paused else status
+                )
                 self._keep_log(att)
 
 
@@ -368,7 +396,7 @@ class TenantShares:
         self.limits = limits
         self.used: dict[str, list[int]] = {}
         for job, att in pairs:
-            if att is not None:
+            if att is not None and not att.paused:  # a resumed job waits like a new one
                 self._add(job)
 
     def _add(self, job: ActiveJob) -> None:

@@ -1,6 +1,6 @@
-"""`/v1/fine_tuning/jobs`: OpenAI's create, list, retrieve, cancel, events, checkpoints;
-ours: validate (dry run), checkpoint content (a tar download), metrics (series), memory
-(the tracer timeline), logs."""
+"""`/v1/fine_tuning/jobs`: OpenAI's create, list, retrieve, cancel, pause, resume, events,
+checkpoints; ours: validate (dry run), checkpoint content (a tar download), metrics
+(series), memory (the tracer timeline), logs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ router = APIRouter(
 )
 JobId = Annotated[str, "fine_tuning_job_id"]
 # enums in the schema, so a client (and the fuzzer) knows the values a filter takes
-JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+JobStatus = Literal[
+    "validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"
+]
 EventType = Literal["message", "metrics"]
 EVENT_ID = r"^ftevent-[0-9]{1,18}$"
 EventCursor = Annotated[
@@ -107,6 +109,25 @@ def jobs_cancel(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Re
     """Stop the job's Ray job (and its workers); the job ends `cancelled`. 409 if it has
     already ended."""
     return respond(FineTuningJob.of(ctx(request).jobs.cancel(tenant, fine_tuning_job_id)))
+
+
+@router.post(
+    "/{fine_tuning_job_id}/pause", response_model=FineTuningJob, responses=responses(400, 404)
+)
+def jobs_pause(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+    """Pause the job: a queued one leaves the queue at once; a running one writes a
+    checkpoint at its next step boundary, frees its workers and becomes `paused`
+    (`pause_requested` until then). 400 in any other status."""
+    return respond(FineTuningJob.of(ctx(request).jobs.pause(tenant, fine_tuning_job_id)))
+
+
+@router.post(
+    "/{fine_tuning_job_id}/resume", response_model=FineTuningJob, responses=responses(400, 404)
+)
+def jobs_resume(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+    """Resume a paused job: queued again, it continues from the pause's checkpoint with
+    the losses an uninterrupted run has. 400 if it is not paused."""
+    return respond(FineTuningJob.of(ctx(request).jobs.resume(tenant, fine_tuning_job_id)))
 
 
 def _event_cursor(after: str | None) -> int | None:

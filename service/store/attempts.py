@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from service.store.db import Resource, StaleAttempt, check_current
 from service.store.events import new_event
-from service.store.models import ACTIVE, TERMINAL, Attempt, Job
+from service.store.models import ACTIVE, PAUSED, PAUSED_RAY_STATUS, TERMINAL, Attempt, Job
 
 
 class Attempts(Resource):
@@ -33,7 +33,8 @@ class Attempts(Resource):
             with self.db.write() as s:
                 res = s.execute(
                     update(Job)
-                    .where(Job.id == job_id, Job.status.not_in(TERMINAL), Job.attempt == number - 1)
+                    # a paused job gets no attempt until it is resumed
+                    .where(Job.id == job_id, Job.status.in_(ACTIVE), Job.attempt == number - 1)
                     .values(attempt=number)
                     .execution_options(synchronize_session=False)
                 )
@@ -80,6 +81,12 @@ class Attempts(Resource):
         with self.db.read() as s:
             return [(att, job) for att, job in s.execute(q).all()]
 
+    def end_paused(self, job_id: str, number: int) -> None:
+        """The driver of attempt `number` ends after its workers paused the job."""
+        self.update(
+            job_id, number, state="ended", ray_status=PAUSED_RAY_STATUS, ended_at=time.time()
+        )
+
     def update(self, job_id: str, number: int, **values: Any) -> None:
         with self.db.write() as s:
             s.execute(
@@ -97,27 +104,33 @@ class Attempts(Resource):
         *,
         next_reason: str | None = None,
         failure: dict[str, Any] | None = None,
+        pause: str | None = None,
     ) -> Attempt | None:
         """End attempt `number` and write what follows, in one transaction: with
         `next_reason` the next attempt (`submitting`, returned), with `failure` (`event`
-        and `error`) the job's failure; neither, only the end. An attempt that is already
-        ended (a crash of an older control plane between the two writes) is carried
-        forward the same way. Nothing follows for a job that is terminal or whose current
-        attempt is another one."""
+        and `error`) the job's failure, with `pause` (the event) the job's pause (a pause
+        was asked for and the attempt ended before its workers wrote it); none of them,
+        only the end. An attempt that is already ended (a crash of an older control plane
+        between the two writes) is carried forward the same way. Nothing follows for a job
+        that is terminal or whose current attempt is another one."""
         now = time.time()
         nxt = None
         with self.db.write() as s:
             s.execute(
                 update(Attempt)
                 .where(Attempt.job_id == job_id, Attempt.number == number, Attempt.state != "ended")
-                .values(state="ended", ray_status=ray_status or "LOST", ended_at=now)
+                .values(
+                    state="ended",
+                    ray_status=PAUSED_RAY_STATUS if pause else (ray_status or "LOST"),
+                    ended_at=now,
+                )
                 .execution_options(synchronize_session=False)
             )
             current = (Job.id == job_id, Job.status.not_in(TERMINAL), Job.attempt == number)
             if next_reason is not None:
                 res = s.execute(
                     update(Job)
-                    .where(*current)
+                    .where(*current, Job.status.in_(ACTIVE))
                     .values(attempt=number + 1, status_detail="recovering")
                     .execution_options(synchronize_session=False)
                 )
@@ -132,6 +145,20 @@ class Attempts(Resource):
                     )
                     s.add(nxt)
                     s.add(new_event(job_id, next_reason, data={"attempt": number + 1}))
+            elif pause is not None:
+                res = s.execute(
+                    update(Job)
+                    .where(*current, Job.status.in_(ACTIVE))
+                    .values(
+                        status=PAUSED,
+                        status_detail=None,
+                        pause_requested=False,
+                        pauses=Job.pauses + 1,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+                if res.rowcount == 1:
+                    s.add(new_event(job_id, pause))
             elif failure is not None:
                 res = s.execute(
                     update(Job)

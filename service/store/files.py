@@ -6,7 +6,7 @@ from sqlalchemy import func, select
 
 from service.store import statements
 from service.store.db import Resource
-from service.store.models import ACTIVE, File, Job
+from service.store.models import UNFINISHED, File, Job
 
 
 class Files(Resource):
@@ -47,7 +47,7 @@ class Files(Resource):
         with self.db.read() as s:
             return s.scalar(
                 select(Job.id)
-                .where(Job.tenant == tenant, Job.status.in_(ACTIVE))
+                .where(Job.tenant == tenant, Job.status.in_(UNFINISHED))
                 .where((Job.training_file == file_id) | (Job.validation_file == file_id))
                 .limit(1)
             )

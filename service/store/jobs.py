@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import bindparam, case, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from service.store import statements
 from service.store.db import Resource
 from service.store.events import new_event
-from service.store.models import ACTIVE, TERMINAL, Attempt, File, Job
+from service.store.models import ACTIVE, PAUSED, PAUSED_RAY_STATUS, TERMINAL, Attempt, File, Job
 
 
 class ActiveJob(NamedTuple):
@@ -35,6 +35,8 @@ class ActiveJob(NamedTuple):
     validation_file: str | None
     workers: int
     gpus: int
+    pause_requested: bool
+    pauses: int
 
 
 class ActiveAttempt(NamedTuple):
@@ -42,6 +44,12 @@ class ActiveAttempt(NamedTuple):
     number: int
     state: str
     submission_id: str
+    ray_status: str | None
+
+    @property
+    def paused(self) -> bool:
+        """Ended by a pause: the job waits for its owner, then a new attempt resumes."""
+        return self.state == "ended" and self.ray_status == PAUSED_RAY_STATUS
 
 
 class IdempotencyConflict(Exception):
@@ -216,6 +224,85 @@ class Jobs(Resource):
             )
             s.add(new_event(job_id, event))
 
+    # -- pause and resume ---------------------------------------------------------------
+
+    def pause(self, job_id: str, tenant: str) -> str | None:
+        """Ask to pause a job: one still waiting for its first attempt is paused at once
+        ("paused"); one with an attempt is asked to ("requested": its workers write a
+        checkpoint at the next step boundary and pause, see `paused`); None when its status
+        allows neither."""
+        mine = (Job.id == job_id, Job.tenant == tenant)
+        with self.db.write() as s:
+            res = s.execute(
+                update(Job)
+                .where(*mine, Job.status.in_(("validating_files", "queued")), Job.attempt == 0)
+                .values(status=PAUSED, status_detail=None)
+                .execution_options(synchronize_session=False)
+            )
+            if res.rowcount == 1:
+                s.add(new_event(job_id, "Job paused before it started; resume queues it again"))
+                return "paused"
+            res = s.execute(
+                update(Job)
+                .where(*mine, Job.status.in_(("queued", "running")))
+                .values(pause_requested=True, status_detail="pausing at the next step boundary")
+                .execution_options(synchronize_session=False)
+            )
+            if res.rowcount == 1:
+                s.add(
+                    new_event(
+                        job_id,
+                        "Pause requested: the job writes a checkpoint at the next step boundary, "
+                        "frees its workers and pauses",
+                    )
+                )
+                return "requested"
+        return None
+
+    def pause_requested(self, job_id: str) -> bool:
+        with self.db.read() as s:
+            return bool(s.scalar(select(Job.pause_requested).where(Job.id == job_id)))
+
+    def paused(self, job_id: str, attempt: int, step: int) -> bool:
+        """Attempt `attempt` wrote its pause's checkpoint at `step`: the job is paused (the
+        attempt ends when its driver does). Fenced to the attempt."""
+        with self.db.as_attempt(job_id, attempt) as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.in_(ACTIVE))
+                .values(
+                    status=PAUSED, pause_requested=False, pauses=Job.pauses + 1, status_detail=None
+                )
+                .execution_options(synchronize_session=False)
+            )
+            if res.rowcount != 1:
+                return False
+            s.add(
+                new_event(
+                    job_id,
+                    f"Job paused at step {step} with a checkpoint; resume continues from it",
+                    data={"step": step, "attempt": attempt},
+                )
+            )
+            return True
+
+    def resume(self, job_id: str, tenant: str) -> bool:
+        """A paused job goes back to the queue; its next attempt starts from the pause's
+        checkpoint (the reconciler). One paused before its first attempt has its files
+        checked again first. False if it was not paused."""
+        back = case((Job.attempt == 0, "validating_files"), else_="queued")
+        with self.db.write() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.tenant == tenant, Job.status == PAUSED)
+                .values(status=back, pause_requested=False, status_detail=None)
+                .execution_options(synchronize_session=False)
+            )
+            if res.rowcount != 1:
+                return False
+            s.add(new_event(job_id, "Job resumed: queued, to continue from its last checkpoint"))
+            return True
+
     def fine_tuned_models(self, tenant: str) -> list[Job]:
         with self.db.read() as s:
             return list(
@@ -247,6 +334,7 @@ class Jobs(Resource):
             Attempt.number,
             Attempt.state,
             Attempt.submission_id,
+            Attempt.ray_status,
             Job.seq,
         )
         joined = (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt)
@@ -270,7 +358,7 @@ class Jobs(Resource):
         return [
             (
                 ActiveJob(*r[:n]),
-                ActiveAttempt(r.id, *r[n : n + 3]) if r.number is not None else None,
+                ActiveAttempt(r.id, *r[n : n + 4]) if r.number is not None else None,
             )
             for r in rows
         ]

@@ -22,11 +22,16 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# a job's status: the first three may still change, the last three never do
+# a job's status: the first three move on by themselves, a paused job waits for its owner
+# to resume it (or cancel it), the last three never change
 ACTIVE = ("validating_files", "queued", "running")
+PAUSED = "paused"
+UNFINISHED = (*ACTIVE, PAUSED)  # what holds its files and counts toward the tenant's quota
+PAUSED_RAY_STATUS = "PAUSED"  # an attempt's `ray_status` when a pause ended it
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
@@ -110,6 +115,14 @@ class Job(Base):
     # reconciler's admission reads them every tick without decoding the plan)
     workers: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # pause and resume: asked for (the workers pause at the next step boundary), and how
+    # many attempts a pause ended (they do not count against max_attempts)
+    pause_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    pauses: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # early stopping's settings and what it found (service.early_stopping), and the
+    # prepared data's report (rows, fill, examples per row, packing)
+    early_stopping: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    data_report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Attempt(Base):

@@ -23,7 +23,7 @@ import orjson
 from sqlalchemy import bindparam, func, inspect, select, text
 from sqlalchemy.engine import Connection, Result
 
-from service.store.models import ACTIVE, TERMINAL, Event, File, Job
+from service.store.models import TERMINAL, UNFINISHED, Event, File, Job
 
 _JOBS = Job.__table__
 _FILES = File.__table__
@@ -65,7 +65,7 @@ _FILE_BY_ID = select(*_FILE_ROW).where(
 # what the quota allows, not what the tenant has queued
 _UNFINISHED = select(func.count()).select_from(
     select(_JOBS.c.seq)
-    .where(_JOBS.c.tenant == bindparam("tenant"), _JOBS.c.status.in_(ACTIVE))
+    .where(_JOBS.c.tenant == bindparam("tenant"), _JOBS.c.status.in_(UNFINISHED))
     .limit(bindparam("cap"))
     .subquery()
 )

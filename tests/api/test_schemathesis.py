@@ -54,6 +54,9 @@ SEMANTIC_400 = {
     "POST /v1/fine_tuning/jobs",
     "POST /v1/fine_tuning/jobs/validate",
     "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}/logs",
+    # valid only in some of the job's states (pause: not ended; resume: paused), as OpenAI
+    "POST /v1/fine_tuning/jobs/{fine_tuning_job_id}/pause",
+    "POST /v1/fine_tuning/jobs/{fine_tuning_job_id}/resume",
 }
 
 

@@ -98,3 +98,29 @@ def test_validate_prints_the_data_report_and_stores_nothing(server, tmp_path):
     assert report["data"]["training_file"]["examples"] == 10
     assert isinstance(report["fits"], bool)
     assert len(server.store.jobs.page("acme", None, 100)[0]) == jobs_before
+
+
+def test_pause_and_resume_a_queued_job_from_the_command_line(server, tmp_path):
+    (tmp_path / "train.jsonl").write_text("\n".join(chat_lines(10)) + "\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: gpt-tiny\ntraining_file: train.jsonl\nsuffix: pause\n")
+    out = pstar(server, "jobs", "submit", str(spec)).stdout
+    job_id = next(w for w in out.split() if w.startswith("ftjob-")).rstrip(":")
+    store = server.store
+    wait(lambda: store.jobs.get(job_id).attempt == 1)  # waiting in (the dry) Ray
+    assert "pausing at the next step boundary" in pstar(server, "jobs", "pause", job_id).stdout
+    wait(lambda: store.jobs.get(job_id).status == "paused")  # its Ray job stopped
+    assert f"{job_id}: queued" in pstar(server, "jobs", "resume", job_id).stdout
+    wait(lambda: store.jobs.get(job_id).attempt == 2)  # a new attempt resumes it
+    again = pstar(server, "jobs", "resume", job_id, ok=False)
+    assert "is queued; only a paused job can be resumed" in again.stdout
+    assert "cancelled" in pstar(server, "jobs", "cancel", job_id).stdout
+
+
+def wait(pred, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
