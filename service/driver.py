@@ -74,11 +74,12 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         meta_file.write_text(json.dumps(meta))
         tr = prep.train
         rep = tr.report()
-        layout = (
-            f"packed, {rep['examples_per_row']:.1f} examples per row"
-            if tr.packed
-            else "one example per row"
-        )
+        if tr.packed:
+            layout = f"packed, {rep['examples_per_row']:.1f} examples per row"
+        elif prep.format == "preference":
+            layout = "a row per answer of each pair"
+        else:
+            layout = "one example per row"
         store.events.add(
             job.id,
             f"Data: {tr.examples} training examples -> {rep['rows']} rows of "
@@ -340,9 +341,12 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         run["total_steps"],
         job.plan["resources"]["num_workers"],
     )
+    paused = False
     try:
         result = run_trainer(run, job, attempt)
         error = getattr(result, "error", None)
+        # the workers' last report: a pause's checkpoint says so (service.worker)
+        paused = bool((getattr(result, "metrics", None) or {}).get("paused_at_step"))
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
     if error is not None and not through_outage(store.attempts.is_current, job_id, attempt):
@@ -359,7 +363,9 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         through_outage(fail, store, job_id, attempt, "training_failed", _short(text))
         return 1
     latest = through_outage(store.jobs.get, job_id) or job
-    if latest.status == PAUSED:  # its workers paused it, with a checkpoint
+    if paused or latest.status == PAUSED:
+        # its workers paused it, with a checkpoint; the job may be resumed already, and
+        # its next attempt starts once this one has ended
         through_outage(store.attempts.end_paused, job_id, attempt)
         log.info("job %s attempt %d: paused", job_id, attempt)
         return 0

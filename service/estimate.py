@@ -49,7 +49,9 @@ def validate_job(
         raise InvalidRequest(str(e), param="training_file", code="invalid_training_data") from None
     hp = dict(plan["hyperparameters"], seq_len=prep.seq_len)
     memory = estimate_memory(plan, prep.seq_len, len(prep.tokenizer))
-    tokens_per_step = hp["batch_size"] * prep.seq_len
+    # a DPO step forwards both answers of each of its pairs
+    rows_per_example = 2 if prep.format == "preference" else 1
+    tokens_per_step = hp["batch_size"] * rows_per_example * prep.seq_len
     problems = list(memory.pop("problems"))
     nodes = getattr(jobs.launcher, "cluster_nodes", lambda: None)()
     resources = place_workers(plan["resources"], nodes)

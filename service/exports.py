@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.errors import NotAvailable
-from service.lora import adapter_dir
+from service.lora import adapter_dir, trains_adapters
 from service.settings import Settings
 from service.store import Checkpoint, Job
 
 VARIANTS = ("adapter", "merged", "full")
-BY_METHOD = {"lora": ("adapter", "merged"), "supervised": ("full",)}
+BY_METHOD = {"lora": ("adapter", "merged"), "supervised": ("full",)}  # adapters, or every weight
 # the file a complete directory of each variant holds
 MARKER = {"adapter": "adapter_config.json", "merged": "config.json", "full": "config.json"}
 BLOCK = 512  # tar's block: headers and file data are padded to it
@@ -35,7 +35,9 @@ READ_BYTES = 1 << 20
 
 
 def method_of(job: Job) -> str:
-    return ((job.plan or {}).get("method") or {}).get("type", "supervised")
+    """What the job's checkpoints hold: "lora" when it trains adapters (a LoRA job, or DPO
+    on adapters), "supervised" when every weight trains (supervised or DPO)."""
+    return "lora" if trains_adapters(job.plan) else "supervised"
 
 
 def default_variant(job: Job) -> str:

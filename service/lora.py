@@ -25,6 +25,13 @@ ADAPTER_DIR = "adapter"  # the adapter beside a merged export, and inside a chec
 PARAM = "method.lora.target_modules"
 
 
+def trains_adapters(plan: dict[str, Any] | None) -> bool:
+    """Whether a job's plan trains LoRA adapters: method 'lora', or DPO with `dpo.lora`
+    (the plan's method then holds the adapter settings)."""
+    method = (plan or {}).get("method") or {}
+    return method.get("type") == "lora" or bool(method.get("lora"))
+
+
 def adapter_dir(directory: str | Path) -> Path:
     """Where the adapter of an export or checkpoint directory is."""
     return Path(directory) / ADAPTER_DIR

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.lora import trains_adapters
 from service.settings import Settings
 from service.store import Job, Store
 
@@ -61,7 +62,7 @@ def fine_tuned_models(settings: Settings, store: Store, tenant: str) -> list[Mod
 
 def _fine_tuned(settings: Settings, job: Job, model_id: str, created: int) -> ModelRef:
     plan = job.plan or {}
-    lora = (plan.get("method") or {}).get("type") == "lora"
+    lora = trains_adapters(plan)
     return ModelRef(
         model_id,
         "fine-tuned",

@@ -35,6 +35,11 @@ GAUGES = (
     "memory_utilization",
     "comm_bytes_sent",
     "bytes_moved",  # over every tier-to-tier direction, in the step
+    # DPO's (service.dpo)
+    "reward_margin",
+    "reward_accuracy",
+    "chosen_reward",
+    "rejected_reward",
 )
 
 

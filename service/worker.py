@@ -352,7 +352,9 @@ def run_loop(
             break
         if done < total and agreed(rep.pause_requested(), engine.device):
             rep.phase("pausing")
-            checkpoints.save(engine, rep, values, done, final=False, state=loop_state())
+            # the flag tells the driver the run paused (Ray Train hands it the last report)
+            paused = {**values, "paused_at_step": done}
+            checkpoints.save(engine, rep, paused, done, final=False, state=loop_state())
             rep.paused(done)
             rep.flush()
             return {"paused_at_step": done}

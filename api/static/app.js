@@ -279,10 +279,14 @@ function methodFacts(job) {
   const d = job.data;
   if (d) {
     const fill = d.fill_ratio != null ? `${(100 * d.fill_ratio).toFixed(0)}% filled` : "";
-    const layout = d.packing?.packed
-      ? `packed ${Number(d.examples_per_row).toFixed(1)} examples/row`
-      : "one example per row";
-    out.push(`${d.rows} rows of ${d.seq_len}, ${layout}, ${fill}`);
+    if (d.format === "preference") {
+      out.push(`${d.rows} preference pairs, a row of ${d.seq_len} per answer, ${fill}`);
+    } else {
+      const layout = d.packing?.packed
+        ? `packed ${Number(d.examples_per_row).toFixed(1)} examples/row`
+        : "one example per row";
+      out.push(`${d.rows} rows of ${d.seq_len}, ${layout}, ${fill}`);
+    }
   }
   const es = job.early_stopping;
   if (es) {

@@ -304,3 +304,18 @@ def test_dpo_under_an_evicting_device_budget_gives_bitwise_the_same_losses(tmp_p
     assert evicting == roomy
     assert st["bytes_moved"]["device->host"] > 0  # the budget really forced evictions
     assert peak <= budget
+
+
+def test_dpo_on_two_ranks_matches_plain_pytorch(tmp_path):
+    """Chunk ZeRO over 2 gloo ranks, each with half of every batch of pairs: the reference
+    pass shares the pairs out and sums them back, the losses (averaged over the ranks)
+    match plain PyTorch as one rank's do."""
+    from tests.core.helpers import spawn_ranks
+
+    want = plain_dpo_losses(tiny_llama(), pairs_split(), lr=1e-2)
+    results = spawn_ranks("tests.service.dpo_worker", 2, tmp_path)
+    assert results[0]["reference"] == results[1]["reference"]  # every rank has every pair's
+    assert results[0]["losses"] == results[1]["losses"]
+    torch.testing.assert_close(
+        torch.tensor(results[0]["losses"]), torch.tensor(want), rtol=RTOL, atol=0
+    )

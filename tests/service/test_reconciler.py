@@ -372,3 +372,78 @@ def test_a_store_outage_blames_no_job_and_the_jobs_go_on_once_it_is_back(
     rec.tick()
     assert ray.submits[-1] == f"{jobs[0].id}-a2"
     assert store.attempts.get(jobs[0].id, 2).state == "submitted"
+
+
+# -- pause and resume ------------------------------------------------------------------------
+
+
+def test_a_paused_attempt_is_not_lost_and_a_resume_starts_the_next_without_spending_one(world):
+    rec, store, ray = world
+    job = add_job(store, max_attempts=1)
+    rec.tick()
+    store.jobs.mark_running(job.id, 1)
+    assert store.jobs.pause(job.id, "acme") == "requested"
+    assert store.jobs.paused(job.id, 1, step=7)  # the workers wrote the pause's checkpoint
+    ray.state[f"{job.id}-a1"] = "RUNNING"  # its driver is still winding down
+    rec.tick()
+    assert ray.stopped == []  # a paused job's driver is not stopped: it ends by itself
+    store.attempts.end_paused(job.id, 1)
+    ray.state[f"{job.id}-a1"] = "SUCCEEDED"
+    for _ in range(2):
+        rec.tick()
+    assert store.jobs.get(job.id).status == "paused"
+    assert ray.submits == [f"{job.id}-a1"]  # paused: nothing new
+    assert store.jobs.resume(job.id, "acme")
+    rec.tick()
+    got = store.jobs.get(job.id)
+    # max_attempts 1, yet attempt 2: the pause's attempt does not count
+    assert (got.status, got.attempt, got.pauses) == ("queued", 2, 1)
+    assert ray.submits[-1] == f"{job.id}-a2"
+    assert any("resumes the paused job" in e.message for e in events_of(store, job.id))
+    ray.state[f"{job.id}-a2"] = "FAILED"  # a real loss now: no attempt left
+    rec.tick()
+    assert store.jobs.get(job.id).status == "failed"
+
+
+def test_a_resume_before_the_paused_driver_ended_waits_for_it(world):
+    rec, store, ray = world
+    job = add_job(store)
+    rec.tick()
+    store.jobs.mark_running(job.id, 1)
+    store.jobs.pause(job.id, "acme")
+    store.jobs.paused(job.id, 1, step=3)
+    assert store.jobs.resume(job.id, "acme")  # the owner is quick
+    ray.state[f"{job.id}-a1"] = "RUNNING"
+    rec.tick()
+    assert ray.submits == [f"{job.id}-a1"]  # attempt 1 still holds its workers
+    store.attempts.end_paused(job.id, 1)  # its driver saw the pause in the last report
+    rec.tick()
+    assert ray.submits == [f"{job.id}-a1", f"{job.id}-a2"]
+
+
+def test_a_pause_asked_of_a_job_waiting_in_ray_pauses_it_when_its_attempt_ends(world):
+    rec, store, ray = world
+    job = add_job(store)
+    rec.tick()  # attempt 1 waits (PENDING) for resources
+    assert store.jobs.pause(job.id, "acme") == "requested"
+    assert store.jobs.get(job.id).status == "queued"
+    ray.state[f"{job.id}-a1"] = "STOPPED"  # the API stopped it
+    rec.tick()
+    got = store.jobs.get(job.id)
+    assert (got.status, got.pause_requested, got.pauses) == ("paused", False, 1)
+    assert store.attempts.get(job.id, 1).ray_status == "PAUSED"
+    rec.tick()
+    assert ray.submits == [f"{job.id}-a1"]
+
+
+def test_a_job_paused_before_its_first_attempt_gets_none_until_resumed(world):
+    rec, store, ray = world
+    job = add_job(store)
+    assert store.jobs.pause(job.id, "acme") == "paused"
+    rec.tick()
+    assert ray.submits == []
+    assert store.attempts.start(job.id, 1, "a late reconciler") is None  # nor by a race
+    assert store.jobs.resume(job.id, "acme")
+    assert store.jobs.get(job.id).status == "validating_files"  # its files checked again
+    assert not store.jobs.resume(job.id, "acme")
+    assert store.jobs.pause(job.id, "rival") is None  # another tenant's: not found as such

@@ -70,6 +70,7 @@ def make_job(
     status: str = "queued",
     metadata: dict[str, str] | None = None,
     attempt: int = 0,
+    max_attempts: int = 3,
 ) -> Job:
     body = body if body is not None else {"model": "tiny-llama", "training_file": "file-1"}
     return Job(
@@ -88,7 +89,7 @@ def make_job(
         progress_total=0,
         result_files=[],
         attempt=attempt,
-        max_attempts=3,
+        max_attempts=max_attempts,
         cancel_requested=False,
         created_at=1_700_000_000,
     )
