@@ -460,7 +460,7 @@ def bench_packing(
     data: Annotated[Path, typer.Option(help="chat or completion JSONL")] = Path(
         ".cache/data/wordnet-train.jsonl"
     ),
-    steps: Annotated[int, typer.Option(help="timed steps per layout, interleaved")] = 6,
+    steps: Annotated[int, typer.Option(help="timed steps per layout, interleaved")] = 20,
     batch: Annotated[int, typer.Option(help="rows per step (the main job's batch)")] = 8,
     seq_len: Annotated[
         int | None, typer.Option(help="row length; default: as a job's auto")
