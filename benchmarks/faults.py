@@ -320,12 +320,14 @@ def _one_db(
                 "training_file": up.json()["id"],
                 "seed": 7,
                 # padded rows of 128 tokens, 8 a step: long enough a step that the
-                # schedule's faults land while the jobs train
+                # schedule's faults land while the jobs train (packed, the examples would
+                # fill fewer rows and `steps` would no longer fit the epochs)
                 "hyperparameters": {
                     "n_epochs": MAX_EPOCHS,
                     "batch_size": BATCH,
                     "seq_len": 128,
                     "max_steps": steps,
+                    "packing": False,
                 },
                 "resources": {"num_workers": 1},
                 "engine": {"dtype": "fp32"},
