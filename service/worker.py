@@ -239,160 +239,224 @@ def run_loop(
     ends it), then checkpoint and export; the final values (trained tokens, full
     validation) are returned and told to `rep`. A pause asked for through `rep` ends the
     loop at a step boundary with a checkpoint and no export (`{"paused_at_step": s}`)."""
-    data = torch.load(run["data_file"], weights_only=True)
-    train, valid = Split.of(data, "train"), Split.of(data, "valid")
-    hp = run["hyperparameters"]
-    batch, total, per_epoch = hp["batch_size"], run["total_steps"], run["steps_per_epoch"]
-    micro_batches = hp.get("micro_batches") or 1
-    local = batch // world
-    lora = run.get("lora", run.get("method") == "lora")
-    objective = objective_for(run)
-    eta = Eta(total)
+    return RunLoop(run, engine, rank, world, rep, checkpoints, name).run()
 
-    def full_validation() -> dict[str, float]:
+
+class RunLoop:
+    """One run of the loop (`run_loop`): its settings, the rows, and what it keeps between
+    steps (trained tokens, the early-stopping state, the estimate of the finish)."""
+
+    def __init__(
+        self,
+        run: dict[str, Any],
+        engine: Any,
+        rank: int,
+        world: int,
+        rep: Sink,
+        checkpoints: Checkpoints,
+        name: str = "",
+    ) -> None:
+        self.run_, self.engine, self.rank, self.world = run, engine, rank, world
+        self.rep, self.checkpoints, self.name = rep, checkpoints, name
+        data = torch.load(run["data_file"], weights_only=True)
+        self.train, self.valid = Split.of(data, "train"), Split.of(data, "valid")
+        hp = run["hyperparameters"]
+        self.batch, self.total = hp["batch_size"], run["total_steps"]
+        self.micro_batches = hp.get("micro_batches") or 1
+        self.local = self.batch // world
+        self.eval_every = hp.get("eval_every")
+        if self.eval_every is None:
+            self.eval_every = max(1, self.total // 10)
+        self.lora = run.get("lora", run.get("method") == "lora")
+        self.objective = objective_for(run)
+        self.eta = Eta(self.total)
+        self.best_dir = Path(run["best_dir"]) if run.get("best_dir") else None
+        self.stopper: EarlyStopping | None = None
+        self.trained_tokens = 0
+
+    # -- the run ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        engine, rep, total = self.engine, self.rep, self.total
+        self._start()
+        sampler = Batches(
+            len(self.train), self.batch, self.run_["steps_per_epoch"], self.run_["seed"]
+        )
+        flops_tok = flops_per_token(engine, self.train.seq_len)
+        self.trained_tokens = int(rep.values_at(engine.global_step).get("trained_tokens", 0))
+        comm_before = engine.stats()["comm_bytes_sent"]
+        ckpt_every = self.run_["checkpoint_every"]
+        rep.phase("training")
+        first = engine.global_step
+        full_eval: dict[str, float] | None = None
+        for step in range(first, total):
+            values, stats = self._step(sampler.indices(step), flops_tok, comm_before)
+            comm_before = stats["comm_bytes_sent"]
+            done = step + 1
+            if self._evaluates(done):
+                self._interval_evaluation(done, values)
+            stopping = self.stopper is not None and self.stopper.stopped
+            if done == total and self.valid is not None:
+                # the whole validation file, as OpenAI's last metrics event carries it
+                rep.phase("evaluating")
+                full_eval = self._full_validation()
+                values.update(full_eval)
+            if (finish := self.eta.step_done(total if stopping else done)) is not None:
+                values["estimated_finish"] = finish
+            rep.metrics(done, values, total=total)
+            if step == first:  # the warm-up step of this attempt: the trace exists now
+                rep.stats(stats)
+            if stopping:
+                break
+            if done < total and agreed(rep.pause_requested(), engine.device):
+                return self._pause(done, values)
+            if ckpt_every and done % ckpt_every == 0 and done < total:
+                rep.phase("checkpointing")
+                t0 = time.perf_counter()
+                self.checkpoints.save(engine, rep, values, done, final=False, state=self._state())
+                self.eta.checkpoint(time.perf_counter() - t0)
+                rep.phase("training")
+        return self._finish(full_eval)
+
+    def _start(self) -> None:
+        """Resume (the engine and the loop's own state), say where the run starts, run the
+        objective's preparation (DPO's reference pass) and the evaluation before training."""
+        engine, rep = self.engine, self.rep
+        restored = self.checkpoints.restore(engine, rep)
+        if restored is not None:
+            rep.resumed(engine.global_step)
+        self.stopper = EarlyStopping.of(
+            self.run_.get("early_stopping"), (restored or {}).get("early_stopping")
+        )
+        if self.stopper is not None and self.best_dir is None:
+            raise ValueError("early stopping needs run['best_dir'] for the best model")
+        st = engine.stats()
+        if self.rank == 0:
+            rep.runtime(runtime_values(st))
+        worker_log().info(
+            "%s attempt %d, rank %d of %d: %d chunks of %d elements, model data %.1f MiB on "
+            "this rank, from step %d of %d",
+            self.name,
+            rep.attempt,
+            self.rank,
+            self.world,
+            sum(v["count"] for v in st["chunks"].values()),
+            st["chunk_size"],
+            st["model_data_bytes"] / 2**20,
+            engine.global_step,
+            self.total,
+        )
+        rep.running()
+        splits = {"train": self.train, **({"valid": self.valid} if self.valid is not None else {})}
+        self.objective.prepare(engine, splits, self.rank, self.world, self.local, rep)
+        if self.valid is not None and engine.global_step == 0:
+            rep.phase("evaluating")
+            before = self._full_validation()
+            interval = {k.removeprefix("full_"): v for k, v in before.items()}
+            rep.metrics(0, {**interval, **before}, "before training")
+
+    def _step(self, idx: torch.Tensor, flops_tok: float, comm_before: int):
+        """One optimizer step on this rank's share of the global batch `idx`: its metrics
+        (summed over the ranks) and the engine's stats after it."""
+        engine, rank, local = self.engine, self.rank, self.local
         t0 = time.perf_counter()
-        got = objective.evaluate(engine, valid, rank, world, local)
-        eta.full_eval(time.perf_counter() - t0)
-        return {f"full_{k}": v for k, v in got.items()}
-
-    restored = checkpoints.restore(engine, rep)
-    if restored is not None:
-        rep.resumed(engine.global_step)
-    stopper = EarlyStopping.of(run.get("early_stopping"), (restored or {}).get("early_stopping"))
-    best_dir = Path(run["best_dir"]) if run.get("best_dir") else None
-    if stopper is not None and best_dir is None:
-        raise ValueError("early stopping needs run['best_dir'] for the best model")
-
-    def loop_state() -> dict[str, Any]:
-        return {"early_stopping": stopper.state()} if stopper is not None else {}
-
-    st = engine.stats()
-    if rank == 0:
-        rep.runtime(runtime_values(st))
-    worker_log().info(
-        "%s attempt %d, rank %d of %d: %d chunks of %d elements, model data %.1f MiB on "
-        "this rank, from step %d of %d",
-        name,
-        rep.attempt,
-        rank,
-        world,
-        sum(v["count"] for v in st["chunks"].values()),
-        st["chunk_size"],
-        st["model_data_bytes"] / 2**20,
-        engine.global_step,
-        total,
-    )
-    rep.running()
-    splits = {"train": train, **({"valid": valid} if valid is not None else {})}
-    objective.prepare(engine, splits, rank, world, local, rep)
-    eval_every = hp.get("eval_every")
-    if eval_every is None:
-        eval_every = max(1, total // 10)
-    ckpt_every = run["checkpoint_every"]
-    if valid is not None and engine.global_step == 0:
-        rep.phase("evaluating")
-        before = full_validation()
-        interval = {k.removeprefix("full_"): v for k, v in before.items()}
-        rep.metrics(0, {**interval, **before}, "before training")
-    sampler = Batches(len(train), batch, per_epoch, run["seed"])
-    flops_tok = flops_per_token(engine, train.seq_len)
-    trained_tokens = int(rep.values_at(engine.global_step).get("trained_tokens", 0))
-    comm_before = engine.stats()["comm_bytes_sent"]
-    rep.phase("training")
-    first = engine.global_step
-    full_eval: dict[str, float] | None = None
-    for step in range(first, total):
-        t0 = time.perf_counter()
-        idx = sampler.indices(step)
         mine = idx[rank * local : (rank + 1) * local]
-        sums = objective.train_step(engine, train.rows(mine, engine.device), micro_batches)
-        real = int(train.lengths[mine].sum())  # tokens that are not padding
+        rows = self.train.rows(mine, engine.device)
+        sums = self.objective.train_step(engine, rows, self.micro_batches)
+        real = int(self.train.lengths[mine].sum())  # tokens that are not padding
         *summed, real_sum = all_sum([*sums.values(), float(real)], engine.device)
         dt = time.perf_counter() - t0
-        trained_tokens += int(real_sum)
+        self.trained_tokens += int(real_sum)
         stats = engine.stats()
-        slots = batch * train.seq_len
+        slots = self.batch * self.train.seq_len
         values = {
-            **objective.values(dict(zip(sums, summed, strict=True))),
+            **self.objective.values(dict(zip(sums, summed, strict=True))),
             "lr": engine.lr,
             "step_time_s": dt,
             "tokens_per_second": slots / dt,
             "tflops": flops_tok * slots / dt / 1e12,
-            "trained_tokens": trained_tokens,
+            "trained_tokens": self.trained_tokens,
             **memory_values(stats),
             "comm_bytes_sent": stats["comm_bytes_sent"] - comm_before,
         }
-        comm_before = stats["comm_bytes_sent"]
-        done = step + 1
-        if valid is not None and eval_every and (done % eval_every == 0) and done < total:
-            rep.phase("evaluating")
-            # the interval loss on a fixed sample (as OpenAI's valid_loss); the whole
-            # file is evaluated before training and at the end (full_valid_loss)
-            sample = valid.head(min(len(valid), VALID_SAMPLE_BATCHES * batch))
-            values.update(objective.evaluate(engine, sample, rank, world, local))
-            if stopper is not None:
-                verdict = stopper.observe(done, values["valid_loss"])
-                if verdict == "improved":  # the model to export if the run stops early
-                    rep.phase("keeping the best checkpoint")
-                    write_checkpoint(engine, best_dir, lora, shared=True, state=loop_state())
-                rep.early_stopping(stopper.view())
-            rep.phase("training")
-        stopping = stopper is not None and stopper.stopped
-        if done == total and valid is not None:
-            # the whole validation file, as OpenAI's last metrics event carries it
-            rep.phase("evaluating")
-            full_eval = full_validation()
-            values.update(full_eval)
-        if (finish := eta.step_done(done if not stopping else total)) is not None:
-            values["estimated_finish"] = finish
-        rep.metrics(done, values, total=total)
-        if step == first:  # the warm-up step of this attempt: the trace exists now
-            rep.stats(stats)
-        if stopping:
-            break
-        if done < total and agreed(rep.pause_requested(), engine.device):
-            rep.phase("pausing")
-            # the flag tells the driver the run paused (Ray Train hands it the last report)
-            paused = {**values, "paused_at_step": done}
-            checkpoints.save(engine, rep, paused, done, final=False, state=loop_state())
-            rep.paused(done)
-            rep.flush()
-            return {"paused_at_step": done}
-        if ckpt_every and done % ckpt_every == 0 and done < total:
-            rep.phase("checkpointing")
-            t0 = time.perf_counter()
-            checkpoints.save(engine, rep, values, done, final=False, state=loop_state())
-            eta.checkpoint(time.perf_counter() - t0)
-            rep.phase("training")
-    # the end: early stopping's best model, full validation, the final checkpoint, export
-    final: dict[str, Any] = {"trained_tokens": trained_tokens}
-    if stopper is not None and stopper.stopped:
-        rep.phase("restoring the best checkpoint")
-        engine.load_checkpoint(best_dir)
-        rep.event(
-            f"Early stopping at step {stopper.stopped_at_step}: {stopper.reason()}. The model "
-            f"of step {stopper.best_step} is the fine-tuned model.",
-            **stopper.view(),
+        return values, stats
+
+    def _evaluates(self, done: int) -> bool:
+        """Whether an interval evaluation follows step `done` (eval_every 0: never)."""
+        every = self.eval_every
+        return self.valid is not None and bool(every) and done % every == 0 and done < self.total
+
+    def _interval_evaluation(self, done: int, values: dict[str, Any]) -> None:
+        """The interval loss on a fixed sample (as OpenAI's valid_loss; the whole file is
+        evaluated before training and at the end), and early stopping's verdict on it."""
+        assert self.valid is not None
+        self.rep.phase("evaluating")
+        sample = self.valid.head(min(len(self.valid), VALID_SAMPLE_BATCHES * self.batch))
+        values.update(
+            self.objective.evaluate(self.engine, sample, self.rank, self.world, self.local)
         )
-        full_eval = None  # of the best model, below
-        final["early_stopping"] = stopper.view()
-    if valid is not None:
-        if full_eval is None:  # resumed from the final checkpoint, or the best model
-            rep.phase("evaluating")
-            full_eval = full_validation()
-        final.update(full_eval)
-    last = rep.last_values()
-    rep.phase("checkpointing")
-    checkpoints.save(
-        engine, rep, {**last, **final}, engine.global_step, final=True, state=loop_state()
-    )
-    if run.get("export_dir"):
-        rep.phase("exporting")
-        _export(engine, run, rank, lora)
-    rep.stats(engine.stats())
-    rep.finished(final)
-    rep.flush()  # what an outage of the store held back goes in before the run ends
-    return final
+        if self.stopper is not None:
+            if self.stopper.observe(done, values["valid_loss"]) == "improved":
+                # the model to export if the run stops early
+                self.rep.phase("keeping the best checkpoint")
+                write_checkpoint(
+                    self.engine, self.best_dir, self.lora, shared=True, state=self._state()
+                )
+            self.rep.early_stopping(self.stopper.view())
+        self.rep.phase("training")
+
+    def _full_validation(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        got = self.objective.evaluate(self.engine, self.valid, self.rank, self.world, self.local)
+        self.eta.full_eval(time.perf_counter() - t0)
+        return {f"full_{k}": v for k, v in got.items()}
+
+    def _state(self) -> dict[str, Any]:
+        """What the loop keeps in a checkpoint beside the engine's state."""
+        return {"early_stopping": self.stopper.state()} if self.stopper is not None else {}
+
+    def _pause(self, done: int, values: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint at this step boundary, then the job is paused and the loop ends."""
+        self.rep.phase("pausing")
+        # the flag tells the driver the run paused (Ray Train hands it the last report)
+        paused = {**values, "paused_at_step": done}
+        self.checkpoints.save(self.engine, self.rep, paused, done, final=False, state=self._state())
+        self.rep.paused(done)
+        self.rep.flush()
+        return {"paused_at_step": done}
+
+    def _finish(self, full_eval: dict[str, float] | None) -> dict[str, Any]:
+        """The end: early stopping's best model, full validation, the final checkpoint and
+        the export."""
+        engine, rep, stopper = self.engine, self.rep, self.stopper
+        final: dict[str, Any] = {"trained_tokens": self.trained_tokens}
+        if stopper is not None and stopper.stopped:
+            rep.phase("restoring the best checkpoint")
+            engine.load_checkpoint(self.best_dir)
+            rep.event(
+                f"Early stopping at step {stopper.stopped_at_step}: {stopper.reason()}. The "
+                f"model of step {stopper.best_step} is the fine-tuned model.",
+                **stopper.view(),
+            )
+            full_eval = None  # of the best model, below
+            final["early_stopping"] = stopper.view()
+        if self.valid is not None:
+            if full_eval is None:  # resumed from the final checkpoint, or the best model
+                rep.phase("evaluating")
+                full_eval = self._full_validation()
+            final.update(full_eval)
+        last = rep.last_values()
+        rep.phase("checkpointing")
+        self.checkpoints.save(
+            engine, rep, {**last, **final}, engine.global_step, final=True, state=self._state()
+        )
+        if self.run_.get("export_dir"):
+            rep.phase("exporting")
+            _export(engine, self.run_, self.rank, self.lora)
+        rep.stats(engine.stats())
+        rep.finished(final)
+        rep.flush()  # what an outage of the store held back goes in before the run ends
+        return final
 
 
 def _export(engine: Any, run: dict[str, Any], rank: int, lora: bool) -> None:

@@ -43,12 +43,19 @@ def tiny_hf_gpt2() -> nn.Module:
 
 
 def tiny_hf_llama(
-    hidden: int = 32, intermediate: int = 64, layers: int = 2, positions: int = SEQ
+    hidden: int = 32,
+    intermediate: int = 64,
+    layers: int = 2,
+    positions: int = SEQ,
+    vocab: int = VOCAB,
+    attn: str | None = None,
 ) -> nn.Module:
+    """A 2-layer Llama (GQA: 4 query heads, 2 key/value heads); `attn` picks transformers'
+    attention implementation (sdpa by default)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
@@ -59,6 +66,8 @@ def tiny_hf_llama(
         eos_token_id=0,
         pad_token_id=0,
     )
+    if attn is not None:
+        cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg)
 
 

@@ -103,19 +103,10 @@ VOCAB, SEQ, PAIRS, BATCH = 64, 24, 16, 4
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.core.helpers import tiny_hf_llama
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return tiny_hf_llama(positions=SEQ, vocab=VOCAB)
 
 
 def pairs_split() -> Split:

@@ -297,7 +297,7 @@ def test_estimated_finish_is_within_half_the_remaining_time_after_a_quarter_of_t
     serve, files
 ):
     c = serve.client()
-    steps = 80
+    steps = 60
     job = create_job(serve, files, steps=steps, suffix="eta")
     seen = []  # (when, step, estimated_finish)
     deadline = time.time() + 300

@@ -104,21 +104,13 @@ def test_auto_packs_only_when_more_than_a_third_would_be_padding():
 
 
 def tiny_model(kind: str, attn: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.core.helpers import tiny_hf_llama
 
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = LlamaConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-        cfg._attn_implementation = attn
-        return LlamaForCausalLM(cfg).eval()
+        return tiny_hf_llama(positions=64, vocab=96, attn=attn).eval()
     cfg = GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4)
     cfg._attn_implementation = attn
     return GPT2LMHeadModel(cfg).eval()
