@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from service.early_stopping import EarlyStopping
 from service.registry import ModelRef
 from service.store import Checkpoint as CheckpointRow
 from service.store import Event as EventRow
@@ -196,9 +197,10 @@ class FineTuningJob(BaseModel):
         kind = method["type"]
         lora = method.get("lora")
         section: dict[str, Any] = {"hyperparameters": openai_hp}
-        if kind == "dpo":
-            openai_hp = {**openai_hp, "beta": hp.get("beta", "auto")}
-            section = {"hyperparameters": openai_hp, **({"lora": lora} if lora else {})}
+        if kind == "dpo":  # OpenAI's dpo hyperparameters carry beta; adapters go in `lora`
+            section["hyperparameters"] = {**openai_hp, "beta": hp.get("beta", "auto")}
+            if lora:
+                section["lora"] = lora
         else:
             section.update(lora or {})
         return cls(
@@ -227,18 +229,16 @@ class FineTuningJob(BaseModel):
             ray_submission_id=f"{j.id}-a{j.attempt}" if j.attempt else None,
             hyperparameters_resolved=_resolved(hp, lora, (j.plan or {}).get("engine"), j.runtime),
             resources=(j.plan or {}).get("resources", {}),
-            pause_requested=bool(getattr(j, "pause_requested", False)),
-            early_stopping=getattr(j, "early_stopping", None)
-            or _early_stopping_settings((j.plan or {}).get("early_stopping")),
-            data=getattr(j, "data_report", None),
+            pause_requested=bool(j.pause_requested),  # None on a job just created in memory
+            early_stopping=j.early_stopping or _early_stopping_settings(j.plan),
+            data=j.data_report,
         )
 
 
-def _early_stopping_settings(settings: dict[str, Any] | None) -> dict[str, Any] | None:
+def _early_stopping_settings(plan: dict[str, Any] | None) -> dict[str, Any] | None:
     """A job's early stopping before its first evaluation: the settings, nothing found."""
-    if not settings:
-        return None
-    return {**settings, "evals": 0, "best_step": None, "best_valid_loss": None, "stopped": False}
+    stopper = EarlyStopping.of((plan or {}).get("early_stopping"))
+    return stopper.view() if stopper is not None else None
 
 
 def _resolved(

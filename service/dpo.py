@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.objectives import Rows, Split, all_sum, eval_rounds
+from service.job_request import DEFAULT_BETA
+from service.objectives import Rows, Split, all_sum, all_sum_tensor, eval_rounds
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BETA = 0.1  # "auto": the paper's and OpenAI's default
+SUMS = ("loss_sum", "chosen", "rejected", "correct", "count")  # per rank, summed over ranks
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class DPO:
 
     def __init__(self, run: dict[str, Any]) -> None:
         hp = run["hyperparameters"]
-        self.beta = float(hp.get("beta") or DEFAULT_BETA)
+        self.beta = float(hp.get("beta", DEFAULT_BETA))  # a job's plan has it decided
         self.lora = bool(run.get("lora"))
         self.ref_file = Path(run["data_file"]).with_suffix(".ref.pt")
 
@@ -139,8 +140,7 @@ class DPO:
                 out[idx[real]] = logps[real]
         engine.train()
         # each pair was computed by exactly one rank; the others hold zeros there
-        flat = all_sum(out.flatten().tolist(), engine.device)
-        return torch.tensor(flat, dtype=torch.float64).view(len(split), 2)
+        return all_sum_tensor(out, engine.device)
 
     # -- a step -------------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class DPO:
         rank's pairs, in `micro_batches` slices weighted by their pairs, then the step."""
         parts = rows.slices(micro_batches)
         total = rows.input_ids.shape[0]
-        sums = dict.fromkeys(("loss_sum", "chosen", "rejected", "correct", "count"), 0.0)
+        sums = dict.fromkeys(SUMS, 0.0)
         for part in parts:
             n = part.input_ids.shape[0]
             logps = policy_logps(engine, part)
@@ -185,8 +185,7 @@ class DPO:
 
     @torch.no_grad()
     def evaluate(self, engine: Any, split: Split, rank: int, world: int, batch: int):
-        sums = dict.fromkeys(("loss_sum", "chosen", "rejected", "correct", "count"), 0.0)
-        sums["logp_margin"] = 0.0
+        sums = dict.fromkeys((*SUMS, "logp_margin"), 0.0)
         engine.eval()
         for idx, real in eval_rounds(len(split), rank, world, batch):
             rows = split.rows(idx, engine.device)

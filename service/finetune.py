@@ -17,7 +17,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from service.worker import Sink, prepare_kernels, read_loop_state, run_loop, write_checkpoint
+from service.worker import (
+    Sink,
+    prepare_kernels,
+    read_loop_state,
+    run_loop,
+    trains_adapters,
+    write_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +138,7 @@ def report_checkpoint(
     with tempfile.TemporaryDirectory() as d:
         # rank 0's adapter directory and loop state go into the checkpoint with the
         # others' shards
-        lora = rep.run.get("lora", rep.run.get("method") == "lora")
-        write_checkpoint(engine, Path(d) / "ckpt", lora=lora, state=state)
+        write_checkpoint(engine, Path(d) / "ckpt", lora=trains_adapters(rep.run), state=state)
         ray.train.report(
             {**values, "step": step},
             checkpoint=ray.train.Checkpoint.from_directory(Path(d) / "ckpt"),

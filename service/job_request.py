@@ -35,6 +35,7 @@ Auto = Literal["auto"]
 
 # pretrained weights want a small step; a from-scratch zoo model a large one
 BASE_LR = {"base": 1e-4, "fine-tuned": 1e-4, "zoo": 1e-3}
+DEFAULT_BETA = 0.1  # DPO's "auto" beta: the paper's and OpenAI's default
 # set by the service, never by a client: the device follows `resources.use_gpu`, spill
 # files go to the job's directory
 SERVICE_ENGINE_KEYS = {"device": "resources.use_gpu", "memory.disk_dir": "the job's directory"}

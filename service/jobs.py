@@ -17,10 +17,10 @@ import random
 import time
 from typing import Any, TypeVar
 
-from service.dpo import DEFAULT_BETA
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from service.job_request import (
     BASE_LR,
+    DEFAULT_BETA,
     DpoHyperparameters,
     JobRequest,
     auto_batch_size,

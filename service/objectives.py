@@ -38,11 +38,9 @@ class Rows(NamedTuple):
         parts = [t.chunk(n) if t is not None else [None] * n for t in self]
         return [Rows(*p) for p in zip(*parts, strict=True)]
 
-    def model_inputs(self, labels: bool = True) -> dict[str, Any]:
+    def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of the model's forward for these rows."""
-        kw: dict[str, Any] = {"input_ids": self.input_ids}
-        if labels:
-            kw["labels"] = self.labels
+        kw: dict[str, Any] = {"input_ids": self.input_ids, "labels": self.labels}
         if self.position_ids is not None:
             # positions restart at every packed example; transformers then masks attention
             # to each example's own block, which it only does without a cache
@@ -105,10 +103,16 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]
 
 def all_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum across ranks (on the engine's device: NCCL takes no CPU tensors)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
+    return all_sum_tensor(torch.tensor(values, dtype=torch.float64), device).tolist()
+
+
+def all_sum_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` summed across ranks, moved to `device` for the collective and back."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    on = t.to(device)
+    dist.all_reduce(on)
+    return on.to(t.device)
 
 
 def eval_rounds(n: int, rank: int, world: int, batch: int):

@@ -26,6 +26,7 @@ from service.datasets import (
     PREFERRED,
     Encoded,
     cut_examples,
+    ensure_chat_template,
     example_tokens,
     to_rows,
 )
@@ -46,8 +47,6 @@ def as_chat(ex: dict[str, Any], key: str) -> dict[str, Any]:
 
 def tokenize_pairs(tokenizer: Any, examples: list[dict[str, Any]]):
     """[(preferred (ids, mask), non-preferred (ids, mask))] of every pair, uncut."""
-    from service.datasets import ensure_chat_template
-
     ensure_chat_template(tokenizer)
     return [
         tuple(example_tokens(tokenizer, "chat", as_chat(ex, k)) for k in (PREFERRED, NON_PREFERRED))

@@ -288,7 +288,8 @@ class Reporter:
         return self._pause
 
     def paused(self, step: int) -> None:
-        """The pause's checkpoint is written: the job is paused, this attempt ended."""
+        """The pause's checkpoint is written: the job is paused (the attempt ends with its
+        driver, which reads the pause in the run's last report)."""
         self._write(
             "the pause", self.store and self.store.jobs.paused, self.job_id, self.attempt, step
         )

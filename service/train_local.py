@@ -29,7 +29,14 @@ from service.datasets import Encoded, encode
 from service.prepare import save_rows
 from service.runlog import RunLog, StepCallback
 from service.spec import TrainSpec
-from service.worker import Sink, prepare_kernels, read_loop_state, run_loop, write_checkpoint
+from service.worker import (
+    Sink,
+    prepare_kernels,
+    read_loop_state,
+    run_loop,
+    trains_adapters,
+    write_checkpoint,
+)
 
 
 def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: None):
@@ -159,7 +166,7 @@ def run_training(
     prepare_kernels(rep)
     engine = build_engine(spec, run, phase)
     ckpt = run_dir / "checkpoint"
-    final = run_loop(run, engine, 0, 1, rep, DirCheckpoints(ckpt, run["method"] == "lora"))
+    final = run_loop(run, engine, 0, 1, rep, DirCheckpoints(ckpt, trains_adapters(run)))
     stats = rep.latest_stats
 
     def ppl(values: dict[str, Any]) -> float | None:

@@ -102,6 +102,12 @@ def write_checkpoint(
         (directory / LOOP_STATE).write_text(json.dumps(state))
 
 
+def trains_adapters(run: dict[str, Any]) -> bool:
+    """Whether a run trains LoRA adapters (its checkpoints and export carry the adapter):
+    a LoRA job, a DPO job on adapters, or `pstar train` with an engine `lora` section."""
+    return bool(run.get("lora")) or run.get("method") == "lora"
+
+
 def this_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -267,7 +273,7 @@ class RunLoop:
         self.eval_every = hp.get("eval_every")
         if self.eval_every is None:
             self.eval_every = max(1, self.total // 10)
-        self.lora = run.get("lora", run.get("method") == "lora")
+        self.lora = trains_adapters(run)
         self.objective = objective_for(run)
         self.eta = Eta(self.total)
         self.best_dir = Path(run["best_dir"]) if run.get("best_dir") else None

@@ -14,7 +14,8 @@ from sqlalchemy.exc import IntegrityError
 
 from service.store.db import Resource, StaleAttempt, check_current
 from service.store.events import new_event
-from service.store.models import ACTIVE, PAUSED, PAUSED_RAY_STATUS, TERMINAL, Attempt, Job
+from service.store.jobs import paused_values
+from service.store.models import ACTIVE, PAUSED_RAY_STATUS, TERMINAL, Attempt, Job
 
 
 class Attempts(Resource):
@@ -149,12 +150,7 @@ class Attempts(Resource):
                 res = s.execute(
                     update(Job)
                     .where(*current, Job.status.in_(ACTIVE))
-                    .values(
-                        status=PAUSED,
-                        status_detail=None,
-                        pause_requested=False,
-                        pauses=Job.pauses + 1,
-                    )
+                    .values(**paused_values())
                     .execution_options(synchronize_session=False)
                 )
                 if res.rowcount == 1:

@@ -52,6 +52,17 @@ class ActiveAttempt(NamedTuple):
         return self.state == "ended" and self.ray_status == PAUSED_RAY_STATUS
 
 
+def paused_values() -> dict[str, Any]:
+    """What a job's row becomes when it pauses (its workers wrote the pause, or its attempt
+    ended while a pause was asked for): a pause spent, nothing asked any more."""
+    return {
+        "status": PAUSED,
+        "status_detail": None,
+        "pause_requested": False,
+        "pauses": Job.pauses + 1,
+    }
+
+
 class IdempotencyConflict(Exception):
     """The same Idempotency-Key came with a different request body."""
 
@@ -270,9 +281,7 @@ class Jobs(Resource):
             res = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.status.in_(ACTIVE))
-                .values(
-                    status=PAUSED, pause_requested=False, pauses=Job.pauses + 1, status_detail=None
-                )
+                .values(**paused_values())
                 .execution_options(synchronize_session=False)
             )
             if res.rowcount != 1:
