@@ -23,12 +23,20 @@ from service.store import Store
 
 
 class Streams:
-    """The long-lived responses (event streams, followed logs) open per tenant: at most
-    `limit` each (429 past it), and all of them told to end when the server shuts down,
-    so an open dashboard cannot hold a SIGTERM."""
+    """The long-lived responses (event streams, followed logs; generations) open per
+    tenant: at most `limit` each (429 past it), and all of them told to end when the server
+    shuts down, so an open dashboard cannot hold a SIGTERM."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(
+        self,
+        limit: int,
+        setting: str = "max_event_streams_per_tenant",
+        what: str = "streams open",
+        hint: str = "close one (a dashboard tab, a followed log) or poll the list routes instead",
+        code: str = "too_many_streams",
+    ) -> None:
         self.limit = limit
+        self.setting, self.what, self.hint, self.code = setting, what, hint, code
         self.open: dict[str, int] = {}
         self.closing = False
 
@@ -36,10 +44,9 @@ class Streams:
         n = self.open.get(tenant, 0)
         if n >= self.limit:
             raise QuotaExceeded(
-                f"tenant {tenant} has {n} streams open, its limit "
-                f"({Limits.var('max_event_streams_per_tenant')}={self.limit}); close one "
-                "(a dashboard tab, a followed log) or poll the list routes instead",
-                code="too_many_streams",
+                f"tenant {tenant} has {n} {self.what}, its limit "
+                f"({Limits.var(self.setting)}={self.limit}); {self.hint}",
+                code=self.code,
             )
         self.open[tenant] = n + 1
 
@@ -67,6 +74,9 @@ class Context:
     reconciler: Any = None
     metrics: Any = None
     streams: Streams | None = None
+    generations: Streams | None = None  # chat and text completions in flight
+    serving: Any = None  # service.serving.Serving: which deployment answers a model
+    backend: Any = None  # api.generate's backend: where a generation's events come from
 
 
 def create_app(
@@ -78,13 +88,29 @@ def create_app(
     reconcile_interval_s: float = 1.0,
     ray_supervisor: Any = None,
     on_shutdown: Any = None,
+    backend: Any = None,
 ) -> FastAPI:
+    from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
-    from api.routes import files, jobs, models, system
+    from api.routes import completions, files, jobs, models, system
+    from service.serving import Serving
 
     ctx = Context(settings, store, launcher, JobService(settings, store, launcher))
     ctx.metrics = ApiMetrics(store)
     ctx.streams = Streams(settings.limits.max_event_streams_per_tenant)
+    ctx.generations = Streams(
+        settings.limits.max_concurrent_generations_per_tenant,
+        setting="max_concurrent_generations_per_tenant",
+        what="generations in flight",
+        hint="wait for one to finish",
+        code="too_many_generations",
+    )
+    ctx.serving = Serving(
+        settings,
+        lambda: getattr(launcher, "dashboard_url", None),
+        training_waiting=lambda: store.jobs.count_by_status().get("queued", 0),
+    )
+    ctx.backend = backend or RayServeBackend(ctx.serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -102,7 +128,8 @@ def create_app(
         try:
             yield
         finally:
-            ctx.streams.closing = True
+            ctx.streams.closing = ctx.generations.closing = True
+            await ctx.backend.aclose()
             if ctx.reconciler is not None:
                 ctx.reconciler.stop()
             if on_shutdown is not None:
@@ -115,7 +142,8 @@ def create_app(
         version="0.1.0",
         description=(
             "Fine-tuning with the PatrickStar chunk engine on Ray. OpenAI-compatible under "
-            "/v1 (files, models, fine_tuning.jobs, events, checkpoints), plus a dry-run "
+            "/v1 (files, models, fine_tuning.jobs, events, checkpoints, chat and text "
+            "completions of every base and fine-tuned model), plus a dry-run "
             "validate, metric series, the memory tracer timeline and logs."
         ),
         lifespan=lifespan,
@@ -132,6 +160,7 @@ def create_app(
     app.include_router(jobs.router, prefix="/v1")
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
+    app.include_router(completions.router, prefix="/v1")
     app.include_router(system.router)
     ui.install(app)
     _declare_plain_text_parameters(app)

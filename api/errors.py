@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.schemas import ErrorEnvelope
 from service.errors import (
     Conflict,
+    Forbidden,
     InvalidRequest,
     NotFound,
     QuotaExceeded,
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 STATUS = {
     Unauthorized: 401,
     InvalidRequest: 400,
+    Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
     TooLarge: 413,
@@ -46,6 +48,7 @@ HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "tra
 DESCRIPTIONS = {
     400: "Invalid request: the message names the field and what is allowed",
     401: "Missing or wrong bearer token",
+    403: "The tenant may not do this to the object",
     404: "No such object for this tenant",
     409: "The object's state does not allow this",
     413: "Upload larger than the server's limit",

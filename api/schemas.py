@@ -79,6 +79,19 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
+class ReplicaPlace(BaseModel):
+    replica: str | None = None
+    node: str | None = None
+    device: str | None = None
+
+
+class ModelServing(BaseModel):
+    deployment: str = Field(description="the Ray Serve application that answers the model")
+    adapter: bool = Field(description="served as a LoRA adapter on its base's deployment")
+    replicas: int = Field(description="replicas of the deployment running now")
+    loaded_in: list[ReplicaPlace] = Field(description="the replicas that hold the model")
+
+
 class ModelObject(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -95,10 +108,16 @@ class ModelObject(BaseModel):
     adapter_base: str | None = Field(
         default=None, description="the model the adapter applies to (null if not an adapter)"
     )
+    serving: ModelServing | None = Field(
+        default=None,
+        description="where the model is in memory now (null when no replica holds it; a "
+        "request to a model starts its deployment)",
+    )
 
     @classmethod
-    def of(cls, m: ModelRef) -> ModelObject:
+    def of(cls, m: ModelRef, serving: dict[str, Any] | None = None) -> ModelObject:
         return cls(
+            serving=ModelServing(**serving) if serving else None,
             id=m.id,
             created=m.created,
             owned_by=m.owned_by,

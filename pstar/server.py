@@ -55,7 +55,7 @@ def stopping_server(config: Any, app: Any) -> Any:
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.ctx.streams.closing = True
+            app.state.ctx.streams.closing = app.state.ctx.generations.closing = True
             super().handle_exit(sig, frame)
 
     return _Server(config)

@@ -56,6 +56,12 @@ class NotAvailable(NotFound):
         ServiceError.__init__(self, message, param=param, code=code)
 
 
+class Forbidden(ServiceError):
+    """The tenant sees the object but may not do this to it (403): delete a base model."""
+
+    kind = "permission_error"
+
+
 class Conflict(ServiceError):
     """The object's state does not allow it (409): cancel a finished job, reuse a key."""
 

@@ -50,6 +50,10 @@ class Limits:
     max_spill_bytes_per_job: int = 50 * GiB
     max_attempts: int = 5
     max_event_streams_per_tenant: int = 8
+    # chat and text completions: generations in flight per tenant (429 past it), and the
+    # tokens one request may ask for (max_tokens past it, or n times it, is a 400)
+    max_concurrent_generations_per_tenant: int = 4
+    max_tokens_per_request: int = 2048
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Limits:
@@ -74,6 +78,52 @@ class Limits:
         return "PSTAR_" + name.upper()
 
 
+@dataclass(frozen=True)
+class ServeSettings:
+    """How models are served on Ray Serve (`service.serving`). Each is set by
+    `PSTAR_SERVE_<NAME upper-cased>`.
+
+    A replica reserves `replica_cpus` CPUs and `replica_gpus` GPUs of the cluster: on CPU
+    the default 0 lets a replica share cores with training instead of holding CPUs a
+    training job waits for; a GPU cluster sets `replica_gpus` (a fraction packs several
+    models on one GPU)."""
+
+    port: int = 8000  # Serve's HTTP proxy on the head
+    host: str = "127.0.0.1"  # where the proxy listens (0.0.0.0 in a cluster)
+    url: str = ""  # how the control plane reaches the proxy; default http://127.0.0.1:port
+    idle_s: float = 300.0  # a model's last replica stops after this long without requests
+    max_adapters: int = 8  # LoRA adapters one replica keeps loaded (LRU)
+    max_replicas: int = 1
+    max_batch: int = 32  # rows one replica decodes together
+    replica_cpus: float = 0.0
+    replica_gpus: float = 0.0
+    start_timeout_s: float = 180.0  # a model not answering by then is a 503
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> ServeSettings:
+        values: dict = {}
+        for f in fields(cls):
+            var = "PSTAR_SERVE_" + f.name.upper()
+            raw = env.get(var, "").strip()
+            if not raw:
+                continue
+            if f.name in ("host", "url"):
+                values[f.name] = raw.rstrip("/")
+                continue
+            try:
+                v = float(raw) if f.type in (float, "float") else int(raw)
+            except ValueError:
+                raise SettingsError(f"{var} must be a number, got {raw!r}") from None
+            if v < 0 or (v == 0 and f.name not in ("replica_cpus", "replica_gpus")):
+                raise SettingsError(f"{var} must be positive, got {raw!r}")
+            values[f.name] = v
+        return cls(**values)
+
+    @property
+    def proxy_url(self) -> str:
+        return self.url or f"http://127.0.0.1:{self.port}"
+
+
 class SettingsError(ValueError):
     """The environment configures the service wrongly; the message says which variable."""
 
@@ -95,6 +145,7 @@ class Settings:
     # PSTAR_METRICS_TOKEN: Prometheus' token; /metrics with it counts every tenant's jobs
     # (a tenant's token counts its own)
     metrics_token: str | None = field(default=None, repr=False)
+    serve: ServeSettings = field(default_factory=ServeSettings)
 
     @property
     def files_dir(self) -> Path:
@@ -114,6 +165,11 @@ class Settings:
     def finetuned_dir(self, job_id: str) -> Path:
         """Where a job's exported model goes (hidden from the base-model scan by the dot)."""
         return self.models_dir / ".ft" / job_id
+
+    @property
+    def serving_dir(self) -> Path:
+        """What each model replica reports it holds (`<app>/<replica>.json`)."""
+        return self.data_dir / "serving"
 
     def ensure_dirs(self) -> None:
         for d in (self.files_dir, self.models_dir, self.runs_dir):
@@ -147,6 +203,7 @@ class Settings:
             default_resources=parse_default_resources(env.get("PSTAR_DEFAULT_RESOURCES", "")),
             limits=Limits.from_env(env),
             metrics_token=env.get("PSTAR_METRICS_TOKEN") or None,
+            serve=ServeSettings.from_env(env),
         )
 
 

@@ -19,7 +19,16 @@ from sqlalchemy.exc import IntegrityError
 from service.store import statements
 from service.store.db import Resource
 from service.store.events import new_event
-from service.store.models import ACTIVE, PAUSED, PAUSED_RAY_STATUS, TERMINAL, Attempt, File, Job
+from service.store.models import (
+    ACTIVE,
+    PAUSED,
+    PAUSED_RAY_STATUS,
+    TERMINAL,
+    UNFINISHED,
+    Attempt,
+    File,
+    Job,
+)
 
 
 class ActiveJob(NamedTuple):
@@ -317,16 +326,45 @@ class Jobs(Resource):
             return list(
                 s.scalars(
                     select(Job)
-                    .where(Job.tenant == tenant, Job.fine_tuned_model.is_not(None))
+                    .where(
+                        Job.tenant == tenant,
+                        Job.fine_tuned_model.is_not(None),
+                        Job.model_deleted_at.is_(None),
+                    )
                     .order_by(Job.seq)
                 )
             )
 
     def by_model(self, tenant: str, model_id: str) -> Job | None:
+        """The job whose fine-tuned model is `model_id` (None once the model is deleted)."""
         with self.db.read() as s:
             return s.scalar(
-                select(Job).where(Job.tenant == tenant, Job.fine_tuned_model == model_id)
+                select(Job).where(
+                    Job.tenant == tenant,
+                    Job.fine_tuned_model == model_id,
+                    Job.model_deleted_at.is_(None),
+                )
             )
+
+    def delete_model(self, job_id: str, now: int) -> bool:
+        """Mark the job's fine-tuned model deleted; False if it already was."""
+        with self.db.write() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.model_deleted_at.is_(None))
+                .values(model_deleted_at=now)
+            )
+            return res.rowcount == 1
+
+    def models_in_use(self) -> set[str]:
+        """The models unfinished jobs fine-tune (their files must stay until they end)."""
+        with self.db.read() as s:
+            return set(s.scalars(select(Job.model).where(Job.status.in_(UNFINISHED))))
+
+    def deleted_models(self) -> list[Job]:
+        """Every job whose model was deleted (the sweep removes their files)."""
+        with self.db.read() as s:
+            return list(s.scalars(select(Job).where(Job.model_deleted_at.is_not(None))))
 
     def active_with_attempts(
         self, waiting_per_tenant: int | None = None

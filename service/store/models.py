@@ -123,6 +123,8 @@ class Job(Base):
     # prepared data's report (rows, fill, examples per row, packing)
     early_stopping: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     data_report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # when the tenant deleted the fine-tuned model (DELETE /v1/models/{model})
+    model_deleted_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Attempt(Base):

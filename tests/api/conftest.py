@@ -24,6 +24,7 @@ class ApiServer:
     store: object
     launcher: object
     backend: str
+    models: object = None  # the in-process model backend, when the API has one
 
     @property
     def base(self) -> str:
@@ -39,7 +40,12 @@ class ApiServer:
 
 
 def start_api(
-    data_dir: Path, db_url: str, backend: str, max_upload: int = 1 << 20, **settings: object
+    data_dir: Path,
+    db_url: str,
+    backend: str,
+    max_upload: int = 1 << 20,
+    models_in_process: bool = False,
+    **settings: object,
 ):
     import uvicorn
 
@@ -61,7 +67,19 @@ def start_api(
     store = Store(db_url)
     store.migrate()
     launcher = DryLauncher()
-    app = create_app(settings, store, launcher, reconcile=True, reconcile_interval_s=0.1)
+    model_backend = None
+    if models_in_process:
+        from tests.api.inproc import InProcessBackend
+
+        model_backend = InProcessBackend(data_dir)
+    app = create_app(
+        settings,
+        store,
+        launcher,
+        reconcile=True,
+        reconcile_interval_s=0.1,
+        backend=model_backend,
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -73,7 +91,7 @@ def start_api(
         if time.time() > deadline:
             raise RuntimeError("the API server did not start")
         time.sleep(0.02)
-    api = ApiServer(f"http://127.0.0.1:{port}", settings, store, launcher, backend)
+    api = ApiServer(f"http://127.0.0.1:{port}", settings, store, launcher, backend, model_backend)
 
     def stop() -> None:
         server.should_exit = True

@@ -1,0 +1,213 @@
+"""A generation from request to OpenAI answer: where its events come from (the model's
+Ray Serve deployment, through Serve's HTTP proxy), and how they become a
+`chat.completion` / `text_completion`, or the stream of their chunks as server-sent events
+ending in `data: [DONE]`.
+
+The first event is read before the response starts, so what the model server refuses (a
+prompt past the context) is still a 400 with the error envelope, streaming or not. An
+error after the stream has started arrives as a `data: {"error": ...}` event, which the
+OpenAI SDK raises as an `APIError`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.concurrency import run_in_threadpool
+
+from api.completion_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    TextChoice,
+    TextCompletion,
+    Usage,
+)
+from service.errors import InvalidRequest, Unavailable
+from service.serving import Serving, Target
+
+MULTIPLEX_HEADER = "serve_multiplexed_model_id"
+
+
+class RayServeBackend:
+    """Events of a generation from the target's Serve application (JSON lines)."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        wait = serving.cfg.start_timeout_s
+        self._client: httpx.AsyncClient | None = None
+        self._timeout = httpx.Timeout(connect=5.0, read=wait, write=30.0, pool=wait)
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout)
+        return self._client
+
+    async def open(self, target: Target, payload: dict[str, Any]) -> AsyncIterator[dict]:
+        url = await run_in_threadpool(self.serving.endpoint, target)
+        headers = {MULTIPLEX_HEADER: target.adapter} if target.adapter else {}
+        client = self.client()
+        req = client.build_request("POST", url, json=payload, headers=headers)
+        try:
+            resp = await client.send(req, stream=True)
+        except httpx.TimeoutException:
+            why = await run_in_threadpool(self.serving.not_starting, target)
+            raise Unavailable(
+                f"model {target.model} did not answer within "
+                f"{self.serving.cfg.start_timeout_s:.0f} s (no replica could start?): {why}"
+            ) from None
+        except httpx.HTTPError as e:
+            raise Unavailable(
+                f"Ray Serve's proxy for {target.model} is not reachable: {e}"
+            ) from None
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")[:300]
+            await resp.aclose()
+            raise Unavailable(f"Ray Serve answered {resp.status_code} for {target.model}: {text}")
+        return self._events(resp, target)
+
+    async def _events(self, resp: httpx.Response, target: Target) -> AsyncIterator[dict]:
+        try:
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)
+        except httpx.HTTPError as e:
+            yield {"error": {"status": 503, "message": f"model {target.model} stopped: {e}"}}
+        finally:
+            await resp.aclose()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def refusal(err: dict[str, Any]) -> Exception:
+    """The service error for an error event the model server sent first."""
+    status = err.get("status", 500)
+    if status == 400:
+        return InvalidRequest(err["message"], param=err.get("param"), code=err.get("code"))
+    if status in (404, 503):
+        return Unavailable(err["message"])
+    return RuntimeError(err.get("message", "the model server failed"))
+
+
+class Answer:
+    """What one request's events add up to."""
+
+    def __init__(self, n: int) -> None:
+        self.texts = [""] * n
+        self.reasons: list[str] = ["stop"] * n
+        self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+    def add(self, ev: dict[str, Any]) -> None:
+        if "text" in ev:
+            self.texts[ev["i"]] += ev["text"]
+        elif "finish" in ev:
+            self.reasons[ev["i"]] = ev["finish"]
+        elif "usage" in ev:
+            self.usage = usage_of(ev["usage"])
+        elif "prompt_tokens" in ev:
+            self.usage.prompt_tokens = ev["prompt_tokens"]
+
+
+def usage_of(u: dict[str, int]) -> Usage:
+    return Usage(
+        prompt_tokens=u["prompt_tokens"],
+        completion_tokens=u["completion_tokens"],
+        total_tokens=u["prompt_tokens"] + u["completion_tokens"],
+    )
+
+
+async def collect(first: dict, events: AsyncIterator[dict], n: int) -> Answer:
+    ans = Answer(n)
+    ans.add(first)
+    async for ev in events:
+        if "error" in ev:
+            raise refusal(ev["error"])
+        ans.add(ev)
+    return ans
+
+
+def chat_completion(model: str, ans: Answer) -> ChatCompletion:
+    return ChatCompletion(
+        id=f"chatcmpl-{secrets.token_hex(12)}",
+        created=int(time.time()),
+        model=model,
+        choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=r)
+            for i, (t, r) in enumerate(zip(ans.texts, ans.reasons, strict=True))
+        ],
+        usage=ans.usage,
+    )
+
+
+def text_completion(model: str, ans: Answer) -> TextCompletion:
+    return TextCompletion(
+        id=f"cmpl-{secrets.token_hex(12)}",
+        created=int(time.time()),
+        model=model,
+        choices=[
+            TextChoice(index=i, text=t, finish_reason=r)
+            for i, (t, r) in enumerate(zip(ans.texts, ans.reasons, strict=True))
+        ],
+        usage=ans.usage,
+    )
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream_chunks(
+    chat: bool, model: str, n: int, include_usage: bool, events: AsyncIterator[dict]
+) -> AsyncIterator[bytes]:
+    """The chunks of a streamed answer, as server-sent events, then `[DONE]`."""
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+    }
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return _sse({**head, "choices": [choice], **extra})
+
+    if chat:
+        for i in range(n):
+            yield chunk(i, None, None, first=True)
+    async for ev in events:
+        if "text" in ev:
+            yield chunk(ev["i"], ev["text"], None)
+        elif "finish" in ev:
+            yield chunk(ev["i"], None if chat else "", ev["finish"])
+        elif "usage" in ev:
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": usage_of(ev["usage"]).model_dump()})
+        elif "error" in ev:
+            err = ev["error"]
+            yield _sse(
+                {
+                    "error": {
+                        "message": err.get("message", "generation failed"),
+                        "type": "server_error",
+                        "param": None,
+                        "code": err.get("code"),
+                    }
+                }
+            )
+            return
+    yield b"data: [DONE]\n\n"

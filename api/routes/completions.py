@@ -1,0 +1,104 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: every model the tenant sees
+(base models, its fine-tuned models, each checkpoint as `<model>:ckpt-step-N`) answers
+as OpenAI's do, streamed or whole. Prompts and answers are never logged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.completion_schemas import ChatCompletion, ChatRequest, CompletionRequest, Sampling
+from api.errors import responses
+from api.generate import chat_completion, collect, refusal, stream_chunks, text_completion
+from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
+from service.errors import InvalidRequest
+from service.serving import target_of
+from service.settings import Limits
+
+router = APIRouter(tags=["completions"], responses=responses(401), dependencies=V1_DEPENDENCIES)
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "with `stream`: the chunks"},
+        **responses(400, 404, 429, 503),
+    },
+)
+async def chat_completions(body: ChatRequest, request: Request, tenant: Tenant) -> Response:
+    """The model's answer to a conversation, rendered by the model's own chat template."""
+    return await _generate(request, tenant, body, chat=True)
+
+
+@router.post(
+    "/completions",
+    response_model=None,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "with `stream`: the chunks"},
+        **responses(400, 404, 429, 503),
+    },
+)
+async def completions(body: CompletionRequest, request: Request, tenant: Tenant) -> Response:
+    """The model's continuation of a prompt (one string, or its token ids)."""
+    return await _generate(request, tenant, body, chat=False)
+
+
+async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -> Response:
+    c = ctx(request)
+    if refused := body.refused():
+        raise InvalidRequest(refused[1], param=refused[0], code="unsupported_parameter")
+    limit = c.settings.limits.max_tokens_per_request
+    asked = body.asked_tokens()  # type: ignore[attr-defined]
+    if asked is not None and asked > limit:
+        field = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None)
+            else "max_tokens"
+        )
+        raise InvalidRequest(
+            f"{field}: {asked} is over this service's limit of {limit} tokens per request "
+            f"({Limits.var('max_tokens_per_request')})",
+            param=field,
+            code="invalid_value",
+        )
+    target = await run_in_threadpool(target_of, c.settings, c.store, tenant, body.model)
+    n = body.n or 1
+    payload: dict[str, Any] = {
+        **body.payload(),  # type: ignore[attr-defined]
+        "max_tokens": asked,
+        "default_max_tokens": limit,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "n": n,
+        "seed": body.seed,
+        "stop": body.stops(),
+    }
+    c.generations.take(tenant)
+    try:
+        events = await c.backend.open(target, payload)
+        first = await anext(events)
+        if "error" in first:
+            await events.aclose()
+            raise refusal(first["error"])
+    except BaseException:
+        c.generations.give_back(tenant)
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = stream_chunks(chat, body.model, n, include_usage, events)
+        return StreamingResponse(
+            c.generations.guard(tenant, chunks),
+            media_type="text/event-stream",
+            headers=STREAM_HEADERS,
+        )
+    try:
+        ans = await collect(first, events, n)
+    finally:
+        c.generations.give_back(tenant)
+    return respond((chat_completion if chat else text_completion)(body.model, ans))

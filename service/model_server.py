@@ -1,0 +1,246 @@
+"""The Ray Serve deployment that answers for one model directory (a base model with the
+LoRA adapters of its fine-tunes, or one full fine-tune): `build(args)` is the application
+builder `service.serving` names in the Serve config it deploys.
+
+A replica holds one `Generator`. Adapters load through Serve's model multiplexing: the
+request names its adapter in the `serve_multiplexed_model_id` header (its directory,
+relative to the data dir), Serve routes it to a replica that has that adapter loaded when
+one does, and each replica keeps at most `max_adapters` of them, least recently used out.
+An adapter leaves a replica's memory once no row still decodes with it.
+
+The request is JSON (`prompt_ids` or `messages` or `prompt`, and the sampling fields) and
+the answer streams as JSON lines: first `{"prompt_tokens": n}` (or `{"error": ...}`, a
+request the model cannot take, such as one past its context), then
+`{"i": choice, "text": piece}`, `{"i": choice, "finish": reason}`, and last
+`{"usage": {...}}`. A client that goes away cancels its rows at the next step.
+
+Each replica writes what it holds to `<data>/serving/<app>/<replica>.json` every few
+seconds (the control plane's `/v1/models` and dashboard read them): the adapters it has
+loaded, its rows in flight, its decode steps; and drops adapters whose directory is gone
+(a deleted model) on the same beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from service.generation import Done, Finish, Generator, Request, SamplingParams, Token
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 3.0
+
+
+def confined(data_dir: Path, relative: str) -> Path:
+    """`data_dir / relative`, refused if it leaves the data dir."""
+    p = (data_dir / relative).resolve()
+    if not p.is_relative_to(data_dir.resolve()):
+        raise ValueError(f"adapter path {relative!r} is outside the data directory")
+    return p
+
+
+class _Adapter:
+    """What the multiplexer keeps per adapter: unloading it (LRU eviction) asks the
+    generator to drop the adapter once no row uses it."""
+
+    def __init__(self, gen: Generator, key: str) -> None:
+        self.gen, self.key, self.live = gen, key, True
+
+    def __del__(self) -> None:
+        if self.live:
+            self.live = False
+            self.gen.unload_adapter(self.key)
+
+
+def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> SamplingParams:
+    """The request's sampling parameters; `max_tokens` defaults to what the context has left."""
+    room = context - prompt_tokens
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:  # what the context has left, up to the service's default cap
+        max_tokens = min(room, int(body.get("default_max_tokens") or room))
+    return SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(body.get("temperature", 1.0)),
+        top_p=float(body.get("top_p", 1.0)),
+        n=int(body.get("n", 1)),
+        seed=body.get("seed"),
+        stop=tuple(body.get("stop") or ()),
+    )
+
+
+def context_error(prompt_tokens: int, max_tokens: int | None, context: int, field: str):
+    """The error for a request past the model's context, or None."""
+    asked = prompt_tokens + (max_tokens or 0)
+    if prompt_tokens < context and asked <= context:
+        return None
+    return {
+        "status": 400,
+        "code": "context_length_exceeded",
+        "param": field if prompt_tokens >= context else "max_tokens",
+        "message": f"This model's maximum context length is {context} tokens. However, you "
+        f"requested {asked} tokens ({prompt_tokens} in the {field}, {max_tokens or 0} in "
+        "the completion). Please reduce the length of the prompt or of max_tokens.",
+    }
+
+
+async def answer(gen: Generator, body: dict[str, Any], adapter: str | None):
+    """The events of one request on `gen` (the module docstring's lines, as dicts); the
+    adapter must be loaded. Leaving early (a client gone) cancels the request's rows."""
+    if "messages" in body:
+        ids, field = gen.render(body["messages"]), "messages"
+    elif "prompt_ids" in body:
+        ids, field = list(body["prompt_ids"]), "prompt"
+    else:
+        ids, field = gen.encode(body.get("prompt", "")), "prompt"
+    if not ids:  # an empty prompt: generation starts from the start of a text
+        ids = [gen.tokenizer.bos_token_id or gen.tokenizer.eos_token_id or 0]
+    err = context_error(len(ids), body.get("max_tokens"), gen.context, field)
+    if err:
+        yield {"error": err}
+        return
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(ev: Any) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, ev)
+
+    params = sampling(body, len(ids), gen.context)
+    req = Request(ids, params, emit, adapter)
+    gen.submit(req)
+    yield {"prompt_tokens": len(ids)}
+    try:
+        while True:
+            ev = await events.get()
+            if isinstance(ev, Token):
+                yield {"i": ev.index, "text": ev.text}
+            elif isinstance(ev, Finish):
+                yield {"i": ev.index, "finish": ev.reason, "tokens": list(ev.tokens)}
+            elif isinstance(ev, Done):
+                usage = {
+                    "prompt_tokens": ev.prompt_tokens,
+                    "completion_tokens": ev.completion_tokens,
+                }
+                yield {"usage": usage}
+                return
+            else:
+                yield {"error": {"status": 500, "message": str(ev)}}
+                return
+    finally:
+        req.cancelled = True  # a client gone mid-answer frees its rows
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+def build(args: dict[str, Any]):
+    """The Serve application for `args["model_dir"]` (see the module's docstring)."""
+    from ray import serve
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    max_adapters = int(args.get("max_adapters", 8))
+
+    @serve.deployment(name="model")
+    class ModelServer:
+        def __init__(self, args: dict[str, Any]) -> None:
+            import torch
+
+            from service.generation import default_dtype
+
+            logging.basicConfig(level=logging.INFO)
+            self.app = args["app"]
+            self.data_dir = Path(args["data_dir"])
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            torch.set_num_threads(int(args.get("threads") or os.cpu_count() or 1))
+            self.gen = Generator(
+                Path(args["model_dir"]),
+                dtype=default_dtype(device),
+                device=device,
+                max_batch=int(args.get("max_batch", 32)),
+            )
+            ctx = serve.get_replica_context()
+            self.replica = ctx.replica_tag if ctx else f"pid{os.getpid()}"
+            self.status_file = self.data_dir / "serving" / self.app / f"{self.replica}.json"
+            self.started = time.time()
+            self.model_dir = args["model_dir"]
+            self._beat = asyncio.get_event_loop().create_task(self._status_loop())
+
+        @serve.multiplexed(max_num_models_per_replica=max_adapters)
+        async def adapter(self, key: str) -> _Adapter:
+            path = confined(self.data_dir, key)
+            await asyncio.wrap_future(self.gen.load_adapter(key, path))
+            self._write_status()
+            return _Adapter(self.gen, key)
+
+        async def __call__(self, request: HttpRequest):
+            if request.method == "GET":
+                return JSONResponse(self._status())
+            body = await request.json()
+            key = serve.get_multiplexed_model_id() or None
+            if key:
+                try:
+                    await self.adapter(key)
+                except Exception as e:
+                    return StreamingResponse(
+                        iter(
+                            [
+                                _line(
+                                    {
+                                        "error": {
+                                            "status": 404,
+                                            "code": "model_not_found",
+                                            "message": f"adapter not loadable: {e}",
+                                        }
+                                    }
+                                )
+                            ]
+                        ),
+                        media_type="application/x-ndjson",
+                    )
+            lines = (_line(ev) async for ev in answer(self.gen, body, key))
+            return StreamingResponse(lines, media_type="application/x-ndjson")
+
+        def _status(self) -> dict[str, Any]:
+            return {
+                "app": self.app,
+                "replica": self.replica,
+                "model_dir": self.model_dir,
+                "node": socket.gethostname(),
+                "pid": os.getpid(),
+                "device": str(self.gen.device),
+                "started_at": int(self.started),
+                "updated_at": time.time(),
+                **self.gen.stats(),
+            }
+
+        def _write_status(self) -> None:
+            with contextlib.suppress(OSError):
+                self.status_file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.status_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self._status()))
+                tmp.replace(self.status_file)
+
+        async def _status_loop(self) -> None:
+            while True:
+                for key, path in list(self.gen.adapters.items()):
+                    if not path.exists():  # its model was deleted: out of memory too
+                        self.gen.unload_adapter(key)
+                self._write_status()
+                await asyncio.sleep(STATUS_EVERY_S)
+
+        def __del__(self) -> None:
+            with contextlib.suppress(Exception):
+                self._beat.cancel()
+                self.status_file.unlink()
+                self.gen.close()
+
+    return ModelServer.bind(args)

@@ -1,0 +1,34 @@
+"""The API's generation backend with the models in this process, for API tests that need
+no Ray: each target's model directory in one `Generator`, its adapters loaded on first
+use, and the replicas' own `answer` turning a request into events. What it leaves out is
+Ray Serve itself (deploying, routing, multiplexing), which tests/service/test_serving_ray.py
+runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from service.generation import Generator
+from service.model_server import answer
+from service.serving import Target
+
+
+class InProcessBackend:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.gens: dict[Path, Generator] = {}
+        self.opened: list[Target] = []
+
+    async def open(self, target: Target, payload: dict[str, Any]):
+        gen = self.gens.get(target.model_dir)
+        if gen is None:
+            gen = self.gens[target.model_dir] = Generator(target.model_dir, max_batch=8)
+        if target.adapter:
+            gen.load_adapter(target.adapter, self.data_dir / target.adapter).result()
+        self.opened.append(target)
+        return answer(gen, payload, target.adapter)
+
+    async def aclose(self) -> None:
+        for g in self.gens.values():
+            g.close()

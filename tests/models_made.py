@@ -1,0 +1,118 @@
+"""Fine-tuned models made without training, for the serving tests: a succeeded job row
+whose export is a real PEFT adapter on the tiny Llama (random, non-zero LoRA weights, so
+it changes the answers) and the same adapter merged, plus a checkpoint whose adapter is a
+second one; or a full fine-tune (the base with perturbed weights)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.registry import fine_tuned_name
+from service.store import Checkpoint, Store
+from service.store.models import new_id
+from tests.service.test_store import make_job
+
+
+@dataclass
+class Made:
+    job_id: str
+    model: str  # the fine-tuned model's id
+    export: Path  # its directory (merged for a LoRA job)
+    checkpoint: str | None = None  # a checkpoint's model id
+
+
+def _adapter(base_dir: Path, out: Path, seed: int, scale: float = 0.5) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    peft = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.mul_(scale / max(p.abs().max().item(), 1e-6))
+    peft.save_pretrained(out)
+    return peft
+
+
+def lora_model(
+    store: Store, data_dir: Path, base: str = "tiny-llama", tenant: str = "acme"
+) -> Made:
+    from transformers import AutoTokenizer
+
+    base_dir = data_dir / "models" / base
+    job = make_job(tenant, status="succeeded", attempt=1)
+    job.plan = {"base_model": base, "method": {"type": "lora", "lora": {"rank": 4}}}
+    job.fine_tuned_model = fine_tuned_name(base, "lora", job.id)
+    job.finished_at = int(time.time())
+    export = data_dir / "models" / ".ft" / job.id
+    peft = _adapter(base_dir, export / "adapter", seed=1)
+    peft.merge_and_unload().save_pretrained(export)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(export)
+    store.jobs.create(job, "Created")
+    ck_dir = data_dir / "runs" / job.id / "checkpoint_000000"
+    _adapter(base_dir, ck_dir / "adapter", seed=2)
+    with store.db.write() as s:  # as a driver's report would have recorded it
+        s.add(
+            Checkpoint(
+                id=new_id("ftckpt"),
+                job_id=job.id,
+                step=5,
+                metrics={},
+                path=str(ck_dir),
+                final=False,
+                created_at=int(time.time()),
+            )
+        )
+    return Made(job.id, job.fine_tuned_model, export, f"{job.fine_tuned_model}:ckpt-step-5")
+
+
+def full_model(
+    store: Store, data_dir: Path, base: str = "tiny-llama", tenant: str = "acme"
+) -> Made:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = data_dir / "models" / base
+    job = make_job(tenant, status="succeeded", attempt=1)
+    job.plan = {"base_model": base, "method": {"type": "supervised"}}
+    job.fine_tuned_model = fine_tuned_name(base, "full", job.id)
+    job.finished_at = int(time.time())
+    export = data_dir / "models" / ".ft" / job.id
+    torch.manual_seed(3)
+    m = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    m.save_pretrained(export)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(export)
+    store.jobs.create(job, "Created")
+    return Made(job.id, job.fine_tuned_model, export)
+
+
+def greedy(model_dir: Path, messages: list[dict], max_new: int, adapter: Path | None = None) -> str:
+    """transformers' own greedy `generate` on an exported directory (with a PEFT adapter
+    on it), decoded as the API decodes: the reference the served answers must equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from service.datasets import ensure_chat_template
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ensure_chat_template(tok)
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        m = PeftModel.from_pretrained(m, adapter).eval()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = m.generate(ids, max_new_tokens=max_new, do_sample=False)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
