@@ -122,7 +122,7 @@ def _checkpoint_target(
 ) -> Target:
     job_id = name.rsplit(":", 1)[-1]
     job = store.jobs.get(job_id, tenant)
-    if job is None or job.model_deleted_at is not None:
+    if job is None:
         raise NotFound("model", model_id, param="model")
     found = [c for c in store.checkpoints.page(job.id, None, 10_000)[0] if c.step == step]
     if not found:
@@ -143,6 +143,8 @@ def _checkpoint_target(
         return Target(
             model_id, base_app(base, job.model), base, _relative(settings, adapter), tenant
         )
+    if ck.final and job.model_deleted_at is not None:  # the final one is the deleted model
+        raise NotFound("model", model_id, param="model")
     if ck.final and (settings.finetuned_dir(job.id) / "config.json").is_file():
         return Target(
             model_id,
@@ -294,16 +296,36 @@ class Serving:
             if time.monotonic() > deadline:
                 raise Unavailable(
                     f"model {target.model} did not start within "
-                    f"{self.cfg.start_timeout_s:.0f} s: {why(app) or status}"
+                    f"{self.cfg.start_timeout_s:.0f} s: {self.placement()}"
+                    + (f"; Serve says: {why(app)}" if why(app) else f" (Serve: {status})")
                 )
             time.sleep(0.5)
+
+    def placement(self) -> str:
+        """What a replica asks of the cluster against what the cluster has in use, from the
+        dashboard's cluster status (the reason a replica cannot be placed, most often)."""
+        ask = f"a replica asks for {self.cfg.replica_cpus:g} CPU, {self.cfg.replica_gpus:g} GPU"
+        try:
+            got = self._http("GET", "/api/cluster_status", timeout=5)
+            usage = got["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+        except (Unavailable, KeyError, TypeError):
+            return ask
+        have = ", ".join(
+            f"{k} {used:g} of {total:g} in use"
+            for k, (used, total) in sorted(usage.items())
+            if k in ("CPU", "GPU")
+        )
+        if "GPU" not in usage:
+            have += " (no GPU)"
+        return f"{ask}; the cluster has {have}"
 
     def not_starting(self, target: Target) -> str:
         """Serve's own words on why the target's deployment has no replica (a 503's text)."""
         try:
-            return why(self.applications().get(target.app) or {}) or "no replica answered"
+            said = why(self.applications().get(target.app) or {})
         except Unavailable as e:
             return str(e)
+        return self.placement() + (f"; Serve says: {said}" if said else "")
 
     def remove(self, app: str) -> bool:
         """Take an application off Serve (a deleted full fine-tune); False if absent."""

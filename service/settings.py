@@ -88,7 +88,7 @@ class ServeSettings:
     training job waits for; a GPU cluster sets `replica_gpus` (a fraction packs several
     models on one GPU)."""
 
-    port: int = 8000  # Serve's HTTP proxy on the head
+    port: int = 8001  # Serve's HTTP proxy on the head (8000 is the API's own default)
     host: str = "127.0.0.1"  # where the proxy listens (0.0.0.0 in a cluster)
     url: str = ""  # how the control plane reaches the proxy; default http://127.0.0.1:port
     idle_s: float = 300.0  # a model's last replica stops after this long without requests

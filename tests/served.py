@@ -20,6 +20,10 @@ class Serve(ServeProcess):
     """A `pstar serve` process with the two test tenants' tokens."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
+        from service.local_ray import free_port
+
+        # Ray Serve's proxy on a port of its own (models start there on first request)
+        env = {"PSTAR_SERVE_PORT": str(free_port()), **(env or {})}
         super().__init__(data_dir, f"acme:{TOKEN},rival:{RIVAL_TOKEN}", env)
 
     def client(self, token: str = TOKEN):
@@ -44,12 +48,12 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def start_serve(data_dir: Path) -> Serve:
+def start_serve(data_dir: Path, env: dict[str, str] | None = None) -> Serve:
     """`pstar serve` on a data dir holding the tiny Llama the jobs fine-tune."""
     from tests.tiny import make_tiny_llama
 
     make_tiny_llama(data_dir / "models" / "tiny-llama", hidden=128, layers=4)
-    s = Serve(data_dir)
+    s = Serve(data_dir, env)
     s.start()
     return s
 
