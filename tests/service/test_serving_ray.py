@@ -104,7 +104,8 @@ def test_full_fine_tune_gets_its_own_deployment_and_delete_takes_it_off(serve, m
     assert chat(serve, full.model).choices[0].message.content == greedy(full.export, ASK, 12)
     apps = ours(serving(serve).applications())
     mine = [a for a in apps if full.job_id in a]
-    assert len(apps) == 2 and len(mine) == 1
+    assert len(apps) == 2
+    assert len(mine) == 1
     assert serve.client().models.delete(full.model).deleted
     after = serving(serve).applications()
     assert mine[0] not in after or after[mine[0]]["status"] == "DELETING"
