@@ -393,9 +393,65 @@ def run(
         raise typer.Exit(1)
 
 
+def chat(
+    model: Annotated[
+        str, typer.Argument(help="a base model, a fine-tuned model or a checkpoint's")
+    ],
+    prompt: Annotated[
+        str | None, typer.Option("--prompt", "-p", help="answer this one message and exit")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="a system message first")] = None,
+    max_tokens: Annotated[int, typer.Option(help="the most tokens an answer has")] = 256,
+    temperature: Annotated[float, typer.Option(help="0: greedy (the same answer each time)")] = 0.7,
+    seed: Annotated[int | None, typer.Option(help="repeat a sampled answer")] = None,
+    url: Url = DEFAULT_URL,
+    data_dir: DataDir = None,
+) -> None:
+    """Talk to a model served by the service: an interactive prompt (the conversation kept
+    until /reset; /exit or Ctrl-D ends it), or one answer with -p."""
+    c = _client(url, data_dir)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    params = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+
+    def answer(text: str) -> None:
+        history.append({"role": "user", "content": text})
+        parts = []
+        try:
+            for piece in c.chat_stream(model, history, **params):
+                parts.append(piece)
+                console.out(piece, end="", highlight=False)
+        except ApiError as e:
+            history.pop()
+            if prompt is not None:
+                _fail(e.message)
+            console.print(f"[red]error:[/red] {e.message}")
+            return
+        console.out("")
+        history.append({"role": "assistant", "content": "".join(parts)})
+
+    if prompt is not None:
+        answer(prompt)
+        return
+    console.print(f"[dim]{model} — /reset forgets the conversation, /exit (or Ctrl-D) ends[/dim]")
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            console.out("")
+            return
+        if text.strip() in ("/exit", "/quit"):
+            return
+        if text.strip() == "/reset":
+            del history[1 if system else 0 :]
+            continue
+        if text.strip():
+            answer(text)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(run)
+    app.command()(chat)
     app.add_typer(files_app, name="files")
     app.add_typer(jobs_app, name="jobs")
 

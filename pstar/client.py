@@ -78,6 +78,27 @@ class Client:
                 return out[::-1]
             after = page["data"][-1]["id"]
 
+    def chat_stream(
+        self, model: str, messages: list[dict[str, str]], **params: Any
+    ) -> Iterator[str]:
+        """The pieces of a chat completion's answer as they arrive (server-sent events)."""
+        import json
+
+        body = {"model": model, "messages": messages, "stream": True, **params}
+        with self.http.stream("POST", "/v1/chat/completions", json=body, timeout=None) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._check(r)
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise ApiError(500, chunk["error"].get("message", "generation failed"))
+                for choice in chunk.get("choices") or []:
+                    if text := (choice.get("delta") or {}).get("content"):
+                        yield text
+
     def stream_logs(self, job_id: str) -> Iterator[str]:
         with self.http.stream(
             "GET", f"/v1/fine_tuning/jobs/{job_id}/logs", params={"follow": "true"}, timeout=None

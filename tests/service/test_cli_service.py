@@ -16,12 +16,14 @@ from tests.tiny import chat_lines
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
-    api, stop = start_api(d, f"sqlite:///{d / 'store.db'}", "sqlite")
+    api, stop = start_api(d, f"sqlite:///{d / 'store.db'}", "sqlite", models_in_process=True)
     yield api
     stop()
 
 
-def pstar(server, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+def pstar(
+    server, *args: str, ok: bool = True, stdin: str | None = None
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PSTAR_URL": server.url,
@@ -34,6 +36,7 @@ def pstar(server, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
         text=True,
         env=env,
         timeout=120,
+        input=stdin,
     )
     assert (out.returncode == 0) == ok, out.stdout + out.stderr
     return out
@@ -124,3 +127,42 @@ def wait(pred, timeout: float = 20.0) -> None:
     while not pred():
         assert time.time() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_chat_with_p_prints_the_models_answer(server):
+    from tests.models_made import greedy
+
+    ask = "What does apple mean?"
+    out = pstar(server, "chat", "tiny-llama", "-p", ask, "--temperature", "0", "--max-tokens", "8")
+    want = greedy(server.settings.models_dir / "tiny-llama", [{"role": "user", "content": ask}], 8)
+    assert out.stdout == want + "\n"
+
+
+def test_chat_keeps_the_conversation_until_reset(server):
+    from tests.models_made import greedy
+
+    script = "What does apple mean?\nAnd bread?\n/reset\nAnd bread?\n/exit\n"
+    out = pstar(
+        server, "chat", "tiny-llama", "--temperature", "0", "--max-tokens", "6", stdin=script
+    )
+    d = server.settings.models_dir / "tiny-llama"
+    first = greedy(d, [{"role": "user", "content": "What does apple mean?"}], 6)
+    with_history = greedy(
+        d,
+        [
+            {"role": "user", "content": "What does apple mean?"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "And bread?"},
+        ],
+        6,
+    )
+    alone = greedy(d, [{"role": "user", "content": "And bread?"}], 6)
+    # after the header, each "> " prompt and its answer; /reset answers nothing, and the
+    # second "And bread?" is asked without the first exchange before it
+    transcript = out.stdout.split("\n", 1)[1]
+    assert transcript == f"> {first}\n> {with_history}\n> > {alone}\n> "
+
+
+def test_chat_with_an_unknown_model_fails_with_the_servers_message(server):
+    out = pstar(server, "chat", "no-such-model", "-p", "hi", ok=False)
+    assert "No model with id 'no-such-model'" in out.stdout
