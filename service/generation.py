@@ -176,6 +176,7 @@ class Generator:
         self.adapters: dict[str, Path] = {}  # loaded adapter key -> its directory
         self._unload: set[str] = set()  # adapters to drop once no row uses them
         self.eos = eos_ids(self.model, self.tokenizer)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.max_batch = max_batch
         self._mergeable = True  # KV caches of requests can be stacked (DynamicLayer only)

@@ -100,6 +100,18 @@ async def answer(gen: Generator, body: dict[str, Any], adapter: str | None):
         ids, field = list(body["prompt_ids"]), "prompt"
     else:
         ids, field = gen.encode(body.get("prompt", "")), "prompt"
+    vocab = gen.vocab_size
+    if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
+        yield {
+            "error": {
+                "status": 400,
+                "param": "prompt",
+                "code": "invalid_value",
+                "message": f"prompt: token id {bad} is not in the model's vocabulary "
+                f"(0 to {vocab - 1})",
+            }
+        }
+        return
     if not ids:  # an empty prompt: generation starts from the start of a text
         ids = [gen.tokenizer.bos_token_id or gen.tokenizer.eos_token_id or 0]
     err = context_error(len(ids), body.get("max_tokens"), gen.context, field)

@@ -199,6 +199,7 @@ async function renderJob(id) {
   }
   state.job = job;
   renderHead(job);
+  renderTry(job);
   $("#cancel").addEventListener("click", async () => {
     if (!confirm(`Cancel ${id}? The run stops; its checkpoints stay.`)) return;
     try { renderHead(await api(`/fine_tuning/jobs/${id}/cancel`, { method: "POST" })); } catch (e) { showError(e); }
@@ -263,6 +264,66 @@ function renderHead(job) {
     link.href = `${state.rayDashboard}/#/jobs/${job.ray_submission_id}`;
     link.hidden = false;
   }
+}
+
+// -- try it: the fine-tuned model and its base answer one prompt side by side -----------
+
+function renderTry(job) {
+  const form = $("#try");
+  if (!form || !job.fine_tuned_model || !form.hidden) return;
+  form.hidden = false;
+  $("#try-ft-name").textContent = `fine-tuned: ${job.fine_tuned_model}`;
+  $("#try-base-name").textContent = `base: ${job.model}`;
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const prompt = $("#try-prompt").value.trim();
+    if (!prompt) return;
+    $("#try-ask").disabled = true;
+    await Promise.all([ask(job.fine_tuned_model, prompt, $("#try-ft")), ask(job.model, prompt, $("#try-base"))]);
+    $("#try-ask").disabled = false;
+    showServing(job.fine_tuned_model);
+  });
+  showServing(job.fine_tuned_model);
+}
+
+// stream one greedy answer into `out` (server-sent chunks, as the OpenAI SDK reads them)
+async function ask(model, prompt, out) {
+  out.textContent = "";
+  out.classList.remove("error");
+  out.dataset.done = "";
+  try {
+    const r = await fetch(`${API}/chat/completions`, {
+      method: "POST",
+      headers: { Authorization: `Bearer ${state.token}`, "Content-Type": "application/json" },
+      body: JSON.stringify({ model, messages: [{ role: "user", content: prompt }], max_tokens: 128, temperature: 0, stream: true }),
+    });
+    if (!r.ok) {
+      let msg = r.statusText;
+      try { msg = (await r.json()).error.message; } catch (_) { /* not our envelope */ }
+      throw new Error(msg);
+    }
+    for await (const ev of sseEvents(r)) {
+      if (ev.data === "[DONE]") break;
+      const chunk = JSON.parse(ev.data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      for (const c of chunk.choices || []) if (c.delta && c.delta.content) out.textContent += c.delta.content;
+    }
+  } catch (e) {
+    out.textContent = e.message;
+    out.classList.add("error");
+  }
+  out.dataset.done = "1";
+}
+
+async function showServing(model) {
+  try {
+    const m = await api(`/models/${encodeURIComponent(model)}`);
+    const s = m.serving;
+    $("#try-where").textContent = s && s.loaded_in.length
+      ? `in memory: ${s.adapter ? "an adapter on" : "its own"} deployment ${s.deployment}, `
+        + s.loaded_in.map((r) => `replica ${r.replica} on ${r.node} (${r.device})`).join(", ")
+      : "not in memory now: the first answer starts its deployment (seconds)";
+  } catch (_) { /* the box works without it */ }
 }
 
 // what the job trains and how: the method (DPO's beta, LoRA's rank), the data's layout
@@ -524,6 +585,25 @@ function parseBlock(block) {
   return any ? ev : null;
 }
 
+// the server-sent events of a response, parsed, as they arrive (the job's event stream,
+// a chat completion's chunks)
+async function* sseEvents(r) {
+  const reader = r.body.getReader();
+  const dec = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += dec.decode(value, { stream: true });
+    let k;
+    while ((k = buf.indexOf("\n\n")) >= 0) {
+      const ev = parseBlock(buf.slice(0, k));
+      buf = buf.slice(k + 2);
+      if (ev) yield ev;
+    }
+  }
+}
+
 async function onEvent(id, type, event) {
   addEvent(event);
   if (type === "metrics") {
@@ -557,32 +637,19 @@ async function follow(id, after) {
       if (r.status === 401) { signOut("The API token was not accepted (401). Sign in again."); return; }
       if (!r.ok) throw new Error(`stream: ${r.status}`);
       state.streamState = "live";
-      const reader = r.body.getReader();
-      const dec = new TextDecoder();
-      let buf = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buf += dec.decode(value, { stream: true });
-        let k;
-        while ((k = buf.indexOf("\n\n")) >= 0) {
-          const block = buf.slice(0, k);
-          buf = buf.slice(k + 2);
-          const ev = parseBlock(block);
-          if (!ev) continue;
-          if (ev.event === "end") {
-            const job = JSON.parse(ev.data);
-            renderHead(job);
-            renderCheckpoints(await api(`/fine_tuning/jobs/${id}/checkpoints?limit=100`));
-            state.memory = await api(`/fine_tuning/jobs/${id}/memory`);
-            renderTrace(state.memory);
-            refreshCharts();
-            state.streamState = "ended";
-            return;
-          }
-          if (ev.id) last = ev.id;
-          await onEvent(id, ev.event, JSON.parse(ev.data));
+      for await (const ev of sseEvents(r)) {
+        if (ev.event === "end") {
+          const job = JSON.parse(ev.data);
+          renderHead(job);
+          renderCheckpoints(await api(`/fine_tuning/jobs/${id}/checkpoints?limit=100`));
+          state.memory = await api(`/fine_tuning/jobs/${id}/memory`);
+          renderTrace(state.memory);
+          refreshCharts();
+          state.streamState = "ended";
+          return;
         }
+        if (ev.id) last = ev.id;
+        await onEvent(id, ev.event, JSON.parse(ev.data));
       }
     } catch (e) {
       if (ctrl.signal.aborted || e instanceof AuthError) return;

@@ -108,6 +108,8 @@ def api(request, tmp_path_factory):
         url = f"sqlite:///{data_dir / 'store.db'}"
     else:
         url = fresh_database(request.getfixturevalue("pg_server"))
-    server, stop = start_api(data_dir, url, request.param, max_upload=64 * 1024)
+    server, stop = start_api(
+        data_dir, url, request.param, max_upload=64 * 1024, models_in_process=True
+    )
     yield server
     stop()

@@ -241,6 +241,44 @@ def test_two_renders_of_a_job_page_that_overlap_draw_each_chart_once(serve, jobs
     assert _charts_per_card(browser) == [1] * 7
 
 
+def test_try_it_box_asks_the_fine_tuned_model_and_its_base_side_by_side(serve, jobs, browser):
+    """The box streams both answers from /v1/chat/completions (Ray Serve deploys the two
+    models on this first request); each equals the API's own greedy answer."""
+    done, _ = jobs
+    job = serve.client().fine_tuning.jobs.retrieve(done)
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{done}")
+    _wait(browser, "return !document.querySelector('#try').hidden", "the try-it box")
+    ask = "What does apple mean?"
+    browser.find_element("css selector", "#try-prompt").send_keys(ask)
+    browser.find_element("css selector", "#try-ask").click()
+    _wait(
+        browser,
+        "return ['#try-ft', '#try-base'].every((s) => document.querySelector(s).dataset.done)",
+        "both answers",
+        240,
+    )
+    shown = browser.execute_script(
+        "return ['#try-ft', '#try-base'].map((s) => document.querySelector(s).textContent)"
+    )
+    for model, text in zip((job.fine_tuned_model, job.model), shown, strict=True):
+        want = serve.client().chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": ask}],
+            max_tokens=128,
+            temperature=0,
+        )
+        assert text == want.choices[0].message.content
+    assert not browser.find_elements("css selector", ".answer.error")
+    _wait(
+        browser,
+        "return document.querySelector('#try-where').textContent.startsWith('in memory')",
+        "where the model is loaded",
+        30,
+    )
+    _shot(browser, "job-try")
+
+
 def test_pause_and_resume_buttons_pause_the_running_job_and_resume_it(serve, jobs, browser):
     _, running = jobs
     c = serve.client()
