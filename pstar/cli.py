@@ -452,6 +452,35 @@ def bench_lora(
         _fail(str(e))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    concurrency: Annotated[str, typer.Option(help="comma-separated stream counts")] = "1,4,16",
+    max_tokens: Annotated[int, typer.Option(help="tokens each stream asks for")] = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds of every case")] = 3,
+    adapters: Annotated[int, typer.Option(help="LoRA adapters on the shared base")] = 8,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Serving: time to first token and tokens/s through the API and Ray Serve, for the
+    base, one LoRA adapter and N adapters on one base, against transformers' generate."""
+    from benchmarks.serve import run
+
+    if not (model_dir / "config.json").is_file():
+        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    try:
+        levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
+    except ValueError:
+        _fail(f"--concurrency must be comma-separated whole numbers, got {concurrency!r}")
+    if not levels or min(levels) < 1 or adapters < 1 or rounds < 1 or max_tokens < 1:
+        _fail("--concurrency, --adapters, --rounds and --max-tokens must be at least 1")
+    run(
+        model_dir, concurrency=levels, max_tokens=max_tokens, rounds=rounds,
+        adapters=adapters, json_out=json_out,
+    )  # fmt: skip
+
+
 @bench_app.command("packing")
 def bench_packing(
     model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(

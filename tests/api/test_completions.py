@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.models_made import full_model, greedy, lora_model
 from tests.api.conftest import start_api
-from tests.models_made import full_model, greedy, lora_model
 
 ASK = [{"role": "user", "content": "What does apple mean?"}]
 

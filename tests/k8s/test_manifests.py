@@ -189,6 +189,14 @@ def test_ray_address_points_at_the_head_service_kuberay_creates(overlay):
     assert 8265 in ports
     assert head["rayStartParams"]["num-cpus"] == "0"  # the head trains nothing
 
+    # the served models: the API reaches Ray Serve's proxy on the head through its Service
+    serve_port = int(config["PSTAR_SERVE_PORT"])
+    assert serve_port in ports
+    assert config["PSTAR_SERVE_URL"] == (
+        f"http://{cluster['metadata']['name']}-head-svc:{serve_port}"
+    )
+    assert config["PSTAR_SERVE_HOST"] == "0.0.0.0"
+
 
 def test_probes_and_services_use_ports_the_containers_declare(overlay):
     _, docs = overlay
@@ -295,6 +303,11 @@ def test_gpus_agree_with_the_default_job_resources(overlay):
         assert defaults["cpus_per_worker"] * min(defaults["num_workers"], per_pod) <= cpus
         assert g["template"]["spec"]["tolerations"]
         assert g["template"]["spec"]["nodeSelector"]
+        # a served model's replica asks for a GPU the group has
+        from service.settings import ServeSettings
+
+        serve = ServeSettings.from_env(config)
+        assert 0 < serve.replica_gpus <= per_pod
     else:
         assert defaults.get("use_gpu") is False
         assert all(gpus(g) == 0 for g in groups)

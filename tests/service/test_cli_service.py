@@ -130,7 +130,7 @@ def wait(pred, timeout: float = 20.0) -> None:
 
 
 def test_chat_with_p_prints_the_models_answer(server):
-    from tests.models_made import greedy
+    from benchmarks.models_made import greedy
 
     ask = "What does apple mean?"
     out = pstar(server, "chat", "tiny-llama", "-p", ask, "--temperature", "0", "--max-tokens", "8")
@@ -139,7 +139,7 @@ def test_chat_with_p_prints_the_models_answer(server):
 
 
 def test_chat_keeps_the_conversation_until_reset(server):
-    from tests.models_made import greedy
+    from benchmarks.models_made import greedy
 
     script = "What does apple mean?\nAnd bread?\n/reset\nAnd bread?\n/exit\n"
     out = pstar(

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.models_made import full_model, greedy, lora_model
+from benchmarks.models_made import full_model, greedy, lora_model
 from tests.served import start_serve, stop_serve, wait_for
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,8 @@
-"""Fine-tuned models made without training, for the serving tests: a succeeded job row
-whose export is a real PEFT adapter on the tiny Llama (random, non-zero LoRA weights, so
-it changes the answers) and the same adapter merged, plus a checkpoint whose adapter is a
-second one; or a full fine-tune (the base with perturbed weights)."""
+"""Fine-tuned models made without training, for the serving tests and `pstar bench serve`:
+a succeeded job row whose export is a real PEFT adapter on a base model (random, non-zero
+LoRA weights, so it changes the answers) and the same adapter merged, plus a checkpoint
+whose adapter is a second one; or a full fine-tune (the base with perturbed weights). The
+rows go straight into the service's store, as a driver's reports would have left them."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 import torch
 
 from service.registry import fine_tuned_name
-from service.store import Checkpoint, Store
+from service.store import Checkpoint, Job, Store
+from service.store.jobs import request_hash
 from service.store.models import new_id
-from tests.service.test_store import make_job
 
 
 @dataclass
@@ -43,23 +44,54 @@ def _adapter(base_dir: Path, out: Path, seed: int, scale: float = 0.5) -> None:
     return peft
 
 
+def _job(tenant: str, base: str, plan: dict, suffix: str) -> Job:
+    now = int(time.time())
+    body = {"model": base, "training_file": "file-none"}
+    job = Job(
+        id=new_id("ftjob"),
+        tenant=tenant,
+        model=base,
+        training_file="file-none",
+        seed=1,
+        request=body,
+        request_hash=request_hash(body),
+        plan=plan,
+        status="succeeded",
+        progress_step=0,
+        progress_total=0,
+        result_files=[],
+        attempt=1,
+        max_attempts=1,
+        cancel_requested=False,
+        created_at=now,
+        finished_at=now,
+    )
+    job.fine_tuned_model = fine_tuned_name(base, suffix, job.id)
+    return job
+
+
 def lora_model(
-    store: Store, data_dir: Path, base: str = "tiny-llama", tenant: str = "acme"
+    store: Store,
+    data_dir: Path,
+    base: str = "tiny-llama",
+    tenant: str = "acme",
+    seed: int = 1,
+    checkpoint: bool = True,
 ) -> Made:
     from transformers import AutoTokenizer
 
     base_dir = data_dir / "models" / base
-    job = make_job(tenant, status="succeeded", attempt=1)
-    job.plan = {"base_model": base, "method": {"type": "lora", "lora": {"rank": 4}}}
-    job.fine_tuned_model = fine_tuned_name(base, "lora", job.id)
-    job.finished_at = int(time.time())
+    plan = {"base_model": base, "method": {"type": "lora", "lora": {"rank": 4}}}
+    job = _job(tenant, base, plan, "lora")
     export = data_dir / "models" / ".ft" / job.id
-    peft = _adapter(base_dir, export / "adapter", seed=1)
+    peft = _adapter(base_dir, export / "adapter", seed=seed)
     peft.merge_and_unload().save_pretrained(export)
     AutoTokenizer.from_pretrained(base_dir).save_pretrained(export)
     store.jobs.create(job, "Created")
+    if not checkpoint:
+        return Made(job.id, job.fine_tuned_model, export)
     ck_dir = data_dir / "runs" / job.id / "checkpoint_000000"
-    _adapter(base_dir, ck_dir / "adapter", seed=2)
+    _adapter(base_dir, ck_dir / "adapter", seed=seed + 1000)
     with store.db.write() as s:  # as a driver's report would have recorded it
         s.add(
             Checkpoint(
@@ -81,10 +113,7 @@ def full_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_dir = data_dir / "models" / base
-    job = make_job(tenant, status="succeeded", attempt=1)
-    job.plan = {"base_model": base, "method": {"type": "supervised"}}
-    job.fine_tuned_model = fine_tuned_name(base, "full", job.id)
-    job.finished_at = int(time.time())
+    job = _job(tenant, base, {"base_model": base, "method": {"type": "supervised"}}, "full")
     export = data_dir / "models" / ".ft" / job.id
     torch.manual_seed(3)
     m = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
