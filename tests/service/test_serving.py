@@ -1,0 +1,232 @@
+"""Which deployment answers a model (`target_of`), what `Serving` asks Ray Serve for (a
+fake dashboard records the REST calls), training's priority over a new replica, the 503s
+that say why, the text a stream releases (stop strings held back until they cannot
+match), and deleted models' files kept while a job reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.models_made import full_model, lora_model
+from service.errors import Forbidden, InvalidRequest, NotFound, Unavailable
+from service.generation import _TextStream
+from service.serving import (
+    APP_PREFIX,
+    BUILDER,
+    Serving,
+    base_app,
+    delete_model,
+    delete_model_files,
+    target_of,
+)
+from service.settings import ServeSettings, Settings
+from service.store import Store
+from tests.service.test_store import add_job
+
+
+@pytest.fixture
+def env(tmp_path):
+    from tests.tiny import make_tiny_llama
+
+    settings = Settings(data_dir=tmp_path, db_url=f"sqlite:///{tmp_path / 's.db'}", tokens={})
+    settings.ensure_dirs()
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    store = Store(settings.db_url)
+    store.migrate()
+    yield settings, store
+    store.close()
+
+
+class FakeDashboard:
+    """Serve's REST API as the dashboard answers it: PUT replaces every application."""
+
+    def __init__(self, status: str = "RUNNING", message: str = "") -> None:
+        self.apps: dict[str, dict] = {}
+        self.puts: list[dict] = []
+        self.status, self.message = status, message
+
+    def __call__(self, method: str, path: str, body=None, timeout: float = 30):
+        if path == "/api/cluster_status":
+            usage = {"CPU": [2.0, 2.0], "memory": [0, 1]}
+            return {"data": {"clusterStatus": {"loadMetricsReport": {"usage": usage}}}}
+        if method == "GET":
+            return {"applications": self.apps}
+        self.puts.append(body)
+        self.apps = {
+            a["name"]: {"status": self.status, "message": self.message, "deployed_app_config": a}
+            for a in body["applications"]
+        }
+        return None
+
+
+def serving(settings, dash: FakeDashboard, waiting: int = 0, **cfg) -> Serving:
+    from dataclasses import replace
+
+    s = Serving(
+        replace(settings, serve=ServeSettings(**cfg)), lambda: "http://dash", lambda: waiting
+    )
+    s._http = dash  # type: ignore[method-assign]
+    return s
+
+
+def test_a_lora_model_and_its_checkpoint_are_adapters_on_their_bases_deployment(env):
+    settings, store = env
+    made = lora_model(store, settings.data_dir)
+    base = target_of(settings, store, "acme", "tiny-llama")
+    ft = target_of(settings, store, "acme", made.model)
+    ck = target_of(settings, store, "acme", made.checkpoint)
+    assert (
+        ft.app == ck.app == base.app == base_app(settings.models_dir / "tiny-llama", "tiny-llama")
+    )
+    assert base.adapter is None
+    assert ft.adapter == f"models/.ft/{made.job_id}/adapter"
+    assert ck.adapter == f"runs/{made.job_id}/checkpoint_000000/adapter"
+    with pytest.raises(NotFound):
+        target_of(settings, store, "rival", made.model)
+    with pytest.raises(NotFound):
+        target_of(settings, store, "acme", made.model.replace("ckpt", "x") + ":ckpt-step-99")
+
+
+def test_a_full_fine_tune_has_its_own_deployment_and_a_zoo_model_none(env):
+    settings, store = env
+    made = full_model(store, settings.data_dir)
+    t = target_of(settings, store, "acme", made.model)
+    assert t.app == f"{APP_PREFIX}ft-{made.job_id.lower()}"
+    assert t.model_dir == made.export
+    assert t.adapter is None
+    with pytest.raises(InvalidRequest, match="without weights"):
+        target_of(settings, store, "acme", "gpt-1b")
+
+
+def test_an_adapter_whose_base_was_deleted_serves_its_merged_export_alone(env):
+    settings, store = env
+    full = full_model(store, settings.data_dir)
+    on_full = lora_model(store, settings.data_dir)
+    with store.db.write() as s:  # its job fine-tuned the full fine-tune, not the base
+        from sqlalchemy import update
+
+        from service.store import Job
+
+        s.execute(update(Job).where(Job.id == on_full.job_id).values(model=full.model))
+    before = target_of(settings, store, "acme", on_full.model)
+    assert before.model_dir == full.export  # an adapter on the full fine-tune's deployment
+    assert before.adapter is not None
+    delete_model(settings, store, None, "acme", full.model)
+    t = target_of(settings, store, "acme", on_full.model)
+    assert t.adapter is None
+    assert t.model_dir == on_full.export
+
+
+def test_the_first_request_deploys_one_application_and_keeps_the_others(env):
+    settings, store = env
+    dash = FakeDashboard()
+    dash.apps = {"someone-else": {"status": "RUNNING", "deployed_app_config": {"name": "x"}}}
+    sv = serving(settings, dash, max_adapters=5, replica_gpus=0.5, idle_s=60)
+    t = target_of(settings, store, "acme", "tiny-llama")
+    assert sv.endpoint(t) == f"http://127.0.0.1:8001/{t.app}"
+    [put] = dash.puts
+    assert [a["name"] for a in put["applications"]] == ["x", t.app]  # the other one kept
+    app = put["applications"][1]
+    assert app["import_path"] == BUILDER
+    assert app["args"]["model_dir"] == str(t.model_dir)
+    assert app["args"]["max_adapters"] == 5
+    [dep] = app["deployments"]
+    assert dep["autoscaling_config"]["min_replicas"] == 0  # scales to zero when idle
+    assert dep["autoscaling_config"]["downscale_delay_s"] == 60
+    assert dep["ray_actor_options"] == {"num_cpus": 0.0, "num_gpus": 0.5}
+    sv.endpoint(t)
+    assert len(dash.puts) == 1  # running: not deployed again
+
+
+def test_training_waiting_for_resources_has_priority_over_a_new_replica(env):
+    settings, store = env
+    t = target_of(settings, store, "acme", "tiny-llama")
+    with pytest.raises(Unavailable, match="training has priority"):
+        serving(settings, FakeDashboard(), waiting=2, replica_gpus=1).endpoint(t)
+    # a replica that reserves nothing takes nothing training waits for
+    assert serving(settings, FakeDashboard(), waiting=2).endpoint(t)
+
+
+def test_a_deployment_that_fails_or_cannot_be_placed_is_a_503_saying_why(env):
+    settings, store = env
+    t = target_of(settings, store, "acme", "tiny-llama")
+    failed = FakeDashboard("DEPLOY_FAILED", "ImportError: no module named x")
+    with pytest.raises(Unavailable, match="no module named x"):
+        serving(settings, failed).endpoint(t)
+    stuck = FakeDashboard("DEPLOYING")
+    with pytest.raises(Unavailable) as e:
+        serving(settings, stuck, start_timeout_s=0.1, replica_cpus=4).endpoint(t)
+    assert "a replica asks for 4 CPU, 0 GPU; the cluster has CPU 2 of 2 in use" in str(e.value)
+
+
+def test_remove_takes_the_application_off_and_keeps_the_rest(env):
+    settings, _ = env
+    dash = FakeDashboard()
+    dash.apps = {n: {"deployed_app_config": {"name": n}} for n in ("a", "b")}
+    sv = serving(settings, dash)
+    assert sv.remove("a")
+    assert [x["name"] for x in dash.puts[-1]["applications"]] == ["b"]
+    assert not sv.remove("zzz")
+
+
+def test_deleting_refuses_base_checkpoint_and_other_tenants_models(env):
+    settings, store = env
+    made = lora_model(store, settings.data_dir)
+    with pytest.raises(Forbidden):
+        delete_model(settings, store, None, "acme", "tiny-llama")
+    with pytest.raises(Forbidden):
+        delete_model(settings, store, None, "acme", "gpt-1b")
+    with pytest.raises(InvalidRequest, match="checkpoint"):
+        delete_model(settings, store, None, "acme", made.checkpoint)
+    with pytest.raises(NotFound):
+        delete_model(settings, store, None, "rival", made.model)
+    assert made.export.is_dir()
+
+
+def test_deleted_models_files_stay_while_an_unfinished_job_fine_tunes_from_them(env):
+    settings, store = env
+    made = full_model(store, settings.data_dir)
+    job = add_job(store, body={"model": made.model, "training_file": "f"}, status="queued")
+    delete_model(settings, store, None, "acme", made.model)
+    assert made.export.is_dir()
+    assert delete_model_files(settings, store) == []
+    store.jobs.update(job.id, status="cancelled")
+    assert delete_model_files(settings, store) == [made.job_id]
+    assert not made.export.exists()
+
+
+class Letters:
+    """A tokenizer whose token i decodes to WORDS[i]."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = words
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(self.words[i] for i in ids)
+
+
+def test_text_is_held_back_while_it_could_still_become_a_stop_string():
+    s = _TextStream(Letters(["ab", "cE", "N", "D", "x"]), ("END",))
+    assert s.add(0) == ("ab", False)
+    assert s.add(1) == ("c", False)  # "E" could start "END"
+    assert s.add(2) == ("", False)  # "EN" too
+    assert s.add(3) == ("", True)  # "END": the text ends before it
+
+
+def test_held_back_text_is_released_when_it_turns_out_not_to_stop():
+    s = _TextStream(Letters(["ab", "E", "x", "\ufffd"]), ("END",))
+    s.add(0)
+    assert s.add(1) == ("", False)
+    assert s.add(2) == ("Ex", False)
+    assert s.add(3) == ("", False)  # a character still arriving
+    assert s.rest() == "\ufffd"
+
+
+def test_model_server_refuses_an_adapter_path_outside_the_data_dir(tmp_path: Path):
+    from service.model_server import confined
+
+    assert confined(tmp_path, "models/a") == (tmp_path / "models" / "a").resolve()
+    with pytest.raises(ValueError, match="outside"):
+        confined(tmp_path, "../etc")
