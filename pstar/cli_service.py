@@ -514,6 +514,8 @@ def summarize(c: Client, job: dict[str, Any], url: str, elapsed_s: float) -> Non
     if before is not None and after is not None:
         t.add_row("held-out loss", f"{before:.4f} -> {after:.4f}")
     t.add_row("fine-tuned model", job.get("fine_tuned_model") or "-")
+    if job.get("fine_tuned_model"):
+        t.add_row("talk to it", f"pstar chat '{job['fine_tuned_model']}' (with `pstar serve` up)")
     t.add_row("trained tokens", f"{job.get('trained_tokens') or 0:,}")
     if job.get("error"):
         t.add_row("error", job["error"]["message"])

@@ -206,6 +206,13 @@ class Reconciler:
                 log.info("removed %d partial upload(s) left by a crash", n)
         except OSError as e:
             log.warning("could not sweep partial uploads: %s", e)
+        from service.serving import delete_model_files
+
+        try:  # deleted models a job was still fine-tuning from, now that it has ended
+            if swept := delete_model_files(self.settings, self.store):
+                log.info("removed the files of %d deleted model(s)", len(swept))
+        except Exception as e:  # the store or the volume: the next sweep tries again
+            log.warning("could not remove deleted models' files: %s", e)
 
     # -- one job ------------------------------------------------------------------------
 
