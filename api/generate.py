@@ -28,10 +28,8 @@ from api.completion_schemas import (
     TextCompletion,
     Usage,
 )
-from service.errors import InvalidRequest, Unavailable
+from service.errors import InvalidRequest, NotAvailable, Unavailable
 from service.serving import Serving, Target
-
-MULTIPLEX_HEADER = "serve_multiplexed_model_id"
 
 
 class RayServeBackend:
@@ -50,9 +48,8 @@ class RayServeBackend:
 
     async def open(self, target: Target, payload: dict[str, Any]) -> AsyncIterator[dict]:
         url = await run_in_threadpool(self.serving.endpoint, target)
-        headers = {MULTIPLEX_HEADER: target.adapter} if target.adapter else {}
         client = self.client()
-        req = client.build_request("POST", url, json=payload, headers=headers)
+        req = client.build_request("POST", url, json={**payload, "adapter": target.adapter})
         try:
             resp = await client.send(req, stream=True)
         except httpx.TimeoutException:
@@ -91,7 +88,9 @@ def refusal(err: dict[str, Any]) -> Exception:
     status = err.get("status", 500)
     if status == 400:
         return InvalidRequest(err["message"], param=err.get("param"), code=err.get("code"))
-    if status in (404, 503):
+    if status == 404:  # the adapter's files went between the lookup and the load
+        return NotAvailable(err["message"], param="model", code="model_not_found")
+    if status == 503:
         return Unavailable(err["message"])
     return RuntimeError(err.get("message", "the model server failed"))
 

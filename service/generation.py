@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     emit: Callable[[Any], None]
-    adapter: str | None = None  # the key of a loaded adapter
+    adapter: str | None = None  # the adapter's key (its directory relative to the data dir)
+    adapter_path: Path | None = None  # where it is, to load it if it is not in memory
     cancelled: bool = False
     completion_tokens: int = 0
     open_choices: int = 0
@@ -161,6 +163,7 @@ class Generator:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         max_batch: int = 32,
+        max_adapters: int = 8,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,7 +176,9 @@ class Generator:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()
         self.peft: Any = None  # the model wrapped by peft once an adapter is loaded
-        self.adapters: dict[str, Path] = {}  # loaded adapter key -> its directory
+        # loaded adapter key -> its directory, least recently used first
+        self.adapters: OrderedDict[str, Path] = OrderedDict()
+        self.max_adapters = max_adapters
         self._unload: set[str] = set()  # adapters to drop once no row uses them
         self.eos = eos_ids(self.model, self.tokenizer)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -238,10 +243,19 @@ class Generator:
     # -- adapters ----------------------------------------------------------------------------
 
     def _load_adapter(self, key: str, path: Path) -> None:
+        """Load an adapter (the decode thread, between steps), the least recently used
+        one that no row decodes with out first when `max_adapters` are in memory."""
         self._unload.discard(key)
         if key in self.adapters:
+            self.adapters.move_to_end(key)
             return
         from peft import PeftModel
+
+        busy = {r.req.adapter for r in self._rows}
+        for old in [k for k in self.adapters if k not in busy]:
+            if len(self.adapters) < self.max_adapters:
+                break
+            self._drop_adapter(old)
 
         name = peft_name(key)
         if self.peft is None:
@@ -305,9 +319,13 @@ class Generator:
             block = False
             if req.cancelled:
                 continue
-            if req.adapter is not None and req.adapter not in self.adapters:
-                req.emit(RuntimeError(f"adapter {req.adapter} is not loaded"))
-                continue
+            if req.adapter is not None:
+                try:
+                    self._load_adapter(req.adapter, req.adapter_path or Path(req.adapter))
+                except Exception as e:  # its files are gone or not an adapter
+                    log.warning("adapter %s could not load: %s", req.adapter, e)
+                    req.emit(LookupError(f"adapter {req.adapter} could not load: {e}"))
+                    continue
             t0 = time.perf_counter()
             try:
                 self._prefill(req)
@@ -518,7 +536,13 @@ class Collected:
     error: str | None = None
 
 
-def complete(gen: Generator, prompt_ids: list[int], params: SamplingParams, adapter=None):
+def complete(
+    gen: Generator,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    adapter: str | None = None,
+    adapter_path: Path | None = None,
+) -> Collected:
     """Run one request to its end on `gen` and collect it (blocking)."""
     got = Collected()
     done = threading.Event()
@@ -536,6 +560,6 @@ def complete(gen: Generator, prompt_ids: list[int], params: SamplingParams, adap
             got.error = str(ev)
             done.set()
 
-    gen.submit(Request(prompt_ids, params, emit, adapter))
+    gen.submit(Request(prompt_ids, params, emit, adapter, adapter_path))
     done.wait()
     return got

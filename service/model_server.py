@@ -2,11 +2,13 @@
 LoRA adapters of its fine-tunes, or one full fine-tune): `build(args)` is the application
 builder `service.serving` names in the Serve config it deploys.
 
-A replica holds one `Generator`. Adapters load through Serve's model multiplexing: the
-request names its adapter in the `serve_multiplexed_model_id` header (its directory,
-relative to the data dir), Serve routes it to a replica that has that adapter loaded when
-one does, and each replica keeps at most `max_adapters` of them, least recently used out.
-An adapter leaves a replica's memory once no row still decodes with it.
+A replica holds one `Generator`. A request names its adapter (`adapter`: its directory,
+relative to the data dir); the generator loads it as the request joins the batch if it
+is not in memory, and keeps at most `max_adapters`, the least recently used one out once
+no row decodes with it. (Serve's model multiplexing would route each request to a replica
+holding its adapter, but its router backs off between matching attempts: under `pstar
+bench serve` it cost 4-streams runs of adapters 3x their tokens/s and seconds of time to
+first token on a single replica. Without it, several replicas each keep their own LRU.)
 
 The request is JSON (`prompt_ids` or `messages` or `prompt`, and the sampling fields) and
 the answer streams as JSON lines: first `{"prompt_tokens": n}` (or `{"error": ...}`, a
@@ -47,19 +49,6 @@ def confined(data_dir: Path, relative: str) -> Path:
     return p
 
 
-class _Adapter:
-    """What the multiplexer keeps per adapter: unloading it (LRU eviction) asks the
-    generator to drop the adapter once no row uses it."""
-
-    def __init__(self, gen: Generator, key: str) -> None:
-        self.gen, self.key, self.live = gen, key, True
-
-    def __del__(self) -> None:
-        if self.live:
-            self.live = False
-            self.gen.unload_adapter(self.key)
-
-
 def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> SamplingParams:
     """The request's sampling parameters; `max_tokens` defaults to what the context has left."""
     room = context - prompt_tokens
@@ -91,9 +80,15 @@ def context_error(prompt_tokens: int, max_tokens: int | None, context: int, fiel
     }
 
 
-async def answer(gen: Generator, body: dict[str, Any], adapter: str | None):
-    """The events of one request on `gen` (the module docstring's lines, as dicts); the
-    adapter must be loaded. Leaving early (a client gone) cancels the request's rows."""
+async def answer(
+    gen: Generator,
+    body: dict[str, Any],
+    adapter: str | None = None,
+    adapter_path: Path | None = None,
+):
+    """The events of one request on `gen` (the module docstring's lines, as dicts), with
+    the adapter at `adapter_path` (loaded as the request joins the batch, if it is not in
+    memory). Leaving early (a client gone) cancels the request's rows."""
     if "messages" in body:
         ids, field = gen.render(body["messages"]), "messages"
     elif "prompt_ids" in body:
@@ -125,7 +120,7 @@ async def answer(gen: Generator, body: dict[str, Any], adapter: str | None):
         loop.call_soon_threadsafe(events.put_nowait, ev)
 
     params = sampling(body, len(ids), gen.context)
-    req = Request(ids, params, emit, adapter)
+    req = Request(ids, params, emit, adapter, adapter_path)
     gen.submit(req)
     yield {"prompt_tokens": len(ids)}
     try:
@@ -143,7 +138,8 @@ async def answer(gen: Generator, body: dict[str, Any], adapter: str | None):
                 yield {"usage": usage}
                 return
             else:
-                yield {"error": {"status": 500, "message": str(ev)}}
+                status = 404 if isinstance(ev, LookupError) else 500
+                yield {"error": {"status": status, "message": str(ev)}}
                 return
     finally:
         req.cancelled = True  # a client gone mid-answer frees its rows
@@ -158,8 +154,6 @@ def build(args: dict[str, Any]):
     from ray import serve
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, StreamingResponse
-
-    max_adapters = int(args.get("max_adapters", 8))
 
     @serve.deployment(name="model")
     class ModelServer:
@@ -178,6 +172,7 @@ def build(args: dict[str, Any]):
                 dtype=default_dtype(device),
                 device=device,
                 max_batch=int(args.get("max_batch", 32)),
+                max_adapters=int(args.get("max_adapters", 8)),
             )
             ctx = serve.get_replica_context()
             self.replica = ctx.replica_tag if ctx else f"pid{os.getpid()}"
@@ -186,39 +181,17 @@ def build(args: dict[str, Any]):
             self.model_dir = args["model_dir"]
             self._beat = asyncio.get_event_loop().create_task(self._status_loop())
 
-        @serve.multiplexed(max_num_models_per_replica=max_adapters)
-        async def adapter(self, key: str) -> _Adapter:
-            path = confined(self.data_dir, key)
-            await asyncio.wrap_future(self.gen.load_adapter(key, path))
-            self._write_status()
-            return _Adapter(self.gen, key)
-
         async def __call__(self, request: HttpRequest):
             if request.method == "GET":
                 return JSONResponse(self._status())
             body = await request.json()
-            key = serve.get_multiplexed_model_id() or None
-            if key:
-                try:
-                    await self.adapter(key)
-                except Exception as e:
-                    return StreamingResponse(
-                        iter(
-                            [
-                                _line(
-                                    {
-                                        "error": {
-                                            "status": 404,
-                                            "code": "model_not_found",
-                                            "message": f"adapter not loadable: {e}",
-                                        }
-                                    }
-                                )
-                            ]
-                        ),
-                        media_type="application/x-ndjson",
-                    )
-            lines = (_line(ev) async for ev in answer(self.gen, body, key))
+            key = body.get("adapter") or None
+            try:
+                path = confined(self.data_dir, key) if key else None
+            except ValueError as e:
+                err = {"status": 400, "param": "model", "message": str(e)}
+                return StreamingResponse(iter([_line({"error": err})]))
+            lines = (_line(ev) async for ev in answer(self.gen, body, key, path))
             return StreamingResponse(lines, media_type="application/x-ndjson")
 
         def _status(self) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Every servable model maps to a `Target`: the Serve application that loads a mode
 directory, and for a LoRA fine-tune the adapter that application applies.
 - a base model: its own application (`pstar-<id>-<hash of its path>`);
 - a LoRA fine-tune, and each checkpoint of a LoRA job: the application of the model its
-  adapter applies to, with the adapter's directory (relative to the data dir) as Serve's
-  multiplexed model id, so many adapters share one copy of the base in memory;
+  adapter applies to, with the adapter's directory (relative to the data dir) in the
+  request, so many adapters share one copy of the base in memory;
 - a full fine-tune: an application of its own (`pstar-ft-<job id>`), as is a LoRA
   fine-tune whose base model has since been deleted (its merged export stands alone).
 

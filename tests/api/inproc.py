@@ -1,8 +1,8 @@
 """The API's generation backend with the models in this process, for API tests that need
-no Ray: each target's model directory in one `Generator`, its adapters loaded on first
-use, and the replicas' own `answer` turning a request into events. What it leaves out is
-Ray Serve itself (deploying, routing, multiplexing), which tests/service/test_serving_ray.py
-runs."""
+no Ray: each target's model directory in one `Generator` (its adapters load as their
+requests join the batch), and the replicas' own `answer` turning a request into events.
+What it leaves out is Ray Serve itself (deploying, routing, scaling), which
+tests/service/test_serving_ray.py runs."""
 
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ class InProcessBackend:
         gen = self.gens.get(target.model_dir)
         if gen is None:
             gen = self.gens[target.model_dir] = Generator(target.model_dir, max_batch=8)
-        if target.adapter:
-            gen.load_adapter(target.adapter, self.data_dir / target.adapter).result()
         self.opened.append(target)
-        return answer(gen, payload, target.adapter)
+        path = self.data_dir / target.adapter if target.adapter else None
+        return answer(gen, payload, target.adapter, path)
 
     async def aclose(self) -> None:
         for g in self.gens.values():

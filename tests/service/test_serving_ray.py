@@ -1,6 +1,6 @@
 """Models answering on Ray Serve, end to end: `pstar serve` with its local Ray head, the
 unmodified `openai` SDK. The first request deploys a model's application; a LoRA
-fine-tune and a checkpoint of it are adapters multiplexed on their base's one deployment;
+fine-tune and a checkpoint of it are adapters on their base's one deployment;
 a full fine-tune gets its own; answers equal `transformers`' greedy `generate`; `/v1/models`
 says what is loaded where; deleting models takes them out of the replicas and off Serve;
 an idle deployment scales to zero and the next request starts it again."""
