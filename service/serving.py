@@ -189,6 +189,7 @@ class Serving:
         self.training_waiting = training_waiting
         self._lock = threading.Lock()
         self._running: dict[str, float] = {}  # app -> when Serve last said it runs
+        self._cluster_gpus: float | None = None  # the cluster's GPUs, asked once
 
     # -- the Serve REST API ------------------------------------------------------------------
 
@@ -254,7 +255,7 @@ class Serving:
                         "upscale_delay_s": 5,
                         "downscale_delay_s": c.idle_s,
                     },
-                    "ray_actor_options": {"num_cpus": c.replica_cpus, "num_gpus": c.replica_gpus},
+                    "ray_actor_options": {"num_cpus": c.replica_cpus, "num_gpus": self.gpus()},
                 }
             ],
         }
@@ -265,7 +266,7 @@ class Serving:
         """The proxy URL that answers `target`, its application deployed and running."""
         if time.monotonic() - self._running.get(target.app, -1e9) < 5.0:
             return f"{self.cfg.proxy_url}/{target.app}"
-        reserves = self.cfg.replica_cpus > 0 or self.cfg.replica_gpus > 0
+        reserves = self.cfg.replica_cpus > 0 or self.gpus() > 0
         with self._lock:
             apps = self.applications()
             if target.app not in apps:
@@ -301,14 +302,30 @@ class Serving:
                 )
             time.sleep(0.5)
 
+    def gpus(self) -> float:
+        """The GPUs a replica reserves: as set, or (auto) one if the cluster has GPUs."""
+        if self.cfg.replica_gpus is not None:
+            return self.cfg.replica_gpus
+        if self._cluster_gpus is None:
+            usage = self._usage()  # the nodes that are up: an autoscaling GPU group at zero
+            if usage:  # nodes shows none (the gpu overlay sets PSTAR_SERVE_REPLICA_GPUS)
+                self._cluster_gpus = usage.get("GPU", [0, 0])[1]
+        return 1.0 if self._cluster_gpus else 0.0
+
+    def _usage(self) -> dict[str, list[float]]:
+        """Resources in use and in total, by name, from the dashboard's cluster status."""
+        try:
+            got = self._http("GET", "/api/cluster_status", timeout=5)
+            return got["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+        except (Unavailable, KeyError, TypeError):
+            return {}
+
     def placement(self) -> str:
         """What a replica asks of the cluster against what the cluster has in use, from the
         dashboard's cluster status (the reason a replica cannot be placed, most often)."""
-        ask = f"a replica asks for {self.cfg.replica_cpus:g} CPU, {self.cfg.replica_gpus:g} GPU"
-        try:
-            got = self._http("GET", "/api/cluster_status", timeout=5)
-            usage = got["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
-        except (Unavailable, KeyError, TypeError):
+        ask = f"a replica asks for {self.cfg.replica_cpus:g} CPU, {self.gpus():g} GPU"
+        usage = self._usage()
+        if not usage:
             return ask
         have = ", ".join(
             f"{k} {used:g} of {total:g} in use"

@@ -64,7 +64,7 @@ class Limits:
             if not raw:
                 continue
             try:
-                v = float(raw) if f.type in (float, "float") else int(raw)
+                v = float(raw) if "float" in str(f.type) else int(raw)
             except ValueError:
                 raise SettingsError(f"{var} must be a number, got {raw!r}") from None
             if v <= 0:
@@ -85,8 +85,8 @@ class ServeSettings:
 
     A replica reserves `replica_cpus` CPUs and `replica_gpus` GPUs of the cluster: on CPU
     the default 0 lets a replica share cores with training instead of holding CPUs a
-    training job waits for; a GPU cluster sets `replica_gpus` (a fraction packs several
-    models on one GPU)."""
+    training job waits for; `replica_gpus` "auto" (None) is 1 on a cluster that has GPUs
+    and 0 on one that has none (a fraction packs several models on one GPU)."""
 
     port: int = 8001  # Serve's HTTP proxy on the head (8000 is the API's own default)
     host: str = "127.0.0.1"  # where the proxy listens (0.0.0.0 in a cluster)
@@ -96,7 +96,7 @@ class ServeSettings:
     max_replicas: int = 1
     max_batch: int = 32  # rows one replica decodes together
     replica_cpus: float = 0.0
-    replica_gpus: float = 0.0
+    replica_gpus: float | None = None  # None: auto
     start_timeout_s: float = 180.0  # a model not answering by then is a 503
 
     @classmethod
@@ -110,8 +110,10 @@ class ServeSettings:
             if f.name in ("host", "url"):
                 values[f.name] = raw.rstrip("/")
                 continue
+            if f.name == "replica_gpus" and raw == "auto":
+                continue
             try:
-                v = float(raw) if f.type in (float, "float") else int(raw)
+                v = float(raw) if "float" in str(f.type) else int(raw)
             except ValueError:
                 raise SettingsError(f"{var} must be a number, got {raw!r}") from None
             if v < 0 or (v == 0 and f.name not in ("replica_cpus", "replica_gpus")):

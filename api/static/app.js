@@ -143,6 +143,20 @@ function renderSignin(message = "") {
   });
 }
 
+// the models in memory now: which deployment answers each, on which replicas
+async function renderServed() {
+  const models = await api("/models");
+  const body = $("#served tbody");
+  if (!body) return;
+  const served = models.data.filter((m) => m.serving);
+  body.replaceChildren(...served.map((m) => el("tr", {},
+    el("td", {}, m.id),
+    el("td", {}, m.serving.adapter ? `adapter on ${m.adapter_base}` : "own weights"),
+    el("td", {}, m.serving.deployment),
+    el("td", {}, m.serving.loaded_in.map((r) => `${r.replica} on ${r.node} (${r.device})`).join(", ")))));
+  $("#served-empty").hidden = served.length > 0;
+}
+
 async function renderList() {
   const view = state.view;
   mount("list");
@@ -161,6 +175,7 @@ async function renderList() {
         el("td", {}, age(j.created_at)));
     }));
     $("#jobs-empty").hidden = page.data.length > 0;
+    await renderServed();
   };
   await refresh().catch(showError);
   if (view !== state.view) return; // another page was opened meanwhile: no timer of ours

@@ -277,6 +277,18 @@ def test_try_it_box_asks_the_fine_tuned_model_and_its_base_side_by_side(serve, j
         30,
     )
     _shot(browser, "job-try")
+    # the list page says which models are in memory, and where
+    browser.get(f"{serve.url}/ui/#/")
+    _wait(
+        browser,
+        "return document.querySelectorAll('#served tbody tr').length >= 2",
+        "the models in memory",
+        30,
+    )
+    rows = [r.text for r in browser.find_elements("css selector", "#served tbody tr")]
+    assert any(r.startswith(job.fine_tuned_model) for r in rows)
+    assert any(r.startswith(f"{job.model} ") for r in rows)
+    _shot(browser, "served-models")
 
 
 def test_pause_and_resume_buttons_pause_the_running_job_and_resume_it(serve, jobs, browser):

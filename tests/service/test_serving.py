@@ -42,14 +42,16 @@ def env(tmp_path):
 class FakeDashboard:
     """Serve's REST API as the dashboard answers it: PUT replaces every application."""
 
-    def __init__(self, status: str = "RUNNING", message: str = "") -> None:
+    def __init__(self, status: str = "RUNNING", message: str = "", gpus: int = 0) -> None:
         self.apps: dict[str, dict] = {}
         self.puts: list[dict] = []
-        self.status, self.message = status, message
+        self.status, self.message, self.gpus = status, message, gpus
 
     def __call__(self, method: str, path: str, body=None, timeout: float = 30):
         if path == "/api/cluster_status":
             usage = {"CPU": [2.0, 2.0], "memory": [0, 1]}
+            if self.gpus:
+                usage["GPU"] = [0.0, float(self.gpus)]
             return {"data": {"clusterStatus": {"loadMetricsReport": {"usage": usage}}}}
         if method == "GET":
             return {"applications": self.apps}
@@ -138,6 +140,16 @@ def test_the_first_request_deploys_one_application_and_keeps_the_others(env):
     assert dep["ray_actor_options"] == {"num_cpus": 0.0, "num_gpus": 0.5}
     sv.endpoint(t)
     assert len(dash.puts) == 1  # running: not deployed again
+
+
+def test_a_replica_takes_a_gpu_when_the_cluster_has_one_unless_set(env):
+    settings, store = env
+    t = target_of(settings, store, "acme", "tiny-llama")
+    for gpus, setting, want in [(8, None, 1.0), (0, None, 0.0), (8, 0.25, 0.25)]:
+        dash = FakeDashboard(gpus=gpus)
+        serving(settings, dash, replica_gpus=setting).endpoint(t)
+        [dep] = dash.puts[-1]["applications"][-1]["deployments"]
+        assert dep["ray_actor_options"]["num_gpus"] == want
 
 
 def test_training_waiting_for_resources_has_priority_over_a_new_replica(env):
@@ -230,3 +242,34 @@ def test_model_server_refuses_an_adapter_path_outside_the_data_dir(tmp_path: Pat
     assert confined(tmp_path, "models/a") == (tmp_path / "models" / "a").resolve()
     with pytest.raises(ValueError, match="outside"):
         confined(tmp_path, "../etc")
+
+
+def test_a_replica_keeps_its_most_recently_used_adapters_and_never_drops_a_busy_one(tmp_path):
+    """max_adapters=2: a third adapter pushes out the least recently used one that no row
+    decodes with; the answers stay each adapter's own."""
+    from benchmarks.models_made import _adapter
+    from service.generation import Generator, SamplingParams, complete
+    from tests.tiny import make_tiny_llama
+
+    base = make_tiny_llama(tmp_path / "base")
+    paths = {k: tmp_path / k for k in ("a", "b", "c")}
+    for i, p in enumerate(paths.values()):
+        _adapter(base, p, seed=i + 1)
+    gen = Generator(base, max_adapters=2)
+    try:
+        ids = gen.render([{"role": "user", "content": "What does apple mean?"}])
+        greedy = SamplingParams(max_tokens=6, temperature=0)
+
+        def ask(k):
+            return complete(gen, ids, greedy, k, paths[k]).tokens[0]
+
+        first = {k: ask(k) for k in ("a", "b")}
+        assert list(gen.adapters) == ["a", "b"]
+        ask("a")  # now "b" is the least recently used
+        ask("c")
+        assert list(gen.adapters) == ["a", "c"]
+        assert ask("b") == first["b"]  # loaded again, the same answers
+        assert list(gen.adapters) == ["c", "b"]
+        assert len(set(first.values()) | {ask("c")}) == 3  # three different adapters
+    finally:
+        gen.close()

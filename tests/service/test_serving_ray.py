@@ -143,3 +143,26 @@ def test_idle_deployment_scales_to_zero_and_starts_again(serve):
     )
     assert replicas() == 1
     assert time.monotonic() - t0 < 120
+
+
+def test_prompts_and_answers_are_never_logged(serve):
+    """Neither the control plane's log nor any log of the Ray session (the proxy's and the
+    replica's access logs among them) holds a prompt or an answer."""
+    import json
+    from pathlib import Path
+
+    secret = "zebraquux7731"
+    got = serve.client().chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": f"Repeat {secret} please"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    answer = got.choices[0].message.content
+    temp = Path(json.loads((serve.data_dir / "ray" / "head.json").read_text())["temp_dir"])
+    logs = [serve.log, *(p for p in temp.rglob("*") if p.suffix in (".log", ".out", ".err"))]
+    assert len(logs) > 5  # the session's logs were found
+    for p in logs:
+        text = p.read_text(errors="replace")
+        assert secret not in text, p
+        assert len(answer) < 12 or answer not in text, p
