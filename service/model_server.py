@@ -16,8 +16,8 @@ request the model cannot take, such as one past its context), then
 `{"i": choice, "text": piece}`, `{"i": choice, "finish": reason}`, and last
 `{"usage": {...}}`. A client that goes away cancels its rows at the next step.
 
-Each replica writes what it holds to `<data>/serving/<app>/<replica>.json` every few
-seconds (the control plane's `/v1/models` and dashboard read them): the adapters it has
+Each replica writes what it holds to `<data>/serving/<app>/<replica>.json` every
+second (the control plane's `/v1/models` and dashboard read them): the adapters it has
 loaded, its rows in flight, its decode steps; and drops adapters whose directory is gone
 (a deleted model) on the same beat.
 """
@@ -38,7 +38,7 @@ from service.generation import Done, Finish, Generator, Request, SamplingParams,
 
 log = logging.getLogger(__name__)
 
-STATUS_EVERY_S = 3.0
+STATUS_EVERY_S = 1.0  # a small file: /v1/models is at most this much behind
 
 
 def confined(data_dir: Path, relative: str) -> Path:

@@ -247,9 +247,10 @@ class Serving:
                 {
                     "name": "model",
                     "max_ongoing_requests": 2 * c.max_batch,
-                    # a replica goes only when idle (or its model is deleted): no answer to
-                    # wait out for Serve's default 20 s
-                    "graceful_shutdown_timeout_s": 5,
+                    # a replica going (scaled down, its model deleted) finishes the answers
+                    # it has begun first, the longest takes minutes on a CPU; an idle one
+                    # goes at once
+                    "graceful_shutdown_timeout_s": 300,
                     "autoscaling_config": {
                         "min_replicas": 0,
                         "initial_replicas": 1,
@@ -258,8 +259,9 @@ class Serving:
                         "upscale_delay_s": 5,
                         "downscale_delay_s": c.idle_s,
                         # Serve averages load over this window before it may scale down: its
-                        # default 30 s would add most of a short idle period again
-                        "look_back_period_s": min(30.0, max(2.0, c.idle_s / 2)),
+                        # default 30 s would add most of a short idle period again, and one
+                        # shorter than the replicas' 10 s metrics push sees no load at all
+                        "look_back_period_s": max(11.0, min(30.0, c.idle_s / 2)),
                     },
                     "ray_actor_options": {"num_cpus": c.replica_cpus, "num_gpus": self.gpus()},
                 }

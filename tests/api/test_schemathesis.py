@@ -253,6 +253,13 @@ def test_schemathesis_coverage_phase_finds_nothing(api, objects, tmp_path):
         "checks.positive_data_acceptance.enabled = false\n"
         for m, p in (label.split(" ", 1) for label in sorted(SEMANTIC_400))
     )
+    # its config names path and query values, not body fields: every case of a completion
+    # would name a model that does not exist (a 404); those two are fuzzed above instead,
+    # with bodies aimed at the served model
+    skipped = "".join(
+        f'\n[[operations]]\ninclude-path = "{p}"\nenabled = false\n'
+        for p in ("/v1/chat/completions", "/v1/completions")
+    )
     config = tmp_path / "schemathesis.toml"
     config.write_text(
         f'headers = {{ Authorization = "Bearer {TOKENS["acme"]}" }}\n'
@@ -261,7 +268,7 @@ def test_schemathesis_coverage_phase_finds_nothing(api, objects, tmp_path):
         f'"path.file_id" = "{objects.file}"\n'
         f'"path.fine_tuning_job_id" = "{objects.cancelled_job}"\n'
         f'"path.checkpoint_id" = "{objects.checkpoint}"\n'
-        'model = "gpt-tiny"\n' + checks_off
+        'model = "gpt-tiny"\n' + checks_off + skipped
     )
     cli = Path(sys.executable).with_name("schemathesis")
     run = subprocess.run(
@@ -277,4 +284,4 @@ def test_schemathesis_coverage_phase_finds_nothing(api, objects, tmp_path):
     )
     assert run.returncode == 0, run.stdout[-20_000:] + run.stderr[-5_000:]
     assert "Coverage" in run.stdout
-    assert "Missing test data" not in run.stdout  # the pinned ids were used
+    assert "Missing test data" not in run.stdout, run.stdout[-6000:]  # the pinned ids were used

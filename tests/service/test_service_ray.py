@@ -306,7 +306,7 @@ def test_a_job_that_cannot_get_its_resources_stays_queued(serve, files):
     wait_for(
         lambda: c.fine_tuning.jobs.retrieve(job.id).model_extra["attempt"] == 1, 60, "submission"
     )
-    time.sleep(20)
+    time.sleep(10)  # a placeable group starts training within ~5 s here
     got = c.fine_tuning.jobs.retrieve(job.id)
     assert got.status == "queued"
     assert metric_steps(serve, job.id) == []
@@ -655,7 +655,7 @@ def test_a_lost_node_costs_its_worker_and_the_job_resumes_from_its_checkpoint_on
 
 def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):
     c = serve.client()
-    job = create(serve, files, steps=300)
+    job = create(serve, files, steps=150)
     wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
     head = serve.head_pid()
     serve.terminate()  # SIGTERM: the API stops, then the local head and its jobs
@@ -674,5 +674,5 @@ def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve
     msgs = [e.message for e in events(c, job.id) if e.type == "message"]
     resumed = [m for m in msgs if m.startswith("Attempt 2 resumed from the checkpoint at step")]
     assert resumed, msgs
-    assert 10 <= int(resumed[0].rsplit(" ", 1)[1]) < 300
-    assert metric_steps(serve, job.id) == list(range(0, 301))
+    assert 10 <= int(resumed[0].rsplit(" ", 1)[1]) < 150
+    assert metric_steps(serve, job.id) == list(range(0, 151))
