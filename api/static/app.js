@@ -304,7 +304,7 @@ function renderTry(job) {
 // stream one greedy answer into `out` (server-sent chunks, as the OpenAI SDK reads them)
 async function ask(model, prompt, out) {
   out.textContent = "";
-  out.classList.remove("error");
+  out.classList.remove("error", "empty");
   out.dataset.done = "";
   try {
     const r = await fetch(`${API}/chat/completions`, {
@@ -327,6 +327,7 @@ async function ask(model, prompt, out) {
     out.textContent = e.message;
     out.classList.add("error");
   }
+  if (!out.textContent) out.classList.add("empty");
   out.dataset.done = "1";
 }
 
