@@ -42,16 +42,19 @@ ZOO: dict[str, GPTConfig] = {
     "gpt-100m": GPTConfig(
         hidden_size=768, num_layers=9, num_heads=12, vocab_size=50257, seq_len=1024
     ),
-    # --- the paper's family (layers, hidden) as published
+    # --- the paper's family (layers, hidden). The paper's table swaps the layer counts of
+    # two rows: at hidden 4096 it gives 10B/12B 78/90 layers (15.9B/18.3B parameters) and
+    # 15B/18B 50/60 layers (10.3B/12.3B). Here each name has the layers that make its size;
+    # every plan and check is keyed by the parameter count, not by the name.
     "gpt-1b": _paper(20, 2048),
     "gpt-2b": _paper(40, 2048),
     "gpt-4b": _paper(64, 2304),
     "gpt-6b": _paper(53, 3072),
     "gpt-8b": _paper(72, 3072),
-    "gpt-10b": _paper(78, 4096),
-    "gpt-12b": _paper(90, 4096),
-    "gpt-15b": _paper(50, 4096),
-    "gpt-18b": _paper(60, 4096),
+    "gpt-10b": _paper(50, 4096),
+    "gpt-12b": _paper(60, 4096),
+    "gpt-15b": _paper(78, 4096),
+    "gpt-18b": _paper(90, 4096),
     "gpt-20b": _paper(25, 8192),
     "gpt-30b": _paper(37, 8192),
     "gpt-40b": _paper(50, 8192),
