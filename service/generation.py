@@ -399,22 +399,10 @@ class Generator:
 
         self._mergeable = bool(layers) and all(type(x) is DynamicLayer for x in layers)
         if not self._rows:
-            self._rows, self._cache, self._mask, self._last, self._pos = (
-                rows,
-                cache,
-                mask.clone(),
-                last,
-                pos,
-            )
+            self._rows, self._cache, self._last, self._pos = rows, cache, last, pos
+            self._mask = mask.clone()
             return
-        old, new = self._mask.shape[1], mask.shape[1]
-        width = max(old, new)
-        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat(
-                [_left_pad(mine.values, width), _left_pad(theirs.values, width)]
-            )
-        self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(mask, width)])
+        self._mask = stack_under(self._cache, self._mask, cache, mask)
         self._rows = self._rows + rows
         self._last = torch.cat([self._last, last])
         self._pos = torch.cat([self._pos, pos])
@@ -480,22 +468,20 @@ class Generator:
     def _keep(self, idx: list[int]) -> None:
         """Keep only the rows at `idx`; cut cache columns that every kept row pads."""
         if not idx:
-            self._rows, self._cache, self._mask, self._last, self._pos = [], None, None, None, None
+            self._clear()
         else:
             at = torch.tensor(idx, device=self.device)
             self._cache.batch_select_indices(at)
             self._rows = [self._rows[i] for i in idx]
             self._mask, self._last, self._pos = self._mask[at], self._last[at], self._pos[at]
-            pad = int((self._mask.cumsum(1) == 0).all(0).sum())
-            if pad:
-                for layer in self._cache.layers:
-                    layer.keys = layer.keys[:, :, pad:]
-                    layer.values = layer.values[:, :, pad:]
-                self._mask = self._mask[:, pad:]
+            self._mask = cut_common_padding(self._cache, self._mask)
         for key in list(self._unload):
             if not any(r.req.adapter == key for r in self._rows):
                 self._unload.discard(key)
                 self._drop_adapter(key)
+
+    def _clear(self) -> None:
+        self._rows, self._cache, self._mask, self._last, self._pos = [], None, None, None, None
 
     def _fail_all(self, message: str) -> None:
         seen = set()
@@ -503,7 +489,28 @@ class Generator:
             if id(r.req) not in seen:
                 seen.add(id(r.req))
                 r.req.emit(RuntimeError(message))
-        self._rows, self._cache, self._mask, self._last, self._pos = [], None, None, None, None
+        self._clear()
+
+
+def stack_under(cache: Any, mask: torch.Tensor, more: Any, more_mask: torch.Tensor):
+    """Stack the rows of `more` (a DynamicCache and its [rows, length] mask) under those of
+    `cache`, in place, the shorter side padded on the left; the stacked mask."""
+    width = max(mask.shape[1], more_mask.shape[1])
+    for mine, theirs in zip(cache.layers, more.layers, strict=True):
+        mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+        mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+    return torch.cat([_left_pad(mask, width), _left_pad(more_mask, width)])
+
+
+def cut_common_padding(cache: Any, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the leading cache columns that every row pads (rows that needed them left);
+    the mask without them."""
+    pad = int((mask.cumsum(1) == 0).all(0).sum())
+    if pad:
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, pad:]
+            layer.values = layer.values[:, :, pad:]
+    return mask[:, pad:]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
