@@ -104,15 +104,40 @@ def train(
 
 @app.command()
 def plan(
-    model: Annotated[str, typer.Argument(help="a zoo name, or a HF config.json / model dir")],
+    model: Annotated[
+        str | None, typer.Argument(help="a zoo name, or a HF config.json / model dir")
+    ] = None,
     dtype: Annotated[
         str, typer.Option(help="auto (what this machine computes fast), fp32, bf16 or fp16")
     ] = "auto",
     chunk_size: Annotated[str, typer.Option(help="elements per chunk, or auto")] = "auto",
     nproc: Annotated[int, typer.Option(help="ZeRO ranks the chunks are sharded over")] = 1,
+    gpus: Annotated[
+        int | None, typer.Option(help="capacity plan: GPUs of one node (one rank each)")
+    ] = None,
+    gpu_memory: Annotated[float, typer.Option(help="GiB of each GPU")] = 40.0,
+    host_memory: Annotated[float, typer.Option(help="GiB of the node's host memory")] = 256.0,
+    disk: Annotated[float, typer.Option(help="GiB of the node's spill disk")] = 0.0,
+    batch: Annotated[int, typer.Option(help="sequences per GPU per step")] = 8,
+    seq: Annotated[int | None, typer.Option(help="tokens per sequence (default: model's)")] = None,
+    activation_checkpointing: Annotated[
+        bool, typer.Option(help="recompute blocks in backward (as the paper's runs)")
+    ] = True,
+    largest: Annotated[
+        bool, typer.Option("--largest", help="the largest of the paper's GPT family that fits")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
-    """Chunk plan of a model, computed on the meta device (no memory is allocated)."""
+    """Chunk plan of a model, computed on the meta device (no memory is allocated); with
+    --gpus (or --largest), the capacity plan for a node that need not be this one."""
+    if gpus is not None or largest:
+        _plan_capacity(
+            model, gpus or 1, gpu_memory, host_memory, disk, batch, seq,
+            activation_checkpointing, largest, json_out,
+        )  # fmt: skip
+        return
+    if model is None:
+        _fail("name a model (a zoo name, or a HF config.json / model dir), or give --largest")
     from service.planning import plan_model
 
     try:
@@ -151,6 +176,67 @@ def plan(
     )
     if json_out:
         print(json.dumps(result))
+
+
+def _plan_capacity(
+    model: str | None,
+    gpus: int,
+    gpu_memory: float,
+    host_memory: float,
+    disk: float,
+    batch: int,
+    seq: int | None,
+    checkpointing: bool,
+    find_largest: bool,
+    json_out: bool,
+) -> None:
+    from pstar_core import capacity as cap
+
+    if gpus < 1 or gpu_memory <= 0 or host_memory <= 0 or disk < 0 or batch < 1:
+        _fail("--gpus and --batch must be at least 1, the memories positive and --disk >= 0")
+    hw = cap.Hardware(gpus, int(gpu_memory * cap.GiB), int(host_memory * cap.GiB),
+                      int(disk * cap.GiB))  # fmt: skip
+    work = cap.Workload(batch=batch, seq=seq, activation_checkpointing=checkpointing)
+    node = f"{gpus} x {gpu_memory:g} GiB GPU, {host_memory:g} GiB host, {disk:g} GiB disk"
+    if find_largest:
+        result = cap.largest(hw, work)
+        console.print(
+            f"largest that fits {node}: [bold]{result['largest_model']}[/bold] "
+            f"({result['params'] / 1e9:.2f}B parameters)"
+        )
+        if result["next_model"]:
+            console.print(f"{result['next_model']} does not: {result['next_why']}")
+        if json_out:
+            print(json.dumps(result))
+        return
+    if model is None:
+        _fail("name a zoo model, or give --largest")
+    try:
+        p = cap.plan_capacity(model, hw, work)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    table = Table(title=f"{model} ({p.params / 1e9:.2f}B) on {node}: one rank at start")
+    for col in ("list", "GiB", "host", "device", "disk", "over"):
+        table.add_column(col, justify="right" if col != "list" else "left")
+    for name, row in p.at_start.items():
+        table.add_row(
+            name,
+            f"{p.lists[name] / cap.GiB:.2f}",
+            *(f"{row.get(t, 0) / cap.GiB:.2f}" for t in ("host", "device", "disk", "over")),
+        )
+    console.print(table)
+    console.print(
+        f"chunk {p.chunk_size:,} elements ({p.utilization:.1%} used); non-model peak "
+        f"{p.non_model_peak_bytes / cap.GiB:.2f} GiB (analytic activation model); GPU margin "
+        f"{p.gpu_margin_bytes / cap.GiB:.2f} GiB holds {p.os_chunks_on_gpu} of "
+        f"{p.os_chunks} optimizer-state chunks; per iteration "
+        f"{p.host_device_bytes_per_iter / cap.GiB:.1f} GiB host<->GPU, "
+        f"{p.collective_bytes_per_iter / cap.GiB:.1f} GiB in collectives"
+    )
+    verdict = "[green]fits[/green]" if p.fits else f"[red]does not fit[/red]: {p.why}"
+    console.print(f"{verdict} (the paper's rule: {'fits' if p.fits_paper_rule else 'does not'})")
+    if json_out:
+        print(json.dumps(p.to_json()))
 
 
 @app.command()
