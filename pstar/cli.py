@@ -178,6 +178,20 @@ def plan(
         print(json.dumps(result))
 
 
+@app.command("calibrate-activations")
+def calibrate_activations() -> None:
+    """Measure the tracer's non-model peak of zoo GPT steps on this machine and rewrite the
+    capacity planner's calibration data (pstar_core/data/activation_calibration.json)."""
+    from pstar_core.capacity import calibrate
+
+    err = calibrate()
+    console.print(
+        f"activation model vs {err['points']} measured steps: median error "
+        f"{err['median']:.1%}, largest {err['max']:.1%}"
+    )
+    print(json.dumps(err))
+
+
 def _plan_capacity(
     model: str | None,
     gpus: int,

@@ -7,7 +7,8 @@ Per rank (one GPU, its ZeRO share of the chunks, 1/N of the host and disk):
 - model data per chunk list (param fp16, param fp32, momentum, variance), as `make_plan`
   lays it out with chunk ZeRO over N ranks;
 - the non-model peak of one iteration, from an activation model of a GPT block
-  (`activation_peak_bytes`; analytic so far, see its docstring);
+  calibrated on the engine's tracer (`activation_peak_bytes`; the measurements ship in
+  `data/activation_calibration.json`, `calibration_error` states the fit);
 - placement at start as `initialize` does it: host first, then the device up to its
   warm-up share (param lists only), then disk;
 - whether it fits, and which tier overflows by how much. Two rules are reported:
@@ -26,8 +27,10 @@ Per rank (one GPU, its ZeRO share of the chunks, 1/N of the host and disk):
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from pstar_core.mapping import BYTES_PARAM, make_plan
@@ -65,16 +68,67 @@ def activation_peak_bytes(
 ) -> int:
     """The peak non-model bytes of one training iteration of a GPT of this shape.
 
-    A block keeps ~34·b·s·h + 5·b·a·s² bytes of activations in 16 bits for its backward
+    Activations: a block keeps ~34·b·s·h + 5·b·a·s² bytes in 16 bits for its backward
     (Korthikanti et al., 2022, without sequence parallelism); with activation checkpointing
-    only each block's input (2·b·s·h bytes) is kept and one block at a time is recomputed.
-    The logits and their gradient add b·s·V in 16 bits plus fp32 for the loss. Analytic:
-    not yet calibrated on the engine's tracer (issue 23, item 1)."""
+    only each block's input (2·b·s·h bytes) is kept and one block at a time is recomputed;
+    the logits and their gradient add b·s·V in 16 bits plus fp32 for the loss. The
+    embedding (tied to the output layer) adds one V·h gradient buffer on top of them, and
+    sets a floor of three V·h buffers when the activations are small: calibrated on the
+    engine's tracer (`CALIBRATION`, `calibration_error`)."""
     block = 34 * batch * seq * hidden + 5 * batch * heads * seq * seq
     block = block * act_bytes // 2
     kept = layers * batch * seq * hidden * act_bytes + block if checkpointing else layers * block
     logits = batch * seq * vocab * (act_bytes + 4)
-    return int(kept + logits)
+    embedding = vocab * hidden * act_bytes
+    return int(max(3 * embedding, kept + logits + embedding))
+
+
+CALIBRATION = Path(__file__).with_name("data") / "activation_calibration.json"
+
+
+def calibration_error(min_params: int = 1_000_000) -> dict[str, float]:
+    """How far `activation_peak_bytes` is from the shipped tracer measurements: the largest
+    and the median of |predicted / measured - 1|, over the models of at least `min_params`
+    parameters (the tiny presets' peaks are dominated by what no formula of the shape
+    sees)."""
+    from statistics import median
+
+    from pstar_core.models import get_config, num_params
+
+    errors = []
+    for r in json.loads(CALIBRATION.read_text())["rows"]:
+        cfg = get_config(r["model"])
+        if num_params(cfg) < min_params:
+            continue
+        got = activation_peak_bytes(
+            cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.vocab_size, r["batch"],
+            r["seq"], r["ckpt"], 4,
+        )  # fmt: skip
+        errors.append(abs(got / r["measured"] - 1))
+    return {"max": max(errors), "median": median(errors), "points": len(errors)}
+
+
+def measure_peak(model: str, batch: int, seq: int, checkpointing: bool) -> int:
+    """The tracer's peak non-model bytes of one fp32 step of a zoo GPT on this engine."""
+    import torch
+
+    import pstar_core
+    from pstar_core.models import GPT, get_config
+
+    cfg = get_config(model)
+
+    def build():
+        m = GPT(cfg)
+        if checkpointing:
+            m.gradient_checkpointing_enable()
+        return m
+
+    config = {"dtype": "fp32", "chunk_size": "auto", "optimizer": {"lr": 1e-4}}
+    engine = pstar_core.initialize(build, config)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    return int(engine.stats()["tracer"]["peak_non_model_bytes"])
 
 
 @dataclass
@@ -263,3 +317,33 @@ def largest(hw: Hardware, work: Workload = Workload(), rule: str = "engine") -> 
         "next_why": nxt.why if nxt else None,
         "plan": best.to_json() if best else None,
     }
+
+
+GRID = [  # (model, checkpointing, batch, seq) of the shipped calibration
+    (m, c, b, s)
+    for m, seqs in (("gpt-tiny", (32, 64)), ("gpt-small", (32, 128)), ("gpt-45m", (32, 128)))
+    for c in (False, True)
+    for b in (2, 8)
+    for s in seqs
+]
+
+
+def calibrate() -> dict[str, float]:
+    """Measure every point of `GRID` on this machine, rewrite `CALIBRATION`, and return
+    the fit's error on the new data (`pstar calibrate-activations`)."""
+    import platform
+
+    import torch
+
+    rows = []
+    for model, ckpt, batch, seq in GRID:
+        peak = measure_peak(model, batch, seq, ckpt)
+        rows.append({"model": model, "ckpt": ckpt, "batch": batch, "seq": seq, "measured": peak})
+    doc = json.loads(CALIBRATION.read_text())
+    doc["measured_on"] = (
+        f"{platform.machine()}, torch {torch.__version__}, "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
+    doc["rows"] = rows
+    CALIBRATION.write_text(json.dumps(doc, indent=1) + "\n")
+    return calibration_error()
