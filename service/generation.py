@@ -220,9 +220,6 @@ class Generator:
         self._calls.put((fn, fut))
         return fut
 
-    def load_adapter(self, key: str, path: Path) -> Future:
-        return self.call(lambda: self._load_adapter(key, Path(path)))
-
     def unload_adapter(self, key: str) -> Future:
         return self.call(lambda: self._drop_adapter(key))
 

@@ -40,5 +40,8 @@ async def plain_text_url(request: Request, _tenant: Tenant) -> None:
             raise InvalidRequest(f"{param}: {why}", param=param, code="invalid_value")
 
 
+# a server-sent event stream: no caching, and no buffering by a proxy in front of us
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 # every /v1 router checks these before its routes run
 V1_DEPENDENCIES = [Depends(plain_text_url)]

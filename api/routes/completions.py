@@ -13,37 +13,27 @@ from starlette.concurrency import run_in_threadpool
 from api.completion_schemas import ChatCompletion, ChatRequest, CompletionRequest, Sampling
 from api.errors import responses
 from api.generate import chat_completion, collect, refusal, stream_chunks, text_completion
-from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
+from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Tenant, ctx, respond
 from service.errors import InvalidRequest
 from service.serving import target_of
 from service.settings import Limits
 
 router = APIRouter(tags=["completions"], responses=responses(401), dependencies=V1_DEPENDENCIES)
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# both routes answer JSON, or with `stream` the chunks as server-sent events
+RESPONSES = {
+    200: {"content": {"text/event-stream": {}}, "description": "with `stream`: the chunks"},
+    **responses(400, 404, 429, 503),
+}
 
 
-@router.post(
-    "/chat/completions",
-    response_model=ChatCompletion,
-    responses={
-        200: {"content": {"text/event-stream": {}}, "description": "with `stream`: the chunks"},
-        **responses(400, 404, 429, 503),
-    },
-)
+@router.post("/chat/completions", response_model=ChatCompletion, responses=RESPONSES)
 async def chat_completions(body: ChatRequest, request: Request, tenant: Tenant) -> Response:
     """The model's answer to a conversation, rendered by the model's own chat template."""
     return await _generate(request, tenant, body, chat=True)
 
 
-@router.post(
-    "/completions",
-    response_model=None,
-    responses={
-        200: {"content": {"text/event-stream": {}}, "description": "with `stream`: the chunks"},
-        **responses(400, 404, 429, 503),
-    },
-)
+@router.post("/completions", response_model=None, responses=RESPONSES)
 async def completions(body: CompletionRequest, request: Request, tenant: Tenant) -> Response:
     """The model's continuation of a prompt (one string, or its token ids)."""
     return await _generate(request, tenant, body, chat=False)

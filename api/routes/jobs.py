@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from api.errors import responses
-from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
+from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Tenant, ctx, respond
 from api.schemas import (
     CheckpointList,
     EventList,
@@ -223,10 +223,9 @@ async def jobs_events_stream(
                 quiet = 0.0
                 yield ": keep-alive\n\n"
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     c.streams.take(tenant)
     body = c.streams.guard(tenant, stream())
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    return StreamingResponse(body, media_type="text/event-stream", headers=STREAM_HEADERS)
 
 
 @router.get(

@@ -18,13 +18,11 @@ class InProcessBackend:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.gens: dict[Path, Generator] = {}
-        self.opened: list[Target] = []
 
     async def open(self, target: Target, payload: dict[str, Any]):
         gen = self.gens.get(target.model_dir)
         if gen is None:
             gen = self.gens[target.model_dir] = Generator(target.model_dir, max_batch=8)
-        self.opened.append(target)
         path = self.data_dir / target.adapter if target.adapter else None
         return answer(gen, payload, target.adapter, path)
 
