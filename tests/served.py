@@ -48,6 +48,31 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def ended(serve: Serve, job_id: str, timeout: float = 300):
+    """The job once it has ended (succeeded, failed or cancelled). A job still going at the
+    timeout fails the test with its status, its last events and the server's log, so a
+    stall on another machine says where it stood."""
+    c = serve.client()
+    try:
+        return wait_for(
+            lambda: (
+                (j := c.fine_tuning.jobs.retrieve(job_id)).status
+                in ("succeeded", "failed", "cancelled")
+                and j
+            ),
+            timeout,
+            f"job {job_id} to end",
+        )
+    except AssertionError as e:
+        job = c.fine_tuning.jobs.retrieve(job_id)
+        events = [ev.message for ev in c.fine_tuning.jobs.list_events(job_id, limit=15).data]
+        tail = serve.log.read_text(errors="replace")[-4000:] if serve.log.exists() else ""
+        raise AssertionError(
+            f"{e}: status {job.status}, last events (newest first) {events}\n"
+            f"pstar serve's log ends:\n{tail}"
+        ) from None
+
+
 def start_serve(data_dir: Path, env: dict[str, str] | None = None) -> Serve:
     """`pstar serve` on a data dir holding the tiny Llama the jobs fine-tune."""
     from tests.tiny import make_tiny_llama

@@ -24,6 +24,7 @@ from tests.served import (
     RIVAL_TOKEN,
     TOKEN,
     create_job,
+    ended,
     start_serve,
     stop_serve,
     upload_chat_files,
@@ -47,9 +48,8 @@ def jobs(serve):
     # 512 rows: 64 steps an epoch, so the running job runs for minutes (it is cancelled)
     files = upload_chat_files(serve, train_rows=512)
     done = create_job(serve, files, 20, suffix="dash", engine={})  # dtype auto
-    wait_for(
-        lambda: c.fine_tuning.jobs.retrieve(done.id).status == "succeeded", 600, "job to succeed"
-    )
+    finished = ended(serve, done.id, 600)
+    assert finished.status == "succeeded", finished.error
     running = create_job(serve, files, 5000, suffix="dash")  # cancelled by a test
     wait_for(lambda: _metrics(serve, running.id, "train_loss"), 300, "the running job's metrics")
     yield done.id, running.id

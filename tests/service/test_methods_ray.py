@@ -14,7 +14,15 @@ import httpx
 import pytest
 import torch
 
-from tests.served import TOKEN, create_job, start_serve, stop_serve, upload_chat_files, wait_for
+from tests.served import (
+    TOKEN,
+    create_job,
+    ended,
+    start_serve,
+    stop_serve,
+    upload_chat_files,
+    wait_for,
+)
 from tests.tiny import WORDS
 
 pytestmark = pytest.mark.slow
@@ -40,19 +48,6 @@ def store_of(serve):
 
 def points(serve, job_id: str) -> dict[int, dict]:
     return {p.step: p.values for p in store_of(serve).events.metric_points(job_id)}
-
-
-def ended(serve, job_id: str, timeout: float = 300):
-    c = serve.client()
-    return wait_for(
-        lambda: (
-            (j := c.fine_tuning.jobs.retrieve(job_id)).status
-            in ("succeeded", "failed", "cancelled")
-            and j
-        ),
-        timeout,
-        f"job {job_id} to end",
-    )
 
 
 def messages(serve, job_id: str) -> list[str]:
