@@ -182,7 +182,7 @@ def plan(
 def calibrate_activations() -> None:
     """Measure the tracer's non-model peak of zoo GPT steps on this machine and rewrite the
     capacity planner's calibration data (pstar_core/data/activation_calibration.json)."""
-    from pstar_core.capacity import calibrate
+    from pstar_core.plan_check import calibrate
 
     err = calibrate()
     console.print(

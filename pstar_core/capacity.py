@@ -27,12 +27,11 @@ Per rank (one GPU, its ZeRO share of the chunks, 1/N of the host and disk):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+from pstar_core.forecast import Forecast, forecast, moments
 from pstar_core.mapping import BYTES_PARAM, make_plan
 
 GiB = 1 << 30
@@ -46,6 +45,7 @@ class Hardware:
     gpu_bytes: int
     host_bytes: int  # the node's, shared by its ranks
     disk_bytes: int = 0
+    accelerator: bool = True  # False: CPU budgets standing in for the tiers (as in tests)
 
 
 @dataclass(frozen=True)
@@ -54,81 +54,25 @@ class Workload:
     seq: int | None = None  # tokens per sequence; None: the model's own
     activation_checkpointing: bool = True
     dtype: str = "fp16"
+    chunk_size: int | str = "auto"
 
 
 def activation_peak_bytes(
     hidden: int,
     layers: int,
-    heads: int,
     vocab: int,
     batch: int,
     seq: int,
     checkpointing: bool,
     act_bytes: int = 2,
 ) -> int:
-    """The peak non-model bytes of one training iteration of a GPT of this shape.
-
-    Activations: a block keeps ~34·b·s·h + 5·b·a·s² bytes in 16 bits for its backward
-    (Korthikanti et al., 2022, without sequence parallelism); with activation checkpointing
-    only each block's input (2·b·s·h bytes) is kept and one block at a time is recomputed;
-    the logits and their gradient add b·s·V in 16 bits plus fp32 for the loss. The
-    embedding (tied to the output layer) adds one V·h gradient buffer on top of them, and
-    sets a floor of three V·h buffers when the activations are small: calibrated on the
-    engine's tracer (`CALIBRATION`, `calibration_error`)."""
-    block = 34 * batch * seq * hidden + 5 * batch * heads * seq * seq
-    block = block * act_bytes // 2
-    kept = layers * batch * seq * hidden * act_bytes + block if checkpointing else layers * block
-    logits = batch * seq * vocab * (act_bytes + 4)
-    embedding = vocab * hidden * act_bytes
-    return int(max(3 * embedding, kept + logits + embedding))
-
-
-CALIBRATION = Path(__file__).with_name("data") / "activation_calibration.json"
-
-
-def calibration_error(min_params: int = 1_000_000) -> dict[str, float]:
-    """How far `activation_peak_bytes` is from the shipped tracer measurements: the largest
-    and the median of |predicted / measured - 1|, over the models of at least `min_params`
-    parameters (the tiny presets' peaks are dominated by what no formula of the shape
-    sees)."""
-    from statistics import median
-
-    from pstar_core.models import get_config, num_params
-
-    errors = []
-    for r in json.loads(CALIBRATION.read_text())["rows"]:
-        cfg = get_config(r["model"])
-        if num_params(cfg) < min_params:
-            continue
-        got = activation_peak_bytes(
-            cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.vocab_size, r["batch"],
-            r["seq"], r["ckpt"], 4,
-        )  # fmt: skip
-        errors.append(abs(got / r["measured"] - 1))
-    return {"max": max(errors), "median": median(errors), "points": len(errors)}
-
-
-def measure_peak(model: str, batch: int, seq: int, checkpointing: bool) -> int:
-    """The tracer's peak non-model bytes of one fp32 step of a zoo GPT on this engine."""
-    import torch
-
-    import pstar_core
-    from pstar_core.models import GPT, get_config
-
-    cfg = get_config(model)
-
-    def build():
-        m = GPT(cfg)
-        if checkpointing:
-            m.gradient_checkpointing_enable()
-        return m
-
-    config = {"dtype": "fp32", "chunk_size": "auto", "optimizer": {"lr": 1e-4}}
-    engine = pstar_core.initialize(build, config)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    engine.backward(engine(input_ids=x, labels=x).loss)
-    engine.step()
-    return int(engine.stats()["tracer"]["peak_non_model_bytes"])
+    """The peak non-model bytes of one training iteration of a GPT of this shape: the
+    most at any moment of `forecast.moments` (activations kept block by block, the
+    logits at the output layer, the tied embedding's gradient in backward and three
+    embedding-sized buffers at its own backward), calibrated on the engine's tracer
+    (`CALIBRATION`, `calibration_error`)."""
+    steps = moments([], hidden, layers, vocab, batch, seq, checkpointing, act_bytes)
+    return max(m.non_model for m in steps)
 
 
 @dataclass
@@ -151,6 +95,11 @@ class RankPlan:
     fits_paper_rule: bool
     overflow: dict[str, int]  # tier -> bytes missing (empty when it fits)
     why: str
+    least_device_bytes: int  # the smallest device memory one iteration runs in
+    device_peak_bytes: int  # chunks and non-model data at the busiest moment (forecast)
+    host_peak_bytes: int  # chunks on the host at the busiest moment (forecast)
+    host_to_device_bytes_per_iter: int
+    device_to_host_bytes_per_iter: int
     host_device_bytes_per_iter: int
     collective_bytes_per_iter: int
 
@@ -160,16 +109,14 @@ class RankPlan:
 
 def plan_capacity(model: str, hw: Hardware, work: Workload = Workload()) -> RankPlan:
     """One rank's plan for `model` (a zoo name) on `hw` (see the module docstring)."""
-    shapes, cfg = _shapes(model)
-    seq = work.seq or cfg.seq_len
+    shapes, _ = _shapes(model)
     numels = [math.prod(s) for _, s in shapes]
     names = [n for n, _ in shapes]
-    plan = make_plan(numels, [True] * len(numels), names, work.dtype, "auto", hw.gpus)
     n = hw.gpus
+    plan = make_plan(numels, [True] * len(numels), names, work.dtype, work.chunk_size, n)
     p = BYTES_PARAM[work.dtype]
     chunk = plan.chunk_size
-    groups = -(-plan.trainable.num_chunks // n)  # communication groups of each list
-    local = groups  # every rank owns one chunk of each group (the last padded)
+    local = -(-plan.trainable.num_chunks // n)  # a rank owns one chunk of each group
     lists = {
         "param": local * chunk * p,
         "param_fp32": local * chunk * 4,
@@ -177,35 +124,23 @@ def plan_capacity(model: str, hw: Hardware, work: Workload = Workload()) -> Rank
         "variance": local * chunk * 4,
     }
     model_data = sum(lists.values())
-    peak = activation_peak_bytes(
-        cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.vocab_size, work.batch, seq,
-        work.activation_checkpointing, p,
-    )  # fmt: skip
-    device = int(hw.gpu_bytes * DEVICE_SAFETY)
+    device = int(hw.gpu_bytes * (DEVICE_SAFETY if hw.accelerator else 1.0))
+    f = rank_forecast(model, device, n, work, chunk, hw.accelerator)
+    peak = f.non_model_peak_bytes
     host = hw.host_bytes // n
     disk = hw.disk_bytes // n
     at_start = _at_start(lists, host, int(WARMUP_RATIO * device), disk)
 
-    full_fp16 = groups * n * chunk * p  # every param fp16 chunk passes through each GPU
-    group_fp16 = n * chunk * p  # one gathered group: what an operator needs at least
-    margin = device - peak - full_fp16
-    os_chunk = chunk * 12
-    os_on_gpu = max(0, min(local, margin // os_chunk)) if margin > 0 else 0
-
     overflow: dict[str, int] = {}
     if model_data > host + disk:
         overflow["host+disk"] = model_data - host - disk
-    if peak + group_fp16 > device:
-        overflow["device"] = peak + group_fp16 - device
+    if f.least_device_bytes > device:
+        overflow["device"] = f.least_device_bytes - device
     fits = not overflow
     paper_room = hw.host_bytes + n * max(0, device - peak)
     fits_paper = model_data * n <= paper_room and peak < device
-    why = _why(overflow, model_data, host, disk, peak, group_fp16, device)
-
-    resident = max(0, device - peak)  # what param fp16 chunks may keep on the device
-    moved_fp16 = 0 if full_fp16 <= resident else 4 * (full_fp16 - resident)
-    host_adam = (local - os_on_gpu) * chunk * p * 2  # grads out, updated params back in
-    collective = 0 if n == 1 else 3 * (n - 1) * full_fp16 // n
+    why = _why(overflow, model_data, host, disk, peak, f.least_device_bytes, device)
+    full = local * n * chunk * p  # every param chunk passes through each GPU
     return RankPlan(
         model=model,
         params=sum(numels),
@@ -218,16 +153,44 @@ def plan_capacity(model: str, hw: Hardware, work: Workload = Workload()) -> Rank
         host_bytes=host,
         disk_bytes=disk,
         at_start=at_start,
-        gpu_margin_bytes=margin,
-        os_chunks_on_gpu=int(os_on_gpu),
+        gpu_margin_bytes=f.margin_bytes,
+        os_chunks_on_gpu=f.device_adam_chunks,
         os_chunks=local,
         fits=fits,
         fits_paper_rule=fits_paper,
         overflow=overflow,
         why=why,
-        host_device_bytes_per_iter=moved_fp16 + host_adam,
-        collective_bytes_per_iter=collective,
+        least_device_bytes=f.least_device_bytes,
+        device_peak_bytes=f.device_peak_bytes,
+        host_peak_bytes=f.host_peak_bytes,
+        host_to_device_bytes_per_iter=f.host_to_device_bytes,
+        device_to_host_bytes_per_iter=f.device_to_host_bytes,
+        host_device_bytes_per_iter=f.host_to_device_bytes + f.device_to_host_bytes,
+        # all-gathers in forward and backward, a reduce-scatter of the gradients
+        collective_bytes_per_iter=0 if n == 1 else 3 * (n - 1) * full // n,
     )
+
+
+def rank_forecast(
+    model: str,
+    device_bytes: int,
+    nproc: int,
+    work: Workload,
+    chunk_size: int,
+    accelerator: bool = True,
+) -> Forecast:
+    """`forecast.forecast` of one rank of `model` (a zoo name) with `device_bytes` to plan
+    with: the moments of its activation model, its tensors in chunks of `chunk_size`."""
+    shapes, cfg = _shapes(model)
+    p = BYTES_PARAM[work.dtype]
+    steps = moments(
+        [n for n, _ in shapes], cfg.hidden_size, cfg.num_layers, cfg.vocab_size, work.batch,
+        work.seq or cfg.seq_len, work.activation_checkpointing, p,
+    )  # fmt: skip
+    # on an accelerator the fused Adam's fp32 gradients of one chunk (kernels.adam)
+    temporary = 4 * chunk_size + 4096 if accelerator else 0
+    numels = [math.prod(s) for _, s in shapes]
+    return forecast(numels, steps, chunk_size, p, device_bytes, nproc, temporary)
 
 
 _SHAPES: dict[str, tuple[list[tuple[str, tuple[int, ...]]], Any]] = {}
@@ -272,7 +235,7 @@ def _at_start(lists: dict[str, int], host: int, warmup_device: int, disk: int):
     return out
 
 
-def _why(overflow, model_data, host, disk, peak, group, device) -> str:
+def _why(overflow, model_data, host, disk, peak, least, device) -> str:
     if not overflow:
         return "fits"
     parts = []
@@ -284,9 +247,10 @@ def _why(overflow, model_data, host, disk, peak, group, device) -> str:
         )
     if "device" in overflow:
         parts.append(
-            f"the non-model peak ({peak / GiB:.1f} GiB) and one gathered group of param fp16 "
-            f"chunks ({group / GiB:.1f} GiB) exceed the GPU ({device / GiB:.1f} GiB planned "
-            "with): a smaller batch or activation checkpointing"
+            f"an iteration needs at least {least / GiB:.1f} GiB on the GPU (the non-model "
+            f"peak is {peak / GiB:.1f} GiB, with the chunks its operators use), more than "
+            f"the {device / GiB:.1f} GiB planned with: a smaller batch or activation "
+            "checkpointing"
         )
     return "; ".join(parts)
 
@@ -317,33 +281,3 @@ def largest(hw: Hardware, work: Workload = Workload(), rule: str = "engine") -> 
         "next_why": nxt.why if nxt else None,
         "plan": best.to_json() if best else None,
     }
-
-
-GRID = [  # (model, checkpointing, batch, seq) of the shipped calibration
-    (m, c, b, s)
-    for m, seqs in (("gpt-tiny", (32, 64)), ("gpt-small", (32, 128)), ("gpt-45m", (32, 128)))
-    for c in (False, True)
-    for b in (2, 8)
-    for s in seqs
-]
-
-
-def calibrate() -> dict[str, float]:
-    """Measure every point of `GRID` on this machine, rewrite `CALIBRATION`, and return
-    the fit's error on the new data (`pstar calibrate-activations`)."""
-    import platform
-
-    import torch
-
-    rows = []
-    for model, ckpt, batch, seq in GRID:
-        peak = measure_peak(model, batch, seq, ckpt)
-        rows.append({"model": model, "ckpt": ckpt, "batch": batch, "seq": seq, "measured": peak})
-    doc = json.loads(CALIBRATION.read_text())
-    doc["measured_on"] = (
-        f"{platform.machine()}, torch {torch.__version__}, "
-        f"{torch.backends.cpu.get_cpu_capability()}"
-    )
-    doc["rows"] = rows
-    CALIBRATION.write_text(json.dumps(doc, indent=1) + "\n")
-    return calibration_error()

@@ -101,7 +101,7 @@ def test_the_activation_model_is_within_its_stated_error_of_the_shipped_tracer_r
     """16 measured steps of gpt-small and gpt-45m (batch 2/8, seq 32/128, checkpointing on
     and off): median error under 5%, none over 25% (the tiny preset is left out: its peak
     is mostly what no formula of the model's shape sees)."""
-    from pstar_core.capacity import calibration_error
+    from pstar_core.plan_check import calibration_error
 
     err = calibration_error()
     assert err["points"] == 16
@@ -110,7 +110,7 @@ def test_the_activation_model_is_within_its_stated_error_of_the_shipped_tracer_r
 
 
 def test_a_fresh_tracer_run_reproduces_a_shipped_calibration_point():
-    from pstar_core.capacity import CALIBRATION, measure_peak
+    from pstar_core.plan_check import CALIBRATION, measure_peak
 
     rows = json.loads(CALIBRATION.read_text())["rows"]
     [shipped] = [

@@ -1,0 +1,190 @@
+"""The capacity planner checked against this engine, on this machine.
+
+- The activation model (`capacity.activation_peak_bytes`) is calibrated on the tracer's
+  peak non-model bytes of real steps; the measurements ship in
+  `data/activation_calibration.json` (`calibrate` measures them again) and
+  `calibration_error` states the fit.
+- The forecast of an iteration (`capacity.rank_forecast`: device and host peaks, bytes
+  moved each way) is checked against the engine's own stats with CPU budgets standing in
+  for the GPU and host tiers (`check_split`), for three zoo models under three budget
+  splits (`VALIDATION`, `SPLITS`): a device that holds everything (Adam on it), one that
+  holds the param chunks but not the optimizer states, and the least device memory the
+  forecast says the iteration runs in (plus 5%), where chunks are evicted in forward and
+  backward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pstar_core.capacity import Workload, activation_peak_bytes, rank_forecast
+from pstar_core.mapping import BYTES_PARAM, make_plan
+
+CALIBRATION = Path(__file__).with_name("data") / "activation_calibration.json"
+
+
+def calibration_error(min_params: int = 1_000_000) -> dict[str, float]:
+    """How far `activation_peak_bytes` is from the shipped tracer measurements: the largest
+    and the median of |predicted / measured - 1|, over the models of at least `min_params`
+    parameters (the tiny presets' peaks are dominated by what no formula of the shape
+    sees)."""
+    from statistics import median
+
+    from pstar_core.models import get_config, num_params
+
+    errors = []
+    for r in json.loads(CALIBRATION.read_text())["rows"]:
+        cfg = get_config(r["model"])
+        if num_params(cfg) < min_params:
+            continue
+        got = activation_peak_bytes(
+            cfg.hidden_size, cfg.num_layers, cfg.vocab_size, r["batch"], r["seq"], r["ckpt"], 4
+        )
+        errors.append(abs(got / r["measured"] - 1))
+    return {"max": max(errors), "median": median(errors), "points": len(errors)}
+
+
+def measure_peak(model: str, batch: int, seq: int, checkpointing: bool) -> int:
+    """The tracer's peak non-model bytes of one fp32 step of a zoo GPT on this engine."""
+    import torch
+
+    import pstar_core
+    from pstar_core.models import GPT, get_config
+
+    cfg = get_config(model)
+
+    def build():
+        m = GPT(cfg)
+        if checkpointing:
+            m.gradient_checkpointing_enable()
+        return m
+
+    config = {"dtype": "fp32", "chunk_size": "auto", "optimizer": {"lr": 1e-4}}
+    engine = pstar_core.initialize(build, config)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    return int(engine.stats()["tracer"]["peak_non_model_bytes"])
+
+
+GRID = [  # (model, checkpointing, batch, seq) of the shipped calibration
+    (m, c, b, s)
+    for m, seqs in (("gpt-tiny", (32, 64)), ("gpt-small", (32, 128)), ("gpt-45m", (32, 128)))
+    for c in (False, True)
+    for b in (2, 8)
+    for s in seqs
+]
+
+
+def calibrate() -> dict[str, float]:
+    """Measure every point of `GRID` on this machine, rewrite `CALIBRATION`, and return
+    the fit's error on the new data (`pstar calibrate-activations`)."""
+    import platform
+
+    import torch
+
+    rows = []
+    for model, ckpt, batch, seq in GRID:
+        peak = measure_peak(model, batch, seq, ckpt)
+        rows.append({"model": model, "ckpt": ckpt, "batch": batch, "seq": seq, "measured": peak})
+    doc = json.loads(CALIBRATION.read_text())
+    doc["measured_on"] = (
+        f"{platform.machine()}, torch {torch.__version__}, "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
+    doc["rows"] = rows
+    CALIBRATION.write_text(json.dumps(doc, indent=1) + "\n")
+    return calibration_error()
+
+
+# (model, chunk size) of the forecast check: chunks as small as the embedding allows, so
+# the smaller models have several to evict
+VALIDATION = (("gpt-tiny", 32768), ("gpt-small", "auto"), ("gpt-45m", 25731584))
+VALIDATION_WORK = Workload(batch=2, seq=64, activation_checkpointing=False, dtype="fp32")
+SPLITS = ("roomy", "params", "tight")
+CHECKED = ("device_peak_bytes", "host_peak_bytes", "host_to_device_bytes", "device_to_host_bytes")
+
+
+def resolved_chunk(model: str, chunk_size: int | str, work: Workload = VALIDATION_WORK) -> int:
+    from pstar_core.capacity import _shapes
+
+    shapes, _ = _shapes(model)
+    numels = [math.prod(s) for _, s in shapes]
+    names = [n for n, _ in shapes]
+    return make_plan(numels, [True] * len(numels), names, work.dtype, chunk_size).chunk_size
+
+
+def split_budgets(model: str, chunk: int, split: str, work: Workload = VALIDATION_WORK):
+    """(device, host) budgets in bytes of one split, from the forecast's own figures."""
+    whole = rank_forecast(model, 1 << 50, 1, work, chunk, accelerator=False)
+    per_elem = BYTES_PARAM[work.dtype]
+    one = chunk * per_elem
+    params = whole.device_chunk_peak_bytes * per_elem // (per_elem + 12)  # the param list
+    host = 2 * whole.device_chunk_peak_bytes
+    if split == "roomy":  # everything, Adam included, on the device
+        return 2 * (whole.non_model_peak_bytes + whole.device_chunk_peak_bytes), host
+    if split == "params":  # the param chunks, and half an optimizer-state triple spare
+        return whole.non_model_peak_bytes + params + one // 2 + 6 * chunk, host
+    if split == "tight":
+        return whole.least_device_bytes * 105 // 100, host
+    raise ValueError(f"unknown split {split!r}; one of {SPLITS}")
+
+
+def measure_iteration(
+    model: str, chunk: int, device: int, host: int, work: Workload = VALIDATION_WORK
+) -> dict[str, int]:
+    """The engine's figures of its third iteration (the first to follow a trace) of a
+    zoo GPT on the CPU under these budgets."""
+    import torch
+
+    import pstar_core
+    from pstar_core.models import GPT, get_config
+
+    cfg = get_config(model)
+    config = {
+        "dtype": work.dtype,
+        "chunk_size": chunk,
+        "optimizer": {"lr": 1e-4},
+        "memory": {"device_budget": device, "host_budget": host},
+    }
+    engine = pstar_core.initialize(lambda: GPT(cfg), config)
+    seq = work.seq or cfg.seq_len
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (work.batch, seq), generator=g)
+    for _ in range(3):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    s = engine.stats()
+    moved = s["bytes_moved_last_iteration"]
+    return {
+        "device_peak_bytes": s["tracer"]["peak_device_bytes_last_iteration"],
+        "host_peak_bytes": s["tiers"]["host"]["peak_last_iteration"],
+        "host_to_device_bytes": moved.get("host->device", 0),
+        "device_to_host_bytes": moved.get("device->host", 0),
+    }
+
+
+def check_split(model: str, chunk_size: int | str, split: str) -> dict[str, Any]:
+    """Forecast and measurement of one model under one split, and their relative error
+    per figure (0 where both are 0)."""
+    chunk = resolved_chunk(model, chunk_size)
+    device, host = split_budgets(model, chunk, split)
+    f = rank_forecast(model, device, 1, VALIDATION_WORK, chunk, accelerator=False).to_json()
+    got = measure_iteration(model, chunk, device, host)
+    errors = {
+        k: (abs(f[k] / got[k] - 1) if got[k] else (0.0 if f[k] == 0 else math.inf)) for k in CHECKED
+    }
+    return {
+        "model": model,
+        "split": split,
+        "chunk_size": chunk,
+        "device_budget": device,
+        "host_budget": host,
+        "predicted": {k: f[k] for k in CHECKED},
+        "measured": got,
+        "error": errors,
+        "max_error": max(errors.values()),
+    }
