@@ -239,13 +239,18 @@ def _plan_capacity(
             *(f"{row.get(t, 0) / cap.GiB:.2f}" for t in ("host", "device", "disk", "over")),
         )
     console.print(table)
+    gib = cap.GiB
     console.print(
         f"chunk {p.chunk_size:,} elements ({p.utilization:.1%} used); non-model peak "
-        f"{p.non_model_peak_bytes / cap.GiB:.2f} GiB (analytic activation model); GPU margin "
-        f"{p.gpu_margin_bytes / cap.GiB:.2f} GiB holds {p.os_chunks_on_gpu} of "
-        f"{p.os_chunks} optimizer-state chunks; per iteration "
-        f"{p.host_device_bytes_per_iter / cap.GiB:.1f} GiB host<->GPU, "
-        f"{p.collective_bytes_per_iter / cap.GiB:.1f} GiB in collectives"
+        f"{p.non_model_peak_bytes / gib:.2f} GiB (activation model calibrated on the tracer: "
+        "pstar_core/plan_check.py); GPU margin "
+        f"{p.gpu_margin_bytes / gib:.2f} GiB holds {p.os_chunks_on_gpu} of "
+        f"{p.os_chunks} optimizer-state chunks\n"
+        f"an iteration: GPU peak {p.device_peak_bytes / gib:.1f} GiB (it runs in "
+        f"{p.least_device_bytes / gib:.1f} GiB at least), host peak "
+        f"{p.host_peak_bytes / gib:.1f} GiB; moves {p.host_to_device_bytes_per_iter / gib:.1f} "
+        f"GiB host->GPU and {p.device_to_host_bytes_per_iter / gib:.1f} GiB GPU->host, "
+        f"{p.collective_bytes_per_iter / gib:.1f} GiB in collectives"
     )
     verdict = "[green]fits[/green]" if p.fits else f"[red]does not fit[/red]: {p.why}"
     console.print(f"{verdict} (the paper's rule: {'fits' if p.fits_paper_rule else 'does not'})")
