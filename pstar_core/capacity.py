@@ -1,37 +1,33 @@
 """Capacity planning for hardware that is not here: will a model fit, where does its model
 data sit at start, and what moves each iteration, for N GPUs of a given memory on one
 node with a given host memory (and disk). Nothing is allocated: the chunk plan is laid
-out from the model's tensor sizes (the zoo's configs are built on `meta`).
+out from the model's tensor sizes (built on `meta`).
 
 Per rank (one GPU, its ZeRO share of the chunks, 1/N of the host and disk):
-- model data per chunk list (param fp16, param fp32, momentum, variance), as `make_plan`
-  lays it out with chunk ZeRO over N ranks;
-- the non-model peak of one iteration, from an activation model of a GPT block
-  calibrated on the engine's tracer (`activation_peak_bytes`; the measurements ship in
-  `data/activation_calibration.json`, `calibration_error` states the fit);
-- placement at start as `initialize` does it: host first, then the device up to its
-  warm-up share (param lists only), then disk;
+- model data per chunk list (param, param fp32, momentum, variance; frozen for a LoRA
+  job's base), as `make_plan` lays it out with chunk ZeRO over N ranks;
+- placement at start as `startup.enforce_budgets` does it (`lists_at_start`);
+- one iteration forecast (`forecast.forecast`): the non-model peak from the activation
+  model calibrated on the engine's tracer (`plan_check`), the GPU margin for optimizer
+  states and how many of them it holds (device-aware placement), the GPU and host peaks,
+  the least GPU memory the iteration runs in, and the bytes moved each way; collective
+  bytes (all-gathers in forward and backward, a reduce-scatter of the gradients);
 - whether it fits, and which tier overflows by how much. Two rules are reported:
   `engine` is this engine as built (its warm-up step updates every chunk on the host, so
-  host + disk must hold all of a rank's model data, and the device must hold the peak
-  non-model data plus one gathered group of param fp16 chunks); `paper` is the paper's
-  capacity rule (model data fits host memory plus what the GPUs have left for chunks
-  after the non-model peak);
-- the GPU margin for optimizer states (device-aware placement): device memory minus the
-  peak non-model data minus the param fp16 list, and how many of the rank's optimizer-
-  state chunks it holds;
-- expected bytes per iteration: host<->device (param fp16 chunks that do not stay on the
-  device, the grads and updated params of chunks whose Adam runs on the host) and
-  collective (all-gathers in forward and backward, a reduce-scatter of the grads).
+  host + disk must hold all of a rank's model data, and the GPU must hold the least an
+  iteration runs in); `paper` is the paper's capacity rule (model data fits host memory
+  plus what the GPUs have left for chunks after the non-model peak);
+- for a plan that does not fit, the smallest change that would (`smallest_change`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pstar_core.forecast import Forecast, forecast, moments
+from pstar_core.forecast import Arch, Forecast, forecast, moments
 from pstar_core.mapping import BYTES_PARAM, make_plan
 
 GiB = 1 << 30
@@ -57,6 +53,63 @@ class Workload:
     chunk_size: int | str = "auto"
 
 
+@dataclass(frozen=True)
+class Tensors:
+    """A model's parameters as the planner needs them, in init order, and its shape."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    trainable: tuple[bool, ...]
+    arch: Arch
+    seq_len: int  # the model's own context
+
+
+def module_tensors(module: Any, arch: Arch, seq_len: int) -> Tensors:
+    """The tensors of a module (on `meta`: a zoo GPT, a transformers model, either wrapped
+    by `peft`), each shared parameter once."""
+    seen: dict[int, tuple[str, int, bool]] = {}
+    for name, p in module.named_parameters():
+        seen.setdefault(id(p), (name, p.numel(), p.requires_grad))
+    names, numels, trainable = zip(*seen.values(), strict=True)
+    gated = any("gate_proj" in n for n in names)
+    return Tensors(names, numels, trainable, replace(arch, gated=gated), seq_len)
+
+
+def arch_of(config: Any) -> Arch:
+    """The `Arch` of a zoo `GPTConfig` or a transformers config."""
+    hidden = config.hidden_size
+    layers = getattr(config, "num_layers", None) or config.num_hidden_layers
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    tied = getattr(config, "tie_word_embeddings", True)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv = hidden * kv_heads // heads if heads and kv_heads else None
+    return Arch(hidden, layers, config.vocab_size, inner or 4 * hidden, bool(tied), kv_hidden=kv)
+
+
+_ZOO: dict[tuple[str, Any], Tensors] = {}
+
+
+def zoo_tensors(model: str, lora: Any = None) -> Tensors:
+    """A zoo GPT's tensors (built on `meta` once per process: a second or so for
+    gpt-68b); with `lora` (a `LoraConfig`), as `peft` wraps it: the base frozen."""
+    key = (model, lora)
+    if key not in _ZOO:
+        import torch
+
+        from pstar_core.models import GPT, get_config
+
+        cfg = get_config(model)
+        with torch.device("meta"):
+            module = GPT(cfg)
+        if lora is not None:
+            from pstar_core.lora import wrap
+
+            module = wrap(module, lora)
+        _ZOO[key] = module_tensors(module, arch_of(cfg), cfg.seq_len)
+    return _ZOO[key]
+
+
 def activation_peak_bytes(
     hidden: int,
     layers: int,
@@ -67,18 +120,17 @@ def activation_peak_bytes(
     act_bytes: int = 2,
 ) -> int:
     """The peak non-model bytes of one training iteration of a GPT of this shape: the
-    most at any moment of `forecast.moments` (activations kept block by block, the
-    logits at the output layer, the tied embedding's gradient in backward and three
-    embedding-sized buffers at its own backward), calibrated on the engine's tracer
-    (`CALIBRATION`, `calibration_error`)."""
-    steps = moments([], hidden, layers, vocab, batch, seq, checkpointing, act_bytes)
-    return max(m.non_model for m in steps)
+    most at any moment of `forecast.moments`, calibrated on the engine's tracer
+    (`plan_check.calibration_error`)."""
+    arch = Arch(hidden, layers, vocab, 4 * hidden)
+    return max(m.non_model for m in moments([], arch, batch, seq, checkpointing, act_bytes))
 
 
 @dataclass
 class RankPlan:
     model: str
     params: int
+    trainable_params: int
     chunk_size: int
     utilization: float
     lists: dict[str, int]  # bytes of the rank's chunks per list
@@ -87,7 +139,7 @@ class RankPlan:
     device_bytes: int  # what the engine plans with on one GPU
     host_bytes: int  # the rank's share of the node's host memory
     disk_bytes: int
-    at_start: dict[str, dict[str, int]]  # list -> tier -> bytes
+    at_start: dict[str, dict[str, int]]  # list -> tier -> bytes ("over": no room)
     gpu_margin_bytes: int
     os_chunks_on_gpu: int
     os_chunks: int
@@ -107,43 +159,48 @@ class RankPlan:
         return asdict(self)
 
 
-def plan_capacity(model: str, hw: Hardware, work: Workload = Workload()) -> RankPlan:
-    """One rank's plan for `model` (a zoo name) on `hw` (see the module docstring)."""
-    shapes, _ = _shapes(model)
-    numels = [math.prod(s) for _, s in shapes]
-    names = [n for n, _ in shapes]
+def plan_capacity(
+    model: str, hw: Hardware, work: Workload = Workload(), lora: Any = None
+) -> RankPlan:
+    """One rank's plan for `model` (a zoo name; with `lora`, its adapters) on `hw`."""
+    return plan_tensors(model, zoo_tensors(model, lora), hw, work)
+
+
+def plan_tensors(label: str, t: Tensors, hw: Hardware, work: Workload) -> RankPlan:
+    """One rank's plan for a model's tensors on `hw` (see the module docstring)."""
     n = hw.gpus
-    plan = make_plan(numels, [True] * len(numels), names, work.dtype, work.chunk_size, n)
+    plan = make_plan(t.numels, t.trainable, t.names, work.dtype, work.chunk_size, n)
     p = BYTES_PARAM[work.dtype]
     chunk = plan.chunk_size
     local = -(-plan.trainable.num_chunks // n)  # a rank owns one chunk of each group
+    frozen = -(-plan.frozen.num_chunks // n)
     lists = {
         "param": local * chunk * p,
         "param_fp32": local * chunk * 4,
         "momentum": local * chunk * 4,
         "variance": local * chunk * 4,
+        "frozen": frozen * chunk * p,
     }
     model_data = sum(lists.values())
     device = int(hw.gpu_bytes * (DEVICE_SAFETY if hw.accelerator else 1.0))
-    f = rank_forecast(model, device, n, work, chunk, hw.accelerator)
+    f = tensors_forecast(t, device, n, work, chunk, hw.accelerator)
     peak = f.non_model_peak_bytes
     host = hw.host_bytes // n
     disk = hw.disk_bytes // n
-    at_start = _at_start(lists, host, int(WARMUP_RATIO * device), disk)
+    at_start = lists_at_start(lists, host, int(WARMUP_RATIO * device), disk)
 
     overflow: dict[str, int] = {}
     if model_data > host + disk:
         overflow["host+disk"] = model_data - host - disk
     if f.least_device_bytes > device:
         overflow["device"] = f.least_device_bytes - device
-    fits = not overflow
     paper_room = hw.host_bytes + n * max(0, device - peak)
-    fits_paper = model_data * n <= paper_room and peak < device
-    why = _why(overflow, model_data, host, disk, peak, f.least_device_bytes, device)
-    full = local * n * chunk * p  # every param chunk passes through each GPU
+    gathered = (local + frozen) * n * chunk * p  # every param chunk passes through each GPU
+    reduced = local * n * chunk * p  # the trainable gradients
     return RankPlan(
-        model=model,
-        params=sum(numels),
+        model=label,
+        params=sum(t.numels),
+        trainable_params=sum(x for x, tr in zip(t.numels, t.trainable, strict=True) if tr),
         chunk_size=chunk,
         utilization=plan.utilization,
         lists=lists,
@@ -156,19 +213,37 @@ def plan_capacity(model: str, hw: Hardware, work: Workload = Workload()) -> Rank
         gpu_margin_bytes=f.margin_bytes,
         os_chunks_on_gpu=f.device_adam_chunks,
         os_chunks=local,
-        fits=fits,
-        fits_paper_rule=fits_paper,
+        fits=not overflow,
+        fits_paper_rule=model_data * n <= paper_room and peak < device,
         overflow=overflow,
-        why=why,
+        why=_why(overflow, model_data, host, disk, peak, f.least_device_bytes, device),
         least_device_bytes=f.least_device_bytes,
         device_peak_bytes=f.device_peak_bytes,
         host_peak_bytes=f.host_peak_bytes,
         host_to_device_bytes_per_iter=f.host_to_device_bytes,
         device_to_host_bytes_per_iter=f.device_to_host_bytes,
         host_device_bytes_per_iter=f.host_to_device_bytes + f.device_to_host_bytes,
-        # all-gathers in forward and backward, a reduce-scatter of the gradients
-        collective_bytes_per_iter=0 if n == 1 else 3 * (n - 1) * full // n,
+        # all-gathers in forward and backward, a reduce-scatter of the trainable gradients
+        collective_bytes_per_iter=(n - 1) * (2 * gathered + reduced) // n,
     )
+
+
+def tensors_forecast(
+    t: Tensors,
+    device_bytes: int,
+    nproc: int,
+    work: Workload,
+    chunk_size: int,
+    accelerator: bool = True,
+) -> Forecast:
+    """`forecast.forecast` of one rank with `device_bytes` to plan with: the moments of
+    the model's activation model, its tensors in chunks of `chunk_size`."""
+    p = BYTES_PARAM[work.dtype]
+    seq = work.seq or t.seq_len
+    steps = moments(t.names, t.arch, work.batch, seq, work.activation_checkpointing, p)
+    # on an accelerator the fused Adam's fp32 gradients of one chunk (kernels.adam)
+    temporary = 4 * chunk_size + 4096 if accelerator else 0
+    return forecast(t.numels, t.trainable, steps, chunk_size, p, device_bytes, nproc, temporary)
 
 
 def rank_forecast(
@@ -179,59 +254,38 @@ def rank_forecast(
     chunk_size: int,
     accelerator: bool = True,
 ) -> Forecast:
-    """`forecast.forecast` of one rank of `model` (a zoo name) with `device_bytes` to plan
-    with: the moments of its activation model, its tensors in chunks of `chunk_size`."""
-    shapes, cfg = _shapes(model)
-    p = BYTES_PARAM[work.dtype]
-    steps = moments(
-        [n for n, _ in shapes], cfg.hidden_size, cfg.num_layers, cfg.vocab_size, work.batch,
-        work.seq or cfg.seq_len, work.activation_checkpointing, p,
-    )  # fmt: skip
-    # on an accelerator the fused Adam's fp32 gradients of one chunk (kernels.adam)
-    temporary = 4 * chunk_size + 4096 if accelerator else 0
-    numels = [math.prod(s) for _, s in shapes]
-    return forecast(numels, steps, chunk_size, p, device_bytes, nproc, temporary)
+    """`tensors_forecast` of a zoo model."""
+    return tensors_forecast(zoo_tensors(model), device_bytes, nproc, work, chunk_size, accelerator)
 
 
-_SHAPES: dict[str, tuple[list[tuple[str, tuple[int, ...]]], Any]] = {}
+# Where `startup.enforce_budgets` puts a rank's chunks at start, by list: all on the
+# host; while the host is over its budget, chunks of the param lists move to the device
+# (up to its warm-up share), then chunks spill to disk in this order
+TO_DEVICE_FIRST = ("param", "frozen")
+TO_DISK_FIRST = ("param", "frozen", "param_fp32", "momentum", "variance")
 
 
-def _shapes(model: str):
-    """(name, shape) of every parameter of a zoo model in init order, built on `meta`
-    once per process (a second or so for gpt-68b), and its config."""
-    if model not in _SHAPES:
-        import torch
-
-        from pstar_core.models import GPT, get_config
-
-        cfg = get_config(model)
-        with torch.device("meta"):
-            m = GPT(cfg)
-        seen: dict[int, tuple[str, tuple[int, ...]]] = {}
-        for name, prm in m.named_parameters():
-            seen.setdefault(id(prm), (name, tuple(prm.shape)))
-        _SHAPES[model] = (list(seen.values()), cfg)
-    return _SHAPES[model]
-
-
-def _at_start(lists: dict[str, int], host: int, warmup_device: int, disk: int):
-    """Each list's bytes per tier at start: host first, then the device up to its warm-up
-    share (param lists only), then disk; what is left is counted as `over`."""
-    room = {"host": host, "device": warmup_device, "disk": disk}
-    out: dict[str, dict[str, int]] = {}
-    for name, size in lists.items():
-        left, row = size, {}
-        for tier in ("host", "device", "disk"):
-            if tier == "device" and name not in ("param", "param_fp32"):
+def lists_at_start(
+    list_bytes: dict[str, int], host: int, device_share: int, disk: int
+) -> dict[str, dict[str, int]]:
+    """Each chunk list's bytes per tier at start (one rank), as `enforce_budgets` places
+    them; what no tier holds is `over`."""
+    out = {k: {"device": 0, "host": b, "disk": 0, "over": 0} for k, b in list_bytes.items()}
+    excess = sum(list_bytes.values()) - host
+    for tier, room, order in (
+        ("device", device_share, TO_DEVICE_FIRST),
+        ("disk", disk, TO_DISK_FIRST),
+        ("over", math.inf, TO_DISK_FIRST),
+    ):
+        left = min(max(0, excess), room)
+        excess -= left
+        for k in order:
+            if k not in out:
                 continue
-            take = min(left, room[tier])
-            if take:
-                row[tier] = take
-                room[tier] -= take
-                left -= take
-        if left:
-            row["over"] = left
-        out[name] = row
+            take = min(out[k]["host"], left)
+            out[k]["host"] -= take
+            out[k][tier] += int(take)
+            left -= take
     return out
 
 
@@ -255,18 +309,74 @@ def _why(overflow, model_data, host, disk, peak, least, device) -> str:
     return "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class Options:
+    """The knobs `smallest_change` may turn."""
+
+    workers: int
+    batch: int
+    checkpointing: bool
+    lora: bool
+
+
+def smallest_change(
+    plan_for: Callable[[Options], RankPlan],
+    now: Options,
+    max_workers: int | None = None,
+) -> dict[str, Any] | None:
+    """For a plan that does not fit, the smallest single change that makes it fit, and
+    every one that does, in this order of preference: activation checkpointing (the
+    model and batch unchanged, about a third more compute), a smaller batch (the largest
+    that fits), more workers (the fewest that fit, up to `max_workers` when the cluster
+    says), LoRA (trains adapters instead of every weight). None if none fits."""
+    tried: list[tuple[str, Any, Options]] = []
+    if not now.checkpointing:
+        tried.append(("activation_checkpointing", True, replace(now, checkpointing=True)))
+    batch = now.batch // 2
+    while batch >= 1:
+        tried.append(("batch", batch, replace(now, batch=batch)))
+        batch //= 2
+    workers = now.workers * 2
+    while workers <= (max_workers or 64):
+        tried.append(("workers", workers, replace(now, workers=workers)))
+        workers *= 2
+    if not now.lora:
+        tried.append(("lora", True, replace(now, lora=True)))
+    fits: list[dict[str, Any]] = []
+    for knob, value, options in tried:
+        if any(f["change"] == knob for f in fits):
+            continue  # the first that fits is the smallest change of this knob
+        plan = plan_for(options)
+        if plan.fits:
+            fits.append({"change": knob, "value": value, "text": _change_text(knob, value)})
+    if not fits:
+        return None
+    return {**fits[0], "alternatives": fits[1:]}
+
+
+def _change_text(knob: str, value: Any) -> str:
+    return {
+        "activation_checkpointing": "turn on activation checkpointing",
+        "batch": f"a batch of {value} per step",
+        "workers": f"{value} workers",
+        "lora": "train LoRA adapters instead of every weight",
+    }[knob]
+
+
 PAPER_FAMILY = (
     "gpt-1b", "gpt-2b", "gpt-4b", "gpt-6b", "gpt-8b", "gpt-10b", "gpt-12b", "gpt-15b",
     "gpt-18b", "gpt-20b", "gpt-30b", "gpt-40b", "gpt-50b", "gpt-60b", "gpt-68b",
 )  # fmt: skip
 
 
-def largest(hw: Hardware, work: Workload = Workload(), rule: str = "engine") -> dict[str, Any]:
+def largest(
+    hw: Hardware, work: Workload = Workload(), rule: str = "engine", lora: Any = None
+) -> dict[str, Any]:
     """The largest model of the paper's family that fits `hw` (by `rule`: "engine" or
     "paper"), and why the next one does not."""
     best, nxt = None, None
     for name in PAPER_FAMILY:
-        plan = plan_capacity(name, hw, work)
+        plan = plan_capacity(name, hw, work, lora)
         ok = plan.fits if rule == "engine" else plan.fits_paper_rule
         if ok:
             best = plan

@@ -2,7 +2,9 @@
 chunks are at each moment, the device and host peaks, and the bytes moved between them.
 
 The engine decides from a trace of the non-model memory at each moment (an operator);
-this module writes that trace from the activation model instead (`moments`) and then
+this module writes that trace from the activation model instead (`moments`: any decoder
+stack whose parameters are named by layer, as the zoo's GPT and transformers' models
+are) and then
 applies the engine's own rules to it:
 - device-aware placement: the margin is the device budget minus the peak non-model bytes
   of forward and backward minus the rank's param chunks (and, under ZeRO, two gathered
@@ -13,8 +15,9 @@ applies the engine's own rules to it:
   chunks and the non-model bytes of that moment or the next (whichever is more: the
   tracer's allowance) exceed the budget, the chunk whose next use is furthest away goes
   to the host (OPT, the paper's eviction);
-- after backward, Adam runs on the host for the other chunks: their param chunk (holding
-  its gradient) goes to the host and comes back at its next forward.
+- after backward, Adam runs on the host for the other trainable chunks: their param chunk
+  (holding its gradient) goes to the host and comes back at its next forward. Frozen
+  chunks (a LoRA job's base) have no gradient and stay where they are.
 Two iterations are simulated from the start's placement and the second is reported, as
 the engine's `*_last_iteration` stats are read after its warm-up.
 """
@@ -29,7 +32,32 @@ from typing import Any
 
 from pstar_core.mapping import pack
 
-_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the activation model needs of a decoder stack."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int  # the MLP's inner width (4 x hidden in GPT-2's blocks)
+    tied: bool = True  # the output layer is the token embedding
+    gated: bool = False  # a gated MLP (Llama's gate and up projections)
+    kv_hidden: int | None = None  # keys' (and values') width, if narrower (grouped queries)
+
+    def layer_floats(self) -> int:
+        """Floats one layer keeps per token for its backward. GPT-2's block: its
+        attention's inputs and output (4 h; SDPA keeps no s x s scores) and its MLP's 3
+        inner activations (3 x 4 h), 16 h as the tracer measured. A Llama layer: two
+        norms' inputs and outputs, queries, keys and values, the attention's output and
+        its projection (7 h + 2 kv), and the gated MLP's gate, up, activation and product
+        (4 x inner)."""
+        h, inner = self.hidden, self.intermediate
+        if self.gated:
+            return 7 * h + 2 * (self.kv_hidden or h) + 4 * inner
+        return 4 * h + 3 * inner
 
 
 @dataclass(frozen=True)
@@ -57,61 +85,74 @@ class Forecast:
 
 def moments(
     names: Sequence[str],
-    hidden: int,
-    layers: int,
-    vocab: int,
+    arch: Arch,
     batch: int,
     seq: int,
     checkpointing: bool,
     act_bytes: int,
 ) -> list[Moment]:
-    """The moments of one iteration of a zoo GPT (tied embedding and output layer) and the
-    non-model bytes at each: activations kept block by block in forward (each block's
-    input only with checkpointing, plus the block being computed), the logits at the
-    output layer, then in backward the embedding's gradient on top of what is still kept,
-    and three embedding-sized buffers at the embedding's own backward (the shape the
-    engine's tracer measured, see `capacity.activation_peak_bytes`)."""
-    full = 16 * batch * seq * hidden * act_bytes  # attention keeps no s x s scores (SDPA)
-    kept = batch * seq * hidden * act_bytes if checkpointing else full
-    logits = batch * seq * vocab * (act_bytes + 8)  # the logits, their fp32 softmax and loss
-    emb = vocab * hidden * act_bytes
-    grads = 12 * batch * seq * hidden * act_bytes  # a block's backward: its MLP's gradients
-    index = {n: i for i, n in enumerate(names)}
-    blocks: list[list[int]] = [[] for _ in range(layers)]
-    other: dict[str, list[int]] = {"wte": [], "wpe": [], "ln_f": []}
+    """The moments of one iteration and the non-model bytes at each: activations kept
+    layer by layer in forward (each layer's input only with checkpointing, plus the layer
+    being computed), the logits at the output layer, then in backward the output layer's
+    weight gradient on top of what is still kept, and three embedding-sized buffers at
+    the embedding's own backward (the shape the engine's tracer measured, see
+    `plan_check`). Parameters are grouped by the first number in their names (the
+    layer); those before the first layer are the embeddings, those after it the final
+    norm and an untied output layer (`lm_head`)."""
+    h, b, s = arch.hidden, batch, seq
+    full = arch.layer_floats() * b * s * act_bytes
+    kept = b * s * h * act_bytes if checkpointing else full
+    grads = 3 * arch.intermediate * b * s * act_bytes  # a layer's backward: its MLP's gradients
+    logits = b * s * arch.vocab * (act_bytes + 8)  # the logits, their fp32 softmax and loss
+    emb = arch.vocab * h * act_bytes
+    layers: list[list[int]] = [[] for _ in range(arch.layers)]
+    before: list[int] = []
+    after: list[int] = []
     for i, n in enumerate(names):
-        if m := _BLOCK.match(n):
-            blocks[int(m.group(1))].append(i)
+        m = _LAYER.search(n)
+        if m and int(m.group(1)) < arch.layers:
+            layers[int(m.group(1))].append(i)
+        elif any(layers):
+            after.append(i)
         else:
-            other.setdefault(n.split(".")[0], []).append(i)
-    wte = tuple(other["wte"]) or (index.get("wte.weight", 0),)
-    out = [Moment("fwd:wte", wte, 0), Moment("fwd:wpe", tuple(other["wpe"]), 0)]
-    for b in range(layers):
-        working = full if checkpointing else 0
-        out.append(Moment(f"fwd:blocks.{b}", tuple(blocks[b]), (b + 1) * kept + working))
-    top = layers * kept
+            before.append(i)
+    head = tuple(i for i in after if "lm_head" in names[i])
+    final = tuple(i for i in after if i not in head)
+    token = (max(before, key=lambda i: _size_rank(names[i])),) if before else ()
+    if arch.tied or not head:
+        head = token
+    out = [Moment("fwd:embeddings", tuple(before), 0)]
+    working = full if checkpointing else 0
+    for k in range(arch.layers):
+        out.append(Moment(f"fwd:layer.{k}", tuple(layers[k]), (k + 1) * kept + working))
+    top = arch.layers * kept
     out += [
-        Moment("fwd:ln_f", tuple(other["ln_f"]), top),
-        Moment("fwd:lm_head", wte, top + logits),
-        Moment("bwd:lm_head", wte, top + logits),
-        # the output layer's weight (the embedding's) is still held while its gradient
-        # is written, at the next operator's start
-        Moment("bwd:ln_f", tuple(other["ln_f"]) + wte, top + emb),
+        Moment("fwd:final", final, top),
+        Moment("fwd:lm_head", head, top + logits),
+        Moment("bwd:lm_head", head, top + logits),
+        # the output layer's weight is still held while its gradient is written, at the
+        # next operator's start
+        Moment("bwd:final", final + head, top + emb),
     ]
-    for b in reversed(range(layers)):
-        working = full if checkpointing else 0
-        out.append(
-            Moment(f"bwd:blocks.{b}", tuple(blocks[b]), (b + 1) * kept + working + grads + emb)
-        )
-    # the embeddings' backward holds the position embedding's chunk too (its gradient is
-    # written in the same pass)
-    both = wte + tuple(other["wpe"])
-    out += [Moment("bwd:wpe", tuple(other["wpe"]), emb), Moment("bwd:wte", both, 3 * emb)]
+    for k in reversed(range(arch.layers)):
+        nm = (k + 1) * kept + working + grads + emb
+        out.append(Moment(f"bwd:layer.{k}", tuple(layers[k]), nm))
+    # the embeddings' backward holds all of their chunks (their gradients are written in
+    # the same pass)
+    others = tuple(i for i in before if i not in token)
+    out += [Moment("bwd:positions", others, emb), Moment("bwd:embeddings", tuple(before), 3 * emb)]
     return out
+
+
+def _size_rank(name: str) -> int:
+    """The token embedding among the tensors before the first layer: by its name."""
+    n = name.lower()
+    return 2 if ("wte" in n or "embed_tokens" in n or "word" in n) else 1 if "emb" in n else 0
 
 
 def forecast(
     numels: Sequence[int],
+    trainable: Sequence[bool],
     steps: Sequence[Moment],
     chunk_size: int,
     param_bytes: int,
@@ -119,34 +160,42 @@ def forecast(
     nproc: int = 1,
     adam_temporary: int = 0,
 ) -> Forecast:
-    """One rank's steady-state iteration (see the module docstring). Under ZeRO
-    (`nproc` > 1) the rank owns one chunk of each communication group: an operator needs
-    its groups gathered on the device (the other ranks' chunks arrive by collective and
-    are dropped after use), and only the owned chunks stay, move and take Adam."""
-    layout = pack(list(numels), chunk_size)
-    n = -(-layout.num_chunks // nproc)  # communication groups: one owned chunk each
+    """One rank's steady-state iteration (see the module docstring); the tensors in init
+    order, the trainable ones in one chunk list and the frozen ones in another. Under
+    ZeRO (`nproc` > 1) the rank owns one chunk of each communication group: an operator
+    needs its groups gathered on the device (the other ranks' chunks arrive by collective
+    and are dropped after use), and only the owned chunks stay, move and take Adam."""
+    index: list[int] = [0] * len(numels)
+    units = 0  # communication groups of both lists, trainable first: one owned chunk each
+    for flag in (True, False):
+        idx = [i for i, t in enumerate(trainable) if t == flag]
+        layout = pack([numels[i] for i in idx], chunk_size)
+        for i, place in zip(idx, layout.placements, strict=True):
+            index[i] = units + place.chunk_index // nproc
+        if flag:
+            n_train = -(-layout.num_chunks // nproc)
+        units += -(-layout.num_chunks // nproc)
     chunk = chunk_size * param_bytes  # one param chunk
     others = (nproc - 1) * chunk  # a group's chunks of the other ranks, while gathered
     triple = chunk_size * 12  # fp32 master, momentum, variance
-    of_tensor = [p.chunk_index // nproc for p in layout.placements]
-    uses = [sorted({of_tensor[t] for t in m.tensors}) for m in steps]
+    uses = [sorted({index[t] for t in m.tensors}) for m in steps]
 
     peak_nm = max((m.non_model for m in steps), default=0)
     # as `placement.place_optimizer_states`: two gathered groups may be in flight
-    margin = device_budget - peak_nm - n * chunk - 2 * others
+    margin = device_budget - peak_nm - units * chunk - 2 * others
     left = margin - adam_temporary
     device_adam = 0
-    while device_adam < n and triple <= left:
+    while device_adam < n_train and triple <= left:
         left -= triple
         device_adam += 1
     pinned = device_adam * triple  # device-Adam states stay on the device
 
-    # the access sequence of two iterations: every moment, then Adam's per chunk
+    # the access sequence of two iterations: every moment, then Adam's per trainable chunk
     seq: list[tuple[str, list[int], int]] = []
     for _ in range(2):
         seq += [("op", u, m.non_model) for m, u in zip(steps, uses, strict=True)]
-        seq += [("adam", [i], 0) for i in range(n)]
-    next_use = _next_uses(seq, n)
+        seq += [("adam", [i], 0) for i in range(n_train)]
+    next_use = _next_uses(seq, units)
     # the room a moment leaves for chunks: the engine's allowance is max(N_j, N_j+1)
     allowance = [max(seq[t][2], seq[t + 1][2] if t + 1 < len(seq) else 0) for t in range(len(seq))]
     group = chunk + others
@@ -186,8 +235,8 @@ def forecast(
             chunks_here = len(on_device) * chunk + gathered + pinned
             chunk_peak = max(chunk_peak, chunks_here)
             dev_peak = max(dev_peak, chunks_here + nm)
-            off = n - len(on_device)
-            host_peak = max(host_peak, off * chunk + (n - device_adam) * triple)
+            off = units - len(on_device)
+            host_peak = max(host_peak, off * chunk + (n_train - device_adam) * triple)
     return Forecast(
         device_peak_bytes=dev_peak,
         device_chunk_peak_bytes=chunk_peak,

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pstar_core.capacity import Workload, activation_peak_bytes, rank_forecast
+from pstar_core.capacity import Workload, activation_peak_bytes, rank_forecast, zoo_tensors
 from pstar_core.mapping import BYTES_PARAM, make_plan
 
 CALIBRATION = Path(__file__).with_name("data") / "activation_calibration.json"
@@ -109,12 +109,8 @@ CHECKED = ("device_peak_bytes", "host_peak_bytes", "host_to_device_bytes", "devi
 
 
 def resolved_chunk(model: str, chunk_size: int | str, work: Workload = VALIDATION_WORK) -> int:
-    from pstar_core.capacity import _shapes
-
-    shapes, _ = _shapes(model)
-    numels = [math.prod(s) for _, s in shapes]
-    names = [n for n, _ in shapes]
-    return make_plan(numels, [True] * len(numels), names, work.dtype, chunk_size).chunk_size
+    t = zoo_tensors(model)
+    return make_plan(t.numels, t.trainable, t.names, work.dtype, chunk_size).chunk_size
 
 
 def split_budgets(model: str, chunk: int, split: str, work: Workload = VALIDATION_WORK):
@@ -187,4 +183,85 @@ def check_split(model: str, chunk_size: int | str, split: str) -> dict[str, Any]
         "measured": got,
         "error": errors,
         "max_error": max(errors.values()),
+    }
+
+
+# The paper's chunk-size table (Evaluation): the chunk size it found per model, in M =
+# 2^20 elements, and the utilization it reports (None: not given)
+PAPER_CHUNKS = (
+    ("gpt-10b", 288, 0.9447),
+    ("gpt-15b", 480, 0.9262),
+    ("gpt-18b", 312, 0.915),
+    ("gpt-20b", 288, None),
+    ("gpt-40b", 288, None),
+    ("gpt-60b", 416, None),
+    ("gpt-68b", 416, None),
+)
+
+
+def chunk_table(dtype: str = "fp16") -> list[dict[str, Any]]:
+    """The paper's chunk sizes next to this engine's search (one rank, on `meta`): the
+    size it picks and the share of chunk memory its tensors use; and the paper's own size
+    applied to the tensors the paper keeps in chunks (its embeddings are not: they live on
+    the CPU), for comparison."""
+    from pstar_core.mapping import pack
+
+    rows = []
+    for model, paper_m, paper_util in PAPER_CHUNKS:
+        t = zoo_tensors(model)
+        names, numels = t.names, t.numels
+        plan = make_plan(numels, [True] * len(numels), names, dtype, "auto")
+        blocks = [n for n, name in zip(numels, names, strict=True) if not _embedding(name)]
+        rows.append(
+            {
+                "model": model,
+                "params": sum(numels),
+                "paper_chunk_m": paper_m,
+                "paper_utilization": paper_util,
+                "chunk_m": plan.chunk_size / 2**20,
+                "utilization": plan.utilization,
+                "utilization_at_paper_size": pack(blocks, paper_m * 2**20).utilization,
+            }
+        )
+    return rows
+
+
+def _embedding(name: str) -> bool:
+    return name.split(".")[0] in ("wte", "wpe")
+
+
+# The paper's model-scale results (Evaluation): (case, GPUs, GiB per GPU, GiB host, the
+# largest model it trained, whether that figure was bounded by its throughput bar rather
+# than by memory: its 1-GPU maxima)
+PAPER_CASES = (
+    ("YARD 1 GPU", 1, 32, 240, "gpt-12b", True),
+    ("YARD 8 GPUs", 8, 32, 240, "gpt-18b", False),
+    ("SuperPod 1 GPU", 1, 40, 1024, "gpt-50b", True),
+    ("SuperPod 8 GPUs", 8, 40, 1024, "gpt-68b", False),
+)
+
+
+def paper_case(case: tuple, batch: int = 8) -> dict[str, Any]:
+    """The planner's largest model for one of `PAPER_CASES`, under this engine's rule and
+    the paper's, next to the paper's answer. `within_one_step`: where memory bounded the
+    paper, ours is within one model of the family of its answer; where its throughput bar
+    did, memory allows at least one model less than it trained (it trained it, so ours
+    must not be far below)."""
+    from pstar_core.capacity import PAPER_FAMILY, GiB, Hardware, largest
+
+    name, gpus, gpu_gib, host_gib, paper, throughput = case
+    hw = Hardware(gpus, gpu_gib * GiB, host_gib * GiB)
+    ours = largest(hw, Workload(batch=batch))
+    rule = largest(hw, Workload(batch=batch), rule="paper")
+    i, j = PAPER_FAMILY.index(ours["largest_model"]), PAPER_FAMILY.index(paper)
+    return {
+        "case": name,
+        "paper": paper,
+        "planner": ours["largest_model"],
+        "planner_params": ours["params"],
+        "planner_paper_rule": rule["largest_model"],
+        "bounded_by": "throughput" if throughput else "memory",
+        "within_one_step": i >= j - 1 if throughput else abs(i - j) <= 1,
+        "next_model": ours["next_model"],
+        "next_why": ours["next_why"],
     }
