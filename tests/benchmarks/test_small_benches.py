@@ -150,3 +150,25 @@ def test_bench_load_loads_both_sides_in_the_dtype_asked_for(tmp_path):
         assert r[loader]["held_bytes"] > 0
     assert r["load_avg"]["before"]
     assert r["load_avg"]["after"]
+
+
+def test_bench_plan_sets_the_planner_beside_the_paper_and_the_engine():
+    """`pstar bench plan`: the paper's four configurations (each within one step of the
+    paper's answer where memory bounded it), its chunk-size table, and the forecast of
+    gpt-tiny under three budget splits against the engine's own figures."""
+    got, out = invoke(["bench", "plan", "--models", "gpt-tiny", "--json"])
+    assert [c["case"] for c in got["paper_cases"]] == [
+        "YARD 1 GPU", "YARD 8 GPUs", "SuperPod 1 GPU", "SuperPod 8 GPUs"
+    ]  # fmt: skip
+    assert got["paper_cases_within_one_step"] is True
+    assert [(r["model"], r["split"]) for r in got["forecast"]] == [
+        ("gpt-tiny", "roomy"), ("gpt-tiny", "params"), ("gpt-tiny", "tight")
+    ]  # fmt: skip
+    assert got["max_prediction_error"] == max(r["max_error"] for r in got["forecast"]) <= 0.10
+    assert len(got["chunk_table"]) == 7
+    assert "forecast vs engine" in out
+    assert got["cpu_capability"]
+    assert got["compute_dtype"] == "fp32"
+    bad = runner.invoke(app, ["bench", "plan", "--models", "gpt-2"])
+    assert bad.exit_code == 2
+    assert "--models" in bad.output
