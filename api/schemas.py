@@ -204,6 +204,13 @@ class FineTuningJob(BaseModel):
         "tokens over row slots), examples_per_row, packing (asked, decided, the padding "
         "one example per row would leave), loss_tokens, steps",
     )
+    memory_plan: dict[str, Any] | None = Field(
+        default=None,
+        description="the capacity planner's plan of the job on its cluster, once its data "
+        "is prepared: fits, problems, per_rank (lists_at_start per tier, iteration: the "
+        "activations' peak, the least device memory, device and host peaks, bytes moved), "
+        "and smallest_change for a job that does not fit (as POST .../validate)",
+    )
 
     @classmethod
     def of(cls, j: JobRow) -> FineTuningJob:
@@ -251,6 +258,7 @@ class FineTuningJob(BaseModel):
             pause_requested=bool(j.pause_requested),  # None on a job just created in memory
             early_stopping=j.early_stopping or _early_stopping_settings(j.plan),
             data=j.data_report,
+            memory_plan=j.memory_plan,
         )
 
 

@@ -91,7 +91,12 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         )
     meta = json.loads(meta_file.read_text())
     if job.data_report is None:
-        store.jobs.update(job.id, attempt=attempt, data_report=_data_report(meta))
+        store.jobs.update(
+            job.id,
+            attempt=attempt,
+            data_report=_data_report(meta),
+            memory_plan=_memory_plan(store, job, meta, attempt),
+        )
     plan = job.plan
     total = meta["total_steps"]
     hp = dict(plan["hyperparameters"], seq_len=meta["seq_len"])
@@ -122,6 +127,37 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         "export_dir": str(settings.finetuned_dir(job.id)),
         "storage_path": str(job_dir / "ray"),
     }
+
+
+def _memory_plan(
+    store: Store, job: Any, meta: dict[str, Any], attempt: int
+) -> dict[str, Any] | None:
+    """The capacity planner's plan of the job (as the dry run makes it), with its data's
+    real row length; an event says what it found. A plan that cannot be made is logged
+    and left out: it never stops the job."""
+    from service.estimate import estimate_memory
+
+    rows_per_example = 2 if meta["format"] == "preference" else 1
+    try:
+        plan = estimate_memory(job.plan, meta["seq_len"], meta["vocab_size"], rows_per_example)
+    except Exception as e:  # a model the planner cannot read: the job runs regardless
+        log.warning("job %s: no memory plan: %s", job.id, e)
+        return None
+    it = plan["per_rank"]["iteration"]
+    gib = 2**30
+    text = (
+        f"Memory plan: each of {plan['per_rank']['workers']} rank(s) holds "
+        f"{plan['per_rank']['chunk_bytes'] / gib:.2f} GiB of chunks; activations peak near "
+        f"{it['non_model_peak_bytes'] / gib:.2f} GiB; an iteration needs at least "
+        f"{it['least_device_bytes'] / gib:.2f} GiB on the device"
+    )
+    if not plan["fits"]:
+        change = plan.get("smallest_change")
+        text += f"; does not fit: {'; '.join(plan['problems'])}"
+        if change:
+            text += f" (the smallest change that fits: {change['text']})"
+    store.events.add(job.id, text, level="info" if plan["fits"] else "warning", attempt=attempt)
+    return plan
 
 
 def _data_report(meta: dict[str, Any]) -> dict[str, Any]:

@@ -1,24 +1,40 @@
 """The dry run (`POST /v1/fine_tuning/jobs/validate`): what a job would do, storing nothing.
 
 It runs the same checks as create, tokenizes the files as the driver would (so `seq_len`,
-truncation and the step count are the real ones), builds the chunk plan on the meta device
-(no weight is allocated) for the requested number of workers, and places each rank's
-chunks into the tier budgets the way `initialize` does at start: host memory first, then
-the device up to its warm-up share, then disk, per chunk list. If that does not fit, it
-says which tier overflows and by how much. A LoRA job's plan is that of the model with its
-adapters (built with `peft` on meta): the base in the frozen list at its compute dtype
-only, the adapters with fp32 masters and Adam state; `lora` sums it up.
+truncation and the step count are the real ones), and plans the job with the capacity
+planner (`pstar_core.capacity`, as `pstar plan --gpus` does for hardware that is not
+here): the chunk plan on the meta device (no weight is allocated) for the requested
+number of workers; each rank's chunks per list and tier at start, placed as `initialize`
+places them (host memory first; what it cannot hold goes to the device up to its warm-up
+share, then to disk); and one iteration forecast: the activations' peak (the planner's
+activation model, calibrated on the engine's tracer), the least device memory the
+iteration runs in, the device and host peaks and the bytes moved each way. If that does
+not fit, it says which tier overflows and by how much, and the smallest change that
+would fit (activation checkpointing, a smaller batch, more workers, LoRA). A LoRA job's
+plan is that of the model with its adapters (built with `peft` on meta): the base in the
+frozen list at its compute dtype only, the adapters with fp32 masters and Adam state;
+`lora` sums it up.
 
 Budgets given in bytes are exact. A fraction or a default is resolved on the control
-plane's host (the machine the embedded local Ray runs on); on a remote cluster give
-budgets in bytes for an exact answer. Non-model memory (activations) is measured by the
-tracer in the first step, not estimated here.
+plane's host (the machine the embedded local Ray runs on); a GPU's share is resolved on
+its worker, so the device side of a GPU job is checked only when its budget is in bytes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pstar_core.capacity import (
+    Hardware,
+    Options,
+    RankPlan,
+    Workload,
+    arch_of,
+    lists_at_start,
+    module_tensors,
+    plan_tensors,
+    smallest_change,
+)
 from pstar_core.config import EngineConfig
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, make_plan
 from pstar_core.precision import planned_dtype
@@ -48,12 +64,12 @@ def validate_job(
     except DataError as e:
         raise InvalidRequest(str(e), param="training_file", code="invalid_training_data") from None
     hp = dict(plan["hyperparameters"], seq_len=prep.seq_len)
-    memory = estimate_memory(plan, prep.seq_len, len(prep.tokenizer))
     # a DPO step forwards both answers of each of its pairs
     rows_per_example = 2 if prep.format == "preference" else 1
+    nodes = getattr(jobs.launcher, "cluster_nodes", lambda: None)()
+    memory = estimate_memory(plan, prep.seq_len, len(prep.tokenizer), rows_per_example, nodes)
     tokens_per_step = hp["batch_size"] * rows_per_example * prep.seq_len
     problems = list(memory.pop("problems"))
-    nodes = getattr(jobs.launcher, "cluster_nodes", lambda: None)()
     resources = place_workers(plan["resources"], nodes)
     if resources["fits"] is False:
         problems.append(resources["problem"])
@@ -120,62 +136,62 @@ def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> 
     return out
 
 
-def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str, Any]:
-    """The chunk plan for the job's workers and each rank's model data per tier."""
-    import torch
-
+def estimate_memory(
+    plan: dict[str, Any],
+    seq_len: int,
+    vocab: int,
+    rows_per_example: int = 1,
+    nodes: list[dict[str, float]] | None = None,
+) -> dict[str, Any]:
+    """The chunk plan for the job's workers, each rank's model data per tier at start, and
+    one iteration forecast by the capacity planner (`pstar_core.capacity`); for a job that
+    does not fit, the smallest change that would."""
     cfg = EngineConfig.parse(plan["engine"])
     workers = plan["resources"]["num_workers"]
-    dtype = planned_dtype(cfg.dtype, bool(plan["resources"].get("use_gpu")))
-    module = _meta_model(plan["model"], seq_len, vocab)
+    gpu = bool(plan["resources"].get("use_gpu"))
+    dtype = planned_dtype(cfg.dtype, gpu)
     lora = (plan.get("method") or {}).get("lora")
-    if lora is not None:
-        from service.lora import wrap_meta
-
-        module = wrap_meta(module, lora)  # the base frozen, the adapters trainable
-    seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
-    for name, p in module.named_parameters():
-        seen.setdefault(id(p), (name, p))
-    params = list(seen.values())
+    tensors = _tensors(plan["model"], seq_len, vocab, lora)
     chunk_plan = make_plan(
-        [p.numel() for _, p in params],
-        [p.requires_grad for _, p in params],
-        [n for n, _ in params],
-        dtype,
-        cfg.chunk_size,
-        workers,
+        tensors.numels, tensors.trainable, tensors.names, dtype, cfg.chunk_size, workers
     )
-    per_rank_chunks = chunk_plan.chunk_bytes // workers
-    per_rank_data = chunk_plan.model_data_bytes // workers
+    need = chunk_plan.chunk_bytes // workers
     p_bytes = BYTES_PARAM[dtype]
-    param_chunk_bytes = chunk_plan.chunk_size * p_bytes
     # the ranks of one host share it (local Ray: every worker is on this host)
     host_whole = host_memory_limit() // workers
-    gpu = plan["resources"].get("use_gpu")
-    dev_whole = None if gpu else host_whole
     mem = cfg.memory
-    device = _resolve(mem.device_budget, dev_whole)
-    host = _resolve(mem.host_budget, host_whole)
+    device = _resolve(mem.device_budget, None if gpu else host_whole)
+    host = _resolve(mem.host_budget, host_whole) or 0
     disk = _resolve(mem.disk_budget, None) if mem.disk_budget else 0
     problems = []
     if disk is None:
         problems.append("memory.disk_budget as a fraction is resolved on the worker: not checked")
         disk = 0
-    # at start: host first, then the device up to its warm-up share (param lists only),
-    # then disk; the warm-up step must pass every chunk through host and disk
-    need = per_rank_chunks
-    on_host = min(need, host)
-    param_lists = sum(
-        int(s["bytes"]) for k, s in chunk_plan.list_stats().items() if k in ("param", "frozen")
-    )
+    if device is None:
+        problems.append(
+            "memory.device_budget is resolved on the worker (a share of its GPU): the GPU's "
+            "side is not checked here; give it in bytes to have it checked"
+        )
+
+    def plan_for(o: Options) -> RankPlan:
+        t = tensors
+        if o.lora and lora is None:  # the suggestion: LoRA with its defaults
+            t = _tensors(plan["model"], seq_len, vocab, {})  # LoraConfig's defaults
+        hw = Hardware(o.workers, device or 1 << 60, host * o.workers, disk * o.workers,
+                      accelerator=False)  # fmt: skip
+        work = Workload(
+            batch=max(1, o.batch // o.workers) * rows_per_example, seq=seq_len,
+            activation_checkpointing=o.checkpointing, dtype=dtype, chunk_size=cfg.chunk_size,
+        )  # fmt: skip
+        return plan_tensors(plan["model"]["id"], t, hw, work)
+
+    now = Options(workers, plan["hyperparameters"]["batch_size"], cfg.activation_checkpointing,
+                  lora is not None)  # fmt: skip
+    rank = plan_for(now)
     share = int(mem.warmup_ratio * device) if device is not None else 0
-    on_device = min(need - on_host, share, param_lists // workers)
-    on_disk = min(need - on_host - on_device, disk)
-    lists_at_start = _lists_at_start(
-        {k: int(v["bytes"]) // workers for k, v in chunk_plan.list_stats().items()},
-        on_device,
-        on_disk,
-    )
+    list_bytes = {k: int(v["bytes"]) // workers for k, v in chunk_plan.list_stats().items()}
+    lists_at = lists_at_start(list_bytes, host, share, disk)
+    on = {t: sum(row[t] for row in lists_at.values()) for t in ("device", "host", "disk")}
     overflow = None
     if need > host + disk:
         overflow = {"tier": "host", "bytes": need - host - disk}
@@ -185,13 +201,13 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
             f"short by {_gib(need - host - disk)}; raise memory.host_budget or "
             "memory.disk_budget, or add workers"
         )
-    working_set = param_chunk_bytes * workers  # an operator's chunk, gathered from all ranks
-    if device is not None and working_set > device:
-        overflow = overflow or {"tier": "device", "bytes": working_set - device}
+    if device is not None and rank.least_device_bytes > device:
+        overflow = overflow or {"tier": "device", "bytes": rank.least_device_bytes - device}
         problems.append(
-            f"an operator needs at least {_gib(working_set)} of gathered param chunks on the "
-            f"device, whose budget is {_gib(device)}; raise memory.device_budget or use a "
-            "smaller chunk_size"
+            f"an iteration needs at least {_gib(rank.least_device_bytes)} on the device (its "
+            f"activations peak at {_gib(rank.non_model_peak_bytes)}, with the chunks its "
+            f"operators use), whose budget is {_gib(device)}; raise memory.device_budget, "
+            "turn on engine.activation_checkpointing or use a smaller batch"
         )
     out = {
         "fits": overflow is None,
@@ -210,45 +226,51 @@ def estimate_memory(plan: dict[str, Any], seq_len: int, vocab: int) -> dict[str,
         },
         "per_rank": {
             "workers": workers,
-            "model_data_bytes": per_rank_data,
+            "model_data_bytes": chunk_plan.model_data_bytes // workers,
             "chunk_bytes": need,
             "tiers_at_start": {
-                "device": {"budget": device, "chunk_bytes": on_device},
-                "host": {"budget": host, "chunk_bytes": on_host},
-                "disk": {"budget": disk, "chunk_bytes": on_disk},
+                "device": {"budget": device, "chunk_bytes": on["device"]},
+                "host": {"budget": host, "chunk_bytes": on["host"]},
+                "disk": {"budget": disk, "chunk_bytes": on["disk"]},
             },
-            "lists_at_start": lists_at_start,
-            "gathered_working_set_bytes": working_set,
+            "lists_at_start": lists_at,
+            "gathered_working_set_bytes": chunk_plan.chunk_size * p_bytes * workers,
+            "iteration": _iteration(rank, device is not None),
         },
-        "non_model_bytes": "measured by the tracer in the first step",
+        "non_model_bytes": rank.non_model_peak_bytes,
+        "non_model_source": (
+            "the planner's activation model, calibrated on the engine's tracer "
+            "(pstar_core/plan_check.py); the job's first step measures it"
+        ),
     }
+    if overflow is not None:
+        one = place_workers({**plan["resources"], "num_workers": 1}, nodes) if nodes else {}
+        out["smallest_change"] = smallest_change(
+            plan_for, now, max_workers=one.get("placeable_workers")
+        )
     if lora is not None:
-        out["lora"] = _lora_plan(lora, chunk_plan, p_bytes, lists_at_start)
+        out["lora"] = _lora_plan(lora, chunk_plan, p_bytes, lists_at)
     return out
 
 
-# Where `startup.enforce_budgets` puts a rank's chunks at start, by list: all on the
-# host; while the host is over its budget, chunks of the param lists move to the device
-# (up to its warm-up share), then chunks spill to disk in this order
-TO_DEVICE_FIRST = ("param", "frozen")
-TO_DISK_FIRST = ("param", "frozen", "param_fp32", "momentum", "variance")
-
-
-def _lists_at_start(
-    list_bytes: dict[str, int], on_device: int, on_disk: int
-) -> dict[str, dict[str, int]]:
-    """Each chunk list's bytes per tier at start (one rank), given how many bytes go to
-    the device and to disk (what the host budget cannot hold)."""
-    out = {k: {"device": 0, "host": b, "disk": 0} for k, b in list_bytes.items()}
-    for tier, left, order in (
-        ("device", on_device, TO_DEVICE_FIRST),
-        ("disk", on_disk, TO_DISK_FIRST),
-    ):
-        for k in order:
-            take = min(out[k]["host"], left)
-            out[k]["host"] -= take
-            out[k][tier] += take
-            left -= take
+def _iteration(rank: RankPlan, device_known: bool) -> dict[str, Any]:
+    """One rank's iteration as the planner forecasts it (the device's figures only when
+    its budget is known here)."""
+    out: dict[str, Any] = {
+        "non_model_peak_bytes": rank.non_model_peak_bytes,
+        "least_device_bytes": rank.least_device_bytes,
+        "collective_bytes": rank.collective_bytes_per_iter,
+    }
+    if device_known:
+        out |= {
+            "device_peak_bytes": rank.device_peak_bytes,
+            "host_peak_bytes": rank.host_peak_bytes,
+            "host_to_device_bytes": rank.host_to_device_bytes_per_iter,
+            "device_to_host_bytes": rank.device_to_host_bytes_per_iter,
+            "device_margin_bytes": rank.gpu_margin_bytes,
+            "optimizer_chunks_on_device": rank.os_chunks_on_gpu,
+            "optimizer_chunks": rank.os_chunks,
+        }
     return out
 
 
@@ -279,17 +301,26 @@ def _lora_plan(
     }
 
 
-def _meta_model(model: dict[str, Any], seq_len: int, vocab: int):
+def _tensors(model: dict[str, Any], seq_len: int, vocab: int, lora: dict[str, Any] | None):
+    """The job's model on the meta device (no weight allocated), as the planner needs it;
+    with `lora`, wrapped by `peft`: the base frozen, the adapters trainable."""
     import torch
 
     if model["kind"] == "zoo":
         from service.prepare import model_fn
 
         with torch.device("meta"):
-            return model_fn(model, seq_len, vocab)()
-    from service.planning import build_meta
+            module = model_fn(model, seq_len, vocab)()
+    else:
+        from service.planning import build_meta
 
-    return build_meta(model["path"])
+        module = build_meta(model["path"])
+    config = module.config
+    if lora is not None:
+        from service.lora import wrap_meta
+
+        module = wrap_meta(module, lora)
+    return module_tensors(module, arch_of(config), seq_len)
 
 
 def _resolve(budget: int | float | None, whole: int | None) -> int | None:

@@ -274,11 +274,44 @@ function renderHead(job) {
   $("#pause").hidden = ended || job.status === "paused" || job.pause_requested;
   $("#resume").hidden = job.status !== "paused";
   $("#job-method").textContent = methodFacts(job).join(" · ");
+  renderPlan(job.memory_plan);
   const link = $("#ray-link");
   if (state.rayDashboard && job.ray_submission_id) {
     link.href = `${state.rayDashboard}/#/jobs/${job.ray_submission_id}`;
     link.hidden = false;
   }
+}
+
+// the capacity planner's plan of the job on its cluster (written once its data is
+// prepared): each chunk list per tier at start, one iteration's forecast, and for a job
+// that does not fit, the smallest change that would
+function renderPlan(plan) {
+  const card = $("#plan");
+  if (!card || !plan) return;
+  card.hidden = false;
+  const rank = plan.per_rank;
+  const change = plan.smallest_change;
+  $("#plan-verdict").textContent = plan.fits
+    ? `Fits: ${rank.workers} rank(s), ${fmtBytes(rank.chunk_bytes)} of chunks each.`
+    : `Does not fit: ${plan.problems.join("; ")}` + (change ? ` Smallest change that fits: ${change.text}.` : "");
+  $("#plan-verdict").className = plan.fits ? "" : "error";
+  const body = $("#plan-lists tbody");
+  body.replaceChildren(...Object.entries(rank.lists_at_start)
+    .filter(([, row]) => row.device + row.host + row.disk + (row.over || 0) > 0)
+    .map(([name, row]) => el("tr", { "data-list": name }, el("td", {}, name),
+      ...["device", "host", "disk", "over"].map((t) => el("td", {}, fmtBytes(row[t] || 0))))));
+  const it = rank.iteration;
+  const parts = [
+    `activations peak near ${fmtBytes(it.non_model_peak_bytes)} (${plan.non_model_source})`,
+    `an iteration needs at least ${fmtBytes(it.least_device_bytes)} on the device`,
+  ];
+  if (it.device_peak_bytes != null) {
+    parts.push(`device peak ${fmtBytes(it.device_peak_bytes)}, host peak ${fmtBytes(it.host_peak_bytes)}`,
+      `moves ${fmtBytes(it.host_to_device_bytes)} host→device and ${fmtBytes(it.device_to_host_bytes)} back per step`,
+      `${it.optimizer_chunks_on_device} of ${it.optimizer_chunks} optimizer-state chunks on the device`);
+  }
+  if (rank.workers > 1) parts.push(`${fmtBytes(it.collective_bytes)} in collectives per step`);
+  $("#plan-iteration").textContent = parts.join(" · ");
 }
 
 // -- try it: the fine-tuned model and its base answer one prompt side by side -----------

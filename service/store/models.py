@@ -125,6 +125,9 @@ class Job(Base):
     data_report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # when the tenant deleted the fine-tuned model (DELETE /v1/models/{model})
     model_deleted_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # the capacity planner's plan of the job on its cluster (service.estimate), written
+    # by the driver once the data is prepared
+    memory_plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Attempt(Base):

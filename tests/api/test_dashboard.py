@@ -216,6 +216,16 @@ def test_the_job_page_plots_the_jobs_real_points(serve, jobs, browser):
     facts = browser.find_element("css selector", "#job-facts").text
     assert f"dtype {runtime['compute_dtype']} (auto, {runtime['cpu_capability']}" in facts
     assert _charts_per_card(browser) == [1] * 7
+    # the capacity planner's plan of the job, written by its driver, on the page
+    plan = job.model_extra["memory_plan"]
+    assert plan["fits"] is True
+    assert plan["per_rank"]["workers"] == 2
+    assert "Fits: 2 rank(s)" in browser.find_element("css selector", "#plan-verdict").text
+    shown = browser.find_elements("css selector", "#plan-lists tbody tr")
+    lists = {k for k, row in plan["per_rank"]["lists_at_start"].items() if sum(row.values())}
+    assert {r.get_attribute("data-list") for r in shown} == lists
+    iteration = browser.find_element("css selector", "#plan-iteration").text
+    assert "an iteration needs at least" in iteration
     _shot(browser, "job-finished")
 
 

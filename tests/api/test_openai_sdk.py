@@ -295,3 +295,58 @@ def test_validate_reports_data_and_fit_and_stores_nothing(api):
     assert rep["estimate"]["overflow"]["tier"] == "host"
     assert rep["estimate"]["overflow"]["bytes"] == rep["estimate"]["per_rank"]["chunk_bytes"] - 1000
     assert len(c.fine_tuning.jobs.list(limit=100).data) == before
+
+
+def test_validate_plans_each_rank_per_tier_and_names_the_smallest_change_that_fits(api):
+    """The dry run carries the capacity planner's plan (the same as `pstar plan`): each
+    list per tier at start and one iteration's forecast. A device budget below what an
+    iteration needs does not fit, says so, and names the smallest change that would; the
+    job with that change validates as fitting."""
+    c = api.client()
+    f = upload(c, chat_lines(16))
+
+    def validate(**body):
+        r = httpx.post(
+            f"{api.base}/fine_tuning/jobs/validate",
+            headers=api.headers(),
+            json={"model": "tiny-llama", "training_file": f.id, **body},
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    roomy = validate(hyperparameters={"batch_size": 8})
+    rank = roomy["estimate"]["per_rank"]
+    it = rank["iteration"]
+    assert roomy["fits"] is True
+    assert it["least_device_bytes"] > it["non_model_peak_bytes"] > 0
+    assert it["device_peak_bytes"] >= it["least_device_bytes"]
+    # every chunk of the rank is somewhere at start, on the host here
+    at_start = rank["lists_at_start"]
+    assert sum(sum(row.values()) for row in at_start.values()) == rank["chunk_bytes"]
+    assert roomy["estimate"]["non_model_bytes"] == it["non_model_peak_bytes"]
+
+    # a device budget between what batch 1 and batch 8 need: only a smaller batch fits
+    need_8 = it["least_device_bytes"]
+    one = validate(hyperparameters={"batch_size": 1})["estimate"]["per_rank"]["iteration"]
+    assert one["least_device_bytes"] < need_8
+    budget = (one["least_device_bytes"] + need_8) // 2
+    tight = validate(
+        hyperparameters={"batch_size": 8}, engine={"memory": {"device_budget": budget}}
+    )
+    assert tight["fits"] is False
+    assert tight["estimate"]["overflow"]["tier"] == "device"
+    assert tight["estimate"]["overflow"]["bytes"] == need_8 - budget
+    assert any("activation_checkpointing" in p for p in tight["problems"])
+    change = tight["estimate"]["smallest_change"]
+    assert change["change"] in ("activation_checkpointing", "batch")
+    if change["change"] == "batch":
+        fixed = validate(
+            hyperparameters={"batch_size": change["value"]},
+            engine={"memory": {"device_budget": budget}},
+        )
+    else:
+        fixed = validate(
+            hyperparameters={"batch_size": 8},
+            engine={"memory": {"device_budget": budget}, "activation_checkpointing": True},
+        )
+    assert fixed["fits"] is True
