@@ -580,7 +580,11 @@ class _Node:
                 cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **HEAD_ENV},
                 start_new_session=True,
             )  # fmt: skip
-        wait_for(lambda: self.alive(), 120, f"node {name} to join the cluster")
+        self.log = serve.data_dir / f"{name}.log"
+        try:  # a loaded 2-core machine has taken more than 120 s to start a raylet
+            wait_for(lambda: self.alive(), 300, f"node {name} to join the cluster")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its log ends:\n{self.log.read_text()[-3000:]}") from None
 
     def alive(self) -> bool:
         nodes = httpx.get(self.ray_url + "/nodes?view=summary", timeout=10).json()
