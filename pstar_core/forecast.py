@@ -47,17 +47,19 @@ class Arch:
     gated: bool = False  # a gated MLP (Llama's gate and up projections)
     kv_hidden: int | None = None  # keys' (and values') width, if narrower (grouped queries)
 
-    def layer_floats(self) -> int:
-        """Floats one layer keeps per token for its backward. GPT-2's block: its
+    def layer_bytes(self, act_bytes: int) -> int:
+        """Bytes one layer keeps per token for its backward. GPT-2's block: its
         attention's inputs and output (4 h; SDPA keeps no s x s scores) and its MLP's 3
-        inner activations (3 x 4 h), 16 h as the tracer measured. A Llama layer: two
-        norms' inputs and outputs, queries, keys and values, the attention's output and
-        its projection (7 h + 2 kv), and the gated MLP's gate, up, activation and product
-        (4 x inner)."""
+        inner activations (3 x 4 h), 16 h values as the tracer measured. A Llama layer:
+        two norms' inputs and outputs, queries, keys and values, the attention's output
+        and its projection (7 h + 2 kv), the gated MLP's gate, up, activation and product
+        (4 x inner); below fp32 its two RMSNorms also keep an fp32 copy of their input
+        (8 h bytes)."""
         h, inner = self.hidden, self.intermediate
-        if self.gated:
-            return 7 * h + 2 * (self.kv_hidden or h) + 4 * inner
-        return 4 * h + 3 * inner
+        if not self.gated:
+            return (4 * h + 3 * inner) * act_bytes
+        upcast = 8 * h if act_bytes < 4 else 0
+        return (7 * h + 2 * (self.kv_hidden or h) + 4 * inner) * act_bytes + upcast
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,12 @@ def moments(
     layer); those before the first layer are the embeddings, those after it the final
     norm and an untied output layer (`lm_head`)."""
     h, b, s = arch.hidden, batch, seq
-    full = arch.layer_floats() * b * s * act_bytes
+    full = arch.layer_bytes(act_bytes) * b * s
     kept = b * s * h * act_bytes if checkpointing else full
     grads = 3 * arch.intermediate * b * s * act_bytes  # a layer's backward: its MLP's gradients
-    logits = b * s * arch.vocab * (act_bytes + 8)  # the logits, their fp32 softmax and loss
+    # the logits, their fp32 softmax and loss gradient: 12 bytes a logit in any compute dtype
+    # (the loss upcasts; measured the same in bf16 and fp32)
+    logits = b * s * arch.vocab * 12
     emb = arch.vocab * h * act_bytes
     layers: list[list[int]] = [[] for _ in range(arch.layers)]
     before: list[int] = []

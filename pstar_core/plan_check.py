@@ -40,15 +40,16 @@ def calibration_error(min_params: int = 1_000_000) -> dict[str, float]:
         cfg = get_config(r["model"])
         if num_params(cfg) < min_params:
             continue
+        act = BYTES_PARAM[r.get("dtype", "fp32")]
         got = activation_peak_bytes(
-            cfg.hidden_size, cfg.num_layers, cfg.vocab_size, r["batch"], r["seq"], r["ckpt"], 4
+            cfg.hidden_size, cfg.num_layers, cfg.vocab_size, r["batch"], r["seq"], r["ckpt"], act
         )
         errors.append(abs(got / r["measured"] - 1))
     return {"max": max(errors), "median": median(errors), "points": len(errors)}
 
 
-def measure_peak(model: str, batch: int, seq: int, checkpointing: bool) -> int:
-    """The tracer's peak non-model bytes of one fp32 step of a zoo GPT on this engine."""
+def measure_peak(model: str, batch: int, seq: int, checkpointing: bool, dtype: str = "fp32") -> int:
+    """The tracer's peak non-model bytes of one step of a zoo GPT on this engine."""
     import torch
 
     import pstar_core
@@ -62,7 +63,7 @@ def measure_peak(model: str, batch: int, seq: int, checkpointing: bool) -> int:
             m.gradient_checkpointing_enable()
         return m
 
-    config = {"dtype": "fp32", "chunk_size": "auto", "optimizer": {"lr": 1e-4}}
+    config = {"dtype": dtype, "chunk_size": "auto", "optimizer": {"lr": 1e-4}}
     engine = pstar_core.initialize(build, config)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     engine.backward(engine(input_ids=x, labels=x).loss)
@@ -70,12 +71,17 @@ def measure_peak(model: str, batch: int, seq: int, checkpointing: bool) -> int:
     return int(engine.stats()["tracer"]["peak_non_model_bytes"])
 
 
-GRID = [  # (model, checkpointing, batch, seq) of the shipped calibration
-    (m, c, b, s)
+GRID = [  # (model, checkpointing, batch, seq, dtype) of the shipped calibration
+    (m, c, b, s, "fp32")
     for m, seqs in (("gpt-tiny", (32, 64)), ("gpt-small", (32, 128)), ("gpt-45m", (32, 128)))
     for c in (False, True)
     for b in (2, 8)
     for s in seqs
+] + [  # bf16 (on a CPU without native bf16 these steps are slow, not different)
+    (m, c, 8, s, "bf16")
+    for m in ("gpt-small", "gpt-45m")
+    for c in (False, True)
+    for s in (128, 256)
 ]
 
 
@@ -87,9 +93,12 @@ def calibrate() -> dict[str, float]:
     import torch
 
     rows = []
-    for model, ckpt, batch, seq in GRID:
-        peak = measure_peak(model, batch, seq, ckpt)
-        rows.append({"model": model, "ckpt": ckpt, "batch": batch, "seq": seq, "measured": peak})
+    for model, ckpt, batch, seq, dtype in GRID:
+        peak = measure_peak(model, batch, seq, ckpt, dtype)
+        rows.append(
+            {"model": model, "ckpt": ckpt, "batch": batch, "seq": seq, "dtype": dtype,
+             "measured": peak}
+        )  # fmt: skip
     doc = json.loads(CALIBRATION.read_text())
     doc["measured_on"] = (
         f"{platform.machine()}, torch {torch.__version__}, "
