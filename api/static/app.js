@@ -292,7 +292,7 @@ function renderPlan(plan) {
   const rank = plan.per_rank;
   const change = plan.smallest_change;
   $("#plan-verdict").textContent = plan.fits
-    ? `Fits: ${rank.workers} rank(s), ${fmtBytes(rank.chunk_bytes)} of chunks each.`
+    ? `Fits: ${rank.workers} rank(s), ${fmtBytes(rank.chunk_bytes)} of chunks each (planned in ${plan.chunk_plan.dtype}).`
     : `Does not fit: ${plan.problems.join("; ")}` + (change ? ` Smallest change that fits: ${change.text}.` : "");
   $("#plan-verdict").className = plan.fits ? "" : "error";
   const body = $("#plan-lists tbody");
