@@ -36,9 +36,18 @@ HEAD_ENV = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` different ports free now. Their sockets stay bound until all are chosen: one at
+    a time, the kernel may hand the same port out twice (a Ray head once got one port
+    for two of its components and would not start)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def pid_alive(pid: int) -> bool:
@@ -107,17 +116,16 @@ class LocalRayHead:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tag = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
         temp_dir = Path(f"/tmp/pstar-ray-{tag}")  # short: Ray's socket paths have a limit
-        ports = {
-            "port": free_port(),
-            "dashboard-port": self.dashboard_port or free_port(),
-            "ray-client-server-port": free_port(),
-            "dashboard-agent-listen-port": free_port(),
-            "dashboard-agent-grpc-port": free_port(),
-            "runtime-env-agent-port": free_port(),
-            "metrics-export-port": free_port(),
-            "node-manager-port": free_port(),
-            "object-manager-port": free_port(),
-        }
+        names = [
+            "port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+            "node-manager-port", "object-manager-port",
+        ]  # fmt: skip
+        # one spare, so that a given dashboard port is never also another component's
+        chosen = [p for p in free_ports(len(names) + 1) if p != self.dashboard_port]
+        ports = dict(zip(names, chosen, strict=False))
+        if self.dashboard_port:
+            ports["dashboard-port"] = self.dashboard_port
         ray = str(Path(sys.executable).with_name("ray"))
         cmd = [ray, "start", "--head", "--block", "--disable-usage-stats"]
         cmd += [f"--{k}={v}" for k, v in ports.items()]

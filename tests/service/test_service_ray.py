@@ -560,7 +560,7 @@ class _Node:
     letters: the dashboard camel-cases resource names.)"""
 
     def __init__(self, serve, name: str) -> None:
-        from service.local_ray import HEAD_ENV, free_port
+        from service.local_ray import HEAD_ENV, free_ports
 
         head = json.loads((serve.data_dir / "ray" / "head.json").read_text())
         ports = [
@@ -572,7 +572,7 @@ class _Node:
             f"--address={head['gcs_address']}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
             f"--resources={json.dumps({name: 1})}", f"--object-store-memory={256 << 20}",
             "--min-worker-port=20000", "--max-worker-port=20999", "--disable-usage-stats",
-            *(f"--{p}={free_port()}" for p in ports),
+            *(f"--{p}={n}" for p, n in zip(ports, free_ports(len(ports)), strict=True)),
         ]  # fmt: skip
         self.name, self.ray_url = name, head["dashboard_url"]
         with (serve.data_dir / f"{name}.log").open("ab") as log:
