@@ -20,6 +20,11 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def _need_hf_dir(model_dir: Path) -> None:
+    if not (model_dir / "config.json").is_file():
+        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+
+
 _DTYPE_HELP = (
     "auto (what the engine picks on this CPU), fp32, bf16 or fp16: the engine's and every "
     "peer's dtype"
@@ -99,8 +104,7 @@ def bench_load(
     """Peak host memory and time of loading a pretrained directory: ours vs transformers."""
     from benchmarks.load import run
 
-    if not (model_dir / "config.json").is_file():
-        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    _need_hf_dir(model_dir)
     try:
         run(model_dir, dtype=dtype, repeats=repeats, json_out=json_out)
     except ValueError as e:
@@ -242,8 +246,7 @@ def bench_lora(
     """LoRA: step and model data vs full fine-tuning and peft + torch; largest base per cap."""
     from benchmarks.lora import run
 
-    if not (model_dir / "config.json").is_file():
-        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    _need_hf_dir(model_dir)
     try:
         run(
             model_dir, rounds=rounds, batch=batch, seq=seq, cap_gib=cap_gib, disk_gib=disk_gib,
@@ -268,8 +271,7 @@ def bench_serve(
     base, one LoRA adapter and N adapters on one base, against transformers' generate."""
     from benchmarks.serve import run
 
-    if not (model_dir / "config.json").is_file():
-        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    _need_hf_dir(model_dir)
     try:
         levels = tuple(int(x) for x in concurrency.split(",") if x.strip())
     except ValueError:
@@ -304,8 +306,7 @@ def bench_packing(
     """Packing: the main job's data packed vs one example per row, trained tokens per second."""
     from benchmarks.packing import run
 
-    if not (model_dir / "config.json").is_file():
-        _fail(f"{model_dir} is not a HF model directory (run scripts/setup.sh for SmolLM2)")
+    _need_hf_dir(model_dir)
     if not data.is_file():
         _fail(f"{data} does not exist (scripts/setup.sh writes the WordNet data)")
     try:

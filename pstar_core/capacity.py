@@ -238,24 +238,17 @@ def tensors_forecast(
 ) -> Forecast:
     """`forecast.forecast` of one rank with `device_bytes` to plan with: the moments of
     the model's activation model, its tensors in chunks of `chunk_size`."""
-    p = BYTES_PARAM[work.dtype]
+    import torch
+
+    from pstar_core.kernels import adam_temporary_bytes
+
+    plan = make_plan(t.numels, t.trainable, t.names, work.dtype, chunk_size)
     seq = work.seq or t.seq_len
-    steps = moments(t.names, t.arch, work.batch, seq, work.activation_checkpointing, p)
-    # on an accelerator the fused Adam's fp32 gradients of one chunk (kernels.adam)
-    temporary = 4 * chunk_size + 4096 if accelerator else 0
-    return forecast(t.numels, t.trainable, steps, chunk_size, p, device_bytes, nproc, temporary)
-
-
-def rank_forecast(
-    model: str,
-    device_bytes: int,
-    nproc: int,
-    work: Workload,
-    chunk_size: int,
-    accelerator: bool = True,
-) -> Forecast:
-    """`tensors_forecast` of a zoo model."""
-    return tensors_forecast(zoo_tensors(model), device_bytes, nproc, work, chunk_size, accelerator)
+    act = BYTES_PARAM[work.dtype]
+    steps = moments(t.names, t.arch, work.batch, seq, work.activation_checkpointing, act)
+    # what Adam allocates on an accelerator beyond what a trace sees (its fp32 gradients)
+    temporary = adam_temporary_bytes(chunk_size, torch.device("cuda" if accelerator else "cpu"))
+    return forecast(plan, t.trainable, steps, device_bytes, nproc, temporary)
 
 
 # Where `startup.enforce_budgets` puts a rank's chunks at start, by list: all on the

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pstar_core.mapping import pack
+from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, Plan
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)\.")
 
@@ -155,43 +155,36 @@ def _size_rank(name: str) -> int:
 
 
 def forecast(
-    numels: Sequence[int],
+    plan: Plan,
     trainable: Sequence[bool],
     steps: Sequence[Moment],
-    chunk_size: int,
-    param_bytes: int,
     device_budget: int,
     nproc: int = 1,
     adam_temporary: int = 0,
 ) -> Forecast:
-    """One rank's steady-state iteration (see the module docstring); the tensors in init
-    order, the trainable ones in one chunk list and the frozen ones in another. Under
-    ZeRO (`nproc` > 1) the rank owns one chunk of each communication group: an operator
-    needs its groups gathered on the device (the other ranks' chunks arrive by collective
-    and are dropped after use), and only the owned chunks stay, move and take Adam."""
-    index: list[int] = [0] * len(numels)
-    units = 0  # communication groups of both lists, trainable first: one owned chunk each
-    for flag in (True, False):
-        idx = [i for i, t in enumerate(trainable) if t == flag]
-        layout = pack([numels[i] for i in idx], chunk_size)
-        for i, place in zip(idx, layout.placements, strict=True):
-            index[i] = units + place.chunk_index // nproc
-        if flag:
-            n_train = -(-layout.num_chunks // nproc)
-        units += -(-layout.num_chunks // nproc)
-    chunk = chunk_size * param_bytes  # one param chunk
+    """One rank's steady-state iteration (see the module docstring) of the tensors `plan`
+    lays out (`trainable`: each tensor's list, in init order, as `make_plan` took them).
+    Under ZeRO (`nproc` > 1) the rank owns one chunk of each communication group: an
+    operator needs its groups gathered on the device (the other ranks' chunks arrive by
+    collective and are dropped after use), and only the owned chunks stay, move and take
+    Adam."""
+    n_train = -(-plan.trainable.num_chunks // nproc)  # groups: one owned chunk each
+    units = n_train + -(-plan.frozen.num_chunks // nproc)  # trainable first, then frozen
+    train_at = iter(plan.trainable.placements)
+    frozen_at = iter(plan.frozen.placements)
+    index = [
+        next(train_at).chunk_index // nproc if t else n_train + next(frozen_at).chunk_index // nproc
+        for t in trainable
+    ]
+    chunk = plan.chunk_size * BYTES_PARAM[plan.dtype]  # one param chunk
     others = (nproc - 1) * chunk  # a group's chunks of the other ranks, while gathered
-    triple = chunk_size * 12  # fp32 master, momentum, variance
+    triple = plan.chunk_size * BYTES_OPTIMIZER_STATES  # fp32 master, momentum, variance
     uses = [sorted({index[t] for t in m.tensors}) for m in steps]
 
     peak_nm = max((m.non_model for m in steps), default=0)
     # as `placement.place_optimizer_states`: two gathered groups may be in flight
     margin = device_budget - peak_nm - units * chunk - 2 * others
-    left = margin - adam_temporary
-    device_adam = 0
-    while device_adam < n_train and triple <= left:
-        left -= triple
-        device_adam += 1
+    device_adam = min(n_train, max(0, margin - adam_temporary) // triple)
     pinned = device_adam * triple  # device-Adam states stay on the device
 
     # the access sequence of two iterations: every moment, then Adam's per trainable chunk
@@ -207,34 +200,31 @@ def forecast(
     least = max((len(u) * group + a for u, a in ops), default=0)
 
     on_device: set[int] = set(range(device_adam))  # at start: the warm-up placed these
-    moved_in = moved_out = 0
+    moved = {"in": 0, "out": 0}  # bytes of the second (steady) iteration
     dev_peak = chunk_peak = host_peak = 0
     half = len(seq) // 2
+
+    def move(i: int, to_device: bool, counting: bool) -> None:
+        (on_device.add if to_device else on_device.discard)(i)
+        if counting:
+            moved["in" if to_device else "out"] += chunk
+
     for t, (kind, need, nm) in enumerate(seq):
         counting = t >= half
         gathered = len(need) * others if kind == "op" else 0
-        if kind == "adam":
+        if kind == "adam":  # on the device for its chunks, else on the host
             (i,) = need
-            if i < device_adam:
-                if i not in on_device:
-                    on_device.add(i)
-                    moved_in += chunk if counting else 0
-            elif i in on_device:
-                on_device.discard(i)
-                moved_out += chunk if counting else 0
+            if (i < device_adam) != (i in on_device):
+                move(i, i < device_adam, counting)
         else:
             for i in need:
                 if i not in on_device:
-                    on_device.add(i)
-                    moved_in += chunk if counting else 0
+                    move(i, True, counting)
             room = device_budget - pinned - gathered - allowance[t]
-            while on_device and len(on_device) * chunk > room:
-                spare = [i for i in on_device if i not in need]
-                if not spare:
-                    break  # the operator's own chunks: the engine says the budget is short
-                far = max(spare, key=lambda i: next_use[t][i])
-                on_device.discard(far)
-                moved_out += chunk if counting else 0
+            # OPT: the chunk whose next use is furthest goes first
+            spare = sorted((i for i in on_device if i not in need), key=lambda i: -next_use[t][i])
+            while spare and len(on_device) * chunk > room:
+                move(spare.pop(0), False, counting)
         if counting:
             chunks_here = len(on_device) * chunk + gathered + pinned
             chunk_peak = max(chunk_peak, chunks_here)
@@ -245,8 +235,8 @@ def forecast(
         device_peak_bytes=dev_peak,
         device_chunk_peak_bytes=chunk_peak,
         host_peak_bytes=host_peak,
-        host_to_device_bytes=moved_in,
-        device_to_host_bytes=moved_out,
+        host_to_device_bytes=moved["in"],
+        device_to_host_bytes=moved["out"],
         device_adam_chunks=device_adam,
         margin_bytes=margin,
         least_device_bytes=least,

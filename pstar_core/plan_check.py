@@ -4,7 +4,7 @@
   peak non-model bytes of real steps; the measurements ship in
   `data/activation_calibration.json` (`calibrate` measures them again) and
   `calibration_error` states the fit.
-- The forecast of an iteration (`capacity.rank_forecast`: device and host peaks, bytes
+- The forecast of an iteration (`capacity.tensors_forecast`: device and host peaks, bytes
   moved each way) is checked against the engine's own stats with CPU budgets standing in
   for the GPU and host tiers (`check_split`), for three zoo models under three budget
   splits (`VALIDATION`, `SPLITS`): a device that holds everything (Adam on it), one that
@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pstar_core.capacity import Workload, activation_peak_bytes, rank_forecast, zoo_tensors
+from pstar_core.capacity import Workload, activation_peak_bytes, tensors_forecast, zoo_tensors
 from pstar_core.mapping import BYTES_PARAM, make_plan
 
 CALIBRATION = Path(__file__).with_name("data") / "activation_calibration.json"
@@ -118,16 +118,24 @@ CHECKED = ("device_peak_bytes", "host_peak_bytes", "host_to_device_bytes", "devi
 
 
 def resolved_chunk(model: str, chunk_size: int | str, work: Workload = VALIDATION_WORK) -> int:
+    return _plan(model, chunk_size, work).chunk_size
+
+
+def _plan(model: str, chunk_size: int | str, work: Workload):
     t = zoo_tensors(model)
-    return make_plan(t.numels, t.trainable, t.names, work.dtype, chunk_size).chunk_size
+    return make_plan(t.numels, t.trainable, t.names, work.dtype, chunk_size)
+
+
+def cpu_forecast(model: str, device: int, chunk: int, work: Workload = VALIDATION_WORK):
+    """The forecast of one rank of a zoo model with CPU budgets for its tiers."""
+    return tensors_forecast(zoo_tensors(model), device, 1, work, chunk, accelerator=False)
 
 
 def split_budgets(model: str, chunk: int, split: str, work: Workload = VALIDATION_WORK):
     """(device, host) budgets in bytes of one split, from the forecast's own figures."""
-    whole = rank_forecast(model, 1 << 50, 1, work, chunk, accelerator=False)
-    per_elem = BYTES_PARAM[work.dtype]
-    one = chunk * per_elem
-    params = whole.device_chunk_peak_bytes * per_elem // (per_elem + 12)  # the param list
+    whole = cpu_forecast(model, 1 << 50, chunk, work)
+    one = chunk * BYTES_PARAM[work.dtype]
+    params = int(_plan(model, chunk, work).list_stats()["param"]["bytes"])
     host = 2 * whole.device_chunk_peak_bytes
     if split == "roomy":  # everything, Adam included, on the device
         return 2 * (whole.non_model_peak_bytes + whole.device_chunk_peak_bytes), host
@@ -177,7 +185,7 @@ def check_split(model: str, chunk_size: int | str, split: str) -> dict[str, Any]
     per figure (0 where both are 0)."""
     chunk = resolved_chunk(model, chunk_size)
     device, host = split_budgets(model, chunk, split)
-    f = rank_forecast(model, device, 1, VALIDATION_WORK, chunk, accelerator=False).to_json()
+    f = cpu_forecast(model, device, chunk).to_json()
     got = measure_iteration(model, chunk, device, host)
     errors = {
         k: (abs(f[k] / got[k] - 1) if got[k] else (0.0 if f[k] == 0 else math.inf)) for k in CHECKED

@@ -130,7 +130,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
 
 
 def _memory_plan(
-    store: Store, job: Any, meta: dict[str, Any], attempt: int
+    store: Store, job: Job, meta: dict[str, Any], attempt: int
 ) -> dict[str, Any] | None:
     """The capacity planner's plan of the job (as the dry run makes it), with its data's
     real row length; an event says what it found. A plan that cannot be made is logged

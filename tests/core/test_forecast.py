@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from pstar_core.capacity import rank_forecast
 from pstar_core.plan_check import (
     SPLITS,
     VALIDATION,
-    VALIDATION_WORK,
     check_split,
+    cpu_forecast,
     resolved_chunk,
     split_budgets,
 )
@@ -31,10 +30,7 @@ def test_the_three_splits_are_three_regimes(model, chunk_size):
     param chunks moves each of them out for Adam and back; the least budget moves at
     least as much, and the forecast says it cannot run in less."""
     chunk = resolved_chunk(model, chunk_size)
-    f = {
-        s: rank_forecast(model, split_budgets(model, chunk, s)[0], 1, VALIDATION_WORK, chunk, False)
-        for s in SPLITS
-    }
+    f = {s: cpu_forecast(model, split_budgets(model, chunk, s)[0], chunk) for s in SPLITS}
     param_list = f["params"].device_chunk_peak_bytes
     assert f["roomy"].device_adam_chunks > 0
     assert f["roomy"].host_to_device_bytes == f["roomy"].host_peak_bytes == 0
