@@ -122,8 +122,9 @@ class MemoryConfig(_Frozen):
     )
     host_budget: Budget = Field(
         default=None,
-        description="bytes or fraction of host memory (default: the cgroup or physical limit, "
-        "shared between the ranks of this host)",
+        description="bytes or fraction of host memory (default, and the whole a fraction is "
+        "of: the memory available when the engine starts, less max(2 GiB, 10%), shared "
+        "between the ranks of this host; see `tiers.host_share`)",
     )
     disk_budget: Budget = Field(
         default=0, description="bytes (or fraction of free space) of spill files; 0 disables"

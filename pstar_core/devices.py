@@ -26,7 +26,7 @@ import logging
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -216,6 +216,73 @@ def _expandable_segments(module: Any) -> None:
         log.info("expandable segments not available: %s", e)
 
 
+class AllocatorReading(NamedTuple):
+    """One read of a device allocator's counters."""
+
+    allocated: int  # bytes held by live tensors now
+    peak_allocated: int  # the most since the last `reset_peaks`
+    peak_reserved: int  # the most the allocator itself held since then (its cache too)
+
+
+class AllocatorCounters:
+    """[Note: reading the allocator] The tracer reads the device allocator at every moment
+    of every iteration (about 600 moments for Llama-8B). `torch.cuda.memory_allocated`
+    builds the whole statistics dict and flattens it in Python (50-150 us), and a traced
+    moment read it three times more (the window's peaks). Here a moment is one read: the
+    nested dict straight from the allocator (`memory_stats_as_nested_dict`, where the
+    device module has it), which holds the count now and the peaks together. Devices
+    without it (the test suite's) answer the three plain calls. `reads` counts reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module = device_module(device)
+        self._nested = getattr(self.module, "memory_stats_as_nested_dict", None)
+        self.reads = 0
+
+    def read(self) -> AllocatorReading:
+        self.reads += 1
+        if self._nested is not None:
+            stats = self._nested(self.device)
+            allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+            return AllocatorReading(allocated["current"], allocated["peak"], reserved["peak"])
+        m, d = self.module, self.device
+        allocated, peak = int(m.memory_allocated(d)), int(m.max_memory_allocated(d))
+        return AllocatorReading(allocated, peak, int(m.max_memory_reserved(d)))
+
+    def reset_peaks(self) -> None:
+        self.module.reset_peak_memory_stats(self.device)
+
+
+def host_threads() -> int:
+    """[Note: host threads under torchrun] torchrun sets OMP_NUM_THREADS=1 for every rank
+    when it starts more than one per node, so host Adam (the C++ kernel's OpenMP team)
+    ran on one core: about 3 s per billion parameters a step. When torch runs on one
+    thread for that reason (TORCHELASTIC_RUN_ID set and OMP_NUM_THREADS 1), the engine
+    gives each rank its share of the cores this process may run on (divided by
+    LOCAL_WORLD_SIZE); PSTAR_HOST_THREADS=N sets the count outright. Otherwise torch's
+    own setting stands. Returns the thread count from here on (logged when changed)."""
+    asked = os.environ.get("PSTAR_HOST_THREADS", "").strip()
+    now = torch.get_num_threads()
+    if asked:
+        if not asked.isdigit() or int(asked) < 1:
+            raise ValueError(f"PSTAR_HOST_THREADS must be a positive integer, got {asked!r}")
+        want, why = int(asked), "PSTAR_HOST_THREADS"
+    elif (
+        now == 1
+        and os.environ.get("OMP_NUM_THREADS") == "1"
+        and "TORCHELASTIC_RUN_ID" in os.environ
+    ):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        want, why = max(1, (cores or 1) // local), "torchrun set OMP_NUM_THREADS=1"
+    else:
+        return now
+    if want != now:
+        torch.set_num_threads(want)
+        log.info("host threads: %d, torch had %d (%s)", want, now, why)
+    return want
+
+
 def device_module(device: torch.device) -> Any:
     """`torch.cuda` for CUDA, the backend's module for another accelerator: where its
     allocator statistics are read (`memory_allocated`, `max_memory_allocated`,
@@ -271,11 +338,17 @@ class CopyStream:
         assert self.stream is not None
         # dst was allocated on the compute stream, maybe from a block it freed a moment
         # ago: the copy starts after the compute stream's work issued so far
-        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
-        with self.stream:
+        compute = torch.accelerator.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        # torch.accelerator.set_stream, not `with self.stream`: torch.Stream is no context
+        # manager in torch 2.6
+        torch.accelerator.set_stream(self.stream)
+        try:
             dst.copy_(src, non_blocking=True)
             done = torch.Event(device=self.device)
             done.record(self.stream)
+        finally:
+            torch.accelerator.set_stream(compute)
         dst.record_stream(self.stream)  # freed later on the compute stream: wait for us too
         return done
 

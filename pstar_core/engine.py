@@ -28,7 +28,7 @@ from pstar_core.abandon import IterationGuard
 from pstar_core.checkpoint import TrainingState
 from pstar_core.chunk import TensorSlot, TensorState
 from pstar_core.config import ConfigError, EngineConfig
-from pstar_core.devices import resolve_device, rng_state, set_rng_state, to_device
+from pstar_core.devices import host_threads, resolve_device, rng_state, set_rng_state, to_device
 from pstar_core.excluded import ExcludedParams
 from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import ChunkManager, TrainingPhase
@@ -114,6 +114,7 @@ class Engine:
         self.module = module
         self.device = resolve_device(cfg.device)
         self.global_step = 0
+        host_threads()  # torchrun's one thread per rank would starve host Adam
 
         params = _unique_params(module)
         exclude = [re.compile(p) for p in cfg.exclude_from_chunks]
@@ -126,8 +127,7 @@ class Engine:
             process_group, cfg.zero.variant, self.device, cfg.zero.overlap_reductions
         )
         # 'auto' resolved from the hardware, the same on every rank; under ZeRO on a GPU
-        # this first collective also creates NCCL's communicator (and its buffers), so the
-        # device budget is measured with them in place
+        # this first collective also creates NCCL's communicator
         self.precision = resolve_precision(
             cfg.dtype, self.device, self.zero.all_reduce_max if self.zero.enabled else None
         )
@@ -143,6 +143,9 @@ class Engine:
             cfg.chunk_size,
             self.zero.nproc,
         )
+        # the collectives' own device buffers exist before the device budget is read
+        # (see [Note: communicator buffers before the budget] in zero.py)
+        self.zero.warm_up(self.plan.chunk_size, self.dtype)
         self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
         lazy_frozen = startup.allocate(self.manager.residency, weights is not None)
         groups, group_of = resolve_groups(

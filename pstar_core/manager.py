@@ -92,8 +92,9 @@ class ChunkManager:
             self.tracer,
             self.owned,
             extra=lambda: self.grad_accum.values(),
-            # ZeRO's reductions in flight hold device memory until waited on
-            settle=lambda: self.groups.settle(),
+            # ZeRO's reductions in flight hold device memory until waited on; settled
+            # because the device is full (see [Note: leaving the group buffer] in zero.py)
+            settle=lambda: self.groups.settle(pressed=True),
         )
         self.grad_accum = GradAccumulator(self.residency, self.lists)
         self.groups = GatheredGroups(

@@ -288,11 +288,17 @@ class Residency:
             t.new_iteration()
 
     def host_pool(self) -> dict[str, int] | None:
-        """The pinned pool's size, bytes in use, and chunks that found no room in it."""
+        """The pinned pool's size, bytes page-locked so far, bytes in use, and chunks that
+        found no room in it."""
         arena = self.tiers[HOST].arena
         if arena is None:
             return None
-        return {"bytes": arena.nbytes, "live": arena.live_bytes, "fallbacks": arena.fallbacks}
+        return {
+            "bytes": arena.nbytes,
+            "locked": arena.locked_bytes,
+            "live": arena.live_bytes,
+            "fallbacks": arena.fallbacks,
+        }
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         return {

@@ -116,12 +116,16 @@ def enforce_budgets(r: Residency) -> dict[str, int]:
 
 def pin_host_chunks(r: Residency) -> None:
     """After materialization (remote chunks dropped, budgets enforced): the host tier's
-    chunks move into its pool, sized to what this rank can ever hold there."""
+    chunks move into its pool, sized to what this rank can ever hold there. The pool is
+    locked in slices as chunks are copied in, each old payload freed right after its copy
+    (see [Note: the pool grows as it fills] in tiers.py), so the peak is the payloads
+    plus one slice, not the payloads plus the whole pool."""
     host = r.tiers[HOST]
     if not host.use_arena:
         return
     own = sum(c.nbytes for c in r.chunks() if r.owned(c))
-    # gradient accumulation adds an fp32 chunk per trainable chunk while it runs
+    # gradient accumulation adds an fp32 chunk per trainable chunk while it runs: address
+    # space only until it does
     own += sum(4 * c.capacity for c in r.lists[ChunkType.PARAM] if r.owned(c))
     host.make_arena(min(own, host.budget_bytes))
     for c in r.chunks():

@@ -86,6 +86,9 @@ def engine_stats(
         "rank": zero.rank,
         "comm_bytes_sent": zero.bytes_sent,
         "comm_overlapped_reductions": zero.overlapped,
+        # own chunks a settle at the device's limit sent to the host ([Note: leaving the
+        # group buffer] in zero.py)
+        "comm_evicted_under_pressure": m.groups.evicted_under_pressure,
         "host_pool": m.residency.host_pool(),
         "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in zero.calls.items()},
         "comm_bytes_by_list": {k: dict(v) for k, v in zero.by_list.items()},

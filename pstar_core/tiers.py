@@ -141,6 +141,9 @@ def _punch_hole(fd: int, offset: int, size: int) -> None:
 _fallocate = None
 
 
+_PAGE = mmap.PAGESIZE
+
+
 class HostArena:
     """[Note: one pinned pool] Host chunks of a rank on an accelerator live in one buffer,
     sliced.
@@ -149,23 +152,33 @@ class HostArena:
     tier is pinned. Pinning chunk by chunk would go through torch's caching host
     allocator, which rounds each block up to a power of two and never gives it back (about
     2x the chunk bytes for Llama-1B on 8 GPUs, for the life of the process). Instead, once
-    materialization is over, the rank maps one ordinary buffer of exactly the bytes its
-    host tier can hold (its own chunks, at most its budget), page-locks it itself
-    (`devices.register_host`: cudaHostRegister on CUDA) and slices it: a region per chunk,
-    regions of one size reused first (chunks come in two sizes, 2 and 4 bytes per
-    element). `close()` unlocks and unmaps it with the engine. A chunk that finds no room
-    (regions of the other size free, none of its own) gets an ordinary, unpinned buffer
-    (its copies are synchronous) and is counted in `fallbacks`.
+    materialization is over, the rank maps one ordinary buffer of the bytes its host tier
+    can ever hold (its own chunks and their accumulation buffers, at most its budget) and
+    slices it: a region per chunk, regions of one size reused first (chunks come in two
+    sizes, 2 and 4 bytes per element). A chunk that finds no room (regions of the other
+    size free, none of its own) gets an ordinary, unpinned buffer (its copies are
+    synchronous) and is counted in `fallbacks`. `close()` unlocks and unmaps it.
+
+    [Note: the pool grows as it fills] The mapping is address space only: a page costs
+    memory once written. Page-locking (`devices.register_host`: cudaHostRegister on CUDA)
+    makes every page of its range resident, so the pool is locked in slices, each as the
+    regions handed out reach it (at least `SLICE_BYTES`, page-aligned). Locking it whole at
+    once made the pool resident before any chunk was copied in, beside the unpinned
+    payloads it replaces: about 24 bytes per parameter at start in bf16 (an 8B model
+    could not start on a 128 GiB machine), where now the peak is the payloads plus one
+    slice, and the accumulation buffers' part costs nothing until accumulation happens.
     """
+
+    SLICE_BYTES = 64 * 2**20
 
     def __init__(self, nbytes: int, pin_for: torch.device | None) -> None:
         self.buffer = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)
         self.buffer = self.buffer[:nbytes]
         self.pinned_for = pin_for  # the device it is page-locked for, or None
-        if pin_for is not None:
-            register_host(pin_for, self.buffer)
         self.nbytes = nbytes
         self._end = 0
+        self._locked = 0  # bytes from the start page-locked so far (a multiple of a page)
+        self._slices: list[int] = []  # the start of each locked slice
         self._free: dict[int, list[int]] = {}  # region size -> free offsets
         self._live: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size)
         self.fallbacks = 0
@@ -174,6 +187,11 @@ class HostArena:
     def live_bytes(self) -> int:
         return sum(size for _, size in self._live.values())
 
+    @property
+    def locked_bytes(self) -> int:
+        """Bytes of the pool page-locked so far (resident, whatever the regions hold)."""
+        return self._locked if self.pinned_for is not None else 0
+
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         size = numel * torch.empty((), dtype=dtype).element_size()
         free = self._free.get(size)
@@ -181,12 +199,23 @@ class HostArena:
             offset = free.pop()
         elif self._end + size <= self.nbytes:
             offset, self._end = self._end, self._end + size
+            self._lock_to(self._end)
         else:
             self.fallbacks += 1
             return None
         t = self.buffer[offset : offset + size].view(dtype)
         self._live[t.data_ptr()] = (offset, size)
         return t
+
+    def _lock_to(self, end: int) -> None:
+        """Page-lock the pool up to `end` at least (see [Note: the pool grows as it fills])."""
+        if self.pinned_for is None or end <= self._locked:
+            return
+        stop = max(end, self._locked + self.SLICE_BYTES)
+        stop = min(-(-stop // _PAGE) * _PAGE, self.nbytes)
+        register_host(self.pinned_for, self.buffer[self._locked : stop])
+        self._slices.append(self._locked)
+        self._locked = stop
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._live
@@ -199,7 +228,9 @@ class HostArena:
     def close(self) -> None:
         """Unlock the pool (its memory goes when the last view of it does)."""
         if self.pinned_for is not None:
-            unregister_host(self.pinned_for, self.buffer)
+            for start in self._slices:
+                unregister_host(self.pinned_for, self.buffer[start:])
+            self._slices.clear()
             self.pinned_for = None
 
 
@@ -366,17 +397,52 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def host_memory_limit() -> int:
-    """Physical memory, or the cgroup limit when a container sets a lower one."""
-    limit = psutil.virtual_memory().total
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+def host_memory_available() -> int:
+    """What this host can still give: the kernel's MemAvailable, or, in a container whose
+    cgroup sets a lower limit, that limit less the cgroup's working set (its usage less
+    the page cache it can drop, as the kubelet counts it)."""
+    available = psutil.virtual_memory().available
+    cgroups = (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "inactive_file"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+            "total_inactive_file",
+        ),
+    )
+    for limit_path, usage_path, inactive in cgroups:
         try:
-            text = Path(path).read_text().strip()
-        except OSError:
+            limit_text = Path(limit_path).read_text().strip()
+            usage = int(Path(usage_path).read_text().strip())
+            stat = Path(limit_path).with_name("memory.stat").read_text()
+        except (OSError, ValueError):
             continue
-        if text.isdigit():
-            limit = min(limit, int(text))
-    return limit
+        if not limit_text.isdigit() or int(limit_text) >= psutil.virtual_memory().total:
+            continue
+        cache = next(
+            (int(line.split()[1]) for line in stat.splitlines() if line.split()[0] == inactive),
+            0,
+        )
+        available = min(available, int(limit_text) - (usage - cache))
+    return max(0, available)
+
+
+HOST_MARGIN_BYTES = 2 * 2**30
+HOST_MARGIN_SHARE = 0.1
+
+
+def host_share(ranks: int | None = None) -> int:
+    """[Note: the default host budget] What one rank's host tier may plan with when no
+    budget is set: the memory available when the engine starts (`host_memory_available`:
+    other processes' and this one's own memory are already out of it) less a margin for
+    everything else the processes still need (Python, the CUDA runtime's host memory,
+    activations when the CPU is the device, data loading): max(2 GiB, 10 %), the rest
+    shared between the ranks of this host (`ranks`, default `local_ranks()`). Never all of
+    RAM: the pinned pool is locked memory, and a budget the size of RAM let it lock all of
+    it."""
+    available = host_memory_available()
+    margin = max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * available))
+    return max(0, available - margin) // (ranks or local_ranks())
 
 
 def local_ranks() -> int:
@@ -386,7 +452,7 @@ def local_ranks() -> int:
 
 def _host_budget(cfg: MemoryConfig) -> Budget:
     """memory.host_budget, or else PSTAR_HOST_BUDGET (bytes, or a fraction of the host
-    share): how a deployment keeps the host tier under its pods' memory limit without
+    share, `host_share`): how a deployment keeps the host tier under its pods' memory limit without
     every job saying so (k8s/: the worker pods' environment sets it)."""
     if cfg.host_budget is not None:
         return cfg.host_budget
@@ -415,7 +481,7 @@ def _resolve(budget: Budget, whole: int) -> int:
 
 def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[TierName, Tier]:
     """Resolve the configured budgets into the three tiers."""
-    host_whole = host_memory_limit() // local_ranks()
+    host_whole = host_share()
     caps = capabilities(device)
     # an accelerator: what its memory can give us; the CPU as the device: the host's
     dev_whole = plannable_bytes(device, cfg.device_safety) if caps.allocator_stats else host_whole

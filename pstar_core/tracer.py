@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-from pstar_core.devices import capabilities, device_module
+from pstar_core.devices import AllocatorCounters, AllocatorReading, capabilities
 from pstar_core.tiers import return_freed_host_memory
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,9 @@ class MemoryTracer:
         self._measuring_device = False  # measuring with the device allocator's peaks
         self._device_peaks: list[int] = []
         self._logged: set[str] = set()
-        self._allocator = capabilities(device).allocator_stats  # memory counters to read
+        # the device allocator's counters, one read per moment (see [Note: reading the
+        # allocator] in devices.py); None on the CPU
+        self.counters = AllocatorCounters(device) if capabilities(device).allocator_stats else None
         # [Note: memory carried into an iteration] The trace's N_j are what the warm-up
         # saw, but a caller can hold device memory the warm-up did not have: `out =
         # engine(x)` in a loop keeps the last step's logits alive until the next forward
@@ -203,13 +205,12 @@ class MemoryTracer:
         self.untraced_passes += 1
         self._begin(Mode.OFF_TRACE if self.trace is not None else Mode.IDLE, shape)
 
-    def _note_live(self, device_chunk_bytes: int) -> None:
+    def _note_live(self, device_chunk_bytes: int, reading: AllocatorReading | None) -> None:
         """At a moment's start: record (tracing) or compare (otherwise) the device memory
         that is not chunks (see [Note: memory carried into an iteration])."""
-        if not self._allocator:
+        if reading is None:
             return
-        allocated = device_module(self.device).memory_allocated(self.device)
-        live = max(0, allocated - device_chunk_bytes)
+        live = max(0, reading.allocated - device_chunk_bytes)
         self._pass.live_start.append(live)
         self.carry_bytes = self._carry(self.moment, live, self.mode)
 
@@ -297,12 +298,13 @@ class MemoryTracer:
                     name,
                     expected,
                 )
-        self._note_live(device_chunk_bytes)
+        reading = self.counters.read() if self.counters is not None else None
+        self._note_live(device_chunk_bytes, reading)
         if self._profiler is not None:
             with record_function(MOMENT):
                 pass
         elif self._measuring_device and self.moment > 0:
-            self._close_device_window()
+            self._close_device_window(reading)
         return self.moment
 
     def close_window(self, window_chunk_peak: int, window_compute_low: int | None = None) -> None:
@@ -373,7 +375,7 @@ class MemoryTracer:
         else:  # an accelerator: its caching allocator's peaks (CUDA, or the test device)
             self._device_peaks = []
             self._measuring_device = True
-            device_module(self.device).reset_peak_memory_stats(self.device)
+            self.counters.reset_peaks()
 
     def _stop_measuring(self, p: Trace) -> int:
         """Fill in the pass's N_i if it was measured; the measured device peak (0 if not)."""
@@ -386,7 +388,7 @@ class MemoryTracer:
             return_freed_host_memory()  # the profile's objects and buffers
         elif self._measuring_device:
             self._measuring_device = False
-            self._close_device_window()
+            self._close_device_window(self.counters.read())
             # [Note: C_i on an accelerator] R_i is the allocator's peak over window i, which comes
             # while the operator computes, after its chunks were brought and its group
             # gathered; C_i taken at the moment's start would leave those chunk bytes
@@ -402,13 +404,12 @@ class MemoryTracer:
             return 0
         return p.device_peak()
 
-    def _close_device_window(self) -> None:
+    def _close_device_window(self, reading: AllocatorReading) -> None:
         """R of the moment that just ended: the allocator's peak since the last reset
-        (allocated; reserved kept beside it)."""
-        accel = device_module(self.device)
-        self._device_peaks.append(accel.max_memory_allocated(self.device))
-        self._pass.reserved_peak.append(accel.max_memory_reserved(self.device))
-        accel.reset_peak_memory_stats(self.device)
+        (allocated; reserved kept beside it), from the moment's one reading."""
+        self._device_peaks.append(reading.peak_allocated)
+        self._pass.reserved_peak.append(reading.peak_reserved)
+        self.counters.reset_peaks()
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
         if what not in self._logged:

@@ -15,8 +15,15 @@ Two variants move the same bytes:
 
 Both need identical call order on every rank, which holds because every rank runs the
 same model and so reaches the same access and release points (as in DDP, a parameter
-used on one rank but not on another in the same step is not supported).
-NCCL on GPU, gloo on CPU: the backend is the process group's. Only gloo runs here.
+used on one rank but not on another in the same step is not supported, and is caught:
+see [Note: collective order]).
+NCCL on GPU, gloo on CPU: the backend is the process group's.
+
+[Note: torch releases] The in-place single-buffer collectives are called by the name the
+running torch has: `all_gather_single` / `reduce_scatter_single` (torch 2.13's names),
+else `all_gather_into_tensor` / `reduce_scatter_tensor` (the same signatures, in every
+release this engine supports). GPU images ship the torch their CUDA was built with, so
+nothing here may need a newer one.
 
 [Note: bytes sent] `bytes_sent` is counted from the tensors handed to each collective
 call, at the call: what the standard algorithm makes this rank send for it (ring
@@ -31,7 +38,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +54,54 @@ Work = dist.Work
 class RankFailed(RuntimeError):
     """Another rank's iteration failed: every rank gives up the same iteration (see
     [Note: ranks fail together]); the message carries the failing rank's error."""
+
+
+class CollectiveMismatch(RankFailed):
+    """The ranks reached different collectives at the same point (see [Note: collective
+    order]); every rank raises it, naming what each one was about to issue."""
+
+
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False):
+    """`out` (nproc x `inp`, in rank order) gathered in place (see [Note: torch releases])."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool):
+    """`out` = the sum over ranks of this rank's slice of `inp` (see [Note: torch releases])."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+_OP_KINDS = ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "barrier")
+_OP_LISTS = tuple(k.value for k in ChunkType)
+
+
+class Op(NamedTuple):
+    """A collective as the ranks must agree on it (see [Note: collective order])."""
+
+    kind: str  # one of _OP_KINDS
+    chunks: str = ""  # the chunk list of a group's collective ("param", "frozen"), or ""
+    group: int = -1  # the communication group's index in that list
+    numel: int = 0  # elements each rank contributes
+
+    def codes(self) -> list[int]:
+        chunks = _OP_LISTS.index(self.chunks) + 1 if self.chunks else 0
+        return [_OP_KINDS.index(self.kind) + 1, chunks, self.group + 1, self.numel]
+
+    @classmethod
+    def of(cls, codes: list[int]) -> Op:
+        kind, chunks, group, numel = codes
+        if not 0 < kind <= len(_OP_KINDS):
+            return cls("none")
+        return cls(_OP_KINDS[kind - 1], _OP_LISTS[chunks - 1] if chunks else "", group - 1, numel)
+
+    def __str__(self) -> str:
+        where = f" of {self.chunks} group {self.group}" if self.chunks else ""
+        return f"{self.kind}{where} ({self.numel} elements)"
+
+
+_CODES = len(Op("barrier").codes())
 
 
 @dataclass
@@ -81,10 +136,18 @@ class ZeroGroup:
     flags: dist.ProcessGroup | None = None  # gloo: the failure flags (see the Note)
     in_collective: bool = False  # a failure raised inside a collective is not reported
     flag_checks: int = 0
+    # the backend takes a list of chunks to reduce-scatter (torch 2.6's gloo does not)
+    list_reduce_scatter: bool = True
 
     @classmethod
     def single(cls) -> ZeroGroup:
         return cls(None, 0, 1)
+
+    # [Note: the flag group] The failure flags travel on a gloo group (host memory, so a
+    # flag never waits for the device's queue). For a subgroup (`initialize(...,
+    # process_group=...)`: ZeRO inside a node, data parallel across) it is made by the
+    # subgroup's members alone (`use_local_synchronization`): without it `new_group` waits
+    # for every rank of the default group, and the others never call it.
 
     @classmethod
     def from_default(
@@ -105,8 +168,14 @@ class ZeroGroup:
             if "gloo" in str(backend) and not capabilities(device).accelerator:
                 flags = group if group is not None else dist.group.WORLD
             else:
-                ranks = None if group is None else dist.get_process_group_ranks(group)
-                flags = dist.new_group(ranks=ranks, backend="gloo")
+                if group is None:
+                    flags = dist.new_group(backend="gloo")
+                else:
+                    flags = dist.new_group(
+                        ranks=dist.get_process_group_ranks(group),
+                        backend="gloo",
+                        use_local_synchronization=True,
+                    )
         return cls(group, rank, nproc, variant, on, device, flags=flags)
 
     @property
@@ -119,32 +188,63 @@ class ZeroGroup:
 
     # -- failures (see [Note: ranks fail together]) ---------------------------------------
 
-    def agree(self) -> None:
-        """Raise `RankFailed` if another rank has failed (before a collective whose
-        buffers the caller allocates first: a failure then leaves nothing half-made)."""
-        self._agree()
+    def agree(self, op: Op) -> None:
+        """Raise `RankFailed` if another rank has failed, `CollectiveMismatch` if another
+        is about to issue a different collective than `op`. Call it after allocating the
+        collective's buffers and right before the collective (see [Note: ranks fail
+        together])."""
+        self._agree(op)
 
-    def _agree(self) -> None:
-        """Before a collective: raise `RankFailed` if another rank has failed."""
+    def _agree(self, op: Op) -> None:
+        """Before a collective: raise `RankFailed` if another rank has failed.
+
+        [Note: collective order] The flag all-reduce carries the collective each rank is
+        about to issue (kind, chunk list, group, size) and its negation, reduced by MAX: the
+        ranks agree when every field's maximum equals its minimum. NCCL pairs collectives by
+        their order alone, so ranks that reached different ones (a parameter used on one
+        rank but not on the other: a data-dependent branch, an MoE expert with no tokens)
+        would exchange different groups of the same size, silently, or hang. Here every
+        rank sees the same reduced flags, so all raise `CollectiveMismatch` together, each
+        naming what every rank was about to issue (one all-gather of the 4 codes, only
+        then)."""
         if self.flags is None:
             return
-        flag = torch.zeros(1, dtype=torch.int64)
+        codes = op.codes()
+        flag = torch.tensor([0, *codes, *(-c for c in codes)], dtype=torch.int64)
         self.flag_checks += 1
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
-        failed = int(flag.item()) - 1
+        failed = int(flag[0]) - 1
         if failed >= 0:
             raise RankFailed(f"rank {failed} failed: {self._message_from(failed, '')}")
+        high, low = flag[1 : 1 + _CODES], -flag[1 + _CODES :]
+        if not torch.equal(high, low):
+            raise CollectiveMismatch(self._mismatch(codes))
+
+    def _mismatch(self, codes: list[int]) -> str:
+        mine = torch.tensor(codes, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.nproc)]
+        dist.all_gather(every, mine, group=self.flags)
+        issued = ", ".join(f"rank {r}: {Op.of(t.tolist())}" for r, t in enumerate(every))
+        return (
+            f"the ranks reached different collectives at the same point ({issued}): under "
+            "ZeRO every rank must use the same parameters in the same order in each step, "
+            "as in DDP; a model whose parameter use depends on the data (a branch, or an "
+            "MoE block that skips experts without tokens) is not supported, so make every "
+            "rank touch every parameter (an MoE: run each expert on an empty batch) or "
+            "train it without ZeRO"
+        )
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's iteration failed: tell the others at their next collective (unless
         it failed inside one, where the others fail too)."""
         if self.flags is None or self.in_collective or isinstance(error, RankFailed):
             return
-        flag = torch.tensor([self.rank + 1], dtype=torch.int64)
+        flag = torch.zeros(1 + 2 * _CODES, dtype=torch.int64)
+        flag[0] = self.rank + 1  # the operation fields say nothing once a rank has failed
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
-        failed = int(flag.item()) - 1  # the highest failing rank speaks for all
+        failed = int(flag[0]) - 1  # the highest failing rank speaks for all
         self._message_from(failed, f"{type(error).__name__}: {error}")
 
     def _message_from(self, failed: int, mine: str) -> str:
@@ -167,90 +267,110 @@ class ZeroGroup:
     # -- the engine's collectives ------------------------------------------------------
 
     def all_gather(
-        self,
-        outputs: torch.Tensor | list[torch.Tensor],
-        own: torch.Tensor,
-        kind: str = "",
-        agreed: bool = False,
+        self, outputs: torch.Tensor | list[torch.Tensor], own: torch.Tensor, op: Op
     ) -> None:
         """ "collective" variant: every rank's chunk, into one buffer (nproc chunks in rank
-        order, `own` its slice: in place) or into a list of chunks (`own` separate).
-        `agreed`: the caller checked for failures itself (`agree`) before allocating."""
-        if not agreed:
-            self._agree()
-        self._sent("all_gather", own, self.nproc - 1, kind)
+        order, `own` its slice: in place) or into a list of chunks (`own` separate). The
+        caller allocates the outputs first: a failure then is told at the flag, before
+        any rank enters the collective (see [Note: ranks fail together])."""
+        self._agree(op)
+        self._sent("all_gather", own, self.nproc - 1, op.chunks)
         with self._calling():
             if isinstance(outputs, list):
                 dist.all_gather(outputs, own, group=self.group)
             else:
-                dist.all_gather_single(outputs, own, group=self.group)
+                _gather_into(outputs, own, self.group)
 
     def reduce_scatter_sum(
-        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], kind: str = ""
-    ):
+        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], op: Op
+    ) -> Work:
         """ "collective" variant, asynchronous: `own` becomes the sum over ranks of this
         rank's part of `inputs` (one buffer, `own` its slice; or a list, `own` its entry).
         Wait on the returned work before reading `own` or freeing the inputs."""
-        self._agree()
-        self._sent("reduce_scatter", own, self.nproc - 1, kind)
+        self._agree(op)
+        self._sent("reduce_scatter", own, self.nproc - 1, op.chunks)
         with self._calling():
             if isinstance(inputs, list):
-                return dist.reduce_scatter(own, inputs, group=self.group, async_op=True)
-            return dist.reduce_scatter_single(
-                own, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-            )
+                if self.list_reduce_scatter:
+                    try:
+                        return dist.reduce_scatter(own, inputs, group=self.group, async_op=True)
+                    except RuntimeError as e:  # torch 2.6's gloo, for one
+                        if "does not support reduce_scatter" not in str(e):
+                            raise
+                        self.list_reduce_scatter = False
+                # through one flat buffer, waited for here: the buffer lives only as long
+                # as this call (gloo copies through such a buffer itself where it can)
+                work = _reduce_scatter_into(own, torch.cat(inputs), self.group, async_op=True)
+                work.wait()
+                return work
+            return _reduce_scatter_into(own, inputs, self.group, async_op=True)
 
-    def broadcast_each(
-        self, outputs: list[torch.Tensor], kind: str = "", agreed: bool = False
-    ) -> None:
+    def broadcast_each(self, outputs: list[torch.Tensor], op: Op) -> None:
         """ "serial" variant of the gather: outputs[r] receives rank r's chunk."""
-        if not agreed:
-            self._agree()
+        self._agree(op)
         for r, out in enumerate(outputs):
-            self._broadcast(out, r, kind)
+            self._broadcast(out, r, op.chunks)
 
-    def reduce_each_mean(
-        self, inputs: list[torch.Tensor], out: torch.Tensor, kind: str = ""
-    ) -> None:
+    def reduce_each_mean(self, inputs: list[torch.Tensor], out: torch.Tensor, op: Op) -> None:
         """ "serial" variant: out = mean over ranks of inputs[self.rank] (inputs[r] is the
         group's chunk r), by one reduction to each owner."""
-        self._agree()
+        self._agree(op)
         for r, t in enumerate(inputs):
             if r != self.rank:
-                self._sent("reduce", t, 1, kind)  # this rank's part goes to owner r
+                self._sent("reduce", t, 1, op.chunks)  # this rank's part goes to owner r
             with self._calling():
                 dist.reduce(t, dst=self._global(r), op=dist.ReduceOp.SUM, group=self.group)
         out.copy_(inputs[self.rank])
         out.div_(self.nproc)
 
     def all_reduce_sum(self, value: float) -> float:
-        self._agree()
         t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL: not CPU
+        self._agree(Op("all_reduce", numel=1))
         self._all_reduce(t)
         return float(t.item())
 
     def all_reduce_max(self, value: int) -> int:
         """The largest `value` over the ranks (ranks agreeing on a choice)."""
-        self._agree()
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self._agree(Op("all_reduce", numel=1))
         self._sent("all_reduce", t, 2 * (self.nproc - 1) / self.nproc)
         with self._calling():
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
-        self._agree()
+        self._agree(Op("broadcast", numel=t.numel()))
         self._broadcast(t, src)
 
     def all_reduce_mean_(self, t: torch.Tensor) -> None:
-        self._agree()
+        self._agree(Op("all_reduce", numel=t.numel()))
         self._all_reduce(t)
         t.div_(self.nproc)
 
     def barrier(self) -> None:
-        self._agree()
+        self._agree(Op("barrier"))
         with self._calling():
             dist.barrier(group=self.group)
+
+    def warm_up(self, numel: int, dtype: torch.dtype) -> None:
+        """[Note: communicator buffers before the budget] NCCL (2.22 on) connects each
+        algorithm at its first use and allocates its buffers then, outside the caching
+        allocator; on NVSwitch machines the NVLS multicast memory too. The device budget is
+        read from the free memory once (`plannable_bytes`), so those buffers must exist by
+        then, or they come out of the room the budget promised the chunks. One in-place
+        all-gather and reduce-scatter of a group's size, in the chunks' dtype, before the
+        budget is read; the group buffer goes back to the caching allocator, which the
+        budget counts as available. Only on an accelerator with the single-buffer
+        collectives (gloo and the serial variant allocate nothing that outlives a call)."""
+        if not (
+            self.enabled and self.variant == "collective" and capabilities(self.device).accelerator
+        ):
+            return
+        buffer = torch.zeros(numel * self.nproc, dtype=dtype, device=self.device)
+        own = buffer.chunk(self.nproc)[self.rank]
+        self.all_gather(buffer, own, Op("all_gather", numel=numel))
+        self.reduce_scatter_sum(own, buffer, Op("reduce_scatter", numel=numel)).wait()
+        del buffer, own
 
     # -- counted wrappers -------------------------------------------------------------
 
@@ -336,6 +456,7 @@ class GatheredGroups:
         self.live: dict[tuple[ChunkType, int], list[Chunk]] = {}
         self.in_flight: list[InFlight] = []  # reduce-scatters issued, oldest first
         self._buffers: dict[int, torch.Tensor] = {}  # own chunk id -> its group's buffer
+        self.evicted_under_pressure = 0  # own chunks sent to the host by a pressed settle
 
     @property
     def contiguous(self) -> bool:
@@ -351,12 +472,16 @@ class GatheredGroups:
         return sorted(members, key=self.owner)
 
     def gather(self, c: Chunk) -> None:
-        """All-gather the group of `c` (a no-op while it is gathered)."""
+        """All-gather the group of `c` (a no-op while it is gathered).
+
+        Everything this rank needs for the collective is made before the collective's
+        flag (see [Note: ranks fail together]): a rank that cannot stash, make room or
+        allocate the group fails before any rank enters the all-gather, and the others
+        learn it at the flag, instead of waiting in a collective it never issues."""
         key = self._key(c)
         if key in self.live:
             return
         self.settle()  # a group reduced a moment ago may be gathered again (accumulation)
-        self.zero.agree()  # before anything is stashed or allocated for the group
         members = self._members(c)
         own = members[self.zero.rank]
         for m in members:
@@ -376,6 +501,12 @@ class GatheredGroups:
         )
         r.reserve(TierName.DEVICE, sum(m.nbytes for m in remote), {id(m) for m in members})
         device = r.tiers[TierName.DEVICE]
+        serial = self.zero.variant == "serial"
+        op = Op("broadcast" if serial else "all_gather", own.kind.value, key[1], own.capacity)
+        # gathered from here on: an iteration abandoned at the flag drops it (`drop_all`)
+        for m in members:
+            m.pins += 1
+        self.live[key] = members
         with r.tracer.chunk_memory(), profiled("pstar::all_gather"):
             if self.contiguous:
                 buffer = device.allocate(own.capacity * self.zero.nproc, own.dtype)
@@ -386,18 +517,15 @@ class GatheredGroups:
                 for m, part in zip(members, slices, strict=True):
                     if m is not own:
                         r.adopt(m, part, TierName.DEVICE)
-                self.zero.all_gather(buffer, own.payload, own.kind.value, agreed=True)
+                self.zero.all_gather(buffer, own.payload, op)
             else:
                 for m in remote:
                     r.adopt(m, device.allocate(m.capacity, m.dtype), TierName.DEVICE)
                 outputs = [m.payload for m in members]
-                if self.zero.variant == "serial":
-                    self.zero.broadcast_each(outputs, own.kind.value, agreed=True)
+                if serial:
+                    self.zero.broadcast_each(outputs, op)
                 else:
-                    self.zero.all_gather(outputs, own.payload, own.kind.value, agreed=True)
-        for m in members:
-            m.pins += 1
-        self.live[key] = members
+                    self.zero.all_gather(outputs, own.payload, op)
         for m in remote:
             r.tracer.note_use((m.kind.value, m.index))
 
@@ -428,21 +556,37 @@ class GatheredGroups:
         else:
             self._drop(members, own)
 
-    def _drop(self, members: list[Chunk], own: Chunk) -> None:
+    def _drop(self, members: list[Chunk], own: Chunk, pressed: bool = False) -> None:
         """The group leaves: remote chunks are forgotten, the own chunk keeps its bytes
-        in a buffer of its own."""
-        r = self.residency
+        in a buffer of its own (`pressed`: on the host, see [Note: leaving the group
+        buffer])."""
         for m in members:
             m.pins -= 1
-        if self.contiguous:
-            self._buffers.pop(id(own), None)
-            with r.tracer.chunk_memory():
-                alone = r.tiers[TierName.DEVICE].allocate(own.capacity, own.dtype)
-                alone.copy_(own.payload)
-                r.rehome(own, alone)
+        if self._buffers.pop(id(own), None) is not None:
+            self._leave_buffer(own, members, pressed)
         for m in members:
             if m is not own:
-                r.forget(m)
+                self.residency.forget(m)
+
+    def _leave_buffer(self, own: Chunk, members: list[Chunk], pressed: bool) -> None:
+        """[Note: leaving the group buffer] The own chunk is a slice of the group's buffer,
+        which lives while any slice does, so its bytes move to a chunk of their own first:
+        for that copy the device holds the group and one chunk more. In an iteration that
+        follows the trace that moment is measured (the allocator's peak is in its N_i).
+        But a group settled because the device is at its limit (`Residency.reserve` found
+        nothing to evict and waits for reductions in flight to free their buffers) would
+        allocate a chunk beyond the limit, where a real allocator can run out of memory:
+        there the own chunk goes to the host instead, as the eviction that reserve was
+        looking for, and the whole group's memory comes free."""
+        r = self.residency
+        if pressed:
+            self.evicted_under_pressure += 1
+            r.move(own, TierName.HOST, {id(m) for m in members})
+            return
+        with r.tracer.chunk_memory():
+            alone = r.tiers[TierName.DEVICE].allocate(own.capacity, own.dtype)
+            alone.copy_(own.payload)
+            r.rehome(own, alone)
 
     def _reduce(self, members: list[Chunk], own: Chunk) -> None:
         # Slots without a gradient hold parameter values: send zeros for them, and
@@ -457,18 +601,21 @@ class GatheredGroups:
                 m.tier == TierName.DEVICE,
                 f"{_name(m)} goes into a reduce-scatter from the {m.tier} tier",
             )
+        group = own.index // self.zero.nproc
         if self.zero.variant == "serial":
             with r.tracer.chunk_memory():
                 out = r.tiers[TierName.DEVICE].allocate(own.capacity, own.dtype)
+            op = Op("reduce", own.kind.value, group, own.capacity)
             with profiled("pstar::reduce_scatter"):
-                self.zero.reduce_each_mean([m.payload for m in members], out, own.kind.value)
+                self.zero.reduce_each_mean([m.payload for m in members], out, op)
             own.payload.copy_(out)
             self._finish_reduce(members, own, averaged=True)
             return
         # in place: own is its slice of the group's buffer, or its entry in the list
-        inputs = self._buffers.pop(id(own)) if self.contiguous else [m.payload for m in members]
+        inputs = self._buffers[id(own)] if self.contiguous else [m.payload for m in members]
+        op = Op("reduce_scatter", own.kind.value, group, own.capacity)
         with profiled("pstar::reduce_scatter"):
-            work = self.zero.reduce_scatter_sum(own.payload, inputs, own.kind.value)
+            work = self.zero.reduce_scatter_sum(own.payload, inputs, op)
         self.in_flight.append(InFlight(work, members, own))
         if not self.zero.overlap:
             self.settle()
@@ -477,7 +624,9 @@ class GatheredGroups:
         """An operator starts: reductions still in flight now overlap its compute."""
         self.zero.overlapped += len(self.in_flight)
 
-    def _finish_reduce(self, members: list[Chunk], own: Chunk, averaged: bool = False) -> None:
+    def _finish_reduce(
+        self, members: list[Chunk], own: Chunk, averaged: bool = False, pressed: bool = False
+    ) -> None:
         r = self.residency
         if not averaged:
             own.payload.div_(self.zero.nproc)
@@ -486,17 +635,18 @@ class GatheredGroups:
             if s.state is not TensorState.HOLD_AFTER_BWD:
                 r.in_memory(master)
                 own.flat(s).copy_(master.flat(s))
-        self._drop(members, own)
+        self._drop(members, own, pressed)
 
-    def settle(self) -> bool:
-        """Wait for every reduction in flight and release its group; True if any was."""
+    def settle(self, pressed: bool = False) -> bool:
+        """Wait for every reduction in flight and release its group; True if any was.
+        `pressed`: the device has no room left (see [Note: leaving the group buffer])."""
         if not self.in_flight:
             return False
         pending, self.in_flight = self.in_flight, []
         for work, members, own in pending:
             with profiled("pstar::wait reduce_scatter"):
                 work.wait()
-            self._finish_reduce(members, own)
+            self._finish_reduce(members, own, pressed=pressed)
         return True
 
     def finish(self, reduce: bool) -> None:

@@ -38,7 +38,7 @@ from pstar_core.capacity import (
 from pstar_core.config import EngineConfig
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, make_plan
 from pstar_core.precision import planned_dtype
-from pstar_core.tiers import host_memory_limit
+from pstar_core.tiers import host_share
 from service.datasets import DataError
 from service.errors import InvalidRequest
 from service.files import file_path
@@ -157,8 +157,9 @@ def estimate_memory(
     )
     need = chunk_plan.chunk_bytes // workers
     p_bytes = BYTES_PARAM[dtype]
-    # the ranks of one host share it (local Ray: every worker is on this host)
-    host_whole = host_memory_limit() // workers
+    # the ranks of one host share it (local Ray: every worker is on this host), as the
+    # workers' engines will count it when no budget is given
+    host_whole = host_share(workers)
     mem = cfg.memory
     device = _resolve(mem.device_budget, None if gpu else host_whole)
     host = _resolve(mem.host_budget, host_whole) or 0

@@ -483,9 +483,9 @@ def _adamw_fused(
 
     The gradients are read once into one fp32 buffer spanning the segments and scaled in
     place (the kernel takes fp32 grads for fp32 masters); that buffer, at most 4 bytes per
-    chunk element (`adam_temporary_bytes`), is the only temporary. Step counts go to the
-    device in one copy. The new masters are cast into `param_out` by one `_foreach_copy_`.
-    No host synchronisation.
+    chunk element (`adam_temporary_bytes`), is the only temporary. Step counts are made
+    on the device, one 0-dim tensor per distinct count. The new masters are cast into
+    `param_out` by one `_foreach_copy_`. No host synchronisation.
     """
     lo = min(s.offset for s in segments)
     hi = max(s.offset + s.numel for s in segments)
@@ -497,8 +497,13 @@ def _adamw_fused(
         g32 = grad[lo:hi].to(torch.float32, copy=True)  # a copy: grad may alias param_out
         if grad_scale != 1.0:
             g32.mul_(grad_scale)
-    steps = torch.tensor([float(s.step) for s in segments], dtype=torch.float32)
-    steps = steps.to(master.device, non_blocking=True)
+    # each distinct step count made on the device by a fill, shared by its segments (the
+    # kernel only reads them): a copy from pageable host memory would wait for the
+    # device's queue first, a host sync at every device-Adam call
+    steps = {
+        step: torch.full((), float(step), dtype=torch.float32, device=master.device)
+        for step in {s.step for s in segments}
+    }
     groups: dict[tuple[float, float], list[int]] = {}
     for i, s in enumerate(segments):
         groups.setdefault((s.lr, s.weight_decay), []).append(i)
@@ -510,7 +515,7 @@ def _adamw_fused(
             [exp_avg[s.offset : s.offset + s.numel] for s in segs],
             [exp_avg_sq[s.offset : s.offset + s.numel] for s in segs],
             [],
-            [steps[i] for i in members],
+            [steps[segments[i].step] for i in members],
             lr=lr,
             beta1=beta1,
             beta2=beta2,
@@ -571,12 +576,23 @@ def grad_sq_norm(grad: torch.Tensor, segments: Sequence[AdamSegment]) -> float:
     return float(grad_sq_norm_device(grad, segments).item())
 
 
+_NORM_PIECE = 1 << 20  # elements a norm reads at once at most (an 8 MiB fp64 copy)
+
+
 def grad_sq_norm_device(grad: torch.Tensor, segments: Sequence[AdamSegment]) -> torch.Tensor:
     """`grad_sq_norm` as a 0-dim fp64 tensor on grad's device, without a host sync (the
-    caller adds these up and reads the total once). No fp64 copy of the gradient: the
-    norm reduces in fp64 as it reads."""
+    caller adds these up and reads the total once).
+
+    A norm asked for in fp64 reads its input through an fp64 copy (TensorIterator casts
+    the whole input first; only CUDA's bf16/fp16 to fp32 is read in place): 8 bytes per
+    element of the gradient, 4.2 GB for a Llama-3 embedding's. So each segment is read in
+    pieces of at most `_NORM_PIECE` elements and half the chunk, whose squared norms add
+    up in fp64: the copy is one piece at a time, at most 4 bytes per chunk element, and
+    the sum is the fp64 one."""
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    piece = max(1, min(_NORM_PIECE, grad.numel() // 2))
     for s in _validated_segments(segments, grad.numel(), check_step=False):
-        g = grad[s.offset : s.offset + s.numel]
-        total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        for start in range(s.offset, s.offset + s.numel, piece):
+            g = grad[start : min(start + piece, s.offset + s.numel)]
+            total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
     return total

@@ -198,9 +198,12 @@ def engine_config(dtype: str = "fp32", lr: float = 1e-3, wd: float = 0.1, **extr
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def spawn_ranks(module: str, world: int, tmp: Path, *args: str, **env: str) -> list[dict]:
+def spawn_ranks(
+    module: str, world: int, tmp: Path, *args: str, timeout: float = 300, **env: str
+) -> list[dict]:
     """Run `python -m module RANK WORLD TMP *args` as `world` fresh processes (one per
-    rank, gloo over a file in `tmp`); each writes `tmp/result-RANK.json`, returned in order."""
+    rank, gloo over a file in `tmp`); each writes `tmp/result-RANK.json`, returned in order.
+    Ranks still running after `timeout` seconds (a hang) are killed and the test fails."""
     tmp.mkdir(parents=True, exist_ok=True)
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
 
@@ -219,7 +222,13 @@ def spawn_ranks(module: str, world: int, tmp: Path, *args: str, **env: str) -> l
         )
         for r in range(world)
     ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        texts = [p.communicate()[0][-1500:] for p in procs]
+        raise AssertionError(f"ranks still running after {timeout} s (killed): {texts}") from None
     for p, text in zip(procs, outputs, strict=True):
         assert p.returncode == 0, text[-3000:]
     return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]

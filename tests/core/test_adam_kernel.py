@@ -233,6 +233,37 @@ def test_grad_sq_norm(backend: str, dtype: torch.dtype) -> None:
         assert grad_sq_norm(big, [AdamSegment(0, 8, 1, 0.0, 0.0)]) == pytest.approx(8 * 9e76)
 
 
+def _resident_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM"
+)
+def test_the_device_norm_of_a_bf16_chunk_needs_at_most_4_bytes_an_element() -> None:
+    """The device path's sum of squares (the one torch ops compute; on a GPU for every
+    chunk there): a norm asked for in fp64 read the whole gradient through an fp64 copy,
+    8 bytes an element (4.2 GB for a Llama-3 embedding's). Read in pieces, the peak
+    resident memory it adds stays under 4 bytes an element, and the sum is the fp64 one.
+    (The host paths here run the same torch ops; the fake device runs CPU kernels out of
+    its own accounting, so the process's peak is what shows it.)"""
+    from pstar_core.kernels import grad_sq_norm_device
+
+    n = 1 << 24
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    grad_sq_norm_device(grad[:1024], [AdamSegment(0, 1024, 0, 0.0, 0.0)])  # warm
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
+    before = _resident_bytes("VmRSS")
+    total = grad_sq_norm_device(grad, [AdamSegment(0, n - 7, 0, 0.0, 0.0)])
+    grown = _resident_bytes("VmHWM") - before
+    expected = float((grad[: n - 7].double() ** 2).sum())
+    assert float(total) == pytest.approx(expected, rel=1e-12)
+    assert grown <= 4 * n, grown / n
+
+
 @pytest.mark.requires_compiler
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cpp_torch_and_fused_backends_agree(

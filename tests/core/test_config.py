@@ -69,13 +69,16 @@ def test_activation_checkpointing_on_a_model_without_support_is_a_config_error()
 
 
 def test_host_budget_from_the_environment_when_the_config_gives_none(monkeypatch):
+    from pstar_core import tiers
     from pstar_core.config import MemoryConfig
-    from pstar_core.tiers import host_memory_limit, local_ranks, make_tiers
+    from pstar_core.tiers import make_tiers
 
     cpu = torch.device("cpu")
+    monkeypatch.setattr(tiers, "host_memory_available", lambda: 40 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("PSTAR_HOST_BUDGET", "0.5")
-    whole = host_memory_limit() // local_ranks()
-    assert make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == int(0.5 * whole)
+    whole = (40 << 30) - 4 * (1 << 30)  # less a margin of max(2 GiB, 10 %)
+    assert make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == int(0.5 * whole // 2)
     monkeypatch.setenv("PSTAR_HOST_BUDGET", str(3 << 30))
     assert make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == 3 << 30
     # the job's own setting wins
@@ -83,3 +86,53 @@ def test_host_budget_from_the_environment_when_the_config_gives_none(monkeypatch
     monkeypatch.setenv("PSTAR_HOST_BUDGET", "1.5")
     with pytest.raises(ValueError, match="PSTAR_HOST_BUDGET must be bytes"):
         make_tiers(MemoryConfig(), cpu)
+
+
+def test_the_default_host_budget_is_what_the_host_can_give_less_a_margin(monkeypatch):
+    """Not all of RAM: the memory available now, less max(2 GiB, 10 %), per local rank."""
+    from pstar_core import tiers
+    from pstar_core.config import MemoryConfig
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("PSTAR_HOST_BUDGET", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(tiers, "host_memory_available", lambda: 100 << 30)
+    assert tiers.make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == 90 << 30
+    monkeypatch.setattr(tiers, "host_memory_available", lambda: 8 << 30)
+    assert tiers.make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == 6 << 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert tiers.make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == (6 << 30) // 4
+    # a machine already full: nothing, and the engine says so when the model needs some
+    monkeypatch.setattr(tiers, "host_memory_available", lambda: 1 << 30)
+    assert tiers.make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == 0
+
+
+def test_available_host_memory_counts_a_containers_limit_less_its_working_set(
+    monkeypatch, tmp_path
+):
+    from pstar_core import tiers
+
+    group = tmp_path / "cgroup"
+    group.mkdir()
+    (group / "memory.max").write_text(str(16 << 30))
+    (group / "memory.current").write_text(str(10 << 30))
+    (group / "memory.stat").write_text(f"anon {8 << 30}\ninactive_file {3 << 30}\n")
+    real = tiers.Path
+
+    def in_container(path, *rest):
+        text = str(path)
+        if text.startswith("/sys/fs/cgroup/memory."):  # cgroup v2: this container's
+            return real(group, text.rsplit("/", 1)[1])
+        if text.startswith("/sys/fs/cgroup/memory/"):  # cgroup v1: none here
+            return real(tmp_path, "absent", text.rsplit("/", 1)[1])
+        return real(path, *rest)
+
+    monkeypatch.setattr(tiers, "Path", in_container)
+    monkeypatch.setattr(tiers.psutil, "virtual_memory", lambda: _Mem(64 << 30, 50 << 30))
+    # 16 GiB limit, 10 GiB used of which 3 GiB is cache the kernel can drop: 9 GiB
+    assert tiers.host_memory_available() == 9 << 30
+
+
+class _Mem:
+    def __init__(self, total: int, available: int) -> None:
+        self.total, self.available = total, available

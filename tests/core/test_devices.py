@@ -78,3 +78,42 @@ def test_a_spilled_chunk_goes_to_the_device_through_the_host(tmp_path):
     assert moved.get("host->device", 0) >= spilled.nbytes
     assert "disk->device" not in moves
     assert "device->disk" not in moves  # evictions from the device stop at the host
+
+
+@pytest.fixture
+def threads():
+    """torch's thread count, restored after the test (it is process-wide)."""
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_under_torchrun_host_adam_gets_the_ranks_share_of_the_cores(monkeypatch, threads):
+    """torchrun sets OMP_NUM_THREADS=1 for every rank of a multi-rank node: the engine
+    then gives each rank its share of the cores it may run on, so host Adam does not run
+    on one core; PSTAR_HOST_THREADS sets the count outright, and without torchrun's
+    marks torch's own setting stands."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("PSTAR_HOST_THREADS", raising=False)
+    torch.set_num_threads(1)
+    engine = pstar_core.initialize(MODELS["gpt"], engine_config())
+    assert torch.get_num_threads() == cores
+    assert engine.stats()["threads"] == cores
+    engine.close()
+    monkeypatch.setenv("PSTAR_HOST_THREADS", "3")
+    torch.set_num_threads(1)
+    pstar_core.initialize(MODELS["gpt"], engine_config()).close()
+    assert torch.get_num_threads() == 3
+    monkeypatch.delenv("PSTAR_HOST_THREADS")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # one thread asked for outside torchrun
+    torch.set_num_threads(1)
+    pstar_core.initialize(MODELS["gpt"], engine_config()).close()
+    assert torch.get_num_threads() == 1
+    monkeypatch.setenv("PSTAR_HOST_THREADS", "many")
+    with pytest.raises(ValueError, match="PSTAR_HOST_THREADS must be a positive integer"):
+        pstar_core.initialize(MODELS["gpt"], engine_config())

@@ -21,8 +21,13 @@ def single(tmp_path_factory):
     return launch("train", 1, tmp_path_factory.mktemp("single"))[0]
 
 
-def test_two_ranks_match_one_rank_with_the_global_batch(single, tmp_path):
-    ranks = launch("train", 2, tmp_path)
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return launch("train", 2, tmp_path_factory.mktemp("pair"))
+
+
+def test_two_ranks_match_one_rank_with_the_global_batch(single, pair):
+    ranks = pair
     torch.testing.assert_close(
         torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0
     )
@@ -33,6 +38,35 @@ def test_two_ranks_match_one_rank_with_the_global_batch(single, tmp_path):
     for r in ranks:
         assert abs(r["stats_before"]["model_data_bytes"] - half) <= chunk * 14
         assert r["comm_bytes"] > 0
+
+
+def test_a_torch_without_the_2_13_collective_names_trains_bitwise_the_same(pair, tmp_path):
+    """torch before 2.13 has `all_gather_into_tensor` / `reduce_scatter_tensor` only: the
+    engine falls back to them (on a GPU image's torch, the 2.13 names raised
+    AttributeError at the first gather). The fakegpu test runs the single-buffer path."""
+    ranks = launch("train", 2, tmp_path, PSTAR_TEST_OLD_TORCH="1")
+    import torch.distributed as dist
+
+    assert ranks[0]["collective_names"] == []  # the names were gone in the ranks
+    has = hasattr(dist, "all_gather_single")  # 2.13 or later, running these tests
+    assert pair[0]["collective_names"] == (["all_gather_single"] if has else [])
+    assert ranks[0]["losses"] == pair[0]["losses"]
+
+
+def test_ranks_reaching_different_collectives_all_raise_naming_each_ones(tmp_path):
+    """A model whose branch depends on the data: rank 0 uses one layer, rank 1 another,
+    so their gradient reductions come in different orders on equal-sized groups (which
+    NCCL would pair silently). The flags carry the operation: both ranks raise, each
+    naming both ranks' collectives, and go on in step with agreeing data."""
+    ranks = launch("diverge", 2, tmp_path)
+    for r in ranks:
+        [(kind, message)] = r["errors"]
+        assert kind == "CollectiveMismatch"
+        assert "rank 0: " in message
+        assert "rank 1: " in message
+        assert "param group" in message
+    assert ranks[0]["errors"] == ranks[1]["errors"]
+    assert ranks[0]["after"] == ranks[1]["after"]
 
 
 def test_two_ranks_under_a_device_budget_that_forces_eviction(single, tmp_path):

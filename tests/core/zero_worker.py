@@ -63,6 +63,25 @@ class HostPayloads:
 
 
 HOST = HostPayloads()
+ORDER: list[str] = []  # the first single-buffer gathers and device-budget reads, in order
+
+
+def record_order() -> None:
+    from pstar_core import tiers, zero
+
+    plannable, gather = tiers.plannable_bytes, getattr(zero, "_gather_into", None)
+
+    def budget(*args, **kwargs):
+        ORDER.append("budget")
+        return plannable(*args, **kwargs)
+
+    def gathered(*args, **kwargs):
+        ORDER.append("all_gather")
+        return gather(*args, **kwargs)
+
+    tiers.plannable_bytes = budget
+    if gather is not None:
+        zero._gather_into = gathered
 
 
 def vm_hwm() -> int:
@@ -84,13 +103,17 @@ def init_scenario(name: str, rank: int, world: int) -> dict:
         model_fn = functools.partial(build, cfg)
     else:
         model_fn = MODELS["hf_gpt2"]
+    device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+    cfg = engine_config(dtype=os.environ.get("PSTAR_TEST_DTYPE", "fp32"), device=device)
     # the one-time costs of a first engine in a process (the precision probe's oneDNN
     # kernels, thread pools, allocator arenas) are paid by a tiny one first
-    pstar_core.initialize(MODELS["gpt"], engine_config()).close()
+    pstar_core.initialize(MODELS["gpt"], cfg).close()
     torch.manual_seed(0)
     before = vm_hwm()
-    engine = pstar_core.initialize(model_fn, engine_config())
+    engine = pstar_core.initialize(model_fn, cfg)
     out = {"init_peak_growth": vm_hwm() - before}
+    out["params"] = sum(s.numel for s in engine.manager.slots)
+    out["host_pool"] = engine.stats()["host_pool"]
     if name == "init":
         out["tensors"] = {
             k: hashlib.sha256(v.float().numpy().tobytes()).hexdigest()
@@ -132,7 +155,162 @@ def from_dir_scenario(rank: int, world: int, tmp: Path) -> dict:
     return out
 
 
+class Branchy(torch.nn.Module):
+    """A model whose parameter use depends on the data: a batch whose first token is even
+    goes through `a`, an odd one through `b` (as an MoE block skips an expert that got no
+    tokens). With chunks of one layer each, [embed, a] and [b, head] are the two groups of
+    2 ranks."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(width, width)
+        self.a = torch.nn.Linear(width, width - 1)
+        self.b = torch.nn.Linear(width, width - 1)
+        self.head = torch.nn.Linear(width - 1, width)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        h = self.a(h) if int(input_ids[0, 0]) % 2 == 0 else self.b(h)
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return types.SimpleNamespace(loss=loss)
+
+
+def diverge_scenario(rank: int, world: int) -> dict:
+    """Each rank takes the branch its data asks for (rank 0 `a`, rank 1 `b`): the ranks'
+    gradient reductions then come in different orders."""
+    from pstar_core.zero import RankFailed
+
+    engine = pstar_core.initialize(Branchy, engine_config(chunk_size=64 * 64))
+    x = torch.randint(0, 32, (2, 8)) * 2 + rank  # rank 0 even tokens, rank 1 odd
+    out: dict = {"errors": []}
+    try:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+    except RankFailed as e:
+        out["errors"].append([type(e).__name__, str(e)])
+    # the same data on both ranks afterwards: the engine goes on, in step
+    y = torch.randint(0, 32, (2, 8)) * 2
+    loss = engine(input_ids=y, labels=y).loss
+    engine.backward(loss)
+    engine.step()
+    out["after"] = mean_over_ranks(loss, world)
+    return out
+
+
+def subgroup_scenario(rank: int, world: int) -> dict:
+    """ZeRO over ranks 0 and 1 of 3 (`process_group=`): rank 2 never joins the engine's
+    groups, and the 2 members train as 1 rank with their global batch would. Afterwards
+    every rank makes one more group, as a data-parallel group across ZeRO groups would be:
+    groups are named by a count of `new_group` calls unless made with local
+    synchronization, so one the engine made on its members alone would shift the names."""
+    sub = dist.new_group([0, 1])  # every rank of the default group calls new_group
+    out: dict = {"member": rank in (0, 1)}
+    if out["member"]:
+        device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+        cfg = engine_config(chunk_size=8192, device=device)
+        ref = reference_model(MODELS["hf_gpt2"])
+        engine = pstar_core.initialize(MODELS["hf_gpt2"], cfg, process_group=sub)
+        engine.load_state_dict(ref.state_dict())
+        out["losses"] = []
+        for x in batches(4, batch=8):
+            part = x.chunk(2)[rank]
+            loss = engine(input_ids=part, labels=part).loss
+            engine.backward(loss)
+            engine.step()
+            t = loss.detach().clone()
+            dist.all_reduce(t, group=sub)
+            out["losses"].append(t.item() / 2)
+        out["world_size"] = engine.stats()["world_size"]
+        engine.close()
+    across = dist.new_group([1, 2], backend="gloo")
+    if rank in (1, 2):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=across)
+        out["across"] = t.item()
+    dist.barrier()
+    return out
+
+
+def oom_scenario(rank: int, world: int) -> dict:
+    """Rank 1's device runs out of memory while allocating a group's gather buffer in
+    the forward of batch 2: both ranks raise (rank 0 `RankFailed`), each measured from the
+    batch's start, and both go on in step."""
+    import time
+
+    from pstar_core.tiers import TierName
+    from pstar_core.zero import RankFailed
+
+    device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+    cfg = engine_config(chunk_size=8192, device=device)
+    engine = pstar_core.initialize(MODELS["hf_gpt2"], cfg)
+    tier = engine.manager.residency.tiers[TierName.DEVICE]
+    group_elems = 8192 * world
+    armed = {"on": False}
+    allocate = tier.allocate
+
+    def failing(numel, dtype):
+        if armed["on"] and numel == group_elems:
+            armed["on"] = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in a gather)")
+        return allocate(numel, dtype)
+
+    tier.allocate = failing
+    out: dict = {"errors": [], "losses": []}
+    for i, x in enumerate(batches(4, batch=8)):
+        part = x.chunk(world)[rank]
+        armed["on"] = i == 2 and rank == 1
+        start = time.monotonic()
+        try:
+            loss = engine(input_ids=part, labels=part).loss
+            engine.backward(loss)
+            engine.step()
+            out["losses"].append(mean_over_ranks(loss, world))
+        except (RankFailed, torch.OutOfMemoryError) as e:
+            out["errors"].append([i, type(e).__name__, str(e), time.monotonic() - start])
+    return out
+
+
+def pressed_scenario(rank: int, world: int) -> dict:
+    """In backward, whenever reductions are in flight, settle them as `Residency.reserve`
+    does when the device is full: the device must not allocate anything for it (the own
+    chunk leaves the group's buffer for the host), and the numbers must not change."""
+    from pstar_core.manager import TrainingPhase
+
+    device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+    accel = getattr(torch, device)
+    ref = reference_model(MODELS["hf_gpt2"])
+    engine = pstar_core.initialize(MODELS["hf_gpt2"], engine_config(chunk_size=8192, device=device))
+    engine.load_state_dict(ref.state_dict())
+    m = engine.manager
+    grown: list[int] = []
+
+    def observe(_slots) -> None:
+        if m.phase is TrainingPhase.BACKWARD and m.groups.in_flight:
+            before = accel.memory_allocated()
+            accel.reset_peak_memory_stats()
+            m.groups.settle(pressed=True)
+            grown.append(accel.max_memory_allocated() - before)
+
+    m.on_access.append(observe)
+    losses = run_steps(engine, batches(4, batch=8), rank, world)
+    return {
+        "losses": losses,
+        "grown": grown,
+        "evicted": engine.stats()["comm_evicted_under_pressure"],
+    }
+
+
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
+    if name == "pressed":
+        return pressed_scenario(rank, world)
+    if name == "diverge":
+        return diverge_scenario(rank, world)
+    if name == "subgroup":
+        return subgroup_scenario(rank, world)
+    if name == "oom_gather":
+        return oom_scenario(rank, world)
     if name == "from_dir":
         return from_dir_scenario(rank, world, tmp)
     if name.startswith("init"):
@@ -153,6 +331,10 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     cfg = engine_config(
         chunk_size=8192, memory=memory, zero=zero, device=device, gradient_clipping=clip
     )
+    accel = getattr(torch, device.split(":")[0]) if device != "cpu" else None
+    if accel is not None:  # the device's own count of bytes, from here on
+        base = accel.memory_allocated()
+        accel.reset_peak_memory_stats()
     engine = pstar_core.initialize(model_fn, cfg)
     engine.load_state_dict(ref.state_dict())
     out: dict = {"stats_before": {k: engine.stats()[k] for k in ("model_data_bytes", "chunk_size")}}
@@ -167,9 +349,15 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
             for k, v in engine.stats()["chunks"].items()
         }
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
+        out["evicted_under_pressure"] = engine.stats()["comm_evicted_under_pressure"]
         out["host_pool"] = engine.stats()["host_pool"]
         out["own_bytes"] = sum(c.nbytes for c in engine.manager.own_chunks())
         out["device"] = str(engine.device)
+        out["collective_names"] = [n for n in ("all_gather_single",) if hasattr(dist, n)]
+        out["order"] = ORDER[:2]
+        if accel is not None:
+            out["device_peak_growth"] = accel.max_memory_allocated() - base
+            out["device_budget"] = engine.stats()["tiers"]["device"]["budget"]
     elif name == "resume":
         run_steps(engine, data[:8], rank, world)
         HOST.peak = before = HOST.live
@@ -230,12 +418,18 @@ def main(rank: int, world: int, tmp: str, name: str) -> None:
 
         fakedevice.load()
         backend = "fakegpu:fakenccl"  # as "nccl" alone on GPUs: host tensors are refused
+    if os.environ.get("PSTAR_TEST_OLD_TORCH") == "1":
+        # a torch before 2.13: its single-buffer collectives have only their old names
+        for new in ("all_gather_single", "reduce_scatter_single"):
+            if hasattr(dist, new):
+                delattr(dist, new)
     if world > 1:
         dist.init_process_group(
             backend, init_method=f"file://{tmp_path / 'pg'}", rank=rank, world_size=world
         )
     torch.set_num_threads(1)
     HOST.install()
+    record_order()
     result = scenario(name, rank, world, tmp_path)
     (tmp_path / f"result-{rank}.json").write_text(json.dumps(result))
     if world > 1:

@@ -46,7 +46,8 @@ from a caching allocator shaped like torch's CUDA host allocator (each request r
 to a power of two, freed blocks kept for reuse, never returned): `pinned_allocator_bytes`
 (live, as requested) and `pinned_allocator_held_bytes` (everything it holds) show what
 pinning through it costs. `host_register` / `host_unregister` page-lock a range of
-ordinary host memory as ``cudaHostRegister`` / ``cudaHostUnregister`` do (`pinned_bytes`);
+ordinary host memory as ``cudaHostRegister`` / ``cudaHostUnregister`` do (`pinned_bytes`),
+registering making every page of the range resident, as locking it does;
 ``is_pinned()`` is True for a CPU tensor inside either.
 
 Loading changes process-wide state for good, as a real accelerator would: the
@@ -305,8 +306,8 @@ def set_per_process_memory_fraction(fraction: float, device: _Device = None) -> 
 
 
 def host_register(ptr: int, nbytes: int) -> None:
-    """Page-lock `nbytes` of host memory at `ptr`, as ``cudaHostRegister(ptr, nbytes, 0)``;
-    raises if the range overlaps memory already pinned."""
+    """Page-lock `nbytes` of host memory at `ptr`, as ``cudaHostRegister(ptr, nbytes, 0)``:
+    its pages become resident; raises if the range overlaps memory already pinned."""
     _loaded().host_register(int(ptr), int(nbytes))
 
 

@@ -59,6 +59,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -445,6 +447,12 @@ struct PinnedMemory final : c10::Allocator {
         " overlap memory already page-locked (cudaErrorHostMemoryAlreadyRegistered)");
     registered[p] = n;
     registered_bytes += static_cast<int64_t>(n);
+    // cudaHostRegister makes every page of the range resident to lock it: so does this,
+    // writing each page's first byte back (nothing else writes the range while it is
+    // being registered), so a process's resident memory grows as it would on a GPU host
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    volatile char* bytes = reinterpret_cast<volatile char*>(p);
+    for (uintptr_t at = 0; at < n; at += page - ((p + at) % page)) bytes[at] = bytes[at];
   }
 
   void host_unregister(uintptr_t p) {

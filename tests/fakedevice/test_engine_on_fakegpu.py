@@ -177,6 +177,13 @@ def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
     assert ranks[0]["overlapped"] > 0  # on a device, reductions overlap by default
     # 'fakegpu' without an index: each rank its own device, from LOCAL_RANK
     assert [r["device"] for r in ranks] == [f"{DEV}:0", f"{DEV}:1"]
+    # a group-sized all-gather (NCCL allocates its buffers at first use) before the
+    # device budget is read from the free memory
+    assert ranks[0]["order"] == ["all_gather", "budget"]
+    # a torch before 2.13 (no all_gather_single / reduce_scatter_single): bitwise the same
+    old = launch("train", 2, "old", PSTAR_TEST_DEVICE=DEV, PSTAR_TEST_OLD_TORCH="1", **clip)
+    assert old[0]["collective_names"] == []
+    assert old[0]["losses"] == ranks[0]["losses"]
     exported = launch("export", 2, "export", PSTAR_TEST_DEVICE=DEV)
     from transformers import AutoModelForCausalLM
 
@@ -187,6 +194,80 @@ def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def one_cpu_rank(tmp_path_factory):
+    """The ZeRO worker's training run on one CPU rank: what every split must equal."""
+    from tests.core.helpers import spawn_ranks
+
+    where = tmp_path_factory.mktemp("one")
+    return spawn_ranks("tests.core.zero_worker", 1, where, "train")[0]
+
+
+def test_zero_on_a_subgroup_is_made_by_its_members_alone(tmp_path, one_cpu_rank):
+    """`process_group=` a 2-rank subgroup of 3 processes: the engine's flag group is made
+    with local synchronization, so the third process never calls into it, the two train
+    as one rank with their global batch, and groups made afterwards by every process
+    still match (a flag group made without it shifted their names: 'Group rank ... is not
+    part of group')."""
+    from tests.core.helpers import spawn_ranks
+
+    def launch(name, world, where, **env):
+        return spawn_ranks(
+            "tests.core.zero_worker", world, tmp_path / where, name, timeout=120, **env
+        )
+
+    single = one_cpu_rank
+    ranks = launch("subgroup", 3, "three", PSTAR_TEST_DEVICE=DEV)
+    assert [r["member"] for r in ranks] == [True, True, False]
+    assert ranks[0]["world_size"] == 2
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"][:4]), rtol=1e-5, atol=0
+    )
+    assert ranks[1]["across"] == ranks[2]["across"] == 3.0
+
+
+def test_a_group_settled_at_the_devices_limit_allocates_nothing_there(tmp_path, one_cpu_rank):
+    """When the device is full and nothing can be evicted, `Residency.reserve` waits for
+    the reductions in flight to free their group buffers. Leaving a buffer used to copy
+    the own chunk into a new device chunk first (one chunk past the limit, where a real
+    allocator runs out of memory); settled under pressure, the own chunk goes to the host
+    instead. Here every reduction in flight in backward is settled that way: the device
+    never grows during a settle, chunks were evicted so, and the losses are unchanged."""
+    from tests.core.helpers import spawn_ranks
+
+    ranks = spawn_ranks("tests.core.zero_worker", 2, tmp_path, "pressed", PSTAR_TEST_DEVICE=DEV)
+    for r in ranks:
+        assert r["evicted"] > 0
+        assert r["grown"]
+        assert max(r["grown"]) <= 0, r["grown"]
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]),
+        torch.tensor(one_cpu_rank["losses"][:4]),
+        rtol=1e-5,
+        atol=0,
+    )
+
+
+def test_an_out_of_memory_in_one_ranks_gather_fails_both_ranks_at_once(tmp_path):
+    """Rank 1 runs out of device memory allocating a gather's group buffer. It is
+    allocated before the collective's flag, so rank 0 learns of it there and raises
+    `RankFailed` at once, instead of waiting in an all-gather rank 1 never issues (which
+    hung until the collective timed out). Both go on in step."""
+    from tests.core.helpers import spawn_ranks
+
+    ranks = spawn_ranks(
+        "tests.core.zero_worker", 2, tmp_path, "oom_gather", timeout=90, PSTAR_TEST_DEVICE=DEV
+    )
+    (step0, kind0, message0, seconds0) = ranks[0]["errors"][0]
+    (step1, kind1, _message1, seconds1) = ranks[1]["errors"][0]
+    assert (step0, kind0, step1, kind1) == (2, "RankFailed", 2, "OutOfMemoryError")
+    assert "rank 1 failed: OutOfMemoryError" in message0
+    assert max(seconds0, seconds1) < 30
+    assert len(ranks[0]["losses"]) == 3
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
 def test_the_pinned_pool_is_memory_the_engine_registers_and_gives_back(fake):
     """The host tier's chunks live in one pool the engine page-locks itself (the device's
     host_register, cudaHostRegister on CUDA), exactly its own chunks' size, never through
@@ -195,7 +276,8 @@ def test_the_pinned_pool_is_memory_the_engine_registers_and_gives_back(fake):
     engine = make("gpt", DEV)
     pool = engine.stats()["host_pool"]
     own = sum(c.nbytes for c in engine.manager.own_chunks())
-    assert fake.pinned_bytes() - registered == pool["bytes"]
+    assert fake.pinned_bytes() - registered == pool["locked"]  # locked as it fills
+    assert pool["live"] <= pool["locked"] <= pool["bytes"]
     assert (
         own
         <= pool["bytes"]
@@ -204,9 +286,32 @@ def test_the_pinned_pool_is_memory_the_engine_registers_and_gives_back(fake):
     )
     run_engine(engine, batches(2))
     assert engine.stats()["host_pool"]["fallbacks"] == 0
+    assert fake.pinned_bytes() - registered == engine.stats()["host_pool"]["locked"]
     assert fake.pinned_allocator_held_bytes() == through_allocator
     engine.close()
     assert fake.pinned_bytes() == registered  # unregistered at close
+
+
+def test_initialize_peaks_below_16_bytes_a_parameter_with_the_host_pool_pinned(tmp_path):
+    """~51M parameters in bf16 with their chunks in the pinned host pool: the peak memory
+    `initialize` adds (VmHWM) is the unpinned payloads (bf16 params and fp32 masters, 6
+    bytes each) plus one slice of the pool, not the pool locked whole beside them (24
+    bytes each: an 8B model could not start on a 128 GiB machine). The fake device's
+    host_register makes its pages resident, as cudaHostRegister does."""
+    from tests.core.helpers import spawn_ranks
+
+    [r] = spawn_ranks(
+        "tests.core.zero_worker",
+        1,
+        tmp_path,
+        "init_memory",
+        PSTAR_TEST_DEVICE=DEV,
+        PSTAR_TEST_DTYPE="bf16",
+    )
+    params = r["params"]
+    assert params > 50_000_000
+    assert r["host_pool"]["live"] > 6 * params * 0.95  # the chunks are in the pool
+    assert r["init_peak_growth"] <= 16 * params + 64 * 2**20, r["init_peak_growth"] / params
 
 
 def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fake):
@@ -298,3 +403,44 @@ def test_outputs_the_caller_keeps_from_the_last_step_are_reserved_on_the_device(
     assert carried >= logits
     assert peak <= budget, (peak, budget)
     engine.close()
+
+
+def test_the_tracer_reads_the_allocator_once_a_moment(fake):
+    """Every moment reads the allocator's counters once, traced or not (the live bytes and
+    the window's peaks come from one reading); CUDA's were a whole statistics dict
+    flattened in Python, four times a traced moment."""
+    engine = make("gpt", DEV)
+    counters = engine.manager.tracer.counters
+    run_engine(engine, batches(1))  # the traced warm-up
+    moments = engine.stats()["tracer"]["moments"]
+    traced_reads = counters.reads
+    run_engine(engine, batches(1))
+    assert counters.reads - traced_reads == moments
+    assert traced_reads <= moments + 1  # the last window is closed at the end of the pass
+    engine.close()
+
+
+def test_a_device_module_with_nested_statistics_is_read_through_them(fake, monkeypatch):
+    """Where the device module has `memory_stats_as_nested_dict` (CUDA), the counters come
+    from it, one dict a reading, and never through the flattening calls."""
+    from pstar_core.devices import AllocatorCounters
+
+    calls = []
+    now, peak = fake.memory_allocated, fake.max_memory_allocated
+
+    def nested(device):
+        calls.append(device)
+        allocated = {"current": now(0), "peak": peak(0)}
+        return {"allocated_bytes": {"all": allocated}, "reserved_bytes": {"all": {"peak": 7}}}
+
+    def flattened(*_args):
+        raise AssertionError("the flattening statistics calls were used")
+
+    monkeypatch.setattr(fake, "memory_stats_as_nested_dict", nested, raising=False)
+    monkeypatch.setattr(fake, "memory_allocated", flattened)
+    monkeypatch.setattr(fake, "max_memory_allocated", flattened)
+    x = torch.ones(1000, device=f"{DEV}:0")
+    reading = AllocatorCounters(torch.device(f"{DEV}:0")).read()
+    assert reading.allocated >= x.nbytes
+    assert reading.peak_reserved == 7
+    assert len(calls) == 1
