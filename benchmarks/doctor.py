@@ -3,10 +3,13 @@
 No machine where this project is developed has a GPU. The engine's device paths run in
 the CPU tests on a second device with a GPU's capabilities (`tests/fakedevice`), and so
 does this script: `--device fakegpu` (from the test suite) runs every check that does
-not need CUDA's own profiler or two CUDA devices. On a GPU machine (1-8 GPUs, well under
-30 minutes) it says whether the engine holds there; each check prints pass/fail with its
-numbers, each has a time limit (a hung check fails with its traceback instead of hanging
-the run), and the last line is one JSON object to paste into an issue.
+not need CUDA's own profiler or two CUDA devices. On a GPU machine (1-8 GPUs, a few
+minutes) it says whether the engine holds there; each check prints pass/fail with its
+numbers, each has a time limit of `CHECK_SECONDS` (a hung check fails with its traceback
+instead of hanging the run), and the last line is one JSON object to paste into an issue.
+`scripts/gpu_check.py` is the one-GPU acceptance run built on these checks (a ~1B model
+under two budgets, the baselines, a resume, an NCCL probe), each stage in a process of
+its own.
 
 Checks (a small GPT on the device; `--device cpu` runs the script's own code, where what
 needs an accelerator says 'skip'):
@@ -21,15 +24,20 @@ needs an accelerator says 'skip'):
   `set_per_process_memory_fraction`), trains without running out of memory, and the
   allocator's *reserved* peak (what the device really holds, fragmentation included)
   stays within that limit;
-- pinned: every host chunk in the pool the engine registered, none outside it;
+- mixed_adam: a budget with room for all the param chunks at the peak of the non-model
+  memory and two chunks' optimizer states: Adam runs on the device for some chunks and on
+  the host for the others in the same steps, within the same limit;
+- pinned: under a budget that keeps chunks on the host, every host chunk in the pool the
+  engine registered, none outside it;
 - overlap: (CUDA) a profile of one step with prefetch: time the copy stream's
-  host-to-device copies run while compute kernels run;
+  host-to-device copies run while compute kernels (not copies or memsets) run;
 - adam: the engine's device Adam (bf16 gradients in the param slot, fp32 states) against
   the same work done with torch ops as a user would (gradients to fp32, torch's fused
   AdamW, the cast back), both counted at the bytes that work moves (40 per element), at
   a size that is bandwidth-bound, not launch-bound: within 0.8x;
 - nccl: (2+ CUDA GPUs) two NCCL ranks equal one rank with the global batch, run as two
-  processes that are killed if they pass their time limit.
+  processes (each told the host has 2 local ranks) that are killed if they pass their
+  time limit.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +69,7 @@ CHUNK = 1 << 18  # elements per chunk
 SEQ = 128  # tokens per sequence
 MODEL = dataclasses.replace(get_config("gpt-small"), num_layers=4, vocab_size=1024)
 ADAM_ELEMS = 1 << 26  # 64M elements: bandwidth-bound on a GPU (the check's size)
-CHECK_SECONDS = 600  # each check's time limit
+CHECK_SECONDS = 60  # each check's time limit
 NEEDS_ACCELERATOR = "skip (needs an accelerator)"
 CUDA_ONLY = "skip (needs CUDA)"
 
@@ -205,42 +213,70 @@ def check_tracer(device: str) -> Check:
     )
 
 
-def check_budget(device: str) -> Check:
-    dev = torch.device(device)
-    caps = _caps(device)
+def probe_sizes(device: str, steps: int = 2) -> dict[str, int]:
+    """What a budget is made of, measured by a run with no budget: the peak non-model
+    memory N, the param chunks' bytes P, a chunk's optimizer triple T (fp32 master,
+    momentum, variance: 12 bytes an element) and device Adam's temporary on a chunk."""
+    from pstar_core.kernels import adam_temporary_bytes
+
     probe = _engine(device)
-    _train(probe, _batches(2))
+    _train(probe, _batches(steps))
     st = probe.stats()
+    chunk = st["chunk_size"]
     probe.close()
-    n, params = st["tracer"]["peak_non_model_bytes"], st["chunks"]["param"]["bytes"]
-    budget = int(n + 0.5 * params)
-    limit = None
-    if caps.allocator_stats:
-        module = _module(device)
-        safety = pstar_core.config.MemoryConfig().device_safety
-        base_reserved = module.memory_reserved(dev)
-        limit = base_reserved + int(budget / safety)  # the device as small as the budget
-        _free, total = module.mem_get_info(dev)
-        module.set_per_process_memory_fraction(min(1.0, limit / total), dev)
-        module.reset_peak_memory_stats(dev)
+    return {
+        "non_model": st["tracer"]["peak_non_model_bytes"],
+        "params": st["chunks"]["param"]["bytes"],
+        "triple": 12 * chunk,
+        "adam_temporary": adam_temporary_bytes(chunk, torch.device(device)),
+    }
+
+
+@contextlib.contextmanager
+def device_limited_to(device: str, budget: int) -> Iterator[dict[str, Any]]:
+    """The device allowed what it holds now plus `budget / device_safety` (CUDA:
+    `set_per_process_memory_fraction`), so an overrun is an out-of-memory error, not a
+    number; yields the limit and, after the block, the reserved peak. No limit where the
+    device has no allocator statistics (the CPU)."""
+    dev = torch.device(device)
+    numbers: dict[str, Any] = {"limit": None}
+    if not _caps(device).allocator_stats:
+        yield numbers
+        return
+    module = _module(device)
+    safety = pstar_core.config.MemoryConfig().device_safety
+    limit = module.memory_reserved(dev) + int(budget / safety)
+    _free, total = module.mem_get_info(dev)
+    module.set_per_process_memory_fraction(min(1.0, limit / total), dev)
+    module.reset_peak_memory_stats(dev)
+    numbers["limit"] = limit
+    try:
+        yield numbers
+    finally:
+        numbers["reserved_peak"] = module.max_memory_reserved(dev)
+        module.set_per_process_memory_fraction(1.0, dev)
+
+
+def check_budget(device: str) -> Check:
+    sizes = probe_sizes(device)
+    budget = int(sizes["non_model"] + 0.5 * sizes["params"])
     engine = None
     try:
-        engine = _engine(device, {"device_budget": budget})
-        losses = _train(engine, _batches(STEPS))
+        with device_limited_to(device, budget) as limited:
+            engine = _engine(device, {"device_budget": budget})
+            losses = _train(engine, _batches(STEPS))
     except torch.OutOfMemoryError as e:
         if engine is not None:
             engine.close()
-        return Check("budget", "fail", {"budget": budget, "limit": limit}, f"out of memory: {e}")
-    finally:
-        if caps.allocator_stats:
-            _module(device).set_per_process_memory_fraction(1.0, dev)
+        return Check(
+            "budget", "fail", {"budget": budget, "limit": limited["limit"]}, f"out of memory: {e}"
+        )
     moved = engine.stats()["bytes_moved"].get("device->host", 0)
     numbers: dict[str, Any] = {"budget": budget, "evicted_bytes": moved, "loss": losses[-1]}
     ok = moved > 0 and math.isfinite(losses[-1])
-    if caps.allocator_stats:
-        peak = _module(device).max_memory_reserved(dev)
-        numbers.update(reserved_peak=peak, limit=limit)
-        ok = ok and peak <= limit
+    if limited["limit"] is not None:
+        numbers.update(reserved_peak=limited["reserved_peak"], limit=limited["limit"])
+        ok = ok and limited["reserved_peak"] <= limited["limit"]
     else:
         peak = engine.manager.residency.tiers["device"].peak_bytes
         numbers["chunk_peak"] = peak
@@ -249,25 +285,59 @@ def check_budget(device: str) -> Check:
     return Check("budget", "pass" if ok else "fail", numbers)
 
 
+def check_mixed_adam(device: str) -> Check:
+    """Room for every param chunk at the non-model peak and for two chunks' optimizer
+    states (and Adam's temporary): placement puts some chunks' Adam on the device and
+    leaves the rest on the host, so both kernels run in the same steps."""
+    if not _caps(device).accelerator:
+        return Check("mixed_adam", NEEDS_ACCELERATOR, {})
+    sizes = probe_sizes(device)
+    budget = sizes["non_model"] + sizes["params"] + 2 * sizes["triple"] + sizes["adam_temporary"]
+    with device_limited_to(device, budget) as limited:
+        engine = _engine(device, {"device_budget": budget})
+        losses = _train(engine, _batches(STEPS))
+    st = engine.stats()
+    own = st["chunks"]["param"]["count"]
+    engine.close()
+    on_device = st["device_adam_chunks"]
+    numbers = {
+        "budget": budget,
+        "device_adam_chunks": on_device,
+        "own_chunks": own,
+        "loss": losses[-1],
+        **limited,
+    }
+    ok = 0 < on_device < own and all(math.isfinite(x) for x in losses)
+    if limited["limit"] is not None:
+        ok = ok and limited["reserved_peak"] <= limited["limit"]
+    return Check("mixed_adam", "pass" if ok else "fail", numbers)
+
+
 def check_pinned(device: str) -> Check:
-    engine = _engine(device)
+    """Under a budget that keeps chunks on the host (N + P/2), every host chunk lies in
+    the pool the engine registered and reads as pinned; none found no room there."""
+    if not _caps(device).pinned_host:
+        return Check("pinned", "skip (the device pins no host memory)", {})
+    sizes = probe_sizes(device)
+    engine = _engine(device, {"device_budget": int(sizes["non_model"] + 0.5 * sizes["params"])})
     _train(engine, _batches(2))
     pool = engine.stats()["host_pool"]
     host = engine.manager.residency.tiers["host"]
-    outside = [
-        f"{c.kind.value}.{c.index}"
-        for c in engine.manager.chunks()
-        if c.tier == "host" and not c.payload.is_pinned()
-    ]
+    on_host = [c for c in engine.manager.chunks() if c.tier == "host" and c.payload is not None]
+    outside = [f"{c.kind.value}.{c.index}" for c in on_host if not c.payload.is_pinned()]
     used, peak = host.used_bytes, host.peak_bytes
     engine.close()
-    if not _caps(device).pinned_host:
-        return Check("pinned", "skip (the device pins no host memory)", {"host_pool": pool})
-    ok = pool is not None and pool["fallbacks"] == 0 and not outside
+    ok = pool is not None and pool["fallbacks"] == 0 and on_host and not outside
     return Check(
         "pinned",
         "pass" if ok else "fail",
-        {**(pool or {}), "outside_pool": len(outside), "host_used": used, "host_peak": peak},
+        {
+            **(pool or {}),
+            "host_chunks": len(on_host),
+            "outside_pool": len(outside),
+            "host_used": used,
+            "host_peak": peak,
+        },
         "; ".join(outside[:3]),
     )
 
@@ -295,7 +365,10 @@ def check_overlap(device: str) -> Check:
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (e.time_range.start, e.time_range.end)
-        (copies if "Memcpy HtoD" in e.name else kernels).append(span)
+        if "Memcpy HtoD" in e.name:
+            copies.append(span)
+        elif not e.name.startswith(("Memcpy", "Memset")):  # compute kernels only
+            kernels.append(span)
     overlap_us = sum(  # pragma: no cover
         max(0, min(c1, k1) - max(c0, k0)) for c0, c1 in copies for k0, k1 in kernels
     )
@@ -384,6 +457,7 @@ def _nccl_worker(rank: int, world: int, tmp: str) -> None:  # pragma: no cover -
     import torch.distributed as dist
 
     os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # the host's memory is shared by the ranks
     dist.init_process_group(
         "nccl",
         init_method=f"file://{tmp}/pg",
@@ -400,7 +474,7 @@ def _nccl_worker(rank: int, world: int, tmp: str) -> None:  # pragma: no cover -
     dist.destroy_process_group()
 
 
-NCCL_SECONDS = 300  # the two ranks' time limit (killed after it)
+NCCL_SECONDS = 90  # the two ranks' time limit (killed after it)
 
 
 def check_nccl(device: str) -> Check:
@@ -413,7 +487,8 @@ def check_nccl(device: str) -> Check:
     import sys  # pragma: no cover
 
     torch.backends.cuda.matmul.allow_tf32 = False  # pragma: no cover
-    single = _train(_engine(device, dtype="fp32"), _batches(STEPS, batch=4))  # pragma: no cover
+    with _engine(device, dtype="fp32") as one:  # pragma: no cover
+        single = _train(one, _batches(STEPS, batch=4))  # freed before the two ranks start
     code = (
         "import sys; from benchmarks.doctor import _nccl_worker as w; "
         "w(int(sys.argv[1]), 2, sys.argv[2])"
@@ -460,6 +535,7 @@ CHECKS = (
     check_parity,
     check_tracer,
     check_budget,
+    check_mixed_adam,
     check_pinned,
     check_overlap,
     check_adam,
@@ -467,8 +543,11 @@ CHECKS = (
 )
 
 
-def run(device: str = "cuda", json_out: bool = False) -> dict[str, Any]:
-    """Run every check on `device`; the result (also printed as a table and JSON)."""
+def run(
+    device: str = "cuda", json_out: bool = False, only: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Run every check on `device` (or those named in `only`); the result (also printed as
+    a table and JSON)."""
     console = Console(stderr=True)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         result = {
@@ -491,6 +570,8 @@ def run(device: str = "cuda", json_out: bool = False) -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
     checks: list[Check] = []
     for fn in CHECKS:
+        if only is not None and fn.__name__.removeprefix("check_") not in only:
+            continue
         start = time.perf_counter()
         try:
             with _time_limit(CHECK_SECONDS):

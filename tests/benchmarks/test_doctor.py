@@ -49,7 +49,7 @@ def test_checks_run_on_the_cpu_and_claim_nothing_for_cuda(tiny):
     checks = data["checks"]
     assert checks["budget"]["evicted_bytes"] > 0  # the budget really forced eviction
     assert checks["budget"]["chunk_peak"] <= checks["budget"]["budget"]
-    for name in ("parity", "tracer", "pinned", "overlap", "nccl"):
+    for name in ("parity", "tracer", "mixed_adam", "pinned", "overlap", "nccl"):
         assert checks[name]["status"].startswith("skip"), name
     assert checks["adam"]["ours_GBps"] > 0
 
@@ -59,18 +59,31 @@ def test_on_a_device_with_a_gpus_capabilities_every_check_but_cudas_own_runs(tin
     """On the test suite's second device (streams, page-locked host memory, allocator
     statistics and a memory limit, an RNG) the GPU checks execute and pass: placement in
     the registered pool, parity with the CPU, the tracer's N_i against the allocator, the
-    budget under a device limited to it (reserved memory within the limit), device Adam
-    against torch ops; only CUDA's profiler (overlap) and two CUDA devices (nccl) skip."""
+    budget under a device limited to it (reserved memory within the limit), Adam on the
+    device and on the host in the same steps, device Adam against torch ops; only CUDA's
+    profiler (overlap) and two CUDA devices (nccl) skip."""
     from tests import fakedevice
 
     fakedevice.load()
     result = doctor.run(device="fakegpu")
     checks = result["checks"]
     assert result["failed"] == [], {k: v for k, v in checks.items() if v["status"] == "fail"}
-    assert set(result["passed"]) == {"placement", "parity", "tracer", "budget", "pinned", "adam"}
+    assert set(result["passed"]) == {
+        "placement",
+        "parity",
+        "tracer",
+        "budget",
+        "mixed_adam",
+        "pinned",
+        "adam",
+    }
     assert checks["budget"]["reserved_peak"] <= checks["budget"]["limit"]
+    mixed = checks["mixed_adam"]
+    assert 0 < mixed["device_adam_chunks"] < mixed["own_chunks"]
+    assert mixed["reserved_peak"] <= mixed["limit"]
     assert checks["budget"]["evicted_bytes"] > 0
     assert checks["pinned"]["outside_pool"] == 0
+    assert checks["pinned"]["host_chunks"] > 0  # the check had chunks to look at
     assert checks["overlap"]["status"].startswith("skip")
     assert checks["nccl"]["status"].startswith("skip")
     assert result["capabilities"]["streams"]

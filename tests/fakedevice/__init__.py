@@ -136,6 +136,7 @@ def load() -> ModuleType:
                 torch._register_device_module(DEVICE, sys.modules[__name__])
             if not hasattr(torch.Tensor, f"is_{DEVICE}"):
                 torch.utils.generate_methods_for_privateuse1_backend()
+            ext.init_context()  # is_pinned() asks an initialized accelerator only
             _ext = ext
             _initialized = True
             fakenccl.register(ext)
@@ -241,6 +242,24 @@ def current_stream(device: _Device = None) -> torch.Stream:
 
 def default_stream(device: _Device = None) -> torch.Stream:
     return _loaded().default_stream(_index(device))
+
+
+class stream:
+    """Context manager making `s` the current stream of its device for the block (None: a
+    no-op); named like torch.cuda.stream, which FSDP2 uses through the device module."""
+
+    def __init__(self, s: torch.Stream | None) -> None:
+        self.s = s
+        self.previous: torch.Stream | None = None
+
+    def __enter__(self) -> None:
+        if self.s is not None:
+            self.previous = torch.accelerator.current_stream(self.s.device)
+            torch.accelerator.set_stream(self.s)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            torch.accelerator.set_stream(self.previous)
 
 
 def pending_copies(device: _Device = None) -> int:

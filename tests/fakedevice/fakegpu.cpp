@@ -1329,6 +1329,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // kernels
   m.def("registered_kernels", [] { return kKernels; });
   m.def("routed_to_cpu_kernels", [] { return route_cpu_kernels(); });
+  // ATen's context answers is_pinned() only for an accelerator it has initialized (CUDA
+  // is, by torch.cuda's own lazy init): initialize this one as the device is loaded
+  m.def("init_context", [] { at::globalContext().lazyInitDevice(c10::DeviceType::PrivateUse1); });
   // random numbers
   m.def("get_rng_state", [](Index d) { return default_generator(d).get_state(); });
   m.def("set_rng_state", [](const at::Tensor& s, Index d) {
