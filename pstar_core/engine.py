@@ -37,7 +37,7 @@ from pstar_core.materialize import WeightSource, materialize
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
 from pstar_core.tensors import ModelTensors
-from pstar_core.tiers import FreedMemory, return_freed_host_memory
+from pstar_core.tiers import FreedMemory, host_share, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
@@ -112,6 +112,10 @@ class Engine:
         process_group: Any = None,
     ) -> None:
         self.module = module
+        # What this host can give, read before the first collective: no rank of this host
+        # has made a chunk yet, so each reads the same (one that had would leave the
+        # others less: see [Note: the default host budget] in tiers.py)
+        host_whole = host_share()
         self.device = resolve_device(cfg.device)
         self.global_step = 0
         host_threads()  # torchrun's one thread per rank would starve host Adam
@@ -146,7 +150,9 @@ class Engine:
         # the collectives' own device buffers exist before the device budget is read
         # (see [Note: communicator buffers before the budget] in zero.py)
         self.zero.warm_up(self.plan.chunk_size, self.dtype)
-        self.manager = ChunkManager(self.plan, self.dtype, self.device, cfg.memory, self.zero)
+        self.manager = ChunkManager(
+            self.plan, self.dtype, self.device, cfg.memory, self.zero, host_whole
+        )
         lazy_frozen = startup.allocate(self.manager.residency, weights is not None)
         groups, group_of = resolve_groups(
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg

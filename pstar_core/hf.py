@@ -89,6 +89,13 @@ def model_on_meta(directory: Path) -> tuple[nn.Module, list[Path]]:
     except (ValueError, OSError) as e:
         raise HFLoadError(f"{directory}/config.json cannot be read: {e}") from None
     files = weight_files(directory)
+    # import the model's module first, not under the meta device: some of what it imports
+    # reads tensors as it loads (seen with torch 2.6 and transformers 5: "Tensor.item()
+    # cannot be called on meta tensors", reported as "Could not import module ...")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with contextlib.suppress(KeyError):  # not a known causal LM: from_config says so
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(hf_config)
     return module, files

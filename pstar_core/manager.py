@@ -58,6 +58,7 @@ class ChunkManager:
         device: torch.device,
         memory: MemoryConfig,
         zero: ZeroGroup | None = None,
+        host_whole: int | None = None,
     ) -> None:
         self.plan = plan
         self.zero = zero or ZeroGroup.single()
@@ -95,6 +96,7 @@ class ChunkManager:
             # ZeRO's reductions in flight hold device memory until waited on; settled
             # because the device is full (see [Note: leaving the group buffer] in zero.py)
             settle=lambda: self.groups.settle(pressed=True),
+            host_whole=host_whole,  # the host share read at the engine's start
         )
         self.grad_accum = GradAccumulator(self.residency, self.lists)
         self.groups = GatheredGroups(

@@ -48,11 +48,12 @@ class Residency:
         owned: Callable[[Chunk], bool],
         extra: Callable[[], Iterable[Chunk]],
         settle: Callable[[], bool] = lambda: False,
+        host_whole: int | None = None,
     ) -> None:
         self.lists = lists
         self.memory = memory
         self.tracer = tracer
-        self.tiers: dict[TierName, Tier] = make_tiers(memory, device)
+        self.tiers: dict[TierName, Tier] = make_tiers(memory, device, host_whole)
         self.payloads = PayloadIndex()
         self.transfers = Transfers(self.tiers, tracer, self.payloads, device)
         self._owned = owned  # ZeRO: chunks this rank keeps

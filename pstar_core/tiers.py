@@ -439,7 +439,9 @@ def host_share(ranks: int | None = None) -> int:
     activations when the CPU is the device, data loading): max(2 GiB, 10 %), the rest
     shared between the ranks of this host (`ranks`, default `local_ranks()`). Never all of
     RAM: the pinned pool is locked memory, and a budget the size of RAM let it lock all of
-    it."""
+    it. An engine reads it as it starts, before its first collective, so the ranks of a
+    host read it before any of them has made a chunk: a rank reading it after another had
+    filled its share would get less than its equal part."""
     available = host_memory_available()
     margin = max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * available))
     return max(0, available - margin) // (ranks or local_ranks())
@@ -479,9 +481,12 @@ def _resolve(budget: Budget, whole: int) -> int:
     return int(budget)
 
 
-def make_tiers(cfg: MemoryConfig, device: torch.device) -> dict[TierName, Tier]:
-    """Resolve the configured budgets into the three tiers."""
-    host_whole = host_share()
+def make_tiers(
+    cfg: MemoryConfig, device: torch.device, host_whole: int | None = None
+) -> dict[TierName, Tier]:
+    """Resolve the configured budgets into the three tiers; `host_whole` is the host
+    share a budget is taken from (`host_share()` now, by default)."""
+    host_whole = host_share() if host_whole is None else host_whole
     caps = capabilities(device)
     # an accelerator: what its memory can give us; the CPU as the device: the host's
     dev_whole = plannable_bytes(device, cfg.device_safety) if caps.allocator_stats else host_whole

@@ -47,7 +47,7 @@ def jobs(serve):
     c = serve.client()
     # 512 rows: 64 steps an epoch, so the running job runs for minutes (it is cancelled)
     files = upload_chat_files(serve, train_rows=512)
-    done = create_job(serve, files, 20, suffix="dash", engine={})  # dtype auto
+    done = create_job(serve, files, 12, suffix="dash", engine={})  # dtype auto
     finished = ended(serve, done.id, 600)
     assert finished.status == "succeeded", finished.error
     running = create_job(serve, files, 5000, suffix="dash")  # cancelled by a test

@@ -1,5 +1,5 @@
 """`pstar bench faults` on a small schedule: two jobs on PostgreSQL through one SIGKILL of
-the control plane, one of a running job's Ray driver and a 15 s outage of the store; none
+the control plane, one of a running job's Ray driver and a 10 s outage of the store; none
 lost, none run twice, each succeeds with every step once."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_jobs_ride_out_a_killed_control_plane_a_killed_driver_and_a_store_outage(capsys):
-    out = run(jobs=2, steps=150, faults=3, db="postgres", outage_s=15.0, seed=5, json_out=True)
+    out = run(jobs=2, steps=120, faults=3, db="postgres", outage_s=10.0, seed=5, json_out=True)
     assert out["per_db"][0]["why"] == []
     assert out["per_db"][0]["faults"] == {"control-plane": 1, "driver": 1, "store": 1}
     assert (out["jobs"], out["faults"]) == (2, 3)

@@ -136,3 +136,21 @@ def test_available_host_memory_counts_a_containers_limit_less_its_working_set(
 class _Mem:
     def __init__(self, total: int, available: int) -> None:
         self.total, self.available = total, available
+
+
+def test_an_engine_reads_the_host_share_before_anything_of_its_own_exists(monkeypatch):
+    """Ranks of one host each read what the host can give; a rank that read it after
+    another had filled its share would get less than its equal part. So an engine reads
+    it first, before its first collective (where the ranks meet), and never again."""
+    import pstar_core
+    from pstar_core import tiers
+    from tests.core.helpers import MODELS, engine_config
+
+    readings = iter([40 << 30])  # the first reading; a second one would raise
+
+    monkeypatch.delenv("PSTAR_HOST_BUDGET", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(tiers, "host_memory_available", lambda: next(readings))
+    engine = pstar_core.initialize(MODELS["gpt"], engine_config())
+    assert engine.stats()["tiers"]["host"]["budget"] == ((40 << 30) - (4 << 30)) // 2
+    engine.close()

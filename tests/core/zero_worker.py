@@ -350,6 +350,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         }
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
         out["evicted_under_pressure"] = engine.stats()["comm_evicted_under_pressure"]
+        out["peak_non_model"] = engine.stats()["tracer"]["peak_non_model_bytes"]
         out["host_pool"] = engine.stats()["host_pool"]
         out["own_bytes"] = sum(c.nbytes for c in engine.manager.own_chunks())
         out["device"] = str(engine.device)
