@@ -244,6 +244,8 @@ def device_limited_to(device: str, budget: int) -> Iterator[dict[str, Any]]:
         yield numbers
         return
     module = _module(device)
+    # what an engine closed before left in the caching allocator is not this run's
+    getattr(module, "empty_cache", lambda: None)()
     safety = pstar_core.config.MemoryConfig().device_safety
     limit = module.memory_reserved(dev) + int(budget / safety)
     _free, total = module.mem_get_info(dev)

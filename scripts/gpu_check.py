@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import importlib.util
@@ -58,7 +59,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "doctor", "budgets", "baselines", "resume", "nccl")
 # each stage's time limit in seconds: 7 minutes in all
-LIMITS = {"env": 45, "doctor": 75, "budgets": 110, "baselines": 95, "resume": 55, "nccl": 40}
+LIMITS = {"env": 60, "doctor": 70, "budgets": 110, "baselines": 90, "resume": 55, "nccl": 35}
 NEEDED = ("torch", "numpy", "safetensors", "psutil", "yaml", "rich", "pydantic")
 NA = "n/a"
 DEPS = ROOT / ".gpu-deps"  # where `scripts/gpu_deps.sh` unpacks what a GPU image lacks
@@ -188,25 +189,43 @@ class Timed:
         return per_token * tokens / self.median(self.step_s) / 1e12
 
 
-def run_engine(engine, data: list, dev, warmup: int) -> Timed:
+def timed_steps(
+    data: list, dev, warmup: int, forward_backward: Callable[[Any], Any], step: Callable[[], None]
+) -> Timed:
     """Train on `data`: the first `warmup` steps untimed, each other step timed with the
-    device synchronized at its boundaries, forward+backward apart from the optimizer."""
+    device synchronized at its boundaries, forward+backward apart from the optimizer's
+    `step`; `forward_backward(batch)` returns the loss."""
     out = Timed([], [], [], {})
     for i, x in enumerate(data):
         sync(dev)
         t0 = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
+        loss = forward_backward(x)
         sync(dev)
         t1 = time.perf_counter()
-        out.moved_in_fwd_bwd = dict(engine.manager.residency.transfers.iteration_bytes_moved)
-        engine.step()
+        step()
         sync(dev)
         t2 = time.perf_counter()
         out.losses.append(float(loss.detach()))
         if i >= warmup:
             out.step_s.append(t2 - t0)
             out.fwd_bwd_s.append(t1 - t0)
+    return out
+
+
+def run_engine(engine, data: list, dev, warmup: int) -> Timed:
+    """`timed_steps` of the engine (which moves each batch to its device itself), with the
+    moves of the last step's forward and backward."""
+    moved: dict[str, int] = {}
+
+    def forward_backward(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        moved.clear()
+        moved.update(engine.manager.residency.transfers.iteration_bytes_moved)
+        return loss
+
+    out = timed_steps(data, dev, warmup, forward_backward, engine.step)
+    out.moved_in_fwd_bwd = moved
     return out
 
 
@@ -262,6 +281,13 @@ def _copy_speeds(dev) -> dict[str, Any]:
     return {name: gpu_only(dev, round(_gbps(n, fn, dev), 2)) for name, fn in copies.items()}
 
 
+def _nccl_version() -> str:
+    import torch
+
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def stage_env(device: str, dev) -> Result:
     import inspect
 
@@ -286,7 +312,7 @@ def stage_env(device: str, dev) -> Result:
             gpu=props.name,
             gpu_memory_bytes=props.total_memory,
             compute_capability=f"{props.major}.{props.minor}",
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            nccl=_nccl_version(),
             bf16=torch.cuda.is_bf16_supported(),
         )
     numbers["api"] = {
@@ -483,6 +509,18 @@ def stage_budgets(device: str, dev) -> Result:
 # ---------------------------------------------------------------------------------------
 
 
+def _torch_loop(model, data: list, dev, warmup: int, step: Callable[[], None]) -> Timed:
+    """`timed_steps` of a plain PyTorch model (its batches moved to the device here)."""
+
+    def forward_backward(x):
+        x = x.to(dev)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        return loss
+
+    return timed_steps(data, dev, warmup, forward_backward, step)
+
+
 def _plain_torch(model, data: list, dev, warmup: int) -> Timed:
     """bf16 params and compute, fp32 masters, torch's fused AdamW, all on the device."""
     import torch
@@ -493,15 +531,8 @@ def _plain_torch(model, data: list, dev, warmup: int) -> Timed:
     for p in params:
         p.data = p.data.to(torch.bfloat16)
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
-    out = Timed([], [], [], {})
-    for i, x in enumerate(data):
-        x = x.to(dev)
-        sync(dev)
-        t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        sync(dev)
-        t1 = time.perf_counter()
+
+    def step() -> None:
         for m, p in zip(masters, params, strict=True):
             m.grad = p.grad.float()
             p.grad = None
@@ -509,14 +540,8 @@ def _plain_torch(model, data: list, dev, warmup: int) -> Timed:
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             torch._foreach_copy_(params, masters)
-        sync(dev)
-        t2 = time.perf_counter()
-        out.losses.append(float(loss.detach()))
-        if i >= warmup:
-            out.step_s.append(t2 - t0)
-            out.fwd_bwd_s.append(t1 - t0)
-    del model, masters, opt
-    return out
+
+    return _torch_loop(model, data, dev, warmup, step)
 
 
 def _fsdp2_offload(model, data: list, dev, warmup: int) -> Timed:
@@ -536,24 +561,12 @@ def _fsdp2_offload(model, data: list, dev, warmup: int) -> Timed:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     except (RuntimeError, TypeError):  # a torch without the CPU fused AdamW
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
-    out = Timed([], [], [], {})
-    for i, x in enumerate(data):
-        x = x.to(dev)
-        sync(dev)
-        t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        sync(dev)
-        t1 = time.perf_counter()
+
+    def step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync(dev)
-        t2 = time.perf_counter()
-        out.losses.append(float(loss.detach()))
-        if i >= warmup:
-            out.step_s.append(t2 - t0)
-            out.fwd_bwd_s.append(t1 - t0)
-    return out
+
+    return _torch_loop(model, data, dev, warmup, step)
 
 
 def _init_single_rank(dev) -> None:
@@ -579,23 +592,24 @@ def stage_baselines(device: str, dev) -> Result:
     data = batches(cfg, sizes, sizes.warmup_steps + sizes.timed_steps)
     per_token, tokens = flops_per_token(cfg, num_params(cfg)), sizes.batch * sizes.seq
 
-    def fresh():
-        torch.manual_seed(0)
-        return build(cfg)
+    torch.manual_seed(0)
+    reference = build(cfg)  # one random init, on the host; copies keep its tied weights
 
-    reference = fresh().state_dict()
+    def copy_on(where):
+        return copy.deepcopy(reference).to(where)
+
     runs: dict[str, Timed] = {}
-    runs["plain_torch"] = _plain_torch(fresh(), data, dev, sizes.warmup_steps)
+    runs["plain_torch"] = _plain_torch(copy_on(dev), data, dev, sizes.warmup_steps)
     if is_cuda(dev):
         torch.cuda.empty_cache()  # plain PyTorch's blocks go back before the engine plans
     engine = pstar_core.initialize(lambda: build(cfg), engine_config(device))
-    engine.load_state_dict(reference)
+    engine.load_state_dict(reference.state_dict())
     runs["engine_no_budget"] = run_engine(engine, data, dev, sizes.warmup_steps)
     device_adam = engine.stats()["device_adam_chunks"]
     engine.close()
     _init_single_rank(dev)
     try:
-        runs["fsdp2_cpu_offload"] = _fsdp2_offload(fresh(), data, dev, sizes.warmup_steps)
+        runs["fsdp2_cpu_offload"] = _fsdp2_offload(copy_on("cpu"), data, dev, sizes.warmup_steps)
     finally:
         dist.destroy_process_group()
     plain = runs["plain_torch"]
@@ -629,6 +643,9 @@ def _resume_half(device: str, half: str, work: Path) -> None:
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     dev = open_device(device)
+    if is_cuda(dev):  # attention's plain path: the fused kernels' backward may use atomics
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     import pstar_core
     from pstar_core.chunk import ChunkType
     from pstar_core.kernels import adam_temporary_bytes
@@ -736,7 +753,7 @@ def stage_nccl(device: str, dev) -> Result:
 
     numbers: dict[str, Any] = {}
     if is_cuda(dev):
-        numbers["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        numbers["nccl"] = _nccl_version()
     _init_single_rank(dev)
     probes: dict[str, str] = {}
 
@@ -755,9 +772,9 @@ def stage_nccl(device: str, dev) -> Result:
         sync(dev)
         return torch.equal(buffer.cpu(), values)
 
-    def reduce_scatter() -> bool:
+    def reduce_scatter() -> bool:  # in place: the output is the rank's slice of the input
         buffer = values.to(dev)
-        zero._reduce_scatter_into(buffer[:n], buffer.clone(), None, async_op=True).wait()
+        zero._reduce_scatter_into(buffer[:n], buffer, None, async_op=True).wait()
         sync(dev)
         return torch.equal(buffer.cpu(), values)
 
@@ -774,11 +791,15 @@ def stage_nccl(device: str, dev) -> Result:
         dist.broadcast(t, src=0)
         return bool((t == 7).all())
 
-    def flags() -> bool:
-        group = dist.new_group(ranks=[0], backend="gloo", use_local_synchronization=True)
-        flag = torch.tensor([0, 1, 2, 3, 4, -1, -2, -3, -4], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return flag.tolist() == [0, 1, 2, 3, 4, -1, -2, -3, -4]
+    def flags(**local: bool) -> Callable[[], bool]:
+        def run() -> bool:
+            ranks = [0] if local else None
+            group = dist.new_group(ranks=ranks, backend="gloo", **local)
+            flag = torch.tensor([0, 1, 2, 3, 4, -1, -2, -3, -4], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            return flag.tolist() == [0, 1, 2, 3, 4, -1, -2, -3, -4]
+
+        return run
 
     try:
         probe("all_gather in place, bf16", gather)
@@ -787,7 +808,11 @@ def stage_nccl(device: str, dev) -> Result:
         probe("all_reduce float64 SUM", all_reduce(torch.float64, dist.ReduceOp.SUM))
         probe("broadcast fp32", broadcast)
         probe("barrier", lambda: dist.barrier() is None)
-        probe("gloo flag group, local synchronization", flags)
+        probe("gloo flag group", flags())
+        probe(
+            "gloo flag group of a subgroup, local synchronization",
+            flags(use_local_synchronization=True),
+        )
     finally:
         dist.destroy_process_group()
     numbers["probes"] = probes
