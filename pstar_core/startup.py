@@ -67,8 +67,10 @@ def check_total_fits(r: Residency) -> None:
             f"the model needs {gib(need)} of chunks (model data), the budgets give "
             f"{gib(host + disk)} (host {gib(host)}, disk {gib(disk)}; the warm-up step "
             "updates every chunk on the host, so the device budget does not count "
-            "here); raise memory.host_budget or memory.disk_budget (with "
-            "memory.disk_dir), or use a smaller model / fewer trainable parameters"
+            "here; unset, the host budget is the memory available when the engine "
+            "started less max(2 GiB, 10%), shared by this host's ranks); raise "
+            "memory.host_budget or memory.disk_budget (with memory.disk_dir), free host "
+            "memory, or use a smaller model / fewer trainable parameters"
         )
 
 
