@@ -954,10 +954,17 @@ def show(report: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/gpu-check"), help="where gpu_check.json goes"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or fakegpu")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset")
-    parser.add_argument("--deps", type=Path, default=ROOT / ".gpu-deps")
+    parser.add_argument(
+        "--deps",
+        type=Path,
+        default=ROOT / ".gpu-deps",
+        help="unpacked wheels of what this machine lacks (scripts/gpu_deps.sh)",
+    )
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child running one stage
     parser.add_argument("--resume-half", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -972,6 +979,10 @@ def main() -> int:
     if args.stage:
         run_stage(args.stage, args.device, args.out)
         return 0
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        parser.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
     missing = missing_modules()
     if missing:
         error = (
@@ -991,10 +1002,6 @@ def main() -> int:
             print(error, file=sys.stderr)
             print(json.dumps({"device": args.device, "error": error}))
             return 2
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        parser.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
     report = run_all(args.device, args.out, stages, deps=args.deps)
     print(json.dumps(report, default=str, separators=(",", ":")))
     return 0 if not report["failed"] else 1
