@@ -96,6 +96,9 @@ def _ext_name(source: str) -> str:
             source,
             " ".join(_CFLAGS + _LDFLAGS),
             torch.__version__,
+            # two environments with the same torch release build against different
+            # headers and libraries: one build directory each, not one rebuilt in turn
+            str(Path(torch.__file__).parent),
             sys.version,
             _cpu_signature(),
         ]

@@ -82,7 +82,7 @@ _initialized = False  # read by torch.utils.checkpoint (as torch.cuda._initializ
 
 
 def _ext_name(source: str) -> str:
-    key = "\n".join([source, " ".join(_CFLAGS), torch.__version__, sys.version])
+    key = "\n".join([source, " ".join(_CFLAGS), torch.__version__, torch.__file__, sys.version])
     return "pstar_fakegpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
