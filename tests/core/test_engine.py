@@ -296,3 +296,25 @@ def test_eval_forward_between_backward_and_step_keeps_gradients():
         engine.step()
         got.append(loss.item())
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_the_engine_imports_nothing_of_the_service():
+    """`pstar_core` installs beside a GPU image's own packages: importing it and training
+    brings in no Ray, FastAPI, database or HTTP client (nor transformers or peft, which
+    only Hugging Face models and LoRA load)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, pstar_core\n"
+        "from pstar_core.models import build\n"
+        "e = pstar_core.initialize(lambda: build('gpt-tiny'), {'dtype': 'fp32'})\n"
+        "x = torch.randint(0, 512, (2, 16))\n"
+        "e.backward(e(input_ids=x, labels=x).loss); e.step()\n"
+        "bad = ('ray', 'fastapi', 'sqlalchemy', 'httpx', 'uvicorn', 'transformers', 'peft')\n"
+        "print(sorted(m for m in bad if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]"
