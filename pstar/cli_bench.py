@@ -92,6 +92,35 @@ def bench_overhead(
         _fail(str(e))
 
 
+@bench_app.command("overlap")
+def bench_overlap(
+    model: Annotated[str, typer.Option(help="zoo model")] = "gpt-small",
+    layers: Annotated[int, typer.Option(help="its layers (0: the zoo's)")] = 8,
+    vocab: Annotated[int, typer.Option(help="its vocabulary (0: the zoo's)")] = 2048,
+    steps: Annotated[int, typer.Option(help="timed steps with the link, and without")] = 4,
+    warmup: Annotated[int, typer.Option(help="untimed steps first")] = 2,
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 4,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    gbps: Annotated[
+        float | None,
+        typer.Option(help="link GB/s each way (default: a chunk's copy takes a layer's forward)"),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Copy time issued, exposed and hidden per phase on the fake device with a modeled
+    host<->device link, under a budget that evicts params and one that splits Adam."""
+    from benchmarks.overlap import run
+
+    try:
+        run(
+            model=model, layers=layers or None, vocab=vocab or None, steps=steps,
+            warmup=warmup, batch=batch, seq=seq, gbps=gbps, dtype=dtype, json_out=json_out,
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
+
+
 @bench_app.command("load")
 def bench_load(
     model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(

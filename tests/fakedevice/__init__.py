@@ -41,6 +41,17 @@ and order work as on a GPU, in the only way a device without concurrency can sho
   hand the block out again before the copy ran): `stream_hazards` counts them.
 - Only copies are queued; every other op runs when issued (after its stream's queue).
 
+A modeled link (off by default; `set_link`, or ``PSTAR_FAKEGPU_LINK="H2D,D2H,latency_us"``
+with bandwidths in GB/s): each direction between host and device has a copy engine, as
+PCIe does, and a copy takes latency + bytes / bandwidth of wall time on it after the
+copies issued before it in that direction and those queued before it on its stream (the
+directions overlap when on two streams); compute is the real CPU. A queued copy is done
+at the time its engine gives it when issued, and whoever waits for it sleeps until then
+(its bytes still land only when waited for); a copy that runs at once makes the host sleep
+it out. `link_stats` counts per direction the bytes, the engine time issued and the time
+the host slept waiting (the copy time not hidden). Collectives through fakenccl stage
+through host memory, so with a link they are charged as copies too.
+
 Pinned host memory: ``pin_memory()`` and ``torch.empty(..., pin_memory=True)`` take blocks
 from a caching allocator shaped like torch's CUDA host allocator (each request rounded up
 to a power of two, freed blocks kept for reuse, never returned): `pinned_allocator_bytes`
@@ -117,6 +128,23 @@ def _env_int(name: str, low: int, high: int | None = None) -> int | None:
     return value
 
 
+def _env_link() -> tuple[float, float, float] | None:
+    """PSTAR_FAKEGPU_LINK="H2D_GBps,D2H_GBps,latency_us" (see `set_link`), checked here."""
+    text = os.environ.get("PSTAR_FAKEGPU_LINK")
+    if not text:
+        return None
+    try:
+        h2d, d2h, latency = (float(x) for x in text.split(","))
+    except ValueError:
+        h2d = -1.0
+    if h2d < 0 or d2h < 0 or latency < 0:
+        raise ValueError(
+            f"PSTAR_FAKEGPU_LINK={text!r}: expected three numbers >= 0, "
+            '"H2D_GBps,D2H_GBps,latency_us" such as "25,25,10"'
+        )
+    return h2d, d2h, latency
+
+
 def load() -> ModuleType:
     """Build and register the device (idempotent); return the device module (`torch.fakegpu`)."""
     global _ext, _initialized, build_seconds
@@ -124,11 +152,14 @@ def load() -> ModuleType:
         if _ext is None:
             _env_int("PSTAR_FAKEGPU_DEVICES", 1, 16)  # read by fakegpu.cpp; checked here
             capacity = _env_int("PSTAR_FAKEGPU_CAPACITY", 0)
+            link = _env_link()
             start = time.perf_counter()
             ext = _build()
             ext.routed_to_cpu_kernels()  # see fakegpu.cpp: route_cpu_kernels
             if capacity is not None:
                 ext.set_capacity(capacity, -1)
+            if link is not None:
+                ext.set_link(*link)
             build_seconds = time.perf_counter() - start
             if torch._C._get_privateuse1_backend_name() != DEVICE:
                 torch.utils.rename_privateuse1_backend(DEVICE)
@@ -260,6 +291,24 @@ class stream:
     def __exit__(self, *exc: object) -> None:
         if self.previous is not None:
             torch.accelerator.set_stream(self.previous)
+
+
+def set_link(h2d_gbps: float, d2h_gbps: float | None = None, latency_us: float = 0.0) -> None:
+    """Model a link between host and device (see the module docstring): host-to-device
+    and device-to-host bandwidths in GB/s (0: that direction is free) and a latency per
+    copy. `set_link(0)` turns it off. The counts of `link_stats` start again."""
+    d2h = h2d_gbps if d2h_gbps is None else d2h_gbps
+    if min(h2d_gbps, d2h, latency_us) < 0:
+        raise ValueError("link bandwidths and latency must be >= 0")
+    _loaded().set_link(float(h2d_gbps), float(d2h), float(latency_us))
+
+
+def link_stats() -> dict:
+    """Per direction ("host_to_device", "device_to_host"): GBps, copies, bytes, busy_s
+    (the engine time issued), waited_s (the host asleep waiting for copies: the copy time
+    not hidden) and free_at_s (when its engine is done with what it was given, on the
+    clock of `time.monotonic`); and latency_us."""
+    return dict(_loaded().link_stats())
 
 
 def pending_copies(device: _Device = None) -> int:

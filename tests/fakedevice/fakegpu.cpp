@@ -36,6 +36,19 @@
 // before (a block allocated on another stream, without record_stream on the copy's
 // stream), that is a hazard on a GPU (the caching allocator may hand the block out
 // again): counted (stream_hazards), not raised, and the memory is still kept.
+//
+// [Note: a modeled link] Off by default, copies between host and device cost nothing
+// here. With a link set (set_link, or PSTAR_FAKEGPU_LINK="H2D_GBps,D2H_GBps,latency_us")
+// each direction has a copy engine, as PCIe has: a copy takes latency + bytes / bandwidth
+// of wall time on its direction's engine, after the copies issued before it in that
+// direction and the copies queued before it on its stream (streams order their work; the
+// two directions overlap when on two streams). Compute is the real CPU. A copy queued on a
+// side stream is given the time it would be done when issued; whoever waits for it
+// sleeps until then (not at all if the host computed meanwhile), and only then are its
+// bytes written (so a missing wait still reads old bytes). A copy that runs at once
+// (blocking, or on the default stream, where the compute stream would wait for it)
+// makes the host sleep until it is done. link_stats() counts, per direction, bytes, the
+// engine time issued and the time the host slept waiting: the copy time not hidden.
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -71,6 +84,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 namespace {
@@ -153,12 +167,15 @@ struct PendingCopy {
   at::Tensor dst;
   at::Tensor src;
   std::vector<void*> blocks;
+  int64_t ready_ns = 0;  // [Note: a modeled link] when the copy is done; 0: no link
+  int direction = -1;  // 0 host to device, 1 device to host, -1 neither (no link time)
 };
 
 struct StreamQueue {
   int64_t issued = 0;  // seq of the last copy queued (events record it)
   int64_t done = 0;  // seq of the last copy run
   std::deque<PendingCopy> pending;
+  int64_t ready_ns = 0;  // [Note: a modeled link] when its last queued copy is done
 };
 
 // Process-wide state is never destroyed (as torch's allocators): a tensor may outlive
@@ -178,6 +195,51 @@ bool queued_uses(const StreamQueue& q, void* block) {
 
 void release_blocks(const std::vector<void*>& blocks);  // the allocator's, below
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// [Note: a modeled link] Guarded by g_mu.
+struct LinkModel {
+  double bytes_per_ns[2] = {0.0, 0.0};  // 0: no link (copies cost nothing)
+  int64_t latency_ns = 0;
+  int64_t free_at_ns[2] = {0, 0};  // when each direction's engine is next free
+  int64_t bytes[2] = {0, 0};
+  int64_t busy_ns[2] = {0, 0};  // engine time issued
+  int64_t waited_ns[2] = {0, 0};  // the host asleep waiting for a copy: not hidden
+  int64_t copies[2] = {0, 0};
+
+  bool on() const {
+    return bytes_per_ns[0] > 0 || bytes_per_ns[1] > 0;
+  }
+
+  // A copy of `n` bytes in `direction` issued now, behind its stream's work done at
+  // `after`: when it will be done (0: it costs nothing).
+  int64_t issue(int direction, int64_t n, int64_t after = 0) {
+    if (direction < 0 || bytes_per_ns[direction] <= 0) return 0;
+    const int64_t takes = latency_ns + static_cast<int64_t>(n / bytes_per_ns[direction]);
+    const int64_t done = std::max({now_ns(), free_at_ns[direction], after}) + takes;
+    free_at_ns[direction] = done;
+    bytes[direction] += n;
+    busy_ns[direction] += takes;
+    copies[direction] += 1;
+    return done;
+  }
+
+  // The host waits for a copy done at `ready` (in `direction`).
+  void wait(int direction, int64_t ready) {
+    if (ready <= 0) return;
+    const int64_t now = now_ns();
+    if (ready <= now) return;
+    waited_ns[direction] += ready - now;
+    std::this_thread::sleep_for(std::chrono::nanoseconds(ready - now));
+  }
+};
+
+LinkModel& g_link = *new LinkModel();
+
 // Run the copies queued on `key` up to and including `seq`, in order.
 void run_until(StreamKey key, int64_t seq) {
   std::lock_guard<std::recursive_mutex> g(g_mu);
@@ -187,6 +249,7 @@ void run_until(StreamKey key, int64_t seq) {
   at::AutoDispatchBelowADInplaceOrView no_autograd;  // autograd saw the copy when issued
   while (!q.pending.empty() && q.pending.front().seq <= seq) {
     PendingCopy& c = q.pending.front();
+    g_link.wait(c.direction, c.ready_ns);  // the bytes land when the modeled copy is done
     std::exception_ptr err;
     try {
       c.dst.copy_(c.src);
@@ -806,8 +869,14 @@ at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool no
   const c10::DeviceIndex d = (is_fake(self) ? self : dst).device().index();
   const StreamKey key{d, t_stream[d]};
   const bool host_side = !is_fake(self) || !is_fake(dst);
+  const int direction = !host_side ? -1 : (is_fake(dst) ? 0 : 1);
+  const int64_t nbytes = dst.numel() * static_cast<int64_t>(dst.element_size());
   if (key.second == 0 || (host_side && !non_blocking)) {
     if (key.second != 0) run_all(key);
+    {
+      std::lock_guard<std::recursive_mutex> g(g_mu);
+      g_link.wait(direction, g_link.issue(direction, nbytes));  // the host waits it out
+    }
     copy_now(self, dst);
     return dst;
   }
@@ -829,6 +898,9 @@ at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool no
   std::lock_guard<std::recursive_mutex> g(g_mu);
   StreamQueue& q = g_queues[key];
   c.seq = ++q.issued;
+  c.direction = direction;
+  c.ready_ns = g_link.issue(direction, nbytes, q.ready_ns);  // in stream order
+  q.ready_ns = std::max(q.ready_ns, c.ready_ns);
   q.pending.push_back(std::move(c));
   return dst;
 }
@@ -1292,6 +1364,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_hazards", [] {
     std::lock_guard<std::recursive_mutex> g(g_mu);
     return g_hazards;
+  });
+  m.def("set_link", [](double h2d_gbps, double d2h_gbps, double latency_us) {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    g_link = LinkModel();
+    g_link.bytes_per_ns[0] = h2d_gbps;  // GB/s is bytes per ns
+    g_link.bytes_per_ns[1] = d2h_gbps;
+    g_link.latency_ns = static_cast<int64_t>(latency_us * 1000.0);
+  });
+  m.def("link_stats", [] {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    py::dict out;
+    const char* names[2] = {"host_to_device", "device_to_host"};
+    for (int i = 0; i < 2; ++i) {
+      py::dict one;
+      one["GBps"] = g_link.bytes_per_ns[i];
+      one["copies"] = g_link.copies[i];
+      one["bytes"] = g_link.bytes[i];
+      one["busy_s"] = g_link.busy_ns[i] / 1e9;
+      one["waited_s"] = g_link.waited_ns[i] / 1e9;
+      one["free_at_s"] = g_link.free_at_ns[i] / 1e9;  // steady clock (time.monotonic)
+      out[names[i]] = one;
+    }
+    out["latency_us"] = g_link.latency_ns / 1e3;
+    return out;
   });
   // device memory
   m.def("memory_allocated", [](Index d) {

@@ -461,6 +461,104 @@ def test_dropping_a_tensor_allocated_on_the_copy_stream_is_legal(fake, side):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def link(fake):
+    """A modeled link of 1 GB/s each way and no latency ([Note: a modeled link]); off
+    again after the test. 32 MiB take 33.6 ms on it."""
+    fake.set_link(1.0, 1.0, 0.0)
+    yield fake
+    fake.set_link(0.0)
+
+
+MIB32, COPY_S = 32 << 20, (32 << 20) / 1e9
+
+
+def _host_and_device() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(MIB32, dtype=torch.uint8).pin_memory(), torch.empty(
+        MIB32, dtype=torch.uint8, device=DEV
+    )
+
+
+def test_without_a_link_copies_cost_no_modeled_time(fake):
+    fake.set_link(0.0)
+    host, dev = _host_and_device()
+    dev.copy_(host)
+    stats = fake.link_stats()["host_to_device"]
+    assert (stats["copies"], stats["waited_s"], stats["busy_s"]) == (0, 0.0, 0.0)
+
+
+def test_a_blocking_copy_over_the_link_holds_the_host_for_its_time(link):
+    host, dev = _host_and_device()
+    dev.copy_(host)  # the host waits for it, as CUDA's blocking copy makes it
+    up = link.link_stats()["host_to_device"]
+    assert up["copies"] == 1
+    assert up["bytes"] == MIB32
+    assert up["busy_s"] == pytest.approx(COPY_S)
+    assert up["waited_s"] >= 0.95 * COPY_S  # nothing hid it
+    host.copy_(dev)  # and the other direction has its own engine and bandwidth
+    assert link.link_stats()["device_to_host"]["waited_s"] >= 0.95 * COPY_S
+    assert torch.equal(host, torch.ones(MIB32, dtype=torch.uint8))
+
+
+def test_a_copy_on_a_side_stream_hides_behind_host_work(link, side):
+    """Queued on a copy stream, the copy runs while the host computes (here it sleeps
+    longer than the copy takes): waiting for it then costs nothing; its bytes still land
+    only when waited for."""
+    import time
+
+    host, dev = _host_and_device()
+    dev.zero_()
+    with side:
+        dev.copy_(host, non_blocking=True)
+        done = torch.Event(device="fakegpu:0")
+        done.record(side)
+    time.sleep(2 * COPY_S)  # the host's own work
+    assert not bool(dev.cpu()[0])  # not waited for: the old bytes
+    done.synchronize()
+    up = link.link_stats()["host_to_device"]
+    assert up["waited_s"] == 0.0
+    assert up["busy_s"] == pytest.approx(COPY_S)
+    assert bool(dev.cpu()[0])
+
+
+def test_copies_queue_on_their_directions_engine_and_streams_order_them(link, side):
+    """Two host-to-device copies issued together are done one after the other; a
+    device-to-host copy on another stream runs beside them, on the other engine; one on the
+    uploads' stream waits for them (a stream orders its work)."""
+    import time
+
+    host, dev = _host_and_device()
+    host2, dev2 = _host_and_device()
+    on_device = torch.ones(MIB32, dtype=torch.uint8, device=DEV)  # made there: no copy
+    back = torch.empty(MIB32, dtype=torch.uint8).pin_memory()
+    down_stream = torch.Stream(device="fakegpu:0")
+    issued = time.monotonic()
+    with side:
+        dev.copy_(host, non_blocking=True)
+        dev2.copy_(host2, non_blocking=True)
+    with down_stream:
+        back.copy_(on_device, non_blocking=True)
+    stats = link.link_stats()
+    up, down = stats["host_to_device"], stats["device_to_host"]
+    assert up["free_at_s"] - issued >= 2 * COPY_S  # the second upload waited for the first
+    assert down["free_at_s"] < up["free_at_s"] - 0.5 * COPY_S  # beside the uploads
+    with side:  # behind the uploads on their stream
+        host.copy_(dev2, non_blocking=True)
+    assert link.link_stats()["device_to_host"]["free_at_s"] >= up["free_at_s"] + COPY_S
+    link.synchronize(0)
+    assert torch.equal(back, torch.ones(MIB32, dtype=torch.uint8))
+
+
+def test_the_link_is_set_from_the_environment_and_checked(monkeypatch):
+    from tests.fakedevice import _env_link
+
+    monkeypatch.setenv("PSTAR_FAKEGPU_LINK", "25,12.5,10")
+    assert _env_link() == (25.0, 12.5, 10.0)
+    monkeypatch.setenv("PSTAR_FAKEGPU_LINK", "fast")
+    with pytest.raises(ValueError, match="H2D_GBps,D2H_GBps,latency_us"):
+        _env_link()
+
+
 def test_host_register_pins_a_range_and_counts_its_bytes(fake):
     buf, other = torch.zeros(4096, dtype=torch.uint8), torch.zeros(16)
     before = fake.pinned_bytes()

@@ -1,0 +1,269 @@
+"""`pstar bench overlap`: how much of the host<->device copy time the engine hides, per
+phase, on the test suite's second device with a modeled link (issue 32's measure).
+
+The fake device (`tests/fakedevice`, loaded from this checkout) computes on the real CPU
+and, with a link set, makes every copy between host and device take latency + bytes ÷
+bandwidth of wall time on a copy engine per direction ([Note: a modeled link] in
+fakegpu.cpp): a copy issued ahead on a copy stream runs while the host computes, and the
+host sleeps only for what is not done when it waits. So `exposed` is the copy time the
+engine did not hide, measured, not estimated.
+
+What runs: a zoo GPT (by default `gpt-small` with 8 layers and a 2048-token vocabulary,
+so its chunks are not all one embedding: 9 chunks) in the dtype asked for, under two
+device budgets from a probe run
+(N: its peak non-model bytes; P: its param chunks; T: one chunk's optimizer triple):
+- `params_evicted`: N + P/2, params leave the device in forward and backward, Adam on
+  the host;
+- `adam_split`: N + P + 2T + Adam's temporary, Adam on the device for some chunks and on
+  the host for the rest.
+The link's bandwidth is set so one param chunk's copy takes about one layer's forward
+compute (measured by the probe), unless `gbps` is given. Each budget trains `warmup`
+steps, then `steps` steps with the link and as many without it, alternated; phases
+(forward, backward, optimizer) are bounded by device synchronizations, and the link's
+counts are read at each boundary.
+
+Reported per budget and phase: the copy time issued (engine time), the copy time exposed
+(the host asleep waiting) and the hidden fraction 1 - exposed/issued; the step time with
+and without the link. The last JSON line: `hidden_fraction_fwd_bwd` (goal >= 0.8),
+`optimizer_over_max` (the optimizer phase with the link ÷ max(its copy time, the same
+phase without the link); goal <= 1.2) and `link_slowdown` (step with ÷ without the link;
+goal <= 1.25), each the worse of the two budgets.
+
+    pstar bench overlap --json
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.report import bench_dtype, finish, load_avg, machine, median
+
+__all__ = ["run"]
+
+PHASES = ("forward", "backward", "optimizer")
+DIRECTIONS = ("host_to_device", "device_to_host")
+
+
+def _fake():
+    """The test suite's second device, from this checkout (`tests/fakedevice`)."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if (root / "tests" / "fakedevice").is_dir() and str(root) not in sys.path:
+        sys.path.append(str(root))
+    try:
+        from tests import fakedevice
+    except ImportError as e:  # an installed package without the tests
+        raise ValueError(
+            "bench overlap runs on the test suite's fake device: run it from a checkout "
+            f"of this repository ({e})"
+        ) from None
+    return fakedevice.load()
+
+
+def _link_totals(fake) -> tuple[float, float]:
+    """(engine time issued, host time waited) over both directions so far."""
+    stats = fake.link_stats()
+    return (
+        sum(stats[d]["busy_s"] for d in DIRECTIONS),
+        sum(stats[d]["waited_s"] for d in DIRECTIONS),
+    )
+
+
+def _step(engine, x, fake, dev) -> dict[str, dict[str, float]]:
+    """One training step, its phases bounded by synchronizations: per phase the wall
+    time, the copy time issued and the copy time exposed."""
+    loss = None
+
+    def forward() -> None:
+        nonlocal loss
+        loss = engine(input_ids=x, labels=x).loss
+
+    phases = {
+        "forward": forward,
+        "backward": lambda: engine.backward(loss),
+        "optimizer": engine.step,
+    }
+    out: dict[str, dict[str, float]] = {}
+    for phase, fn in phases.items():
+        fake.synchronize(dev)
+        issued0, waited0 = _link_totals(fake)
+        t0 = time.perf_counter()
+        fn()
+        fake.synchronize(dev)
+        issued1, waited1 = _link_totals(fake)
+        out[phase] = {
+            "wall_s": time.perf_counter() - t0,
+            "issued_s": issued1 - issued0,
+            "exposed_s": waited1 - waited0,
+        }
+    return out
+
+
+def _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype) -> dict[str, Any]:
+    import torch
+
+    import pstar_core
+    from pstar_core.models import build
+
+    torch.manual_seed(0)
+    engine = pstar_core.initialize(
+        lambda: build(cfg),
+        {"dtype": dtype, "device": "fakegpu", "memory": {"device_budget": budget}},
+    )
+    dev = engine.device
+    with_link, without = [], []
+    try:
+        for i, x in enumerate(data):
+            linked = i < warmup or (i - warmup) % 2 == 0
+            fake.set_link(gbps if linked else 0.0)
+            record = _step(engine, x, fake, dev)
+            if i >= warmup:
+                (with_link if linked else without).append(record)
+        st = engine.stats()
+    finally:  # the link is process-wide: off again whatever happened
+        fake.set_link(0.0)
+        engine.close()
+    phases = {}
+    for phase in PHASES:
+        issued = median([r[phase]["issued_s"] for r in with_link])
+        exposed = median([r[phase]["exposed_s"] for r in with_link])
+        phases[phase] = {
+            "issued_s": issued,
+            "exposed_s": exposed,
+            "hidden_fraction": 1 - exposed / issued if issued > 0 else None,
+            "wall_s": median([r[phase]["wall_s"] for r in with_link]),
+            "wall_s_without_link": median([r[phase]["wall_s"] for r in without]),
+        }
+    step_with = median([sum(r[p]["wall_s"] for p in PHASES) for r in with_link])
+    step_without = median([sum(r[p]["wall_s"] for p in PHASES) for r in without])
+    fwd_bwd_issued = sum(phases[p]["issued_s"] for p in ("forward", "backward"))
+    fwd_bwd_exposed = sum(phases[p]["exposed_s"] for p in ("forward", "backward"))
+    opt = phases["optimizer"]
+    return {
+        "budget": budget,
+        "phases": phases,
+        "step_s_with_link": step_with,
+        "step_s_without_link": step_without,
+        "link_slowdown": step_with / step_without,
+        "hidden_fraction_fwd_bwd": (
+            1 - fwd_bwd_exposed / fwd_bwd_issued if fwd_bwd_issued > 0 else None
+        ),
+        "optimizer_over_max": opt["wall_s"] / max(opt["issued_s"], opt["wall_s_without_link"]),
+        "device_adam_chunks": st["device_adam_chunks"],
+        "own_chunks": st["chunks"]["param"]["count"],
+        "bytes_moved": st["bytes_moved"],
+        "name": name,
+    }
+
+
+def run(
+    model: str = "gpt-small",
+    layers: int | None = 8,
+    vocab: int | None = 2048,
+    steps: int = 4,
+    warmup: int = 2,
+    batch: int = 4,
+    seq: int = 128,
+    gbps: float | None = None,
+    dtype: str = "auto",
+    json_out: bool = False,
+) -> dict[str, Any]:
+    import dataclasses
+
+    import torch
+
+    import pstar_core
+    from pstar_core.kernels import adam_temporary_bytes
+    from pstar_core.models import build, get_config
+
+    console = Console(stderr=True)
+    fake = _fake()
+    dtype = bench_dtype(dtype)
+    load_before = load_avg()
+    cfg = dataclasses.replace(get_config(model), seq_len=seq)
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    if vocab is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        for _ in range(warmup + 2 * steps)
+    ]
+    # the probe: the sizes a budget is made of, and one layer's forward time
+    fake.set_link(0.0)
+    torch.manual_seed(0)
+    probe = pstar_core.initialize(lambda: build(cfg), {"dtype": dtype, "device": "fakegpu"})
+    forward_s = []
+    for x in data[:3]:
+        record = _step(probe, x, fake, probe.device)
+        forward_s.append(record["forward"]["wall_s"])
+    st = probe.stats()
+    probe.close()
+    chunk = st["chunk_size"]
+    chunk_bytes = chunk * torch.empty((), dtype=pstar_core.config.DTYPES[dtype]).element_size()
+    layer_s = median(forward_s[1:]) / cfg.num_layers
+    if gbps is None:
+        gbps = chunk_bytes / layer_s / 1e9  # a chunk's copy takes one layer's forward
+    n, p = st["tracer"]["peak_non_model_bytes"], st["chunks"]["param"]["bytes"]
+    budgets = {
+        "params_evicted": int(n + 0.5 * p),
+        "adam_split": n + p + 24 * chunk + adam_temporary_bytes(chunk, torch.device("fakegpu")),
+    }
+    runs = {
+        name: _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype)
+        for name, budget in budgets.items()
+    }
+    table = Table(title=f"copy time hidden on fakegpu, link {gbps:.3f} GB/s each way")
+    for col in ("budget", "phase", "issued s", "exposed s", "hidden", "wall s (no link)"):
+        table.add_column(col)
+    for name, r in runs.items():
+        for phase, ph in r["phases"].items():
+            hidden = ph["hidden_fraction"]
+            table.add_row(
+                name,
+                phase,
+                f"{ph['issued_s']:.4f}",
+                f"{ph['exposed_s']:.4f}",
+                "-" if hidden is None else f"{hidden:.2f}",
+                f"{ph['wall_s']:.4f} ({ph['wall_s_without_link']:.4f})",
+            )
+        table.add_row(
+            name,
+            "step",
+            "",
+            "",
+            "",
+            f"{r['step_s_with_link']:.4f} ({r['step_s_without_link']:.4f}): "
+            f"x{r['link_slowdown']:.2f}",
+        )
+    console.print(table)
+
+    def worst(key: str, low_is_bad: bool) -> float | None:
+        values = [r[key] for r in runs.values() if r[key] is not None and math.isfinite(r[key])]
+        if not values:
+            return None
+        return min(values) if low_is_bad else max(values)
+
+    result = {
+        "model": model,
+        "layers": cfg.num_layers,
+        "vocab": cfg.vocab_size,
+        "tokens_per_step": batch * seq,
+        "link_GBps": gbps,
+        "chunk_bytes": chunk_bytes,
+        "layer_forward_s": layer_s,
+        "runs": runs,
+        "hidden_fraction_fwd_bwd": worst("hidden_fraction_fwd_bwd", low_is_bad=True),
+        "optimizer_over_max": worst("optimizer_over_max", low_is_bad=False),
+        "link_slowdown": worst("link_slowdown", low_is_bad=False),
+        **machine(dtype),
+    }
+    return finish(console, result, load_before, load_avg(), json_out)
