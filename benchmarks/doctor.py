@@ -213,23 +213,29 @@ def check_tracer(device: str) -> Check:
     )
 
 
-def probe_sizes(device: str, steps: int = 2) -> dict[str, int]:
-    """What a budget is made of, measured by a run with no budget: the peak non-model
-    memory N, the param chunks' bytes P, a chunk's optimizer triple T (fp32 master,
-    momentum, variance: 12 bytes an element) and device Adam's temporary on a chunk."""
+def budgets(stats: dict[str, Any], device: str | torch.device) -> dict[str, int]:
+    """The two device budgets the GPU checks train under, from the `stats()` of a run with
+    no budget (N: its peak non-model bytes, P: its param chunks' bytes):
+    - `params_evicted`: N + P/2, so params leave the device in forward and backward and
+      no optimizer state fits (all Adam on the host);
+    - `adam_split`: N + P, two chunks' optimizer triples (fp32 master, momentum, variance:
+      12 bytes an element) and device Adam's temporary, so Adam runs on the device for
+      some chunks and on the host for the others."""
     from pstar_core.kernels import adam_temporary_bytes
 
+    chunk = stats["chunk_size"]
+    n, p = stats["tracer"]["peak_non_model_bytes"], stats["chunks"]["param"]["bytes"]
+    temporary = adam_temporary_bytes(chunk, torch.device(device))
+    return {"params_evicted": int(n + 0.5 * p), "adam_split": n + p + 2 * 12 * chunk + temporary}
+
+
+def probe_budgets(device: str, steps: int = 2) -> dict[str, int]:
+    """`budgets` of the checks' model, measured by a run with no budget."""
     probe = _engine(device)
     _train(probe, _batches(steps))
     st = probe.stats()
-    chunk = st["chunk_size"]
     probe.close()
-    return {
-        "non_model": st["tracer"]["peak_non_model_bytes"],
-        "params": st["chunks"]["param"]["bytes"],
-        "triple": 12 * chunk,
-        "adam_temporary": adam_temporary_bytes(chunk, torch.device(device)),
-    }
+    return budgets(st, device)
 
 
 @contextlib.contextmanager
@@ -260,8 +266,7 @@ def device_limited_to(device: str, budget: int) -> Iterator[dict[str, Any]]:
 
 
 def check_budget(device: str) -> Check:
-    sizes = probe_sizes(device)
-    budget = int(sizes["non_model"] + 0.5 * sizes["params"])
+    budget = probe_budgets(device)["params_evicted"]
     engine = None
     try:
         with device_limited_to(device, budget) as limited:
@@ -293,8 +298,7 @@ def check_mixed_adam(device: str) -> Check:
     leaves the rest on the host, so both kernels run in the same steps."""
     if not _caps(device).accelerator:
         return Check("mixed_adam", NEEDS_ACCELERATOR, {})
-    sizes = probe_sizes(device)
-    budget = sizes["non_model"] + sizes["params"] + 2 * sizes["triple"] + sizes["adam_temporary"]
+    budget = probe_budgets(device)["adam_split"]
     with device_limited_to(device, budget) as limited:
         engine = _engine(device, {"device_budget": budget})
         losses = _train(engine, _batches(STEPS))
@@ -320,8 +324,7 @@ def check_pinned(device: str) -> Check:
     the pool the engine registered and reads as pinned; none found no room there."""
     if not _caps(device).pinned_host:
         return Check("pinned", "skip (the device pins no host memory)", {})
-    sizes = probe_sizes(device)
-    engine = _engine(device, {"device_budget": int(sizes["non_model"] + 0.5 * sizes["params"])})
+    engine = _engine(device, {"device_budget": probe_budgets(device)["params_evicted"]})
     _train(engine, _batches(2))
     pool = engine.stats()["host_pool"]
     host = engine.manager.residency.tiers["host"]

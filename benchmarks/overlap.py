@@ -11,11 +11,11 @@ engine did not hide, measured, not estimated.
 What runs: a zoo GPT (by default `gpt-small` with 8 layers and a 2048-token vocabulary,
 so its chunks are not all one embedding: 9 chunks) in the dtype asked for, under two
 device budgets from a probe run
-(N: its peak non-model bytes; P: its param chunks; T: one chunk's optimizer triple):
+(`benchmarks.doctor.budgets`; N: its peak non-model bytes; P: its param chunks):
 - `params_evicted`: N + P/2, params leave the device in forward and backward, Adam on
   the host;
-- `adam_split`: N + P + 2T + Adam's temporary, Adam on the device for some chunks and on
-  the host for the rest.
+- `adam_split`: N + P + two chunks' optimizer states and Adam's temporary, Adam on the
+  device for some chunks and on the host for the rest.
 The link's bandwidth is set so one param chunk's copy takes about one layer's forward
 compute (measured by the probe), unless `gbps` is given. Each budget trains `warmup`
 steps, then `steps` steps with the link and as many without it, alternated; phases
@@ -41,6 +41,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.doctor import budgets
 from benchmarks.report import bench_dtype, finish, load_avg, machine, median
 
 __all__ = ["run"]
@@ -180,7 +181,6 @@ def run(
     import torch
 
     import pstar_core
-    from pstar_core.kernels import adam_temporary_bytes
     from pstar_core.models import build, get_config
 
     console = Console(stderr=True)
@@ -212,14 +212,9 @@ def run(
     layer_s = median(forward_s[1:]) / cfg.num_layers
     if gbps is None:
         gbps = chunk_bytes / layer_s / 1e9  # a chunk's copy takes one layer's forward
-    n, p = st["tracer"]["peak_non_model_bytes"], st["chunks"]["param"]["bytes"]
-    budgets = {
-        "params_evicted": int(n + 0.5 * p),
-        "adam_split": n + p + 24 * chunk + adam_temporary_bytes(chunk, torch.device("fakegpu")),
-    }
     runs = {
         name: _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype)
-        for name, budget in budgets.items()
+        for name, budget in budgets(st, "fakegpu").items()
     }
     table = Table(title=f"copy time hidden on fakegpu, link {gbps:.3f} GB/s each way")
     for col in ("budget", "phase", "issued s", "exposed s", "hidden", "wall s (no link)"):

@@ -188,15 +188,10 @@ class ZeroGroup:
 
     # -- failures (see [Note: ranks fail together]) ---------------------------------------
 
-    def agree(self, op: Op) -> None:
-        """Raise `RankFailed` if another rank has failed, `CollectiveMismatch` if another
-        is about to issue a different collective than `op`. Call it after allocating the
-        collective's buffers and right before the collective (see [Note: ranks fail
-        together])."""
-        self._agree(op)
-
     def _agree(self, op: Op) -> None:
-        """Before a collective: raise `RankFailed` if another rank has failed.
+        """Right before collective `op`, its buffers already made: raise `RankFailed` if
+        another rank has failed, `CollectiveMismatch` if another is about to issue a
+        different collective (see [Note: ranks fail together]).
 
         [Note: collective order] The flag all-reduce carries the collective each rank is
         about to issue (kind, chunk list, group, size) and its negation, reduced by MAX: the
@@ -370,7 +365,6 @@ class ZeroGroup:
         own = buffer.chunk(self.nproc)[self.rank]
         self.all_gather(buffer, own, Op("all_gather", numel=numel))
         self.reduce_scatter_sum(own, buffer, Op("reduce_scatter", numel=numel)).wait()
-        del buffer, own
 
     # -- counted wrappers -------------------------------------------------------------
 
