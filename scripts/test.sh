@@ -13,4 +13,12 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q "$@"
+# a test process per core, at most 4 (tests/conftest.py: [Note: parallel tests]);
+# PSTAR_TEST_WORKERS=0 runs them all in this one process
+workers=${PSTAR_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+[ "$workers" -gt 4 ] && workers=4
+if [ "$workers" -gt 1 ]; then
+  .venv/bin/python -m pytest -q -n "$workers" --dist loadgroup "$@"
+else
+  .venv/bin/python -m pytest -q "$@"
+fi

@@ -60,10 +60,32 @@ def _on_fakegpu(item: pytest.Item) -> bool:
     return item.nodeid.startswith("tests/fakedevice/") or bool(item.get_closest_marker("fakegpu"))
 
 
+# [Note: parallel tests] scripts/test.sh runs the suite on a process per core (pytest-xdist,
+# `--dist loadgroup`). A module's tests stay on one process (they share module fixtures: a
+# server, a browser, a trained model), and the modules that start a Ray cluster or a whole
+# `pstar serve` share one group, so one such cluster runs at a time: two on 2 cores would
+# make each slower than the waits their tests allow. The other modules fill the other
+# processes meanwhile (most of the Ray tests' wall time is waiting on their cluster).
+RAY_MODULES = frozenset(
+    {
+        "tests/api/test_dashboard.py",
+        "tests/benchmarks/test_faults.py",
+        "tests/service/test_methods_ray.py",
+        "tests/service/test_ray_train.py",
+        "tests/service/test_service_ray.py",
+        "tests/service/test_serving_ray.py",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _on_fakegpu(item):  # the device is a C++ extension
             item.add_marker(pytest.mark.requires_compiler)
+        module = item.nodeid.split("::", 1)[0]
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
 
 
 @pytest.hookimpl(tryfirst=True)
