@@ -269,7 +269,13 @@ class Generator:
         if any(r.req.adapter == key for r in self._rows):
             self._unload.add(key)  # rows still decode with it: dropped when they end
             return
-        self.peft.delete_adapter(peft_name(key))
+        if len(self.adapters) == 1:
+            # the last one: back to the plain model (peft would keep the deleted adapter
+            # active, and every forward after raised a KeyError)
+            self.model = self.peft.unload()
+            self.peft = None
+        else:
+            self.peft.delete_adapter(peft_name(key))
         del self.adapters[key]
         log.info("adapter %s unloaded", key)
 

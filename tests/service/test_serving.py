@@ -273,3 +273,27 @@ def test_a_replica_keeps_its_most_recently_used_adapters_and_never_drops_a_busy_
         assert len(set(first.values()) | {ask("c")}) == 3  # three different adapters
     finally:
         gen.close()
+
+
+def test_unloading_the_last_adapter_leaves_the_base_answering_as_before(tmp_path):
+    """peft keeps a deleted adapter active when it was the only one, and every forward
+    then raised a KeyError (each request a 500, once a replica's last adapter was
+    deleted): the base answers as it did before, and the adapter loads again."""
+    from benchmarks.models_made import _adapter
+    from service.generation import Generator, SamplingParams, complete
+    from tests.tiny import make_tiny_llama
+
+    base = make_tiny_llama(tmp_path / "base")
+    _adapter(base, tmp_path / "a", seed=1)
+    gen = Generator(base, max_adapters=2)
+    try:
+        ids = gen.render([{"role": "user", "content": "What does apple mean?"}])
+        greedy = SamplingParams(max_tokens=6, temperature=0)
+        plain = complete(gen, ids, greedy, None, None).tokens[0]
+        tuned = complete(gen, ids, greedy, "a", tmp_path / "a").tokens[0]
+        gen.unload_adapter("a").result(timeout=30)
+        assert list(gen.adapters) == []
+        assert complete(gen, ids, greedy, None, None).tokens[0] == plain
+        assert complete(gen, ids, greedy, "a", tmp_path / "a").tokens[0] == tuned
+    finally:
+        gen.close()
