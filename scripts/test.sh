@@ -18,7 +18,7 @@ fi
 workers=${PSTAR_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
 [ "$workers" -gt 4 ] && workers=4
 if [ "$workers" -gt 1 ]; then
-  .venv/bin/python -m pytest -q -n "$workers" --dist loadgroup "$@"
+  .venv/bin/python -m pytest -q -n "$workers" "$@"
 else
   .venv/bin/python -m pytest -q "$@"
 fi

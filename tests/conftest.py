@@ -60,12 +60,14 @@ def _on_fakegpu(item: pytest.Item) -> bool:
     return item.nodeid.startswith("tests/fakedevice/") or bool(item.get_closest_marker("fakegpu"))
 
 
-# [Note: parallel tests] scripts/test.sh runs the suite on a process per core (pytest-xdist,
-# `--dist loadgroup`). A module's tests stay on one process (they share module fixtures: a
-# server, a browser, a trained model), and the modules that start a Ray cluster or a whole
-# `pstar serve` share one group, so one such cluster runs at a time: two on 2 cores would
-# make each slower than the waits their tests allow. The other modules fill the other
-# processes meanwhile (most of the Ray tests' wall time is waiting on their cluster).
+# [Note: parallel tests] scripts/test.sh runs the suite on a process per core (pytest-xdist).
+# A module's tests stay on one process (they share module fixtures: a server, a browser, a
+# trained model), and the modules that start a Ray cluster or a whole `pstar serve` are
+# one unit, so one such cluster runs at a time: two on 2 cores would make each slower
+# than the waits their tests allow. The other modules fill the other processes meanwhile
+# (most of the Ray tests' wall time is waiting on their cluster). The units are made by a
+# scheduler of our own (`pytest_xdist_make_scheduler`): xdist's `loadgroup` reads groups
+# from node ids that pytest 9.2 no longer lets it change.
 RAY_MODULES = frozenset(
     {
         "tests/api/test_dashboard.py",
@@ -78,14 +80,22 @@ RAY_MODULES = frozenset(
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Work units of whole modules, the Ray modules one unit (see [Note: parallel tests])."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if module in RAY_MODULES else module
+
+    return ByModule(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _on_fakegpu(item):  # the device is a C++ extension
             item.add_marker(pytest.mark.requires_compiler)
-        module = item.nodeid.split("::", 1)[0]
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
 
 
 @pytest.hookimpl(tryfirst=True)
