@@ -117,6 +117,9 @@ class Chunk:
     def __post_init__(self) -> None:
         self.nbytes = self.capacity * torch.empty((), dtype=self.dtype).element_size()
         self._payload: torch.Tensor | None = None
+        # On the device: the host buffer it came from, still holding the same bytes while
+        # the chunk is only read there ([Note: clean chunks] in transfers.py); None else
+        self.host_copy: torch.Tensor | None = None
         # slot -> its view of the payload, made at its first `view` (see `payload`)
         self._views: dict[int, torch.Tensor] = {}
 

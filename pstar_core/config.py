@@ -143,6 +143,22 @@ class MemoryConfig(_Frozen):
     static_model_share: float = Field(
         default=0.5, gt=0, le=1, description="policy 'static': share of the device for chunks"
     )
+    prefetch_chunks: int = Field(
+        default=2,
+        ge=0,
+        description="while an iteration follows the trace, look past prefetch_moments "
+        "until this many chunks not yet where they are read are on their way",
+    )
+    prefetch_evicts: bool = Field(
+        default=True,
+        description="a chunk prefetched to the device with no room sends chunks needed "
+        "later than it to the host ahead (OPT's choice), on the copy stream",
+    )
+    keep_host_copies: bool = Field(
+        default=True,
+        description="a chunk moved to the device keeps its host buffer while the host "
+        "budget has room; evicted before anything wrote it, it copies nothing back",
+    )
     prefetch_moments: int = Field(
         default=2,
         ge=0,

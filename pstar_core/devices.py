@@ -317,43 +317,51 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 class CopyStream:
-    """Host-to-device copies off the compute stream (see [Note: prefetch] in prefetch.py).
+    """Copies between host and device off the compute stream (see [Note: prefetch] in
+    prefetch.py), one stream per direction as PCIe has a copy engine per direction.
 
-    On a device with streams a dedicated stream runs prefetch copies with
-    `non_blocking=True` from pinned host memory, so they overlap the kernels of the
-    compute stream; an event marks each copy's end. Elsewhere (`enabled` False) nothing is
-    issued: there is no copy engine to overlap with, and the move happens when the chunk
-    is used. Written with torch's device-generic `Stream`/`Event`, so the test suite's
-    second device (whose copies on a side stream only land once waited for) runs it.
+    On a device with streams, copies run with `non_blocking=True` between pinned host
+    memory and the device, so they overlap the compute stream's kernels and each other;
+    an event marks each copy's end. Elsewhere (`enabled` False) nothing is issued: there
+    is no copy engine to overlap with, and the move happens when the chunk is used.
+    Written with torch's device-generic `Stream`/`Event`, so the test suite's second
+    device (whose copies on a side stream only land once waited for) runs it.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.enabled = capabilities(device).streams
         self.device = device
-        # why a stream: copies on the compute stream would wait for its kernels
-        self.stream = torch.Stream(device=device) if self.enabled else None
+        # why streams: copies on the compute stream would wait for its kernels; why two:
+        # an eviction's copy out need not wait for a prefetch's copy in
+        self._to_device = torch.Stream(device=device) if self.enabled else None
+        self._to_host = torch.Stream(device=device) if self.enabled else None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Start `dst.copy_(src)` on the copy stream; the event to `wait` on."""
-        assert self.stream is not None
-        # dst was allocated on the compute stream, maybe from a block it freed a moment
-        # ago: the copy starts after the compute stream's work issued so far
+        """Start `dst.copy_(src)` on its direction's stream; the event to `wait` on."""
+        stream = self._to_host if dst.device.type == "cpu" else self._to_device
+        assert stream is not None
+        # the device side was allocated or written on the compute stream (a block freed
+        # a moment ago, a gradient backward just wrote): the copy starts after the
+        # compute stream's work issued so far
         compute = torch.accelerator.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        # torch.accelerator.set_stream, not `with self.stream`: torch.Stream is no context
+        stream.wait_stream(compute)
+        # torch.accelerator.set_stream, not `with stream`: torch.Stream is no context
         # manager in torch 2.6
-        torch.accelerator.set_stream(self.stream)
+        torch.accelerator.set_stream(stream)
         try:
             dst.copy_(src, non_blocking=True)
             done = torch.Event(device=self.device)
-            done.record(self.stream)
+            done.record(stream)
         finally:
             torch.accelerator.set_stream(compute)
-        dst.record_stream(self.stream)  # freed later on the compute stream: wait for us too
+        # the device side is freed later on the compute stream: its block is not handed
+        # out again before this copy is done
+        (src if dst.device.type == "cpu" else dst).record_stream(stream)
         return done
 
     def wait(self, done: Any) -> None:
-        """The compute stream waits for the copy; the host too, because the pinned source
-        buffer goes back to the pool (and may be refilled from disk) right after."""
+        """The compute stream waits for the copy; the host too: a copy in reads or writes
+        a pinned host buffer that goes back to the pool (and may be refilled from disk)
+        right after, and a copy out's bytes are read by the host."""
         torch.accelerator.current_stream(self.device).wait_event(done)
         done.synchronize()

@@ -30,7 +30,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from pstar_core.chunk import TensorSlot, TensorState
+from pstar_core.chunk import ChunkType, TensorSlot, TensorState
 from pstar_core.manager import ChunkManager
 from pstar_core.tiers import TierName
 
@@ -163,6 +163,8 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
         # a chunk already accounted on the device may still be on its way there (a
         # prefetch on the copy stream): its payload is read only once it has arrived
         residency.transfers.arrive(x.chunk)
+        if x.chunk.kind is not ChunkType.FROZEN:  # backward writes its gradients there
+            residency.transfers.drop_host_copy(x.chunk)
         payload = x.chunk.payload
         return payload.as_strided(x.size, x.stride, payload.storage_offset() + x.offset)
 

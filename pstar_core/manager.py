@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 __all__ = ["ChunkManager", "TrainingPhase"]
 
 
+# a trainable tensor in these states holds its value, and forward only reads it
+_READ_IN_FORWARD = frozenset({TensorState.HOLD, TensorState.HOLD_AFTER_FWD, TensorState.COMPUTE})
+
+
 class TrainingPhase(enum.Enum):
     """Where the engine is in an iteration (one enum, as FSDP2's `TrainingState`)."""
 
@@ -97,6 +101,7 @@ class ChunkManager:
             # because the device is full (see [Note: leaving the group buffer] in zero.py)
             settle=lambda: self.groups.settle(pressed=True),
             host_whole=host_whole,  # the host share read at the engine's start
+            tier_of_moment=lambda name: placement.moment_tier(self.device_adam, name),
         )
         self.grad_accum = GradAccumulator(self.residency, self.lists)
         self.groups = GatheredGroups(
@@ -242,7 +247,7 @@ class ChunkManager:
             for s in slots:
                 if s.state is TensorState.HOLD_AFTER_BWD:
                     self.grad_accum.stash(self.param_chunk(s))
-            self.residency.make_resident(chunks, TierName.DEVICE)
+            self.residency.make_resident(chunks, TierName.DEVICE, reading=self._reads(forward))
             self.residency.tiers[TierName.DEVICE].start_compute()
             self.residency.prefetch()
             for s in slots:
@@ -257,6 +262,20 @@ class ChunkManager:
         if self.on_access:
             for observe in self.on_access:
                 observe(slots)
+
+    @staticmethod
+    def _reads(forward: bool) -> Callable[[Chunk], bool]:
+        """Whether an operator only reads a chunk it accesses (its host copy stays
+        current, see [Note: clean chunks] in transfers.py): a frozen chunk whose tensors
+        all have values; a trainable one in forward, unless a tensor of it is zeroed at
+        its first use or still holds a gradient."""
+
+        def reads(c: Chunk) -> bool:
+            if c.kind is ChunkType.FROZEN:
+                return all(s.state is not TensorState.FREE for s in c.slots)
+            return forward and all(s.state in _READ_IN_FORWARD for s in c.slots)
+
+        return reads
 
     def release(self, slot: TensorSlot, target: TensorState) -> None:
         """Algorithm 2: the operator is done with `slot` (the last of its users sets
@@ -295,6 +314,7 @@ class ChunkManager:
             # forward): bring its chunk back first; the slot still holds the value.
             self.residency.make_resident([chunk], TierName.DEVICE)
             slot.set_state(TensorState.COMPUTE)
+        self.residency.transfers.drop_host_copy(chunk)  # (a recomputed forward read it)
         chunk.view(slot).copy_(grad)
         slot.compute_refs = 0
         slot.set_state(TensorState.HOLD_AFTER_BWD)
@@ -346,6 +366,13 @@ class ChunkManager:
         self.residency.make_resident(chunks, placement.adam_tier(self.device_adam, index))
         self.residency.tiers[TierName.DEVICE].start_compute()
         self.residency.prefetch()
+
+    def adam_done(self, index: int) -> None:
+        """Adam on chunk `index` is done. On the host, its updated parameters start back
+        to the device (where the next forward reads them) while Adam runs on the next
+        chunk, if there is room without evicting."""
+        if placement.adam_tier(self.device_adam, index) == TierName.HOST:
+            self.residency.send_ahead(self.lists[ChunkType.PARAM][index], TierName.DEVICE)
 
     def free_grad_accum(self) -> None:
         self.grad_accum.free(self.slots)

@@ -165,6 +165,7 @@ class ChunkAdamW:
             self.manager.prepare_adam(i)
             with profiled("pstar::adam"):
                 self._adam(i, chunk, segs, grad_scale)
+            self.manager.adam_done(i)
         self.end_step()
 
     def _adam(self, i: int, chunk: Chunk, segs: list[AdamSegment], grad_scale: float) -> None:

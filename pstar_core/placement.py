@@ -54,7 +54,11 @@ def place_optimizer_states(
     if nproc > 1:  # two gathered groups may be in flight at once
         params += 2 * (nproc - 1) * lists[ChunkType.PARAM][0].nbytes
     peak = max(
-        (n for name, n in zip(trace.names, trace.non_model, strict=False) if not _is_adam(name)),
+        (
+            n
+            for name, n in zip(trace.names, trace.non_model, strict=False)
+            if not is_adam_moment(name)
+        ),
         default=0,
     )
     margin = device_budget_bytes - peak - params
@@ -72,7 +76,7 @@ def place_optimizer_states(
     return device_adam, margin
 
 
-def _is_adam(moment_name: str) -> bool:
+def is_adam_moment(moment_name: str) -> bool:
     return moment_name.startswith(ADAM_MOMENT)
 
 
@@ -82,13 +86,21 @@ def _reserve_adam_temporaries(trace: Trace, device_adam: set[int], temporary: in
     if not temporary:
         return
     for j, name in enumerate(trace.names):
-        if _is_adam(name) and int(name[len(ADAM_MOMENT) :]) in device_adam:
+        if is_adam_moment(name) and int(name[len(ADAM_MOMENT) :]) in device_adam:
             trace.non_model[j] = max(trace.non_model[j], temporary)
 
 
 def adam_tier(device_adam: set[int], index: int) -> TierName:
     """Where Adam runs for trainable chunk `index` (the host until a trace exists)."""
     return TierName.DEVICE if index in device_adam else TierName.HOST
+
+
+def moment_tier(device_adam: set[int], moment_name: str) -> TierName:
+    """Where the chunks a moment uses are read: Adam's tier at an Adam moment, the device
+    at an operator's."""
+    if is_adam_moment(moment_name):
+        return adam_tier(device_adam, int(moment_name[len(ADAM_MOMENT) :]))
+    return TierName.DEVICE
 
 
 def saved(device: torch.device, device_budget_bytes: int, device_adam: set[int]) -> dict[str, Any]:

@@ -1,19 +1,30 @@
 """Prefetch: the chunks the next operators use start moving before they are asked for.
 
-[Note: prefetch] While an iteration follows the trace, the chunks used at the next
-`depth` moments are known (the trace's use lists, the same ones OPT reads). When a moment
-begins, those that sit a tier too far are sent on their way in the background:
+[Note: prefetch] While an iteration follows the trace, the chunks each coming moment uses,
+and the tier it reads them on (the device for an operator, Adam's tier for an Adam
+moment), are known: the trace's use lists, the same ones OPT reads. When a moment
+begins, the chunks the next `prefetch_moments` moments use, and further on until
+`prefetch_chunks` chunks are found that sit elsewhere, are sent on their way:
 - spilled to disk: read back into host memory by a reader thread (`DiskReader`): on a
   machine without a GPU this is the move that costs, and it overlaps compute this way;
-- in host memory, for a CUDA device: copied on a dedicated copy stream
-  (`devices.CopyStream`), so the copy overlaps the compute stream's kernels.
+- in host memory and read on a device with streams: copied on a copy stream
+  (`devices.CopyStream`), so the copy overlaps the compute stream's kernels; only into
+  room that stays free until the chunk's use (the least A_j up to it);
+- on the device and read on the host (Adam on the host): copied out on the other copy
+  stream, so the next chunks' gradients leave while Adam runs on this one; and once Adam
+  updated a chunk on the host, its parameters go back the same way, into free room.
+When the first chunk due on the device finds no room, the chunks whose next use comes
+after its use are sent to the host ahead, farthest first (OPT's order), on the copy
+stream (`prefetch_evicts`): their room is free once those copies are done (`reap_sends`
+asks without waiting), and the chunk moves in at a later moment's prefetch. A send holds
+its device memory until its copy is done, so `reserve` waits for the sends under way
+before it counts on that room.
 A chunk on its way is accounted on its new tier at once (budgets hold from the start)
 and `arrive` waits for it before anything reads its payload; every path that reads a
 payload goes through `Residency.make_resident`, `in_memory` or `move`, which call it.
-A prefetch only fills free room: it never evicts (evicting chunks needed later to make
-room was measured to move more bytes and run slower); a chunk that does not fit is left
-for the ordinary move at its use, where OPT makes the room. Waiting, not
-prefetching, is what changes the timing, so results are bitwise those without it.
+Disk reads only fill free host room (evicting to make room there was measured to move
+more bytes and run slower). Waiting, not prefetching, is what changes the timing, so
+results are bitwise those without it.
 """
 
 from __future__ import annotations
@@ -29,10 +40,11 @@ from pstar_core.tiers import SpillFile, TierName
 class Arrival(NamedTuple):
     """A move issued and not yet waited on."""
 
-    src: TierName  # the tier it comes from (disk or host)
-    done: Future | object  # a Future (disk read) or the copy stream's event (CUDA)
-    disk_offset: int | None  # the spill region to give back once read
-    source: torch.Tensor | None  # the host buffer a device copy reads (kept until done)
+    src: TierName  # the tier it comes from (disk, host or device)
+    done: Future | object  # a Future (disk read) or a copy stream's event
+    disk_offset: int | None = None  # the spill region to give back once read
+    source: torch.Tensor | None = None  # the host buffer a copy in reads (kept until done)
+    nbytes: int = 0  # the chunk's bytes (a copy out holds them on the device until done)
 
 
 class DiskReader:

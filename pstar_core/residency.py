@@ -30,7 +30,8 @@ import torch
 from pstar_core.chunk import HOLD_LIKE, PARAM_LISTS, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
 from pstar_core.devices import check
-from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt
+from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt, next_use
+from pstar_core.placement import is_adam_moment
 from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, Tier, TierName, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
 from pstar_core.transfers import PayloadIndex, Transfers
@@ -49,13 +50,16 @@ class Residency:
         extra: Callable[[], Iterable[Chunk]],
         settle: Callable[[], bool] = lambda: False,
         host_whole: int | None = None,
+        tier_of_moment: Callable[[str], TierName] = lambda name: DEVICE,
     ) -> None:
         self.lists = lists
         self.memory = memory
         self.tracer = tracer
         self.tiers: dict[TierName, Tier] = make_tiers(memory, device, host_whole)
         self.payloads = PayloadIndex()
-        self.transfers = Transfers(self.tiers, tracer, self.payloads, device)
+        self.transfers = Transfers(
+            self.tiers, tracer, self.payloads, device, lists, memory.keep_host_copies
+        )
         self._owned = owned  # ZeRO: chunks this rank keeps
         self._extra = extra  # chunks outside the lists that may be evicted (grad accum)
         self._last_use: dict[int, int] = {}  # LRU: the clock at each chunk's last use
@@ -65,6 +69,7 @@ class Residency:
         # anything (ZeRO's reductions run async: `GatheredGroups.settle`)
         self._settle = settle
         self._by_moment: tuple[object, list[list[tuple[str, int]]]] | None = None
+        self._tier_of_moment = tier_of_moment  # where a moment reads its chunks (by name)
 
     def chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterator[Chunk]:
         for kind, chunks in self.lists.items():
@@ -81,8 +86,15 @@ class Residency:
 
     # -- Algorithm 1: bring chunks to a tier, making room by eviction ---------------------
 
-    def make_resident(self, chunks: Sequence[Chunk], tier: TierName) -> None:
-        """Bring `chunks` to `tier`, evicting others (never these) to make room."""
+    def make_resident(
+        self,
+        chunks: Sequence[Chunk],
+        tier: TierName,
+        reading: Callable[[Chunk], bool] = lambda c: False,
+    ) -> None:
+        """Bring `chunks` to `tier`, evicting others (never these) to make room. Those for
+        which `reading` is False may be written there: their host copies go (see
+        [Note: clean chunks] in transfers.py)."""
         for c in chunks:
             self.transfers.arrive(c)
             self.tracer.note_use((c.kind.value, c.index))
@@ -94,6 +106,10 @@ class Residency:
             self.reserve(tier, need, protect={id(c) for c in chunks})
             for c in chunks:
                 self.move(c, tier)
+                self.transfers.arrive(c)  # a copy out to the host runs async: read after it
+        for c in chunks:
+            if not reading(c):
+                self.transfers.drop_host_copy(c)
 
     def allowed(self, tier: TierName) -> int:
         """Chunk bytes `tier` may hold now: its budget; on the device, A_j."""
@@ -111,6 +127,8 @@ class Residency:
         whose ids are in `protect`) one tier down, until they fit `allowed(tier)`."""
         t = self.tiers[tier]
         allowed = self.allowed(tier)
+        if tier == HOST:
+            self.transfers.drop_host_copies(need)  # before anything spills for room
         if tier == DEVICE and not self.tracer.following:
             # warm-up, or a pass off the trace: the operator's whole working set, and
             # gathered groups still in use, may exceed the conservative limit
@@ -120,6 +138,10 @@ class Residency:
                 if c.tier == tier and (c.pins or id(c) in protect or not self._evictable(c, set()))
             )
             allowed = max(allowed, held + need)
+        if tier == DEVICE and t.used_bytes + need + self.transfers.sending_bytes > allowed:
+            # chunks sent ahead to the host hold their device memory until their copy is
+            # done: wait for them before that room is used
+            self.transfers.settle_sends()
         while t.used_bytes + need > allowed:
             candidates = [
                 c for c in self.chunks() if c.tier == tier and self._evictable(c, protect)
@@ -170,7 +192,8 @@ class Residency:
         if {c.tier, tier} == {DISK, DEVICE}:
             self.move(c, HOST, protect)
         dst = self.tiers[tier]
-        if tier == HOST and dst.used_bytes + c.nbytes > dst.budget_bytes:
+        returning = c.host_copy is not None  # its host bytes are counted there already
+        if tier == HOST and not returning and dst.used_bytes + c.nbytes > dst.budget_bytes:
             self.reserve(HOST, c.nbytes, (protect or set()) | {id(c)})
         if tier == DISK and dst.used_bytes + c.nbytes > dst.budget_bytes:
             raise MemoryBudgetError(
@@ -185,6 +208,7 @@ class Residency:
     def forget(self, c: Chunk) -> None:
         """Drop a chunk's payload from whatever tier holds it (memory or disk)."""
         self.transfers.arrive(c)
+        self.transfers.drop_host_copy(c)
         if c.tier == DISK:
             self.tiers[DISK].spill_file().free(c.disk_offset, c.nbytes)
             c.disk_offset = None
@@ -226,6 +250,7 @@ class Residency:
             payload.device == c.payload.device,
             f"{c.kind.value} chunk {c.index} rehomed from {c.payload.device} to {payload.device}",
         )
+        self.transfers.drop_host_copy(c)
         self.payloads.remove(c)
         self.tiers[c.tier].release(c.payload)
         c.payload = payload
@@ -233,9 +258,11 @@ class Residency:
 
     def in_memory(self, c: Chunk) -> Chunk:
         """Make sure `c` has a payload (bring it from disk to host if spilled, allocate it
-        zeroed on the host if it has never been used)."""
+        zeroed on the host if it has never been used); a copy on its way is waited for."""
         if c.tier == DISK or c.zero_pending:
             self.make_resident([c], HOST)
+        self.transfers.arrive(c)
+        self.transfers.drop_host_copy(c)  # its caller may write it
         return c
 
     def colocate(self, chunks: Sequence[Chunk]) -> None:
@@ -248,22 +275,111 @@ class Residency:
 
     def prefetch(self) -> None:
         """The current operator's chunks are in place: start moving those the next
-        `memory.prefetch_moments` moments use (only while the trace is followed)."""
+        moments use toward where they are read (only while the trace is followed; see
+        [Note: prefetch] in prefetch.py): every chunk the next `memory.prefetch_moments`
+        moments use, and further ahead until `memory.prefetch_chunks` chunks are on their
+        way. A chunk goes to the device only into room that stays free until its use; with
+        none, chunks needed later than it are sent to the host ahead (OPT's choice), so
+        the room is there a moment later."""
         depth = self.memory.prefetch_moments
         trace = self.tracer.trace
         if not depth or trace is None or not self.tracer.following:
             return
         if not self.transfers.prefetch_possible:
             return
-        by_moment = self._uses_by_moment()
+        self.transfers.reap_sends()
         now = self.tracer.moment
-        upcoming = (
-            c
-            for m in range(now + 1, min(now + depth, trace.moments - 1) + 1)
-            for key in by_moment[m]
-            if (c := self._chunk_of_key(key)) is not None
-        )
-        self.transfers.prefetch(upcoming, self._owned, self.allowed(DEVICE))
+        wanted = self._wanted(now)
+        movable = self._movable(now)
+        for c, tier, m in wanted:
+            room = self._allowed_through(now, m) if tier == DEVICE else 0
+            self.transfers.prefetch([(c, tier)], self._owned, room, movable)
+        first = next((w for w in wanted if w[1] == DEVICE and w[0].tier == HOST), None)
+        if first is not None and self.memory.prefetch_evicts:
+            self._send_ahead_for(first[0], now, first[2], movable)
+
+    def _wanted(self, now: int) -> list[tuple[Chunk, TierName, int]]:
+        """(chunk, the tier it is read on, its moment) for the chunks the moments after
+        `now` use that are not there yet, in order of use: all of the next
+        `prefetch_moments`, then on until `prefetch_chunks` were found."""
+        trace = self.tracer.trace
+        by_moment = self._uses_by_moment()
+        depth, enough = self.memory.prefetch_moments, self.memory.prefetch_chunks
+        wanted: list[tuple[Chunk, TierName, int]] = []
+        seen: set[int] = set()
+        for m in range(now + 1, trace.moments):
+            if m > now + depth and len(wanted) >= enough:
+                break
+            name = trace.names[m]
+            tier = self._tier_of_moment(name)
+            for key in by_moment[m]:
+                c = self._chunk_of_key(key)
+                if c is None or id(c) in seen:
+                    continue
+                seen.add(id(c))
+                # an operator's optimizer-state uses (a master beside an accumulation) are
+                # left to their moment; Adam's chunks all go where Adam runs
+                read_there = c.kind in PARAM_LISTS or is_adam_moment(name)
+                if read_there and c.tier != tier and self._owned(c):
+                    wanted.append((c, tier, m))
+        return wanted
+
+    def _allowed_through(self, now: int, m: int) -> int:
+        """Chunk bytes the device may hold from moment `now` to `m` (the least A_j among
+        them): room a prefetch takes must stay free until its chunk is used."""
+        trace = self.tracer.trace
+        budget = self.tiers[DEVICE].budget_bytes
+        if self.memory.policy == "static":
+            return int(self.memory.static_model_share * budget)
+        carry = self.tracer.carry_bytes
+        need = max(trace.non_model_around(k) for k in range(now, min(m, trace.moments - 1) + 1))
+        return budget - need - carry
+
+    def _movable(self, now: int) -> Callable[[Chunk], bool]:
+        """Whether a chunk may be sent away ahead: evictable, and not used at moment
+        `now` (Adam's chunks are not pinned while it runs on them)."""
+        used_now = {k for k in self._uses_by_moment()[now]} if now >= 0 else set()
+
+        def movable(c: Chunk) -> bool:
+            return (c.kind.value, c.index) not in used_now and self._evictable(c, set())
+
+        return movable
+
+    def _send_ahead_for(self, c: Chunk, now: int, m: int, movable: Callable[[Chunk], bool]) -> None:
+        """`c`, needed on the device at moment `m`, found no room: send to the host the
+        device chunks whose next use is later than `m` (farthest first, as OPT) until it
+        would fit once their copies are done."""
+        room = self._allowed_through(now, m)
+        device = self.tiers[DEVICE]
+        short = device.used_bytes + self.transfers.sending_bytes + c.nbytes - room
+        if short <= 0:
+            return  # it fits once the sends under way are done
+        period = self.tracer.trace.moments
+        later = [
+            (nu, v)
+            for v in self.chunks()
+            if v.tier == DEVICE
+            and id(v) not in self.transfers.arriving
+            and self._owned(v)
+            and movable(v)
+            and (nu := next_use(self.tracer.uses_of((v.kind.value, v.index)), now, period)) > m
+        ]
+        if sum(v.nbytes for _, v in later) < short:
+            return  # not enough to send: the move at its use makes the room
+        for _, v in sorted(later, key=lambda p: (-p[0], p[1].index)):
+            if short <= 0:
+                break
+            if not self.transfers.send(v):
+                return  # no host room: the move at its use makes it
+            short -= v.nbytes
+
+    def send_ahead(self, c: Chunk, tier: TierName) -> None:
+        """Start moving `c` to `tier` now, if there is room without evicting (a chunk Adam
+        just updated on the host goes back to the device while Adam runs on the next).
+        Only while the trace is followed, as every prefetch."""
+        if self.tracer.following and self.transfers.prefetch_possible:
+            movable = self._movable(self.tracer.moment)
+            self.transfers.prefetch([(c, tier)], self._owned, self.allowed(DEVICE), movable)
 
     def _uses_by_moment(self) -> list[list[tuple[str, int]]]:
         trace = self.tracer.trace

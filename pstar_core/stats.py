@@ -72,6 +72,9 @@ def engine_stats(
         "peak_grad_accum_bytes": m.grad_accum.peak_bytes,
         "bytes_moved": dict(transfers.bytes_moved),
         "prefetched": dict(transfers.prefetched),
+        # evictions that copied nothing back: the chunk's host copy was current
+        "clean_evictions": transfers.clean_evictions,
+        "host_copy_bytes": transfers.host_copy_bytes,
         "moves": dict(transfers.moves),
         "bytes_moved_last_iteration": dict(transfers.last_iteration_bytes_moved),
         "moves_last_iteration": dict(transfers.last_iteration_moves),

@@ -5,6 +5,14 @@ A transfer is one hop, disk <-> host or host <-> device, into room the caller ha
 copied, the tiers' accounts and the move counters updated, and the payload index kept
 true. Moves issued ahead of their use (see [Note: prefetch] in prefetch.py) are arrivals:
 accounted on their new tier at once, waited for (`arrive`) before anything reads them.
+
+[Note: clean chunks] A chunk copied host -> device keeps its host buffer (`host_copy`,
+counted on the host tier) while the host budget has room. As long as the device only
+reads the chunk (a forward operator's parameters, a frozen chunk anywhere: `Residency.
+make_resident(reading=...)`), the two hold the same bytes, and evicting it copies
+nothing back: the host buffer becomes its payload again. Any other use may write it (a
+gradient, Adam on the device, a collective, a load): the host copy is dropped first. The
+host drops its copies before it spills a chunk to disk for room.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from pstar_core.chunk import PARAM_LISTS, Chunk
+from pstar_core.chunk import Chunk, ChunkType
 from pstar_core.devices import CopyStream
 from pstar_core.prefetch import Arrival, DiskReader
 from pstar_core.tiers import DEVICE, DISK, HOST, Tier, TierName
@@ -66,8 +74,11 @@ class Transfers:
         tracer: MemoryTracer,
         payloads: PayloadIndex,
         device: torch.device,
+        lists: dict[ChunkType, list[Chunk]],
+        keep_host_copies: bool = True,
     ) -> None:
         self.tiers = tiers
+        self.keep_host_copies = keep_host_copies
         self.tracer = tracer
         self.payloads = payloads
         self.bytes_moved: dict[str, int] = {}  # direction -> bytes, in total
@@ -80,6 +91,9 @@ class Transfers:
         self.arriving: dict[int, Arrival] = {}  # moves under way, by chunk id
         self._reader = DiskReader()
         self._copier = CopyStream(device)
+        self._lists = lists  # the chunks, for their host copies
+        self.host_copy_bytes = 0  # host copies of clean device chunks ([Note: clean chunks])
+        self.clean_evictions = 0  # evictions that copied nothing, in total
 
     @property
     def prefetch_possible(self) -> bool:
@@ -89,9 +103,13 @@ class Transfers:
 
     def hop(self, c: Chunk, dst: TierName) -> None:
         """Copy `c` one tier over (disk <-> host <-> device) into room already made there;
-        its old payload or spill region is given back."""
+        its old payload or spill region is given back (a device chunk with a current host
+        copy goes back to it without a copy: [Note: clean chunks])."""
         self.arrive(c)
         src = c.tier
+        if src == DEVICE and dst == HOST and c.host_copy is not None:
+            self._back_to_host_copy(c)
+            return
         assert {src, dst} != {DISK, DEVICE}, "disk <-> device goes through the host"
         tier = self.tiers[dst]
         with self.tracer.chunk_memory(), profiled(f"pstar::move {src}->{dst}"):
@@ -110,10 +128,15 @@ class Transfers:
                 else:
                     new.copy_(c.payload)
                     self.payloads.remove(c)
-                    self.tiers[src].release(c.payload)
+                    if src == HOST and dst == DEVICE:
+                        kept = c.payload
+                    else:
+                        self.tiers[src].release(c.payload)
                 c.payload = new
                 self.payloads.add(c)
         self.account(c, src, dst)
+        if src == HOST and dst == DEVICE:
+            self._keep_host_copy(c, kept)
 
     def account(self, c: Chunk, src: TierName, dst: TierName) -> None:
         """A move of `c` from tier `src` to `dst`: the tiers' bytes and the move counters."""
@@ -148,25 +171,49 @@ class Transfers:
                 self.tiers[DISK].spill_file().free(a.disk_offset, c.nbytes)
             else:
                 self._copier.wait(a.done)
-                self.tiers[HOST].release(a.source)
+                if a.source is not None:  # a copy in: its pinned source is its host copy
+                    self._keep_host_copy(c, a.source)
+
+    @property
+    def sending_bytes(self) -> int:
+        """Device bytes of chunks on their way to the host: accounted there, and still
+        held on the device until their copy is done."""
+        return sum(a.nbytes for a in self.arriving.values() if a.src == DEVICE)
+
+    def reap_sends(self) -> None:
+        """Forget the copies out to the host that are done (their device room is free)."""
+        for key in [k for k, a in self.arriving.items() if a.src == DEVICE and a.done.query()]:
+            del self.arriving[key]
+
+    def settle_sends(self) -> None:
+        """Wait for every copy out to the host (their device memory is needed now)."""
+        for key in [k for k, a in self.arriving.items() if a.src == DEVICE]:
+            a = self.arriving.pop(key)
+            with profiled("pstar::wait send"):
+                self._copier.wait(a.done)
 
     def prefetch(
         self,
-        upcoming: Iterable[Chunk],
+        upcoming: Iterable[tuple[Chunk, TierName]],
         owned: Callable[[Chunk], bool],
         device_allowed: int,
+        movable: Callable[[Chunk], bool],
     ) -> None:
-        """Start moving the chunks the next moments use (`upcoming`) a tier closer: from
-        disk into free host room, from host into free device room within
-        `device_allowed`. Never evicts: a chunk that does not fit moves at its use."""
+        """Start moving the chunks the next moments use (`upcoming`, each with the tier it
+        is read on) toward it: from disk into free host room; from host into free device
+        room within `device_allowed`; from the device to free host room (a chunk whose
+        Adam runs on the host, while Adam runs on the chunk before). Never evicts: a chunk
+        that does not fit moves at its use, where OPT makes the room."""
         spill = self.tiers[DISK].spill
-        for c in upcoming:
-            if id(c) in self.arriving or c.pins or not owned(c):
+        for c, tier in upcoming:
+            if id(c) in self.arriving or c.pins or not owned(c) or c.tier == tier:
                 continue
             if c.tier == DISK and spill is not None:
                 self._from_disk(c)
-            elif c.tier == HOST and self._copier.enabled and c.kind in PARAM_LISTS:
+            elif c.tier == HOST and tier == DEVICE and self._copier.enabled:
                 self._to_device(c, device_allowed)
+            elif c.tier == DEVICE and tier == HOST and self._copier.enabled and movable(c):
+                self._to_host(c)
 
     def _from_disk(self, c: Chunk) -> None:
         host = self.tiers[HOST]
@@ -178,7 +225,7 @@ class Transfers:
         with self.tracer.chunk_memory():
             new = host.allocate(c.capacity, c.dtype)
         done = self._reader.submit(disk.spill_file(), c.disk_offset, new)
-        self.arriving[id(c)] = Arrival(DISK, done, c.disk_offset, None)
+        self.arriving[id(c)] = Arrival(DISK, done, c.disk_offset)
         c.disk_offset = None
         c.payload = new
         self.payloads.add(c)
@@ -187,18 +234,91 @@ class Transfers:
 
     def _to_device(self, c: Chunk, allowed: int) -> None:
         device = self.tiers[DEVICE]
-        if device.used_bytes + c.nbytes > allowed:
+        if device.used_bytes + self.sending_bytes + c.nbytes > allowed:
             return  # never evicts for a prefetch on the device: A_j is tight there
         with self.tracer.chunk_memory():
             new = device.allocate(c.capacity, c.dtype)
         source = c.payload
         done = self._copier.copy(new, source)
         self.payloads.remove(c)
-        self.arriving[id(c)] = Arrival(HOST, done, None, source)
+        self.arriving[id(c)] = Arrival(HOST, done, source=source, nbytes=c.nbytes)
         c.payload = new
         self.payloads.add(c)
         self.account(c, HOST, DEVICE)
         self.prefetched["host->device"] = self.prefetched.get("host->device", 0) + 1
+
+    def send(self, c: Chunk) -> bool:
+        """Start moving `c` from the device to the host on the copy stream, if the host
+        has room; whether it did (a chunk with a current host copy goes back at once)."""
+        if not self._copier.enabled or c.tier != DEVICE or id(c) in self.arriving:
+            return False
+        if c.host_copy is not None:
+            self._back_to_host_copy(c)
+            return True
+        return self._to_host(c)
+
+    # -- host copies of clean chunks ([Note: clean chunks]) -----------------------------
+
+    def _keep_host_copy(self, c: Chunk, source: torch.Tensor) -> None:
+        """`c` moved from the host to the device, from `source`: keep that as the chunk's
+        host copy if the host budget has room for it, else give it back."""
+        host = self.tiers[HOST]
+        if self.keep_host_copies and host.used_bytes + c.nbytes <= host.budget_bytes:
+            c.host_copy = source
+            host.add(c.nbytes)
+            self.host_copy_bytes += c.nbytes
+        else:
+            host.release(source)
+
+    def drop_host_copy(self, c: Chunk) -> None:
+        """`c` may be written where it is: its host copy no longer holds its bytes."""
+        if c.host_copy is None:
+            return
+        host = self.tiers[HOST]
+        host.release(c.host_copy)
+        host.remove(c.nbytes)
+        self.host_copy_bytes -= c.nbytes
+        c.host_copy = None
+
+    def drop_host_copies(self, need: int) -> None:
+        """Give back host copies (in chunk order) until `need` more bytes fit the host."""
+        host = self.tiers[HOST]
+        for c in list(self._with_host_copy()):
+            if host.used_bytes + need <= host.budget_bytes:
+                return
+            self.drop_host_copy(c)
+
+    def _with_host_copy(self) -> Iterable[Chunk]:
+        for chunks in self._lists.values():
+            yield from (c for c in chunks if c.host_copy is not None)
+
+    def _back_to_host_copy(self, c: Chunk) -> None:
+        """Evict `c` from the device to its current host copy: no bytes move."""
+        with self.tracer.chunk_memory():
+            self.payloads.remove(c)
+            c.payload, c.host_copy = c.host_copy, None
+            self.payloads.add(c)
+        self.tiers[DEVICE].remove(c.nbytes)  # its host bytes were counted all along
+        self.host_copy_bytes -= c.nbytes
+        c.tier = HOST
+        self.clean_evictions += 1
+
+    def _to_host(self, c: Chunk) -> bool:
+        host = self.tiers[HOST]
+        if host.used_bytes + c.nbytes > host.budget_bytes:
+            return False
+        with self.tracer.chunk_memory():
+            new = host.allocate(c.capacity, c.dtype)
+        done = self._copier.copy(new, c.payload)  # the device block is kept until it is done
+        self.payloads.remove(c)
+        self.tiers[DEVICE].release(c.payload)
+        self.arriving[id(c)] = Arrival(DEVICE, done, nbytes=c.nbytes)
+        with self.tracer.chunk_memory():
+            c.payload = new
+        self.payloads.add(c)
+        self.account(c, DEVICE, HOST)
+        self.prefetched["device->host"] = self.prefetched.get("device->host", 0) + 1
+        return True
 
     def close(self) -> None:
         self._reader.close()

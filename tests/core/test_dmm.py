@@ -53,6 +53,27 @@ def test_device_budget_of_40_percent_of_param_chunks_gives_bitwise_same_losses(
     assert engine.manager.residency.tiers["device"].peak_bytes <= budget
 
 
+def test_a_chunk_evicted_before_anything_wrote_it_copies_nothing_back(ref, unconstrained):
+    """[Note: clean chunks] Under 40% of the param chunks, forward evicts parameters it
+    only read: with their host copies kept, those evictions copy nothing (fewer bytes
+    device->host than without the copies, the same host->device), and the losses are the
+    same bitwise. A chunk written on the device (gradients in backward) is copied back."""
+    losses, peak_non_model, param_bytes = unconstrained
+    budget = int(peak_non_model + 0.4 * param_bytes)
+    moved, clean = {}, {}
+    for keep in (False, True):
+        engine = make(ref, {"device_budget": budget, "keep_host_copies": keep})
+        assert run_engine(engine, batches(4)) == losses
+        st = engine.stats()
+        moved[keep], clean[keep] = st["bytes_moved"], st["clean_evictions"]
+        # every byte kept on the host for a copy is within the host's account
+        tiers = engine.manager.residency.tiers
+        assert tiers["host"].used_bytes <= tiers["host"].budget_bytes
+    assert clean[False] == 0 < clean[True]
+    assert 0 < moved[True]["device->host"] < moved[False]["device->host"]
+    assert moved[True]["host->device"] == moved[False]["host->device"]
+
+
 def test_disk_tier_keeps_training_when_model_data_exceeds_device_plus_host(
     ref, unconstrained, tmp_path
 ):

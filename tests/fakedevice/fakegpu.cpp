@@ -29,7 +29,8 @@
 // current is queued on that stream instead, and runs only when something waits for it:
 // an event recorded after it is synchronized or waited on (wait_event, wait_stream), the
 // stream or the device is synchronized, a blocking host copy or any other op is issued on
-// that same stream (stream order). Nothing else runs it: a reader that forgot to wait
+// that same stream (stream order), or, with a modeled link, an event after it is queried
+// once the copy's time has passed. Nothing else runs it: a reader that forgot to wait
 // sees the old bytes, as it could on a GPU. As on CUDA, a blocking copy with a host side
 // runs at once (after the stream's queue), a device-to-device one is queued. Fakegpu
 // memory a queued copy uses stays allocated until the copy ran; if its tensor is dropped
@@ -727,8 +728,20 @@ struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
     const auto* e = static_cast<const FakeEvent*>(event);
     if (e && e->stream != key_of(s)) run_until(e->stream, e->seq);
   }
+  // Done once the copies queued up to it ran; with a link, also once their modeled time
+  // has passed (they land then: asking is waiting for a copy known to be done, as on a
+  // GPU). Without a link a queued copy has no time of its own: it stays queued.
   bool queryEvent(void* event) const override {
-    return !event || event_done(static_cast<const FakeEvent*>(event));
+    const auto* e = static_cast<const FakeEvent*>(event);
+    if (!e || event_done(e)) return true;
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    const auto it = g_queues.find(e->stream);
+    const int64_t now = now_ns();
+    for (const auto& c : it->second.pending) {
+      if (c.seq <= e->seq && (c.ready_ns <= 0 || c.ready_ns > now)) return false;
+    }
+    run_until(e->stream, e->seq);
+    return true;
   }
   void synchronizeEvent(void* event) const override {
     const auto* e = static_cast<const FakeEvent*>(event);

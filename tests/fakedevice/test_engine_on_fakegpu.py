@@ -315,11 +315,13 @@ def test_initialize_peaks_below_16_bytes_a_parameter_with_the_host_pool_pinned(t
 
 
 def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fake):
-    """Under a budget that evicts, chunks the next operators use are copied host->device
-    on a side stream while the current one computes. The fake device holds such a copy
-    until it is waited for (a read before that sees the old bytes), so results equal to
-    the CPU-as-device run show every use waited; and no buffer a copy still read was
-    freed without `record_stream`."""
+    """Under a budget that evicts (and leaves no room for optimizer states: Adam on the
+    host), chunks the next operators use are copied host->device on a side stream while
+    the current one computes; in the optimizer phase the next chunks' gradients go out
+    to the host on the other copy stream while Adam runs on one, and each chunk Adam
+    updated goes back. The fake device holds such a copy until it is waited for (a read
+    before that sees the old bytes), so results equal to the CPU-as-device run show every
+    use waited; and no buffer a copy still read was freed without `record_stream`."""
     probe = make("gpt", DEV)
     run_engine(probe, batches(1))
     st = probe.stats()
@@ -331,10 +333,44 @@ def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fak
     engine = make("gpt", DEV, {"device_budget": budget})
     on_dev = run_engine(engine, data)
     torch.testing.assert_close(torch.tensor(on_dev), torch.tensor(on_cpu), rtol=1e-5, atol=0)
-    assert engine.stats()["prefetched"].get("host->device", 0) > 0
+    prefetched = engine.stats()["prefetched"]
+    assert prefetched.get("host->device", 0) > 0
+    assert prefetched.get("device->host", 0) > 0
+    assert fake.stream_hazards() == hazards
+    engine.close()  # the parameters Adam updated last may still be on their way back
+    assert fake.pending_copies() == 0
+
+
+def test_chunks_needed_later_are_sent_ahead_to_make_room_for_a_prefetch(fake):
+    """Under a budget that holds half the parameters, a chunk due on the device finds no
+    room in forward or backward: the chunks needed after it leave ahead on the copy
+    stream (more copies out issued ahead than with `prefetch_evicts` off), with the
+    modeled link on so their copies finish by themselves. Results are those of the run
+    without it, and of the CPU; no buffer was freed under a copy."""
+    probe = make("gpt", DEV)
+    run_engine(probe, batches(1))
+    st = probe.stats()
+    probe.close()
+    budget = int(st["tracer"]["peak_non_model_bytes"] + 0.5 * st["chunks"]["param"]["bytes"])
+    data = batches(4)
+    on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data)
+    hazards = fake.stream_hazards()
+    fake.set_link(2.0, 2.0, 0.0)  # 64 KiB chunks: 33 us each
+    try:
+        sent, losses = {}, {}
+        for evicts in (False, True):
+            memory = {"device_budget": budget, "prefetch_evicts": evicts, "prefetch_chunks": 2}
+            engine = make("gpt", DEV, memory)
+            losses[evicts] = run_engine(engine, data)
+            sent[evicts] = engine.stats()["prefetched"].get("device->host", 0)
+            engine.close()
+    finally:
+        fake.set_link(0.0)
+    assert losses[True] == losses[False]
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(on_cpu), rtol=1e-5, atol=0)
+    assert sent[True] > sent[False]
     assert fake.stream_hazards() == hazards
     assert fake.pending_copies() == 0
-    engine.close()
 
 
 def test_the_device_budget_is_the_memory_free_on_the_device(fake):

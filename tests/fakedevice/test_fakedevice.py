@@ -521,6 +521,24 @@ def test_a_copy_on_a_side_stream_hides_behind_host_work(link, side):
     assert bool(dev.cpu()[0])
 
 
+def test_with_a_link_an_event_is_done_once_its_copy_time_has_passed(link, side):
+    """As on a GPU, `query()` says whether the copy is done: false before its modeled
+    time, true after (its bytes land then, with no host time spent waiting)."""
+    import time
+
+    host, dev = _host_and_device()
+    dev.zero_()
+    with side:
+        dev.copy_(host, non_blocking=True)
+        done = torch.Event(device="fakegpu:0")
+        done.record(side)
+    assert not done.query()
+    time.sleep(1.5 * COPY_S)
+    assert done.query()
+    assert bool(dev.cpu()[0])
+    assert link.link_stats()["host_to_device"]["waited_s"] == 0.0
+
+
 def test_copies_queue_on_their_directions_engine_and_streams_order_them(link, side):
     """Two host-to-device copies issued together are done one after the other; a
     device-to-host copy on another stream runs beside them, on the other engine; one on the
