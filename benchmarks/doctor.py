@@ -197,7 +197,7 @@ def check_tracer(device: str) -> Check:
         m = engine.manager
         if m.tracer.following:
             i = m.tracer.moment
-            chunks = m.residency.tiers["device"].used_bytes
+            chunks = m.residency.device_chunk_bytes()
             samples[i] = max(samples.get(i, 0), _allocated(dev) - chunks)
             allowed[i] = m.tracer.trace.non_model[i] + m.tracer.carry_bytes
 

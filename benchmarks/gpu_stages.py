@@ -200,7 +200,7 @@ def _sampled_against_trace(engine, dev) -> tuple[dict[int, int], Callable[[], in
     def observe(_slots) -> None:
         if m.tracer.following:
             i = m.tracer.moment
-            chunks = m.residency.tiers["device"].used_bytes
+            chunks = m.residency.device_chunk_bytes()
             allocated = int(device_module(dev).memory_allocated(dev))
             samples[i] = max(samples.get(i, 0), allocated - chunks)
             allowed[i] = m.tracer.trace.non_model[i] + m.tracer.carry_bytes

@@ -17,7 +17,10 @@ applies the engine's own rules to it:
   to the host (OPT, the paper's eviction);
 - after backward, Adam runs on the host for the other trainable chunks: their param chunk
   (holding its gradient) goes to the host and comes back at its next forward. Frozen
-  chunks (a LoRA job's base) have no gradient and stay where they are.
+  chunks (a LoRA job's base) have no gradient and stay where they are;
+- a chunk moved to the device keeps its host copy until something may write it there
+  (backward's gradients, Adam; under ZeRO every gather): evicted before that, it moves
+  no bytes ([Note: clean chunks] in transfers.py).
 Two iterations are simulated from the start's placement and the second is reported, as
 the engine's `*_last_iteration` stats are read after its warm-up.
 """
@@ -190,36 +193,48 @@ def forecast(
     # the access sequence of two iterations: every moment, then Adam's per trainable chunk
     seq: list[tuple[str, list[int], int]] = []
     for _ in range(2):
-        seq += [("op", u, m.non_model) for m, u in zip(steps, uses, strict=True)]
+        seq += [
+            ("bwd" if m.name.startswith("bwd:") else "op", u, m.non_model)
+            for m, u in zip(steps, uses, strict=True)
+        ]
         seq += [("adam", [i], 0) for i in range(n_train)]
     next_use = _next_uses(seq, units)
     # the room a moment leaves for chunks: the engine's allowance is max(N_j, N_j+1)
     allowance = [max(seq[t][2], seq[t + 1][2] if t + 1 < len(seq) else 0) for t in range(len(seq))]
     group = chunk + others
-    ops = [(u, a) for (kind, u, _), a in zip(seq, allowance, strict=True) if kind == "op"]
+    ops = [(u, a) for (kind, u, _), a in zip(seq, allowance, strict=True) if kind != "adam"]
     least = max((len(u) * group + a for u, a in ops), default=0)
 
     on_device: set[int] = set(range(device_adam))  # at start: the warm-up placed these
+    # device chunks whose host copy is current ([Note: clean chunks] in transfers.py): one
+    # moved in and only read since (forward, or a frozen chunk) goes back without a copy;
+    # under ZeRO every gather may write a rank's own chunk, so none stays clean
+    clean: set[int] = set()
     moved = {"in": 0, "out": 0}  # bytes of the second (steady) iteration
     dev_peak = chunk_peak = host_peak = 0
     half = len(seq) // 2
 
     def move(i: int, to_device: bool, counting: bool) -> None:
         (on_device.add if to_device else on_device.discard)(i)
-        if counting:
+        copied = to_device or i not in clean
+        (clean.add if to_device and nproc == 1 else clean.discard)(i)
+        if counting and copied:
             moved["in" if to_device else "out"] += chunk
 
     for t, (kind, need, nm) in enumerate(seq):
         counting = t >= half
-        gathered = len(need) * others if kind == "op" else 0
+        gathered = len(need) * others if kind != "adam" else 0
         if kind == "adam":  # on the device for its chunks, else on the host
             (i,) = need
             if (i < device_adam) != (i in on_device):
                 move(i, i < device_adam, counting)
+            clean.discard(i)  # Adam writes it (on the host: the chunk itself)
         else:
             for i in need:
                 if i not in on_device:
                     move(i, True, counting)
+                if kind == "bwd" and i < n_train:
+                    clean.discard(i)  # its gradients are written there
             room = device_budget - pinned - gathered - allowance[t]
             # OPT: the chunk whose next use is furthest goes first
             spare = sorted((i for i in on_device if i not in need), key=lambda i: -next_use[t][i])
@@ -229,7 +244,7 @@ def forecast(
             chunks_here = len(on_device) * chunk + gathered + pinned
             chunk_peak = max(chunk_peak, chunks_here)
             dev_peak = max(dev_peak, chunks_here + nm)
-            off = units - len(on_device)
+            off = units - len(on_device) + len(clean)  # a host copy is host memory too
             host_peak = max(host_peak, off * chunk + (n_train - device_adam) * triple)
     return Forecast(
         device_peak_bytes=dev_peak,

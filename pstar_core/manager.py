@@ -185,7 +185,10 @@ class ChunkManager:
         """A new moment: an operator is about to start."""
         device = self.residency.tiers[TierName.DEVICE]
         low = device.compute_low_bytes
-        self.tracer.new_moment(name, device.used_bytes, device.new_window(), low)
+        # chunks on their way to the host still hold device memory: chunk memory, not
+        # memory carried into the iteration
+        chunks = self.residency.device_chunk_bytes()
+        self.tracer.new_moment(name, chunks, device.new_window(), low)
         device.start_compute()  # until its chunks are in place (an operator without any)
         self.residency.tick()
         self.groups.note_operator()

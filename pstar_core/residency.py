@@ -297,6 +297,21 @@ class Residency:
         first = next((w for w in wanted if w[1] == DEVICE and w[0].tier == HOST), None)
         if first is not None and self.memory.prefetch_evicts:
             self._send_ahead_for(first[0], now, first[2], movable)
+        self._send_done_for_host_adam(now, movable)
+
+    def _send_done_for_host_adam(self, now: int, movable: Callable[[Chunk], bool]) -> None:
+        """Device chunks whose next use is Adam on the host leave now: backward is done
+        with them, and their gradients cross while it goes on."""
+        trace = self.tracer.trace
+        for c in self.chunks():
+            if c.tier != DEVICE or id(c) in self.transfers.arriving or not self._owned(c):
+                continue
+            nu = next_use(self.tracer.uses_of((c.kind.value, c.index)), now, trace.moments)
+            if nu >= trace.moments:  # not again in this iteration
+                continue
+            name = trace.names[int(nu)]
+            if is_adam_moment(name) and self._tier_of_moment(name) == HOST and movable(c):
+                self.transfers.send(c)
 
     def _wanted(self, now: int) -> list[tuple[Chunk, TierName, int]]:
         """(chunk, the tier it is read on, its moment) for the chunks the moments after
@@ -403,6 +418,11 @@ class Residency:
         self.transfers.end_iteration()
         for t in self.tiers.values():
             t.new_iteration()
+
+    def device_chunk_bytes(self) -> int:
+        """Chunk memory the device holds now: its chunks, and those on their way to the
+        host (each holds its device memory until its copy is done)."""
+        return self.tiers[DEVICE].used_bytes + self.transfers.sending_bytes
 
     def host_pool(self) -> dict[str, int] | None:
         """The pinned pool's size, bytes page-locked so far, bytes in use, and chunks that

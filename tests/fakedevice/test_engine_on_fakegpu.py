@@ -342,11 +342,12 @@ def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fak
 
 
 def test_chunks_needed_later_are_sent_ahead_to_make_room_for_a_prefetch(fake):
-    """Under a budget that holds half the parameters, a chunk due on the device finds no
-    room in forward or backward: the chunks needed after it leave ahead on the copy
-    stream (more copies out issued ahead than with `prefetch_evicts` off), with the
-    modeled link on so their copies finish by themselves. Results are those of the run
-    without it, and of the CPU; no buffer was freed under a copy."""
+    """Under a budget that holds half the parameters, a chunk due on the device often
+    finds no room: chunks needed after it leave ahead (farthest first), so it moves in at
+    a later moment's prefetch instead of at its use. With `prefetch_evicts` on, more
+    chunks arrive prefetched and fewer are fetched at their use than with it off. The
+    modeled link is on, so copies finish by themselves. Losses equal the run without it
+    and the CPU's; no buffer was freed under a copy."""
     probe = make("gpt", DEV)
     run_engine(probe, batches(1))
     st = probe.stats()
@@ -357,18 +358,20 @@ def test_chunks_needed_later_are_sent_ahead_to_make_room_for_a_prefetch(fake):
     hazards = fake.stream_hazards()
     fake.set_link(2.0, 2.0, 0.0)  # 64 KiB chunks: 33 us each
     try:
-        sent, losses = {}, {}
+        ahead, at_use, losses = {}, {}, {}
         for evicts in (False, True):
-            memory = {"device_budget": budget, "prefetch_evicts": evicts, "prefetch_chunks": 2}
-            engine = make("gpt", DEV, memory)
+            engine = make("gpt", DEV, {"device_budget": budget, "prefetch_evicts": evicts})
             losses[evicts] = run_engine(engine, data)
-            sent[evicts] = engine.stats()["prefetched"].get("device->host", 0)
+            s = engine.stats()
+            ahead[evicts] = s["prefetched"]["host->device"]
+            at_use[evicts] = s["moves"]["host->device"] - ahead[evicts]
             engine.close()
     finally:
         fake.set_link(0.0)
     assert losses[True] == losses[False]
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(on_cpu), rtol=1e-5, atol=0)
-    assert sent[True] > sent[False]
+    assert ahead[True] > ahead[False]
+    assert at_use[True] < at_use[False]
     assert fake.stream_hazards() == hazards
     assert fake.pending_copies() == 0
 
