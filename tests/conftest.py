@@ -60,7 +60,8 @@ def _on_fakegpu(item: pytest.Item) -> bool:
     return item.nodeid.startswith("tests/fakedevice/") or bool(item.get_closest_marker("fakegpu"))
 
 
-# [Note: parallel tests] scripts/test.sh runs the suite on a process per core (pytest-xdist).
+# [Note: parallel tests] scripts/test.sh runs the suite on a process per two cores
+# (pytest-xdist; on 2 cores one process, see scripts/test.sh; `-n N` by hand).
 # A module's tests stay on one process (they share module fixtures: a server, a browser, a
 # trained model), and the modules that start a Ray cluster or a whole `pstar serve` are
 # one unit, so one such cluster runs at a time: two on 2 cores would make each slower
