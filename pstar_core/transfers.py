@@ -212,8 +212,8 @@ class Transfers:
                 self._from_disk(c)
             elif c.tier == HOST and tier == DEVICE and self._copier.enabled:
                 self._to_device(c, device_allowed)
-            elif c.tier == DEVICE and tier == HOST and self._copier.enabled and movable(c):
-                self._to_host(c)
+            elif c.tier == DEVICE and tier == HOST and movable(c):
+                self.send(c)  # (a chunk with a current host copy goes back to it)
 
     def _from_disk(self, c: Chunk) -> None:
         host = self.tiers[HOST]
