@@ -30,8 +30,9 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from pstar_core.chunk import ChunkType, TensorSlot, TensorState
+from pstar_core.chunk import TensorSlot, TensorState
 from pstar_core.manager import ChunkManager
+from pstar_core.placement import BACKWARD_MOMENT, FORWARD_MOMENT
 from pstar_core.tiers import TierName
 
 
@@ -63,7 +64,7 @@ def operator_slots(mod: torch.nn.Module, by_param: dict[int, TensorSlot]) -> lis
 
 def _pre_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
     def hook(_mod: torch.nn.Module, _args: Any) -> None:
-        manager.begin_operator(f"fwd:{name}")
+        manager.begin_operator(FORWARD_MOMENT + name)
         manager.access_slots(slots, forward=not _in_backward())
 
     return hook
@@ -71,7 +72,7 @@ def _pre_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> C
 
 def _post_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
     def pre_backward(_grads: Any) -> None:
-        manager.begin_operator(f"bwd:{name}")
+        manager.begin_operator(BACKWARD_MOMENT + name)
         manager.access_slots(slots)
 
     frozen = [s for s in slots if not s.trainable]
@@ -163,8 +164,6 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
         # a chunk already accounted on the device may still be on its way there (a
         # prefetch on the copy stream): its payload is read only once it has arrived
         residency.transfers.arrive(x.chunk)
-        if x.chunk.kind is not ChunkType.FROZEN:  # backward writes its gradients there
-            residency.transfers.drop_host_copy(x.chunk)
         payload = x.chunk.payload
         return payload.as_strided(x.size, x.stride, payload.storage_offset() + x.offset)
 

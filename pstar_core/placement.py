@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from pstar_core.tracer import Trace
 
 ADAM_MOMENT = "adam."  # the moment of Adam on trainable chunk i is named f"adam.{i}"
+FORWARD_MOMENT = "fwd:"  # a module's forward is the moment f"fwd:{name}"
+BACKWARD_MOMENT = "bwd:"  # and its backward f"bwd:{name}"
 
 
 def place_optimizer_states(

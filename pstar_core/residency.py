@@ -31,7 +31,7 @@ from pstar_core.chunk import HOLD_LIKE, PARAM_LISTS, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
 from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt, next_use
-from pstar_core.placement import is_adam_moment
+from pstar_core.placement import FORWARD_MOMENT, is_adam_moment
 from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, Tier, TierName, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
 from pstar_core.transfers import PayloadIndex, Transfers
@@ -293,11 +293,12 @@ class Residency:
         movable = self._movable(now)
         for c, tier, m in wanted:
             room = self._allowed_through(now, m) if tier == DEVICE else 0
-            self.transfers.prefetch([(c, tier)], self._owned, room, movable)
+            self.transfers.ahead(c, tier, room, movable)
         first = next((w for w in wanted if w[1] == DEVICE and w[0].tier == HOST), None)
         if first is not None and self.memory.prefetch_evicts:
             self._send_ahead_for(first[0], now, first[2], movable)
-        self._send_done_for_host_adam(now, movable)
+        if not trace.names[now].startswith(FORWARD_MOMENT):  # forward is done with none
+            self._send_done_for_host_adam(now, movable)
 
     def _send_done_for_host_adam(self, now: int, movable: Callable[[Chunk], bool]) -> None:
         """Device chunks whose next use is Adam on the host leave now: backward is done
@@ -353,7 +354,7 @@ class Residency:
     def _movable(self, now: int) -> Callable[[Chunk], bool]:
         """Whether a chunk may be sent away ahead: evictable, and not used at moment
         `now` (Adam's chunks are not pinned while it runs on them)."""
-        used_now = {k for k in self._uses_by_moment()[now]} if now >= 0 else set()
+        used_now = set(self._uses_by_moment()[now]) if now >= 0 else set()
 
         def movable(c: Chunk) -> bool:
             return (c.kind.value, c.index) not in used_now and self._evictable(c, set())
@@ -392,9 +393,9 @@ class Residency:
         """Start moving `c` to `tier` now, if there is room without evicting (a chunk Adam
         just updated on the host goes back to the device while Adam runs on the next).
         Only while the trace is followed, as every prefetch."""
-        if self.tracer.following and self.transfers.prefetch_possible:
+        if self.tracer.following and self.transfers.prefetch_possible and self._owned(c):
             movable = self._movable(self.tracer.moment)
-            self.transfers.prefetch([(c, tier)], self._owned, self.allowed(DEVICE), movable)
+            self.transfers.ahead(c, tier, self.allowed(DEVICE), movable)
 
     def _uses_by_moment(self) -> list[list[tuple[str, int]]]:
         trace = self.tracer.trace

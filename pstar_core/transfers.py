@@ -192,28 +192,22 @@ class Transfers:
             with profiled("pstar::wait send"):
                 self._copier.wait(a.done)
 
-    def prefetch(
-        self,
-        upcoming: Iterable[tuple[Chunk, TierName]],
-        owned: Callable[[Chunk], bool],
-        device_allowed: int,
-        movable: Callable[[Chunk], bool],
+    def ahead(
+        self, c: Chunk, tier: TierName, device_allowed: int, movable: Callable[[Chunk], bool]
     ) -> None:
-        """Start moving the chunks the next moments use (`upcoming`, each with the tier it
-        is read on) toward it: from disk into free host room; from host into free device
-        room within `device_allowed`; from the device to free host room (a chunk whose
-        Adam runs on the host, while Adam runs on the chunk before). Never evicts: a chunk
-        that does not fit moves at its use, where OPT makes the room."""
-        spill = self.tiers[DISK].spill
-        for c, tier in upcoming:
-            if id(c) in self.arriving or c.pins or not owned(c) or c.tier == tier:
-                continue
-            if c.tier == DISK and spill is not None:
-                self._from_disk(c)
-            elif c.tier == HOST and tier == DEVICE and self._copier.enabled:
-                self._to_device(c, device_allowed)
-            elif c.tier == DEVICE and tier == HOST and movable(c):
-                self.send(c)  # (a chunk with a current host copy goes back to it)
+        """Start moving `c`, which a coming moment reads on `tier`, toward it: from disk
+        into free host room; from host into free device room within `device_allowed`;
+        from the device to free host room (a chunk whose Adam runs on the host, while
+        Adam runs on the chunk before) if `movable`. Never evicts: a chunk that does not
+        fit moves at its use, where OPT makes the room."""
+        if id(c) in self.arriving or c.pins or c.tier == tier:
+            return
+        if c.tier == DISK and self.tiers[DISK].spill is not None:
+            self._from_disk(c)
+        elif c.tier == HOST and tier == DEVICE and self._copier.enabled:
+            self._to_device(c, device_allowed)
+        elif c.tier == DEVICE and tier == HOST and movable(c):
+            self.send(c)  # (a chunk with a current host copy goes back to it)
 
     def _from_disk(self, c: Chunk) -> None:
         host = self.tiers[HOST]

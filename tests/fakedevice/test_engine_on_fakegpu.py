@@ -314,6 +314,18 @@ def test_initialize_peaks_below_16_bytes_a_parameter_with_the_host_pool_pinned(t
     assert r["init_peak_growth"] <= 16 * params + 64 * 2**20, r["init_peak_growth"] / params
 
 
+def half_the_params() -> int:
+    """A device budget of N + P/2 for the test GPT on the second device, from a probe run
+    (`benchmarks.doctor.budgets`: params leave the device, Adam runs on the host)."""
+    from benchmarks.doctor import budgets
+
+    probe = make("gpt", DEV)
+    run_engine(probe, batches(1))
+    st = probe.stats()
+    probe.close()
+    return budgets(st, DEV)["params_evicted"]
+
+
 def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fake):
     """Under a budget that evicts (and leaves no room for optimizer states: Adam on the
     host), chunks the next operators use are copied host->device on a side stream while
@@ -322,11 +334,7 @@ def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fak
     updated goes back. The fake device holds such a copy until it is waited for (a read
     before that sees the old bytes), so results equal to the CPU-as-device run show every
     use waited; and no buffer a copy still read was freed without `record_stream`."""
-    probe = make("gpt", DEV)
-    run_engine(probe, batches(1))
-    st = probe.stats()
-    probe.close()
-    budget = int(st["tracer"]["peak_non_model_bytes"] + 0.5 * st["chunks"]["param"]["bytes"])
+    budget = half_the_params()
     data = batches(4)
     on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data)
     hazards = fake.stream_hazards()
@@ -348,11 +356,7 @@ def test_chunks_needed_later_are_sent_ahead_to_make_room_for_a_prefetch(fake):
     chunks arrive prefetched and fewer are fetched at their use than with it off. The
     modeled link is on, so copies finish by themselves. Losses equal the run without it
     and the CPU's; no buffer was freed under a copy."""
-    probe = make("gpt", DEV)
-    run_engine(probe, batches(1))
-    st = probe.stats()
-    probe.close()
-    budget = int(st["tracer"]["peak_non_model_bytes"] + 0.5 * st["chunks"]["param"]["bytes"])
+    budget = half_the_params()
     data = batches(4)
     on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data)
     hazards = fake.stream_hazards()

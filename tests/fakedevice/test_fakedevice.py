@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -500,18 +501,25 @@ def test_a_blocking_copy_over_the_link_holds_the_host_for_its_time(link):
     assert torch.equal(host, torch.ones(MIB32, dtype=torch.uint8))
 
 
-def test_a_copy_on_a_side_stream_hides_behind_host_work(link, side):
-    """Queued on a copy stream, the copy runs while the host computes (here it sleeps
-    longer than the copy takes): waiting for it then costs nothing; its bytes still land
-    only when waited for."""
-    import time
-
+def _upload_on(side: torch.Stream) -> tuple[torch.Tensor, Any]:
+    """32 MiB of ones queued host->device on `side` into zeros: (the device tensor, the
+    event after the copy)."""
     host, dev = _host_and_device()
     dev.zero_()
     with side:
         dev.copy_(host, non_blocking=True)
         done = torch.Event(device="fakegpu:0")
         done.record(side)
+    return dev, done
+
+
+def test_a_copy_on_a_side_stream_hides_behind_host_work(link, side):
+    """Queued on a copy stream, the copy runs while the host computes (here it sleeps
+    longer than the copy takes): waiting for it then costs nothing; its bytes still land
+    only when waited for."""
+    import time
+
+    dev, done = _upload_on(side)
     time.sleep(2 * COPY_S)  # the host's own work
     assert not bool(dev.cpu()[0])  # not waited for: the old bytes
     done.synchronize()
@@ -526,12 +534,7 @@ def test_with_a_link_an_event_is_done_once_its_copy_time_has_passed(link, side):
     time, true after (its bytes land then, with no host time spent waiting)."""
     import time
 
-    host, dev = _host_and_device()
-    dev.zero_()
-    with side:
-        dev.copy_(host, non_blocking=True)
-        done = torch.Event(device="fakegpu:0")
-        done.record(side)
+    dev, done = _upload_on(side)
     assert not done.query()
     time.sleep(1.5 * COPY_S)
     assert done.query()
