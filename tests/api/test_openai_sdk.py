@@ -224,11 +224,20 @@ def test_prometheus_metrics_count_requests_and_jobs(api):
     c.models.list()
     text = httpx.get(api.url + "/metrics", headers=api.headers()).text
     assert 'pstar_http_requests_total{method="GET",route="/v1/models",status="200"}' in text, text
-    # a tenant counts its own jobs only
+    # a tenant counts its own jobs only. Jobs earlier tests left behind still move
+    # (validating_files -> queued) while we look, so compare with the store's counts
+    # only when they were the same just before and just after the scrape.
     for tenant in ("acme", "rival"):
-        text = httpx.get(api.url + "/metrics", headers=api.headers(tenant)).text
-        mine = api.store.jobs.count_by_status(tenant).get("queued", 0)
-        assert f'pstar_jobs{{status="queued"}} {float(mine)}' in text, text
+        deadline = time.monotonic() + 30
+        while True:
+            before = api.store.jobs.count_by_status(tenant)
+            text = httpx.get(api.url + "/metrics", headers=api.headers(tenant)).text
+            if api.store.jobs.count_by_status(tenant) == before or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for status in ("queued", "cancelled"):
+            line = f'pstar_jobs{{status="{status}"}} {float(before.get(status, 0))}'
+            assert line in text, text
 
 
 @pytest.mark.parametrize("part", ["store", "ray"])
