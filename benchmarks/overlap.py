@@ -228,14 +228,15 @@ def run(
     torch.manual_seed(0)
     probe = pstar_core.initialize(lambda: build(cfg), {"dtype": dtype, "device": "fakegpu"})
     forward_s = []
-    for x in data[:3]:
+    for x in data[:5]:
         record = _step(probe, x, fake, probe.device)
         forward_s.append(record["forward"]["wall_s"])
     st = probe.stats()
     probe.close()
     chunk = st["chunk_size"]
     chunk_bytes = chunk * torch.empty((), dtype=pstar_core.config.DTYPES[dtype]).element_size()
-    layer_s = median(forward_s[1:]) / cfg.num_layers
+    # the first steps record the trace and warm the allocator: measured up to 2x slower
+    layer_s = median(forward_s[2:]) / cfg.num_layers
     if gbps is None:
         gbps = chunk_bytes / layer_s / 1e9  # a chunk's copy takes one layer's forward
     runs = {

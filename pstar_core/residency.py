@@ -70,6 +70,7 @@ class Residency:
         self._settle = settle
         self._by_moment: tuple[object, list[list[tuple[str, int]]]] | None = None
         self._tier_of_moment = tier_of_moment  # where a moment reads its chunks (by name)
+        self._to_send: list[tuple[Chunk, TierName]] = []  # `send_ahead`'s, in order
 
     def chunks(self, kinds: Iterable[ChunkType] | None = None) -> Iterator[Chunk]:
         for kind, chunks in self.lists.items():
@@ -288,6 +289,7 @@ class Residency:
         if not self.transfers.prefetch_possible:
             return
         self.transfers.reap_sends()
+        self._send_queued()
         now = self.tracer.moment
         wanted = self._wanted(now)
         movable = self._movable(now)
@@ -390,11 +392,31 @@ class Residency:
             short -= v.nbytes
 
     def send_ahead(self, c: Chunk, tier: TierName) -> None:
-        """Start moving `c` to `tier` now, if there is room without evicting (a chunk Adam
-        just updated on the host goes back to the device while Adam runs on the next).
-        Only while the trace is followed, as every prefetch."""
+        """Move `c` to `tier` ahead of its use, if there is room without evicting (a chunk
+        Adam just updated on the host goes back to the device while Adam runs on the
+        next). Only while the trace is followed, as every prefetch.
+
+        The copies queue in order, and no more than `memory.prefetch_chunks` of them are
+        on the link at once: the rest start as those land (`_send_queued`, at each moment
+        of the step), and what is left at the end of the step is the next forward's own
+        prefetch. A link carries a direction's copies one after another, so a deeper
+        queue would only delay what is copied behind it: the next step's batch waited
+        for every chunk Adam had updated on the host when Adam was faster than the link
+        (measured on fakegpu: 78 ms before each forward of 70 ms)."""
         if self.tracer.following and self.transfers.prefetch_possible and self._owned(c):
-            movable = self._movable(self.tracer.moment)
+            self._to_send.append((c, tier))
+            self._send_queued()
+
+    def _send_queued(self) -> None:
+        if not self._to_send:
+            return
+        movable = self._movable(self.tracer.moment)
+        limit = self.memory.prefetch_chunks
+        while self._to_send:
+            c, tier = self._to_send[0]
+            if self.transfers.copies_in_flight(c.tier) >= limit:
+                return
+            self._to_send.pop(0)
             self.transfers.ahead(c, tier, self.allowed(DEVICE), movable)
 
     def _uses_by_moment(self) -> list[list[tuple[str, int]]]:
@@ -415,7 +437,9 @@ class Residency:
     # -- iterations, reports, close -------------------------------------------------------
 
     def end_iteration(self) -> None:
-        """Close the per-iteration counters (called at the end of `step()`)."""
+        """Close the per-iteration counters (called at the end of `step()`); the sends
+        ahead not started yet are left to the next forward's prefetch."""
+        self._to_send.clear()
         self.transfers.end_iteration()
         for t in self.tiers.values():
             t.new_iteration()

@@ -180,6 +180,10 @@ class Transfers:
         held on the device until their copy is done."""
         return sum(a.nbytes for a in self.arriving.values() if a.src == DEVICE)
 
+    def copies_in_flight(self, src: TierName) -> int:
+        """Copies from tier `src` issued on a copy stream and not done yet."""
+        return sum(1 for a in self.arriving.values() if a.src == src and not a.done.query())
+
     def reap_sends(self) -> None:
         """Forget the copies out to the host that are done (their device room is free)."""
         for key in [k for k, a in self.arriving.items() if a.src == DEVICE and a.done.query()]:

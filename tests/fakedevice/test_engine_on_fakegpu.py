@@ -380,6 +380,36 @@ def test_chunks_needed_later_are_sent_ahead_to_make_room_for_a_prefetch(fake):
     assert fake.pending_copies() == 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_parameters_adam_updated_go_back_no_more_than_prefetch_chunks_at_a_time(fake, depth):
+    """Over a slow link, with Adam on the host faster than a copy: after each chunk's
+    Adam at most `prefetch_chunks` copies to the device are on the link (a deeper queue
+    only made the next step's batch wait behind every chunk Adam updated); the others
+    go back at the next forward's prefetch. Losses equal the CPU's."""
+    from pstar_core.tiers import TierName
+
+    budget = half_the_params()
+    data = batches(3)
+    on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data)
+    fake.set_link(0.05, 0.05, 0.0)  # 64 KiB chunks: 1.3 ms each, slower than their Adam
+    try:
+        engine = make("gpt", DEV, {"device_budget": budget, "prefetch_chunks": depth})
+        manager, in_flight = engine.manager, []
+        adam_done = manager.adam_done
+
+        def observed(index: int) -> None:
+            adam_done(index)
+            in_flight.append(manager.residency.transfers.copies_in_flight(TierName.HOST))
+
+        manager.adam_done = observed
+        losses = run_engine(engine, data)
+        engine.close()
+    finally:
+        fake.set_link(0.0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(on_cpu), rtol=1e-5, atol=0)
+    assert in_flight and max(in_flight) == depth, in_flight
+
+
 def test_the_device_budget_is_the_memory_free_on_the_device(fake):
     """Without memory.device_budget the device tier plans with device_safety x (what
     mem_get_info reports free + what the allocator holds), read once the device is up."""
