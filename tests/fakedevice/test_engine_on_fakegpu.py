@@ -407,7 +407,8 @@ def test_parameters_adam_updated_go_back_no_more_than_prefetch_chunks_at_a_time(
     finally:
         fake.set_link(0.0)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(on_cpu), rtol=1e-5, atol=0)
-    assert in_flight and max(in_flight) == depth, in_flight
+    assert in_flight
+    assert max(in_flight) == depth, in_flight
 
 
 def test_the_device_budget_is_the_memory_free_on_the_device(fake):
