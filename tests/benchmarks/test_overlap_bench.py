@@ -43,4 +43,12 @@ def test_the_last_line_has_the_three_figures_the_issue_sets_goals_for(result):
     assert result["optimizer_over_max"] > 0
     assert result["link_slowdown"] > 0
     assert result["link_GBps"] > 0
+    # the planner's step time for each run, from the rates the run measured
+    for run in result["runs"].values():
+        assert run["forecast_step_s"] > 0
+        measured = run["free_step_s_with_link"]
+        assert run["forecast_over_measured"] == run["forecast_step_s"] / measured
+    assert result["forecast_over_measured"] in {
+        r["forecast_over_measured"] for r in result["runs"].values()
+    }
     assert result["compute_dtype"] in ("bf16", "fp32")
