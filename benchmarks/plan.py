@@ -44,12 +44,18 @@ def run(models: tuple = BENCH_MODELS, json_out: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     cases = [paper_case(c) for c in PAPER_CASES]
     plan_s = time.perf_counter() - t0
-    table = Table(title="the paper's model-scale results and the planner's (batch 8)")
-    for col in ("case", "paper trained", "bounded by", "planner", "paper's rule", "next: why"):
+    table = Table(
+        title="the paper's model-scale results and the planner's (batch 8; memory, and the "
+        "paper's TFLOPS bar with the GPU's stated figures)"
+    )
+    for col in ("case", "paper trained", "bounded by", "planner", "its TFLOPS (bar)",
+                "paper's rule", "next: why"):  # fmt: skip
         table.add_column(col)
     for c in cases:
+        tflops = f"{c['planner_tflops']:.0f}" if c["planner_tflops"] else "-"
         table.add_row(
-            c["case"], c["paper"], c["bounded_by"], c["planner"], c["planner_paper_rule"],
+            c["case"], c["paper"], c["bounded_by"], c["planner"],
+            f"{tflops} ({c['min_tflops']:g}, {c['gpu']})", c["planner_paper_rule"],
             f"{c['next_model']}: {c['next_why']}" if c["next_model"] else "-",
         )  # fmt: skip
     console.print(table)
@@ -95,6 +101,7 @@ def run(models: tuple = BENCH_MODELS, json_out: bool = False) -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "paper_cases_within_one_step": all(c["within_one_step"] for c in cases),
+        "paper_cases_within_one_step_strict": all(c["within_one_step_strict"] for c in cases),
         "max_prediction_error": max(r["max_error"] for r in rows),
     }
     return finish(console, result, before, load_avg(), json_out)

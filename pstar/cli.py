@@ -115,7 +115,31 @@ def plan(
     gpus: Annotated[
         int | None, typer.Option(help="capacity plan: GPUs of one node (one rank each)")
     ] = None,
-    gpu_memory: Annotated[float, typer.Option(help="GiB of each GPU")] = 40.0,
+    gpu: Annotated[
+        str, typer.Option(help="capacity plan: the GPU (v100, a100, h100) the step time is of")
+    ] = "a100",
+    gpu_memory: Annotated[
+        float | None, typer.Option(help="GiB of each GPU (default: the --gpu's)")
+    ] = None,
+    tflops: Annotated[
+        float | None, typer.Option(help="the GPU's dense fp16/bf16 peak (default: the --gpu's)")
+    ] = None,
+    gpu_efficiency: Annotated[
+        float | None, typer.Option(help="share of the peak the model's matmuls reach (0.6)")
+    ] = None,
+    link_gbps: Annotated[
+        float | None, typer.Option(help="host<->GPU GB/s each way (default: the --gpu's PCIe)")
+    ] = None,
+    collective_gbps: Annotated[
+        float | None, typer.Option(help="a rank's all-gather GB/s (default: the --gpu's NVLink)")
+    ] = None,
+    host_adam_gparams: Annotated[
+        float | None, typer.Option(help="the node's Adam on the host, billions of params/s (4)")
+    ] = None,
+    min_tflops: Annotated[
+        float | None,
+        typer.Option(help="with --largest: only models forecast at this many TFLOPS/GPU or more"),
+    ] = None,
     host_memory: Annotated[float, typer.Option(help="GiB of the node's host memory")] = 256.0,
     disk: Annotated[float, typer.Option(help="GiB of the node's spill disk")] = 0.0,
     batch: Annotated[int, typer.Option(help="sequences per GPU per step")] = 8,
@@ -135,9 +159,17 @@ def plan(
     """Chunk plan of a model, computed on the meta device (no memory is allocated); with
     --gpus (or --largest), the capacity plan for a node that need not be this one."""
     if gpus is not None or largest:
+        speed = _speed(gpu, tflops, gpu_efficiency, link_gbps, collective_gbps, host_adam_gparams)
+        if gpu_memory is None:
+            from pstar_core.capacity import GPU_MEMORY_GIB
+
+            gpu_memory = float(GPU_MEMORY_GIB[speed.name])
+        if min_tflops is not None and (not largest or min_tflops <= 0):
+            _fail("--min-tflops is a bar for --largest, and positive")
         _plan_capacity(
             model, gpus or 1, gpu_memory, host_memory, disk, batch, seq,
             activation_checkpointing, largest, json_out, lora_r if lora else None,
+            speed, min_tflops,
         )  # fmt: skip
         return
     if model is None:
@@ -196,6 +228,34 @@ def calibrate_activations() -> None:
     print(json.dumps(err))
 
 
+def _speed(
+    gpu: str,
+    tflops: float | None,
+    efficiency: float | None,
+    link: float | None,
+    collective: float | None,
+    host_adam: float | None,
+):
+    """The `--gpu` preset's figures, with those given on the command line instead."""
+    from dataclasses import replace
+
+    from pstar_core.capacity import GPUS
+
+    if gpu not in GPUS:
+        _fail(f"--gpu must be one of {', '.join(GPUS)}, got {gpu!r}")
+    given = {
+        "peak_tflops": tflops,
+        "efficiency": efficiency,
+        "link_gbps": link,
+        "collective_gbps": collective,
+        "host_adam_gparams": host_adam,
+    }
+    bad = [k for k, v in given.items() if v is not None and v <= 0]
+    if bad or (efficiency is not None and efficiency > 1):
+        _fail("the speed figures must be positive, and --gpu-efficiency at most 1")
+    return replace(GPUS[gpu], **{k: v for k, v in given.items() if v is not None})
+
+
 def _plan_capacity(
     model: str | None,
     gpus: int,
@@ -208,6 +268,8 @@ def _plan_capacity(
     find_largest: bool,
     json_out: bool,
     lora_r: int | None,
+    speed=None,
+    min_tflops: float | None = None,
 ) -> None:
     from pstar_core import capacity as cap
     from pstar_core.config import LoraConfig
@@ -217,16 +279,27 @@ def _plan_capacity(
     if lora_r is not None and lora_r < 1:
         _fail("--lora-r must be at least 1")
     lora = LoraConfig(r=lora_r) if lora_r is not None else None
-    hw = cap.Hardware(gpus, int(gpu_memory * cap.GiB), int(host_memory * cap.GiB),
-                      int(disk * cap.GiB))  # fmt: skip
+    hw = cap.node(gpus, gpu_memory, host_memory, disk, speed)
     work = cap.Workload(batch=batch, seq=seq, activation_checkpointing=checkpointing)
     node = f"{gpus} x {gpu_memory:g} GiB GPU, {host_memory:g} GiB host, {disk:g} GiB disk"
+    if speed is not None:
+        node += (
+            f" ({speed.name}: {speed.peak_tflops:g} TFLOPS x {speed.efficiency:g}, link "
+            f"{speed.link_gbps:g} GB/s, host Adam {speed.host_adam_gparams:g} G params/s)"
+        )
     if find_largest:
-        result = cap.largest(hw, work, lora=lora)
+        result = cap.largest(hw, work, lora=lora, min_tflops=min_tflops)
+        bar = f" at {min_tflops:g} TFLOPS per GPU or more" if min_tflops else ""
         console.print(
-            f"largest that fits {node}: [bold]{result['largest_model']}[/bold] "
+            f"largest that fits {node}{bar}: [bold]{result['largest_model']}[/bold] "
             f"({result['params'] / 1e9:.2f}B parameters)"
         )
+        if result["plan"] and speed is not None:
+            p = result["plan"]
+            console.print(
+                f"its step: {p['step_seconds']:.2f} s forecast ({p['compute_seconds']:.2f} s "
+                f"of compute and Adam), {p['tflops_per_gpu']:.0f} TFLOPS per GPU"
+            )
         if result["next_model"]:
             console.print(f"{result['next_model']} does not: {result['next_why']}")
         if json_out:
@@ -261,6 +334,13 @@ def _plan_capacity(
         f"GiB host->GPU and {p.device_to_host_bytes_per_iter / gib:.1f} GiB GPU->host, "
         f"{p.collective_bytes_per_iter / gib:.1f} GiB in collectives"
     )
+    if speed is not None:
+        console.print(
+            f"a step: {p.step_seconds:.2f} s forecast ({p.compute_seconds:.2f} s of compute "
+            f"and Adam, the rest copies and collectives not hidden), "
+            f"[bold]{p.tflops_per_gpu:.0f} TFLOPS per GPU[/bold] (model FLOPs, recompute "
+            "counted)"
+        )
     verdict = "[green]fits[/green]" if p.fits else f"[red]does not fit[/red]: {p.why}"
     console.print(f"{verdict} (the paper's rule: {'fits' if p.fits_paper_rule else 'does not'})")
     out = p.to_json()
@@ -268,7 +348,7 @@ def _plan_capacity(
 
         def plan_for(o: cap.Options) -> cap.RankPlan:
             w = cap.Workload(batch=o.batch, seq=seq, activation_checkpointing=o.checkpointing)
-            h = cap.Hardware(o.workers, hw.gpu_bytes, hw.host_bytes, hw.disk_bytes)
+            h = cap.Hardware(o.workers, hw.gpu_bytes, hw.host_bytes, hw.disk_bytes, speed=speed)
             return cap.plan_capacity(model, h, w, lora or (LoraConfig() if o.lora else None))
 
         now = cap.Options(gpus, batch, checkpointing, lora is not None)

@@ -27,12 +27,54 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pstar_core.forecast import Arch, Forecast, forecast, moments
+from pstar_core.forecast import Arch, Forecast, Rates, forecast, moments
 from pstar_core.mapping import BYTES_PARAM, make_plan
 
 GiB = 1 << 30
 DEVICE_SAFETY = 0.9  # as MemoryConfig.device_safety: the share of a GPU the engine plans with
 WARMUP_RATIO = 0.2  # as MemoryConfig.warmup_ratio
+
+
+@dataclass(frozen=True)
+class Speed:
+    """How fast a node's parts work, for the step time a plan forecasts. A GPU's figures
+    are its vendor's (dense fp16/bf16 tensor peak, memory bandwidth) with what is usually
+    reached of them; each may be overridden (`pstar plan --gpu ... --tflops ...`)."""
+
+    name: str
+    peak_tflops: float  # dense fp16/bf16 matmul peak of one GPU
+    efficiency: float  # the share of that peak the model's matmuls reach
+    link_gbps: float  # host <-> GPU, pinned, each way, reached (not the bus's nominal)
+    collective_gbps: float  # one rank's all-gather / reduce-scatter bus bandwidth
+    hbm_gbps: float  # the GPU's memory bandwidth (Adam on the GPU is bound by it)
+    host_adam_gparams: float  # Adam on the host: the node's rate, shared by its ranks
+
+    def rates(self, gpus: int) -> Rates:
+        """One rank's `Rates`. Adam moves about 30 bytes a parameter (fp32 master,
+        momentum, variance and gradient read, three written, the fp16 copy)."""
+        link = self.link_gbps * 1e9
+        return Rates(
+            flops_per_s=self.peak_tflops * 1e12 * self.efficiency,
+            host_to_device_bytes_per_s=link,
+            device_to_host_bytes_per_s=link,
+            host_adam_params_per_s=self.host_adam_gparams * 1e9 / gpus,
+            device_adam_params_per_s=self.hbm_gbps * 1e9 / ADAM_BYTES_PER_PARAM,
+            collective_bytes_per_s=self.collective_gbps * 1e9,
+        )
+
+
+ADAM_BYTES_PER_PARAM = 30
+# The stated figures: peak from the vendors' data sheets (SXM parts); the link is PCIe
+# 3/4/5 x16 pinned as measured copies reach it (about 75% of nominal); collectives at the
+# bus bandwidth NCCL's tests report for NVLink 2/3/4; host Adam for a two-socket node at
+# about 4 billion parameters a second (ZeRO-Offload's CPU Adam: ~0.2 s per billion on
+# such hosts; `pstar bench adam` measures this machine's).
+GPUS: dict[str, Speed] = {
+    "v100": Speed("v100", 125, 0.6, 12, 130, 900, 4),
+    "a100": Speed("a100", 312, 0.6, 25, 230, 1555, 4),
+    "h100": Speed("h100", 989, 0.6, 50, 360, 3350, 4),
+}
+GPU_MEMORY_GIB = {"v100": 32, "a100": 40, "h100": 80}
 
 
 @dataclass(frozen=True)
@@ -42,6 +84,20 @@ class Hardware:
     host_bytes: int  # the node's, shared by its ranks
     disk_bytes: int = 0
     accelerator: bool = True  # False: CPU budgets standing in for the tiers (as in tests)
+    speed: Speed | None = None  # with it, plans forecast their step time
+
+
+def node(
+    gpus: int, gpu_gib: float, host_gib: float, disk_gib: float = 0.0, speed: Speed | None = None
+) -> Hardware:
+    """A node as its owner states it (its GPUs, RAM and spill disk) as the engine plans
+    with it: of the host's memory, what `tiers.host_share` leaves (all less max(2 GiB,
+    10%): the pinned pool never locks all of RAM)."""
+    from pstar_core.tiers import HOST_MARGIN_BYTES, HOST_MARGIN_SHARE
+
+    host = int(host_gib * GiB)
+    host -= max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * host))
+    return Hardware(gpus, int(gpu_gib * GiB), max(0, host), int(disk_gib * GiB), speed=speed)
 
 
 @dataclass(frozen=True)
@@ -154,6 +210,11 @@ class RankPlan:
     device_to_host_bytes_per_iter: int
     host_device_bytes_per_iter: int
     collective_bytes_per_iter: int
+    # with the node's `Speed` (else 0): one step's time, its compute and Adam alone,
+    # and the model TFLOPS a GPU reaches (recompute counted, as the paper does)
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    tflops_per_gpu: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,7 +244,8 @@ def plan_tensors(label: str, t: Tensors, hw: Hardware, work: Workload) -> RankPl
     }
     model_data = sum(lists.values())
     device = int(hw.gpu_bytes * (DEVICE_SAFETY if hw.accelerator else 1.0))
-    f = tensors_forecast(t, device, n, work, chunk, hw.accelerator)
+    rates = hw.speed.rates(n) if hw.speed is not None else None
+    f = tensors_forecast(t, device, n, work, chunk, hw.accelerator, rates)
     peak = f.non_model_peak_bytes
     host = hw.host_bytes // n
     disk = hw.disk_bytes // n
@@ -225,6 +287,9 @@ def plan_tensors(label: str, t: Tensors, hw: Hardware, work: Workload) -> RankPl
         host_device_bytes_per_iter=f.host_to_device_bytes + f.device_to_host_bytes,
         # all-gathers in forward and backward, a reduce-scatter of the trainable gradients
         collective_bytes_per_iter=(n - 1) * (2 * gathered + reduced) // n,
+        step_seconds=f.step_seconds,
+        compute_seconds=f.compute_seconds,
+        tflops_per_gpu=f.flops / f.step_seconds / 1e12 if f.step_seconds else 0.0,
     )
 
 
@@ -235,6 +300,7 @@ def tensors_forecast(
     work: Workload,
     chunk_size: int,
     accelerator: bool = True,
+    rates: Rates | None = None,
 ) -> Forecast:
     """`forecast.forecast` of one rank with `device_bytes` to plan with: the moments of
     the model's activation model, its tensors in chunks of `chunk_size`."""
@@ -248,7 +314,7 @@ def tensors_forecast(
     steps = moments(t.names, t.arch, work.batch, seq, work.activation_checkpointing, act)
     # what Adam allocates on an accelerator beyond what a trace sees (its fp32 gradients)
     temporary = adam_temporary_bytes(chunk_size, torch.device("cuda" if accelerator else "cpu"))
-    return forecast(plan, t.trainable, steps, device_bytes, nproc, temporary)
+    return forecast(plan, t.trainable, steps, device_bytes, nproc, temporary, rates)
 
 
 # Where `startup.enforce_budgets` puts a rank's chunks at start, by list: all on the
@@ -363,24 +429,42 @@ PAPER_FAMILY = (
 
 
 def largest(
-    hw: Hardware, work: Workload = Workload(), rule: str = "engine", lora: Any = None
+    hw: Hardware,
+    work: Workload = Workload(),
+    rule: str = "engine",
+    lora: Any = None,
+    min_tflops: float | None = None,
 ) -> dict[str, Any]:
     """The largest model of the paper's family that fits `hw` (by `rule`: "engine" or
-    "paper"), and why the next one does not."""
-    best, nxt = None, None
+    "paper") and, with `min_tflops` (and `hw.speed`), whose forecast step reaches that
+    many model TFLOPS per GPU; and why the next one does not. Models are tried up to the
+    first that does not fit: a smaller one may miss the bar where a larger one meets it
+    (device-aware placement favors some shapes)."""
+    if min_tflops is not None and hw.speed is None:
+        raise ValueError("a TFLOPS bar needs the node's speed (Hardware.speed)")
+    best: RankPlan | None = None
+    nxt: tuple[RankPlan, str] | None = None
     for name in PAPER_FAMILY:
         plan = plan_capacity(name, hw, work, lora)
-        ok = plan.fits if rule == "engine" else plan.fits_paper_rule
-        if ok:
-            best = plan
-        else:
-            nxt = plan
+        fits = plan.fits if rule == "engine" else plan.fits_paper_rule
+        fast = min_tflops is None or plan.tflops_per_gpu >= min_tflops
+        if fits and fast:
+            best, nxt = plan, None
+            continue
+        why = plan.why if not fits else (
+            f"its step is forecast at {plan.step_seconds:.1f} s, "
+            f"{plan.tflops_per_gpu:.0f} TFLOPS per GPU, under the bar of {min_tflops:g}"
+        )  # fmt: skip
+        if nxt is None:
+            nxt = (plan, why)
+        if not fits:
             break
     return {
         "largest_model": best.model if best else None,
         "params": best.params if best else 0,
         "rule": rule,
-        "next_model": nxt.model if nxt else None,
-        "next_why": nxt.why if nxt else None,
+        "min_tflops": min_tflops,
+        "next_model": nxt[0].model if nxt else None,
+        "next_why": nxt[1] if nxt else None,
         "plan": best.to_json() if best else None,
     }

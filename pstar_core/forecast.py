@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, Plan
@@ -64,12 +64,20 @@ class Arch:
         upcast = 8 * h if act_bytes < 4 else 0
         return (7 * h + 2 * (self.kv_hidden or h) + 4 * inner) * act_bytes + upcast
 
+    def layer_matmul_params(self) -> int:
+        """Weights one layer multiplies each token by: queries, keys and values (keys and
+        values narrower under grouped queries), the attention's output, the MLP (a gated
+        one has three matrices)."""
+        h, kv = self.hidden, self.kv_hidden or self.hidden
+        return h * (h + 2 * kv) + h * h + (3 if self.gated else 2) * h * self.intermediate
+
 
 @dataclass(frozen=True)
 class Moment:
     name: str
     tensors: tuple[int, ...]  # indices (in init order) of the parameters it uses
     non_model: int  # bytes
+    flops: float = 0.0  # the operator's work (a backward one's includes its recompute)
 
 
 @dataclass(frozen=True)
@@ -83,9 +91,42 @@ class Forecast:
     margin_bytes: int
     least_device_bytes: int  # the smallest device budget the iteration runs in
     non_model_peak_bytes: int
+    # with `Rates` (else 0): the iteration's time, and what it would be with every copy
+    # and collective free (its compute and Adam); its model FLOPs, recompute included
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    flops: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How fast one rank's parts work, for the time an iteration takes (`forecast`)."""
+
+    flops_per_s: float  # what the device's matmuls reach (not its peak)
+    host_to_device_bytes_per_s: float  # the link, each way (PCIe has an engine each way)
+    device_to_host_bytes_per_s: float
+    host_adam_params_per_s: float  # Adam on the host: this rank's share of it
+    device_adam_params_per_s: float = math.inf
+    collective_bytes_per_s: float = math.inf  # a rank's all-gather or reduce-scatter
+    latency_s: float = 10e-6  # each copy's
+    # as `MemoryConfig`: a chunk is sent for while the next prefetch_moments operators
+    # run, or earlier while fewer than prefetch_chunks are on their way
+    prefetch_moments: int = 2
+    prefetch_chunks: int = 2
+
+
+@dataclass
+class _Position:
+    """What the placement simulation did at one position of the access sequence."""
+
+    kind: str  # "op" (forward), "bwd" or "adam"
+    need: list[int]
+    flops: float = 0.0
+    moved_in: list[int] = field(default_factory=list)  # chunks copied to the device
+    copied_out: list[int] = field(default_factory=list)  # chunks copied to the host
 
 
 def moments(
@@ -128,22 +169,29 @@ def moments(
     token = (max(before, key=lambda i: _size_rank(names[i])),) if before else ()
     if arch.tied or not head:
         head = token
+    # FLOPs, 2 a multiply-add: a layer's matmuls and its attention's scores and mixing
+    # (4 s h a token, causal masking not discounted, as the paper and Megatron count);
+    # backward twice forward, plus the forward again where checkpointing recomputes it
+    tokens = b * s
+    layer_fwd = 2.0 * tokens * arch.layer_matmul_params() + 4.0 * tokens * s * h
+    layer_bwd = (3.0 if checkpointing else 2.0) * layer_fwd
+    head_fwd = 2.0 * tokens * h * arch.vocab
     out = [Moment("fwd:embeddings", tuple(before), 0)]
     working = full if checkpointing else 0
     for k in range(arch.layers):
-        out.append(Moment(f"fwd:layer.{k}", tuple(layers[k]), (k + 1) * kept + working))
+        out.append(Moment(f"fwd:layer.{k}", tuple(layers[k]), (k + 1) * kept + working, layer_fwd))
     top = arch.layers * kept
     out += [
         Moment("fwd:final", final, top),
-        Moment("fwd:lm_head", head, top + logits),
-        Moment("bwd:lm_head", head, top + logits),
+        Moment("fwd:lm_head", head, top + logits, head_fwd),
+        Moment("bwd:lm_head", head, top + logits, 2 * head_fwd),
         # the output layer's weight is still held while its gradient is written, at the
         # next operator's start
         Moment("bwd:final", final + head, top + emb),
     ]
     for k in reversed(range(arch.layers)):
         nm = (k + 1) * kept + working + grads + emb
-        out.append(Moment(f"bwd:layer.{k}", tuple(layers[k]), nm))
+        out.append(Moment(f"bwd:layer.{k}", tuple(layers[k]), nm, layer_bwd))
     # the embeddings' backward holds all of their chunks (their gradients are written in
     # the same pass)
     others = tuple(i for i in before if i not in token)
@@ -164,13 +212,14 @@ def forecast(
     device_budget: int,
     nproc: int = 1,
     adam_temporary: int = 0,
+    rates: Rates | None = None,
 ) -> Forecast:
     """One rank's steady-state iteration (see the module docstring) of the tensors `plan`
     lays out (`trainable`: each tensor's list, in init order, as `make_plan` took them).
     Under ZeRO (`nproc` > 1) the rank owns one chunk of each communication group: an
     operator needs its groups gathered on the device (the other ranks' chunks arrive by
     collective and are dropped after use), and only the owned chunks stay, move and take
-    Adam."""
+    Adam. With `rates`, also the time it takes (`_timeline`)."""
     n_train = -(-plan.trainable.num_chunks // nproc)  # groups: one owned chunk each
     units = n_train + -(-plan.frozen.num_chunks // nproc)  # trainable first, then frozen
     train_at = iter(plan.trainable.placements)
@@ -192,12 +241,15 @@ def forecast(
 
     # the access sequence of two iterations: every moment, then Adam's per trainable chunk
     seq: list[tuple[str, list[int], int]] = []
+    flops: list[float] = []
     for _ in range(2):
         seq += [
             ("bwd" if m.name.startswith("bwd:") else "op", u, m.non_model)
             for m, u in zip(steps, uses, strict=True)
         ]
         seq += [("adam", [i], 0) for i in range(n_train)]
+        flops += [m.flops for m in steps] + [0.0] * n_train
+    record = [_Position(kind, need, f) for (kind, need, _), f in zip(seq, flops, strict=True)]
     next_use = _next_uses(seq, units)
     # the room a moment leaves for chunks: the engine's allowance is max(N_j, N_j+1)
     allowance = [max(seq[t][2], seq[t + 1][2] if t + 1 < len(seq) else 0) for t in range(len(seq))]
@@ -218,6 +270,8 @@ def forecast(
         (on_device.add if to_device else on_device.discard)(i)
         copied = to_device or i not in clean
         (clean.add if to_device and nproc == 1 else clean.discard)(i)
+        if copied:
+            (record[t].moved_in if to_device else record[t].copied_out).append(i)
         if counting and copied:
             moved["in" if to_device else "out"] += chunk
 
@@ -246,6 +300,11 @@ def forecast(
             dev_peak = max(dev_peak, chunks_here + nm)
             off = units - len(on_device) + len(clean)  # a host copy is host memory too
             host_peak = max(host_peak, off * chunk + (n_train - device_adam) * triple)
+    step_s = compute_s = 0.0
+    if rates is not None:
+        step_s, compute_s = _timeline(
+            record, rates, chunk, plan.chunk_size, device_adam, nproc, others
+        )
     return Forecast(
         device_peak_bytes=dev_peak,
         device_chunk_peak_bytes=chunk_peak,
@@ -256,6 +315,9 @@ def forecast(
         margin_bytes=margin,
         least_device_bytes=least,
         non_model_peak_bytes=peak_nm,
+        step_seconds=step_s,
+        compute_seconds=compute_s,
+        flops=sum(m.flops for m in steps),
     )
 
 
@@ -268,3 +330,96 @@ def _next_uses(seq: list[tuple[str, list[int], int]], n: int) -> list[list[float
         for i in seq[t][1]:
             nxt[i] = t
     return out
+
+
+def _timeline(
+    record: list[_Position],
+    rates: Rates,
+    chunk_bytes: int,
+    chunk_numel: int,
+    device_adam: int,
+    nproc: int,
+    others: int,
+) -> tuple[float, float]:
+    """The second iteration's time, and its compute and Adam time alone, from the
+    placement simulation's moves, with the overlap the engine builds (issue 32):
+    - the main thread runs each position in turn: an operator on the device (its FLOPs,
+      after its chunks arrived and, under ZeRO, its groups were gathered: collectives
+      are not issued ahead yet), Adam on the host or the device;
+    - each direction of the link carries its copies one after another;
+    - a chunk moved in is sent for when the operator `prefetch_moments` before its use
+      starts, or earlier, at the use of the chunk moved in `prefetch_chunks` before it;
+      one Adam updated on the host is sent for right after that Adam, with at most
+      `prefetch_chunks` such copies on the link (what is left waits for the forward);
+      a chunk evicted for room is copied out first;
+    - a chunk whose Adam runs on the host leaves when backward is done with it (its last
+      use before Adam), and its Adam waits for it."""
+    h2d = chunk_bytes / rates.host_to_device_bytes_per_s + rates.latency_s
+    d2h = chunk_bytes / rates.device_to_host_bytes_per_s + rates.latency_s
+    gather = others / rates.collective_bytes_per_s  # one group: the other ranks' chunks
+    host_adam = chunk_numel / rates.host_adam_params_per_s
+    device_adam_s = chunk_numel / rates.device_adam_params_per_s
+    n = len(record)
+    start, end = [0.0] * n, [0.0] * n
+    clock = h2d_free = d2h_free = 0.0
+    ins: list[tuple[int, float]] = []  # (position, done) of every copy in, in order
+    updated: dict[int, float] = {}  # chunk -> when Adam on the host updated it
+    last_use: dict[int, float] = {}  # chunk -> when its last operator ended
+    out_done: dict[int, float] = {}  # chunk -> when its last copy out is done
+    step_end = 0.0  # the end of the latest iteration's last Adam
+    compute = 0.0
+    gathered_before: set[int] = set()
+    lookahead, depth = rates.prefetch_moments, rates.prefetch_chunks
+    for t, p in enumerate(record):
+        # copies in: when each is sent for
+        sends: list[float] = []
+        for i in p.moved_in:
+            j = len(ins)
+            at = start[t - lookahead] if t >= lookahead else clock
+            if j >= depth and ins[j - depth][0] < t:
+                at = min(at, start[ins[j - depth][0]])
+            if i in updated:  # Adam on the host updated it: sent for after that Adam
+                adam_end = updated.pop(i)
+                after = max(adam_end, ins[j - depth][1] if j >= depth else 0.0)
+                at = after if after <= step_end else max(at, adam_end)
+            sends.append(at)
+            ins.append((t, math.inf))
+        # copies out: a chunk for host Adam once backward was done with it; one evicted
+        # for room before the copies in (or the operator) that need the room
+        room = min(sends, default=clock)
+        room_done = 0.0
+        for i in p.copied_out:
+            at = last_use.get(i, room) if p.kind == "adam" else room
+            d2h_free = max(d2h_free, at) + d2h
+            out_done[i] = d2h_free
+            if p.kind != "adam":
+                room_done = max(room_done, d2h_free)
+        arrived = 0.0
+        for k, at in enumerate(sends):
+            h2d_free = max(h2d_free, at, room_done) + h2d
+            ins[len(ins) - len(sends) + k] = (t, h2d_free)
+            arrived = h2d_free
+        begin = max(clock, arrived, room_done)
+        if p.kind == "adam":
+            (i,) = p.need
+            on_host = i >= device_adam
+            if on_host:
+                begin = max(begin, out_done.get(i, 0.0))
+            took = host_adam if on_host else device_adam_s
+            compute += took
+            start[t], end[t] = begin, begin + took
+            if on_host:
+                updated[i] = end[t]
+            step_end = end[t]
+        else:
+            took = p.flops / rates.flops_per_s
+            compute += took
+            fresh = [i for i in p.need if i not in gathered_before] if nproc > 1 else []
+            gathered_before = set(p.need)
+            start[t] = begin
+            end[t] = begin + len(fresh) * gather + took
+            for i in p.need:
+                last_use[i] = end[t]
+        clock = end[t]
+    half = n // 2
+    return end[-1] - end[half - 1], compute / 2

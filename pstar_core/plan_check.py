@@ -261,36 +261,46 @@ def _embedding(name: str) -> bool:
 
 # The paper's model-scale results (Evaluation): (case, GPUs, GiB per GPU, GiB host, the
 # largest model it trained, whether that figure was bounded by its throughput bar rather
-# than by memory: its 1-GPU maxima)
+# than by memory (its 1-GPU maxima), the GPU, and the bar: the TFLOPS per GPU below which
+# the paper did not count a model as trained on that cluster)
 PAPER_CASES = (
-    ("YARD 1 GPU", 1, 32, 240, "gpt-12b", True),
-    ("YARD 8 GPUs", 8, 32, 240, "gpt-18b", False),
-    ("SuperPod 1 GPU", 1, 40, 1024, "gpt-50b", True),
-    ("SuperPod 8 GPUs", 8, 40, 1024, "gpt-68b", False),
+    ("YARD 1 GPU", 1, 32, 240, "gpt-12b", True, "v100", 30),
+    ("YARD 8 GPUs", 8, 32, 240, "gpt-18b", False, "v100", 30),
+    ("SuperPod 1 GPU", 1, 40, 1024, "gpt-50b", True, "a100", 50),
+    ("SuperPod 8 GPUs", 8, 40, 1024, "gpt-68b", False, "a100", 50),
 )
 
 
 def paper_case(case: tuple, batch: int = 8) -> dict[str, Any]:
-    """The planner's largest model for one of `PAPER_CASES`, under this engine's rule and
-    the paper's, next to the paper's answer. `within_one_step`: where memory bounded the
+    """The planner's largest model for one of `PAPER_CASES`, under this engine's rule
+    (memory, and the case's TFLOPS bar with its GPU's stated figures) and the paper's
+    memory rule, next to the paper's answer. `within_one_step`: where memory bounded the
     paper, ours is within one model of the family of its answer; where its throughput bar
-    did, memory allows at least one model less than it trained (it trained it, so ours
-    must not be far below)."""
-    from pstar_core.capacity import PAPER_FAMILY, GiB, Hardware, largest
+    did, memory and the bar allow at least one model less than it trained (it trained it,
+    so ours must not be far below). `within_one_step_strict`: within one model either way."""
+    from pstar_core.capacity import GPUS, PAPER_FAMILY, largest, node
 
-    name, gpus, gpu_gib, host_gib, paper, throughput = case
-    hw = Hardware(gpus, gpu_gib * GiB, host_gib * GiB)
-    ours = largest(hw, Workload(batch=batch))
+    name, gpus, gpu_gib, host_gib, paper, throughput, gpu, bar = case
+    hw = node(gpus, gpu_gib, host_gib, speed=GPUS[gpu])
+    ours = largest(hw, Workload(batch=batch), min_tflops=bar)
+    memory = largest(hw, Workload(batch=batch))
     rule = largest(hw, Workload(batch=batch), rule="paper")
     i, j = PAPER_FAMILY.index(ours["largest_model"]), PAPER_FAMILY.index(paper)
+    plan = ours["plan"] or {}
     return {
         "case": name,
         "paper": paper,
         "planner": ours["largest_model"],
         "planner_params": ours["params"],
+        "planner_memory_only": memory["largest_model"],
         "planner_paper_rule": rule["largest_model"],
+        "gpu": gpu,
+        "min_tflops": bar,
+        "planner_tflops": plan.get("tflops_per_gpu"),
+        "planner_step_s": plan.get("step_seconds"),
         "bounded_by": "throughput" if throughput else "memory",
         "within_one_step": i >= j - 1 if throughput else abs(i - j) <= 1,
+        "within_one_step_strict": abs(i - j) <= 1,
         "next_model": ours["next_model"],
         "next_why": ours["next_why"],
     }

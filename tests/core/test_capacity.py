@@ -5,6 +5,7 @@ arithmetic of placement and overflow, and a plan of the paper's 68B in seconds."
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from pstar_core.capacity import PAPER_FAMILY, GiB, Hardware, Workload, plan_capacity
+from pstar_core.forecast import Rates
 from pstar_core.plan_check import PAPER_CASES, paper_case
 
 
@@ -131,3 +133,58 @@ def test_the_chunk_search_uses_at_least_the_papers_share_of_chunk_memory():
         assert r["utilization"] >= (r["paper_utilization"] or 0.90), r
         # each is planned for the size its name says
         assert abs(r["params"] / (int(r["model"][4:-1]) * 1e9) - 1) < 0.07
+
+
+# -- the step time (issue 32, item 6) -------------------------------------------------
+
+FAST = Rates(1e12, math.inf, math.inf, 1e9)
+
+
+def _forecast(model: str, rates: Rates, device_gib: float = 40, batch: int = 8):
+    from pstar_core.capacity import tensors_forecast, zoo_tensors
+    from pstar_core.mapping import make_plan
+
+    t = zoo_tensors(model)
+    work = Workload(batch=batch)
+    chunk = make_plan(t.numels, t.trainable, t.names, work.dtype, "auto").chunk_size
+    return tensors_forecast(t, int(device_gib * GiB), 1, work, chunk, rates=rates), chunk
+
+
+def test_the_model_flops_are_the_papers_count_with_recompute_as_a_forward():
+    """8 FLOPs a parameter a token (forward, backward, recompute) and 16 x layers x hidden x
+    sequence for attention, as the paper counts its TFLOPS; the zoo's `flops_per_token`
+    (no recompute) is 6 and 12 of them."""
+    from pstar_core.models import flops_per_token, get_config
+
+    cfg = get_config("gpt-2b")
+    f, _ = _forecast("gpt-2b", FAST)
+    tokens = 8 * cfg.seq_len
+    without_recompute = flops_per_token(cfg) * tokens
+    assert f.flops == pytest.approx(without_recompute * 8 / 6, rel=0.02)
+
+
+def test_with_a_free_link_the_step_is_its_compute_and_its_adam():
+    """Copies that cost nothing hide nothing: the step is the operators' FLOPs at the
+    compute rate and Adam on the host for each chunk the device has no room for."""
+    from pstar_core.capacity import zoo_tensors
+    from pstar_core.mapping import make_plan
+
+    t = zoo_tensors("gpt-2b")
+    chunks = make_plan(t.numels, t.trainable, t.names, "fp16", "auto").trainable.num_chunks
+    f, chunk = _forecast("gpt-2b", FAST, device_gib=20)
+    assert 0 < f.device_adam_chunks < chunks
+    assert f.host_to_device_bytes > 0
+    on_host = (chunks - f.device_adam_chunks) * chunk / FAST.host_adam_params_per_s
+    assert f.compute_seconds == pytest.approx(f.flops / 1e12 + on_host, rel=1e-9)
+    assert f.step_seconds == pytest.approx(f.compute_seconds, rel=1e-9)
+
+
+def test_a_slow_link_bounds_the_step_by_the_bytes_it_carries():
+    slow = Rates(1e12, 1e9, 1e9, 1e9)
+    f, _ = _forecast("gpt-2b", slow, device_gib=8)
+    assert f.host_to_device_bytes > 0
+    assert f.step_seconds >= f.host_to_device_bytes / 1e9
+    assert f.step_seconds >= f.device_to_host_bytes / 1e9
+    assert f.step_seconds > f.compute_seconds
+    faster, _ = _forecast("gpt-2b", Rates(1e12, 4e9, 4e9, 1e9), device_gib=8)
+    assert faster.step_seconds < f.step_seconds

@@ -36,6 +36,50 @@ def test_plan_of_a_hf_config(tmp_path):
     assert last["params"] == 2 * 1000 * 64 + 3 * per_layer + 64
 
 
+def test_plan_forecasts_the_step_time_and_tflops_of_a_named_gpu():
+    """`--gpu` names the figures (peak, link, memory) and each can be overridden: a
+    faster link never makes the step slower, a lower peak makes it slower."""
+    args = ["plan", "gpt-4b", "--gpus", "1", "--gpu", "h100", "--host-memory", "256", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "TFLOPS per GPU" in result.output
+    assert "h100" in result.output
+    plan = json.loads(result.output.strip().splitlines()[-1])
+    assert plan["device_bytes"] == int(0.9 * 80 * 2**30)  # the h100's memory
+    assert 0 < plan["compute_seconds"] <= plan["step_seconds"]
+    assert plan["tflops_per_gpu"] < 989
+    slow = runner.invoke(app, [*args, "--tflops", "400"])
+    assert json.loads(slow.output.strip().splitlines()[-1])["step_seconds"] > plan["step_seconds"]
+
+
+def test_plan_largest_with_a_tflops_bar_names_the_model_and_why_the_next_misses_it():
+    base = ["plan", "--largest", "--gpus", "1", "--gpu", "a100", "--host-memory", "1024"]
+    memory = json.loads(runner.invoke(app, [*base, "--json"]).output.strip().splitlines()[-1])
+    barred = runner.invoke(app, [*base, "--min-tflops", "150", "--json"])
+    assert barred.exit_code == 0, barred.output
+    got = json.loads(barred.output.strip().splitlines()[-1])
+    assert got["plan"]["tflops_per_gpu"] >= 150
+    assert got["params"] < memory["params"]
+    assert "under the bar of 150" in got["next_why"]
+    assert "150 TFLOPS per GPU or more" in barred.output
+    unreachable = runner.invoke(app, [*base, "--min-tflops", "5000", "--json"])
+    assert json.loads(unreachable.output.strip().splitlines()[-1])["largest_model"] is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--gpu", "b200"], "--gpu must be one of"),
+        (["--gpu-efficiency", "1.5"], "at most 1"),
+        (["--min-tflops", "50"], "--min-tflops is a bar for --largest"),
+    ],
+)
+def test_plan_refuses_speed_figures_it_cannot_use(extra, said):
+    result = runner.invoke(app, ["plan", "gpt-1b", "--gpus", "1", *extra])
+    assert result.exit_code == 2
+    assert said in result.output
+
+
 def test_unknown_model_lists_the_zoo():
     result = runner.invoke(app, ["plan", "gpt-3000b"])
     assert result.exit_code == 2
