@@ -8,39 +8,62 @@ the fp32 master: the param chunk was produced by casting the master, so the re-d
 values are bitwise the ones the slot held. Cost: 4 bytes per trainable parameter of the
 accessed chunks, only between the first re-access and the step;
 `stats()["grad_accum_bytes"]` reports it.
+
+The sums live where the chunk's Adam runs (`GradAccumulator.tier_for`), and gradients are
+added in there: for host Adam, the chunk goes down with its gradients (which backward's
+end sends anyway before Adam) and comes back with its parameters, as in a step of one
+micro-batch; nothing fp32 crosses the link.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.residency import Residency
+from pstar_core.tiers import DISK, HOST, TierName
 
 
 class GradAccumulator:
-    def __init__(self, residency: Residency, lists: dict[ChunkType, list[Chunk]]) -> None:
+    def __init__(
+        self,
+        residency: Residency,
+        lists: dict[ChunkType, list[Chunk]],
+        adam_tier: Callable[[Chunk], TierName] | None = None,
+    ) -> None:
         self.residency = residency
         self.lists = lists
         self.chunks: dict[int, Chunk] = {}  # trainable chunk index -> its accum chunk
         self.peak_bytes = 0
+        # where Adam reads a chunk: its sums are kept there (default: where the chunk is)
+        self._adam_tier = adam_tier
+
+    def tier_for(self, chunk: Chunk) -> TierName:
+        """Where `chunk`'s sums live and its gradients are added in: where its Adam runs
+        (the host for most chunks under a tight budget). A chunk on the device whose Adam
+        runs on the host goes down with its gradients (2 bytes a parameter in bf16) rather
+        than the master and the sums coming up (4 each, and the sums back again: D9 in
+        GPU_NOTES)."""
+        tier = self._adam_tier(chunk) if self._adam_tier is not None else chunk.tier
+        return HOST if tier == DISK else tier
 
     def stash(self, chunk: Chunk) -> None:
         """Move the chunk's gradients into its fp32 accum chunk and restore the params."""
         r = self.residency
         acc = self.chunks.get(chunk.index)
         master = self.lists[ChunkType.PARAM_FP32][chunk.index]
+        tier = self.tier_for(chunk)
         if acc is None:
             acc = Chunk(ChunkType.GRAD_ACCUM, chunk.index, chunk.capacity, torch.float32)
-            r.reserve(chunk.tier, acc.nbytes, {id(chunk), id(master)})
+            r.reserve(tier, acc.nbytes, {id(chunk), id(master)})
             with r.tracer.chunk_memory():
-                payload = r.tiers[chunk.tier].allocate(acc.capacity, acc.dtype).zero_()
-            r.adopt(acc, payload, chunk.tier)
+                payload = r.tiers[tier].allocate(acc.capacity, acc.dtype).zero_()
+            r.adopt(acc, payload, tier)
             self.chunks[chunk.index] = acc
             self.peak_bytes = max(self.peak_bytes, self.bytes)
-        r.colocate([chunk, acc, master])
+        r.make_resident([chunk, acc, master], tier)
         for s in chunk.slots:
             if s.state is TensorState.HOLD_AFTER_BWD:
                 acc.flat(s).add_(chunk.flat(s))

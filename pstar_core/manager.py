@@ -103,7 +103,13 @@ class ChunkManager:
             host_whole=host_whole,  # the host share read at the engine's start
             tier_of_moment=lambda name: placement.moment_tier(self.device_adam, name),
         )
-        self.grad_accum = GradAccumulator(self.residency, self.lists)
+        self.grad_accum = GradAccumulator(
+            self.residency,
+            self.lists,
+            adam_tier=lambda c: (
+                placement.adam_tier(self.device_adam, c.index) if self.owned(c) else c.tier
+            ),
+        )
         self.groups = GatheredGroups(
             self.zero,
             self.lists,

@@ -116,7 +116,8 @@ class ChunkAdamW:
         """With accumulation, add the grads still in param slots into the accum chunks."""
         for index, acc in self.manager.grad_accum.chunks.items():
             chunk = self.manager.lists[ChunkType.PARAM][index]
-            self.manager.residency.colocate([chunk, acc])
+            tier = self.manager.grad_accum.tier_for(chunk)
+            self.manager.residency.make_resident([chunk, acc], tier)
             for s in chunk.slots:
                 if s.state is TensorState.HOLD_AFTER_BWD:
                     acc.flat(s).add_(chunk.flat(s))

@@ -411,6 +411,30 @@ def test_parameters_adam_updated_go_back_no_more_than_prefetch_chunks_at_a_time(
     assert max(in_flight) == depth, in_flight
 
 
+def test_accumulating_gradients_moves_no_more_a_micro_batch_than_a_step_of_one(fake):
+    """Adam on the host for every chunk (half the parameters fit): a micro-batch's
+    gradients are added up where Adam reads them, so a chunk goes down with its gradients
+    and comes back with its parameters, as in a step of one micro-batch. (The sums and
+    the masters used to come to the device instead, and the sums back: a step of two
+    micro-batches moved 4.6x the param chunks down where a step of one moved 1x.) Losses
+    equal the CPU's."""
+    budget = half_the_params()
+    data = batches(3)
+    moved, losses = {}, {}
+    for k in (1, 2, 4):
+        engine = make("gpt", DEV, {"device_budget": budget})
+        losses[k] = run_engine(engine, data, micro_batches=k)
+        st = engine.stats()
+        assert st["device_adam_chunks"] == 0
+        moved[k] = st["bytes_moved_last_iteration"]
+        engine.close()
+    on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data, micro_batches=2)
+    torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(on_cpu), rtol=1e-5, atol=0)
+    for k in (2, 4):
+        for direction in ("host->device", "device->host"):
+            assert moved[k][direction] <= k * moved[1][direction], (k, direction, moved)
+
+
 def test_the_device_budget_is_the_memory_free_on_the_device(fake):
     """Without memory.device_budget the device tier plans with device_safety x (what
     mem_get_info reports free + what the allocator holds), read once the device is up."""
