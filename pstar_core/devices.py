@@ -359,9 +359,10 @@ class CopyStream:
         (src if dst.device.type == "cpu" else dst).record_stream(stream)
         return done
 
-    def wait(self, done: Any) -> None:
-        """The compute stream waits for the copy; the host too: a copy in reads or writes
-        a pinned host buffer that goes back to the pool (and may be refilled from disk)
-        right after, and a copy out's bytes are read by the host."""
+    def wait(self, done: Any, host: bool = True) -> None:
+        """The compute stream waits for the copy; with `host`, the host too (a copy out's
+        bytes are read by the host). A copy in needs no host wait: its pinned source is
+        given back only once its event says the copy is done (`Transfers`)."""
         torch.accelerator.current_stream(self.device).wait_event(done)
-        done.synchronize()
+        if host:
+            done.synchronize()

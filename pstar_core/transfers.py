@@ -18,6 +18,7 @@ host drops its copies before it spills a chunk to disk for room.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -94,6 +95,13 @@ class Transfers:
         self._lists = lists  # the chunks, for their host copies
         self.host_copy_bytes = 0  # host copies of clean device chunks ([Note: clean chunks])
         self.clean_evictions = 0  # evictions that copied nothing, in total
+        # [Note: arrivals without a host wait] A copy in is waited for by the compute
+        # stream only; its pinned source may still be read by the copy engine after. So
+        # the source's copy event is kept (by the buffer's address) while it is a host
+        # copy, and a source given back while its copy may run is held until the event
+        # says it is done (`_release_source`); the host waits only before it writes one
+        self._reading: dict[int, Any] = {}
+        self._held: list[tuple[torch.Tensor, Any]] = []
 
     @property
     def prefetch_possible(self) -> bool:
@@ -169,10 +177,13 @@ class Transfers:
             if a.src == DISK:
                 a.done.result()
                 self.tiers[DISK].spill_file().free(a.disk_offset, c.nbytes)
-            else:
+            elif a.source is not None:  # a copy in: its pinned source is its host copy
+                self._copier.wait(a.done, host=False)
+                self._reading[a.source.data_ptr()] = a.done
+                self._keep_host_copy(c, a.source)
+            else:  # a copy out: the host reads its bytes
                 self._copier.wait(a.done)
-                if a.source is not None:  # a copy in: its pinned source is its host copy
-                    self._keep_host_copy(c, a.source)
+        self._release_held()
 
     @property
     def sending_bytes(self) -> int:
@@ -266,14 +277,38 @@ class Transfers:
             host.add(c.nbytes)
             self.host_copy_bytes += c.nbytes
         else:
-            host.release(source)
+            self._release_source(source)
+
+    def _release_source(self, buf: torch.Tensor) -> None:
+        """Give a host buffer back, or hold it while a copy in may still read it."""
+        done = self._reading.pop(buf.data_ptr(), None)
+        if done is not None and not done.query():
+            self._held.append((buf, done))
+        else:
+            self.tiers[HOST].release(buf)
+
+    def _release_held(self) -> None:
+        """Give back the held sources whose copies are done."""
+        still = []
+        for buf, done in self._held:
+            if done.query():
+                self.tiers[HOST].release(buf)
+            else:
+                still.append((buf, done))
+        self._held = still
+
+    def _writable(self, buf: torch.Tensor) -> None:
+        """The host may write `buf` now: wait for a copy in that may still read it."""
+        done = self._reading.pop(buf.data_ptr(), None)
+        if done is not None:
+            done.synchronize()
 
     def drop_host_copy(self, c: Chunk) -> None:
         """`c` may be written where it is: its host copy no longer holds its bytes."""
         if c.host_copy is None:
             return
         host = self.tiers[HOST]
-        host.release(c.host_copy)
+        self._release_source(c.host_copy)
         host.remove(c.nbytes)
         self.host_copy_bytes -= c.nbytes
         c.host_copy = None
@@ -292,6 +327,7 @@ class Transfers:
 
     def _back_to_host_copy(self, c: Chunk) -> None:
         """Evict `c` from the device to its current host copy: no bytes move."""
+        self._writable(c.host_copy)  # the host may update it now (Adam)
         with self.tracer.chunk_memory():
             self.payloads.remove(c)
             c.payload, c.host_copy = c.host_copy, None
@@ -319,4 +355,9 @@ class Transfers:
         return True
 
     def close(self) -> None:
+        for b, done in self._held:
+            done.synchronize()
+            self.tiers[HOST].release(b)
+        self._held.clear()
+        self._reading.clear()
         self._reader.close()

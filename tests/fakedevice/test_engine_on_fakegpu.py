@@ -331,16 +331,24 @@ def test_prefetch_to_the_device_runs_on_the_copy_stream_and_lands_before_use(fak
     host), chunks the next operators use are copied host->device on a side stream while
     the current one computes; in the optimizer phase the next chunks' gradients go out
     to the host on the other copy stream while Adam runs on one, and each chunk Adam
-    updated goes back. The fake device holds such a copy until it is waited for (a read
-    before that sees the old bytes), so results equal to the CPU-as-device run show every
-    use waited; and no buffer a copy still read was freed without `record_stream`."""
+    updated goes back. Only the device waits for a copy in. The fake device holds such a
+    copy until it is waited for (a read before that sees the old bytes), so results equal
+    to the CPU-as-device run show every use waited; and no buffer a copy still read was
+    freed without `record_stream`."""
     budget = half_the_params()
     data = batches(4)
     on_cpu = run_engine(make("gpt", "cpu", {"device_budget": budget}), data)
     hazards = fake.stream_hazards()
     engine = make("gpt", DEV, {"device_budget": budget})
+    copier = engine.manager.residency.transfers._copier
+    waits, wait = [], copier.wait
+    copier.wait = lambda done, host=True: (waits.append(host), wait(done, host))
     on_dev = run_engine(engine, data)
     torch.testing.assert_close(torch.tensor(on_dev), torch.tensor(on_cpu), rtol=1e-5, atol=0)
+    # the host waits for copies out (it reads their bytes), never for a copy in: its
+    # source goes back to the pool once its event says it is done
+    assert 0 < waits.count(False) <= engine.stats()["prefetched"]["host->device"]
+    assert waits.count(True) <= engine.stats()["prefetched"]["device->host"]
     prefetched = engine.stats()["prefetched"]
     assert prefetched.get("host->device", 0) > 0
     assert prefetched.get("device->host", 0) > 0
