@@ -432,9 +432,10 @@ class GatheredGroups:
     out of the buffer made a 2-rank step about 10% slower there.
 
     [Note: overlapped reductions] After backward a group's reduce-scatter is issued
-    asynchronously and the backward of the next layers runs while it is in flight; it is
-    waited on (`settle`) before the next gather, at the end of backward, or when the
-    device needs the memory its buffer holds (the manager gives `settle` to `Residency`,
+    asynchronously and the backward of the next layers runs while it is in flight, their
+    groups' gathers included; it is waited on (`settle`) before its own group is gathered
+    again (accumulation), at the end of backward, or when the device needs the memory its
+    buffer holds (the manager gives `settle` to `Residency`,
     which calls it when nothing is left to evict). Collectives are issued at the same
     points on every rank; only the waits move, so the order every rank sees is unchanged.
     """
@@ -475,7 +476,10 @@ class GatheredGroups:
         key = self._key(c)
         if key in self.live:
             return
-        self.settle()  # a group reduced a moment ago may be gathered again (accumulation)
+        # a group reduced a moment ago may be gathered again (accumulation): its own
+        # reduction is waited for; the others' go on under this gather and the compute
+        # after it, until the end of backward or until the device needs their memory
+        self.settle(key)
         members = self._members(c)
         own = members[self.zero.rank]
         for m in members:
@@ -631,12 +635,15 @@ class GatheredGroups:
                 own.flat(s).copy_(master.flat(s))
         self._drop(members, own, pressed)
 
-    def settle(self, pressed: bool = False) -> bool:
-        """Wait for every reduction in flight and release its group; True if any was.
-        `pressed`: the device has no room left (see [Note: leaving the group buffer])."""
-        if not self.in_flight:
+    def settle(self, key: tuple[ChunkType, int] | None = None, pressed: bool = False) -> bool:
+        """Wait for the reductions in flight (of the group `key` only, if given) and
+        release their groups; True if any was. `pressed`: the device has no room left
+        (see [Note: leaving the group buffer])."""
+        pending = [f for f in self.in_flight if key is None or self._key(f.own) == key]
+        if not pending:
             return False
-        pending, self.in_flight = self.in_flight, []
+        waited = {id(f) for f in pending}
+        self.in_flight = [f for f in self.in_flight if id(f) not in waited]
         for work, members, own in pending:
             with profiled("pstar::wait reduce_scatter"):
                 work.wait()
