@@ -198,6 +198,13 @@ class ZeroConfig(_Frozen):
         "CPU (gloo copies the whole group into a temporary while the reduction is in "
         "flight, memory the 2-core overlap does not pay for)",
     )
+    gather_ahead: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="while an iteration follows the trace, issue the next group's "
+        "all-gather asynchronously while the current operator computes (FSDP2's pattern), "
+        "where every rank has room for it without evicting; 'auto' = on for GPUs, off on "
+        "CPU (gloo's copies compete with the compute for the same cores)",
+    )
 
 
 LORA_DEFAULT_TARGETS = "all-linear"

@@ -128,7 +128,11 @@ class Engine:
         excluded = [(names, p) for names, p in params if any(r.search(names[0]) for r in exclude)]
 
         self.zero = ZeroGroup.from_default(
-            process_group, cfg.zero.variant, self.device, cfg.zero.overlap_reductions
+            process_group,
+            cfg.zero.variant,
+            self.device,
+            cfg.zero.overlap_reductions,
+            cfg.zero.gather_ahead,
         )
         # 'auto' resolved from the hardware, the same on every rank; under ZeRO on a GPU
         # this first collective also creates NCCL's communicator

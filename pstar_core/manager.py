@@ -27,13 +27,23 @@ import torch
 
 from pstar_core import placement
 from pstar_core.accum import GradAccumulator
-from pstar_core.chunk import TRAINABLE_LISTS, Chunk, ChunkType, TensorSlot, TensorState
+from pstar_core.chunk import (
+    PARAM_LISTS,
+    TRAINABLE_LISTS,
+    Chunk,
+    ChunkType,
+    TensorSlot,
+    TensorState,
+)
 from pstar_core.config import MemoryConfig
 from pstar_core.mapping import Plan
 from pstar_core.residency import Residency
 from pstar_core.tiers import MemoryBudgetError, TierName, gib
 from pstar_core.tracer import MemoryTracer, profiled
 from pstar_core.zero import GatheredGroups, ZeroGroup
+
+# how far ahead the next ZeRO group is looked for (its gather starts at most that early)
+GATHER_AHEAD_MOMENTS = 4
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +269,8 @@ class ChunkManager:
             self.residency.make_resident(chunks, TierName.DEVICE, reading=self._reads(forward))
             self.residency.tiers[TierName.DEVICE].start_compute()
             self.residency.prefetch()
+            if self.zero.enabled and self.zero.ahead:
+                self._gather_next_group()
             for s in slots:
                 chunk = self.param_chunk(s)
                 if s.state is TensorState.FREE:
@@ -271,6 +283,16 @@ class ChunkManager:
         if self.on_access:
             for observe in self.on_access:
                 observe(slots)
+
+    def _gather_next_group(self) -> None:
+        """The next group the trace uses that is not gathered: its gather starts now
+        ([Note: gathers ahead] in zero.py). Every rank is at this moment of the same trace,
+        so every rank asks for the same group."""
+        for c in self.residency.upcoming(PARAM_LISTS, GATHER_AHEAD_MOMENTS):
+            if self.groups.is_live(c):
+                continue
+            self.groups.gather_ahead(c)
+            return
 
     @staticmethod
     def _reads(forward: bool) -> Callable[[Chunk], bool]:

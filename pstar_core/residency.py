@@ -430,6 +430,26 @@ class Residency:
             self._by_moment = (trace, by_moment)
         return self._by_moment[1]
 
+    def upcoming(self, kinds: Iterable[ChunkType], moments: int) -> Iterator[Chunk]:
+        """The chunks of `kinds` the next `moments` moments of the trace use, in order of
+        use, within the pass under way (forward or backward); none off the trace."""
+        trace = self.tracer.trace
+        if trace is None or not self.tracer.following:
+            return
+        now = self.tracer.moment
+        if now < 0:
+            return
+        wanted = {k.value for k in kinds}
+        by_moment = self._uses_by_moment()
+        pass_of = trace.names[now][:4]  # "fwd:" or "bwd:" (FORWARD/BACKWARD_MOMENT)
+        for m in range(now + 1, min(now + 1 + moments, trace.moments)):
+            if not trace.names[m].startswith(pass_of):
+                return
+            for key in by_moment[m]:
+                c = self._chunk_of_key(key) if key[0] in wanted else None
+                if c is not None:
+                    yield c
+
     def _chunk_of_key(self, key: tuple[str, int]) -> Chunk | None:
         chunks = self.lists.get(ChunkType(key[0]))
         return chunks[key[1]] if chunks is not None and key[1] < len(chunks) else None

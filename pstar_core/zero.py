@@ -127,6 +127,7 @@ class ZeroGroup:
     nproc: int
     variant: str = "collective"  # or "serial"
     overlap: bool = False  # reductions in flight while backward goes on (collective only)
+    ahead: bool = False  # the next group gathered while an operator computes
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute
     bytes_sent: int = 0  # see [Note: bytes sent]
     overlapped: int = 0  # reductions still in flight when the next operator began
@@ -156,10 +157,13 @@ class ZeroGroup:
         variant: str,
         device: torch.device,
         overlap: str = "auto",
+        ahead: str = "auto",
     ) -> ZeroGroup:
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 0, 1, device=device)
-        on = overlap == "on" or (overlap == "auto" and capabilities(device).accelerator)
+        accelerator = capabilities(device).accelerator
+        on = overlap == "on" or (overlap == "auto" and accelerator)
+        early = ahead == "on" or (ahead == "auto" and accelerator)
         rank, nproc = dist.get_rank(group), dist.get_world_size(group)
         flags = None
         if nproc > 1:
@@ -176,7 +180,7 @@ class ZeroGroup:
                         backend="gloo",
                         use_local_synchronization=True,
                     )
-        return cls(group, rank, nproc, variant, on, device, flags=flags)
+        return cls(group, rank, nproc, variant, on, early, device, flags=flags)
 
     @property
     def enabled(self) -> bool:
@@ -188,7 +192,7 @@ class ZeroGroup:
 
     # -- failures (see [Note: ranks fail together]) ---------------------------------------
 
-    def _agree(self, op: Op) -> None:
+    def _agree(self, op: Op, can: bool = True) -> bool:
         """Right before collective `op`, its buffers already made: raise `RankFailed` if
         another rank has failed, `CollectiveMismatch` if another is about to issue a
         different collective (see [Note: ranks fail together]).
@@ -201,20 +205,24 @@ class ZeroGroup:
         would exchange different groups of the same size, silently, or hang. Here every
         rank sees the same reduced flags, so all raise `CollectiveMismatch` together, each
         naming what every rank was about to issue (one all-gather of the 4 codes, only
-        then)."""
+        then).
+
+        `can`: whether this rank can issue `op` now (a gather ahead, see [Note: gathers
+        ahead]); True when every rank can. A flag field the ranks reduce with the rest."""
         if self.flags is None:
-            return
+            return False
         codes = op.codes()
-        flag = torch.tensor([0, *codes, *(-c for c in codes)], dtype=torch.int64)
+        flag = torch.tensor([0, *codes, *(-c for c in codes), -int(can)], dtype=torch.int64)
         self.flag_checks += 1
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
         failed = int(flag[0]) - 1
         if failed >= 0:
             raise RankFailed(f"rank {failed} failed: {self._message_from(failed, '')}")
-        high, low = flag[1 : 1 + _CODES], -flag[1 + _CODES :]
+        high, low = flag[1 : 1 + _CODES], -flag[1 + _CODES : 1 + 2 * _CODES]
         if not torch.equal(high, low):
             raise CollectiveMismatch(self._mismatch(codes))
+        return int(flag[-1]) == -1
 
     def _mismatch(self, codes: list[int]) -> str:
         mine = torch.tensor(codes, dtype=torch.int64)
@@ -235,7 +243,7 @@ class ZeroGroup:
         it failed inside one, where the others fail too)."""
         if self.flags is None or self.in_collective or isinstance(error, RankFailed):
             return
-        flag = torch.zeros(1 + 2 * _CODES, dtype=torch.int64)
+        flag = torch.zeros(2 + 2 * _CODES, dtype=torch.int64)
         flag[0] = self.rank + 1  # the operation fields say nothing once a rank has failed
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
@@ -262,19 +270,29 @@ class ZeroGroup:
     # -- the engine's collectives ------------------------------------------------------
 
     def all_gather(
-        self, outputs: torch.Tensor | list[torch.Tensor], own: torch.Tensor, op: Op
-    ) -> None:
+        self,
+        outputs: torch.Tensor | list[torch.Tensor],
+        own: torch.Tensor,
+        op: Op,
+        agreed: bool = False,
+    ) -> Work | None:
         """ "collective" variant: every rank's chunk, into one buffer (nproc chunks in rank
         order, `own` its slice: in place) or into a list of chunks (`own` separate). The
         caller allocates the outputs first: a failure then is told at the flag, before
-        any rank enters the collective (see [Note: ranks fail together])."""
-        self._agree(op)
+        any rank enters the collective (see [Note: ranks fail together]). `agreed`: the
+        flag was exchanged already (`agree_ahead`): the gather is asynchronous, and its
+        work is returned to be waited on before the outputs are read."""
+        if not agreed:
+            self._agree(op)
         self._sent("all_gather", own, self.nproc - 1, op.chunks)
         with self._calling():
             if isinstance(outputs, list):
-                dist.all_gather(outputs, own, group=self.group)
-            else:
-                _gather_into(outputs, own, self.group)
+                return dist.all_gather(outputs, own, group=self.group, async_op=agreed)
+            return _gather_into(outputs, own, self.group, async_op=agreed)
+
+    def agree_ahead(self, op: Op, can: bool) -> bool:
+        """The flag of a gather issued ahead: True if every rank can issue it now."""
+        return self._agree(op, can)
 
     def reduce_scatter_sum(
         self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], op: Op
@@ -450,6 +468,8 @@ class GatheredGroups:
         # gathered groups, by (list, group index), members in owner order
         self.live: dict[tuple[ChunkType, int], list[Chunk]] = {}
         self.in_flight: list[InFlight] = []  # reduce-scatters issued, oldest first
+        self.arriving: dict[tuple[ChunkType, int], Work] = {}  # gathers issued ahead
+        self.gathered_ahead = 0  # groups gathered ahead of their use, in total
         self._buffers: dict[int, torch.Tensor] = {}  # own chunk id -> its group's buffer
         self.evicted_under_pressure = 0  # own chunks sent to the host by a pressed settle
 
@@ -475,6 +495,7 @@ class GatheredGroups:
         learn it at the flag, instead of waiting in a collective it never issues."""
         key = self._key(c)
         if key in self.live:
+            self._arrive(key)
             return
         # a group reduced a moment ago may be gathered again (accumulation): its own
         # reduction is waited for; the others' go on under this gather and the compute
@@ -498,34 +519,106 @@ class GatheredGroups:
             f"{_name(own)} goes into an all-gather from the {own.tier} tier",
         )
         r.reserve(TierName.DEVICE, sum(m.nbytes for m in remote), {id(m) for m in members})
-        device = r.tiers[TierName.DEVICE]
         serial = self.zero.variant == "serial"
         op = Op("broadcast" if serial else "all_gather", own.kind.value, key[1], own.capacity)
-        # gathered from here on: an iteration abandoned at the flag drops it (`drop_all`)
+        with r.tracer.chunk_memory(), profiled("pstar::all_gather"):
+            outputs = self._allocate(members, own)
+            self._open(key, members, own, outputs)
+            if serial:
+                self.zero.broadcast_each([m.payload for m in members], op)
+            else:
+                self.zero.all_gather(self._outputs(members, own), own.payload, op)
+        for m in remote:
+            r.tracer.note_use((m.kind.value, m.index))
+
+    def _allocate(self, members: list[Chunk], own: Chunk) -> list[torch.Tensor]:
+        """The device memory a gathered group needs: its one buffer, or a chunk for each
+        remote member."""
+        device = self.residency.tiers[TierName.DEVICE]
+        if self.contiguous:
+            return [device.allocate(own.capacity * self.zero.nproc, own.dtype)]
+        return [device.allocate(m.capacity, m.dtype) for m in members if m is not own]
+
+    def _open(
+        self, key: tuple[ChunkType, int], members: list[Chunk], own: Chunk, got: list
+    ) -> None:
+        """The group is gathered from here on (an iteration abandoned at the flag drops
+        it: `drop_all`): its members pinned, remote ones given the memory `got`."""
+        r = self.residency
         for m in members:
             m.pins += 1
         self.live[key] = members
-        with r.tracer.chunk_memory(), profiled("pstar::all_gather"):
-            if self.contiguous:
-                buffer = device.allocate(own.capacity * self.zero.nproc, own.dtype)
-                slices = list(buffer.chunk(self.zero.nproc))
-                slices[self.zero.rank].copy_(own.payload)
-                r.rehome(own, slices[self.zero.rank])
-                self._buffers[id(own)] = buffer
-                for m, part in zip(members, slices, strict=True):
-                    if m is not own:
-                        r.adopt(m, part, TierName.DEVICE)
-                self.zero.all_gather(buffer, own.payload, op)
-            else:
-                for m in remote:
-                    r.adopt(m, device.allocate(m.capacity, m.dtype), TierName.DEVICE)
-                outputs = [m.payload for m in members]
-                if serial:
-                    self.zero.broadcast_each(outputs, op)
-                else:
-                    self.zero.all_gather(outputs, own.payload, op)
-        for m in remote:
-            r.tracer.note_use((m.kind.value, m.index))
+        remote = [m for m in members if m is not own]
+        if self.contiguous:
+            (buffer,) = got
+            slices = list(buffer.chunk(self.zero.nproc))
+            slices[self.zero.rank].copy_(own.payload)
+            r.rehome(own, slices[self.zero.rank])
+            self._buffers[id(own)] = buffer
+            for m, part in zip(members, slices, strict=True):
+                if m is not own:
+                    r.adopt(m, part, TierName.DEVICE)
+        else:
+            for m, part in zip(remote, got, strict=True):
+                r.adopt(m, part, TierName.DEVICE)
+
+    def _outputs(self, members: list[Chunk], own: Chunk) -> torch.Tensor | list[torch.Tensor]:
+        return self._buffers[id(own)] if self.contiguous else [m.payload for m in members]
+
+    def is_live(self, c: Chunk) -> bool:
+        """Whether the group of `c` is gathered (or its gather issued)."""
+        return self._key(c) in self.live
+
+    def gather_ahead(self, c: Chunk) -> bool:
+        """[Note: gathers ahead] While an operator computes, the group of `c` (the next
+        one the trace uses) is all-gathered asynchronously, as FSDP2 prefetches its next
+        unit, and its operator waits for the work instead of the whole collective. Every
+        rank calls this at the same moment (they follow the same trace), and the group
+        is gathered only if every rank has room for it without evicting: each says so in
+        the gather's flag (`agree_ahead`), having allocated the memory already, and gives
+        it back if some rank could not (that group is gathered at its use, as before).
+        A group with gradients to stash first, or with its reduction in flight, is left
+        to its use. True if the gather was issued."""
+        key = self._key(c)
+        if not self.zero.ahead or self.zero.variant != "collective" or key in self.live:
+            return False
+        members = self._members(c)
+        if any(s.state is TensorState.HOLD_AFTER_BWD for m in members for s in m.slots):
+            return False
+        if any(self._key(f.own) == key for f in self.in_flight):
+            return False
+        own = members[self.zero.rank]
+        r = self.residency
+        need = sum(m.nbytes for m in members if m is not own)
+        need += own.nbytes if self.contiguous else 0  # its copy into the group's buffer
+        device = r.tiers[TierName.DEVICE]
+        can = (
+            own.tier == TierName.DEVICE
+            and device.used_bytes + r.transfers.sending_bytes + need <= r.allowed(TierName.DEVICE)
+        )
+        op = Op("all_gather", own.kind.value, key[1], own.capacity)
+        got: list[torch.Tensor] = []
+        with r.tracer.chunk_memory():
+            if can:
+                r.transfers.arrive(own)  # a copy in may still be writing it
+                got = self._allocate(members, own)
+            if not self.zero.agree_ahead(op, can):
+                for t in got:
+                    device.release(t)
+                return False
+            with profiled("pstar::all_gather ahead"):
+                self._open(key, members, own, got)
+                work = self.zero.all_gather(self._outputs(members, own), own.payload, op, True)
+        self.arriving[key] = work
+        self.gathered_ahead += 1
+        return True
+
+    def _arrive(self, key: tuple[ChunkType, int]) -> None:
+        """Wait for the group's gather if it was issued ahead."""
+        work = self.arriving.pop(key, None)
+        if work is not None:
+            with profiled("pstar::wait all_gather"):
+                work.wait()
 
     def maybe_release(self, c: Chunk, backward: bool) -> None:
         """Release the group of `c` if all its tensors are done with this pass."""
@@ -547,6 +640,7 @@ class GatheredGroups:
 
     def _release(self, key: tuple[ChunkType, int], reduce: bool) -> None:
         """Reduce-scatter the group's grads (after backward), then drop remote chunks."""
+        self._arrive(key)
         members = self.live.pop(key)
         own = members[self.zero.rank]
         if reduce and key[0] is ChunkType.PARAM:
@@ -664,6 +758,9 @@ class GatheredGroups:
             work.wait()  # the buffer may not go while a collective writes it
             self._drop(members, own)
         self.in_flight.clear()
+        for work in self.arriving.values():
+            work.wait()
+        self.arriving.clear()
         for members in self.live.values():
             self._drop(members, members[self.zero.rank])
         self.live.clear()

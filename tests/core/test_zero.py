@@ -113,6 +113,23 @@ def test_overlapped_reductions_equal_waiting_for_each(pair, tmp_path, budget):
         assert overlapped[0]["overlapped"] >= 3 * calls["reduce_scatter"]["calls"]
 
 
+@pytest.mark.parametrize("budget", [None, 750_000], ids=["roomy", "evicting"])
+def test_groups_gathered_ahead_of_their_use_give_the_same_numbers(pair, tmp_path, budget):
+    """[Note: gathers ahead]: once the trace is followed, the next group's all-gather is
+    issued while the current operator computes, where every rank has room (agreed in the
+    gather's flag); losses are bitwise those of gathering each group at its use, and the
+    collectives the same ones."""
+    memory = json.dumps({"device_budget": budget} if budget else {})
+    env = {"PSTAR_TEST_MEMORY": memory}
+    at_use = pair if budget is None else launch("train", 2, tmp_path / "u", **env)
+    ahead = launch("train", 2, tmp_path / "a", PSTAR_TEST_AHEAD="on", **env)
+    assert at_use[0]["gathered_ahead"] == 0  # off on the CPU by default
+    assert ahead[0]["gathered_ahead"] > 0
+    assert ahead[0]["gathered_ahead"] == ahead[1]["gathered_ahead"]
+    assert ahead[0]["losses"] == at_use[0]["losses"]
+    assert ahead[0]["comm_calls"]["all_gather"] == at_use[0]["comm_calls"]["all_gather"]
+
+
 def test_each_rank_pools_only_its_own_host_chunks(single, tmp_path):
     ranks = launch("train", 2, tmp_path, PSTAR_HOST_ARENA="1")
     torch.testing.assert_close(

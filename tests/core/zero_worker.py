@@ -325,7 +325,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     memory = json.loads(os.environ.get("PSTAR_TEST_MEMORY", "{}"))
     variant = os.environ.get("PSTAR_TEST_VARIANT", "collective")
     overlap = os.environ.get("PSTAR_TEST_OVERLAP", "auto")
-    zero = {"variant": variant, "overlap_reductions": overlap}
+    ahead = os.environ.get("PSTAR_TEST_AHEAD", "auto")
+    zero = {"variant": variant, "overlap_reductions": overlap, "gather_ahead": ahead}
     device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
     clip = float(os.environ.get("PSTAR_TEST_CLIP", "0")) or None  # global-norm clipping
     cfg = engine_config(
@@ -349,6 +350,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
             for k, v in engine.stats()["chunks"].items()
         }
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
+        out["gathered_ahead"] = engine.stats()["comm_gathered_ahead"]
         out["evicted_under_pressure"] = engine.stats()["comm_evicted_under_pressure"]
         out["peak_non_model"] = engine.stats()["tracer"]["peak_non_model_bytes"]
         out["host_pool"] = engine.stats()["host_pool"]

@@ -175,6 +175,7 @@ def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
         torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0
     )
     assert ranks[0]["overlapped"] > 0  # on a device, reductions overlap by default
+    assert ranks[0]["gathered_ahead"] > 0  # and the next group is gathered ahead
     # 'fakegpu' without an index: each rank its own device, from LOCAL_RANK
     assert [r["device"] for r in ranks] == [f"{DEV}:0", f"{DEV}:1"]
     # a group-sized all-gather (NCCL allocates its buffers at first use) before the
