@@ -96,6 +96,7 @@ class Forecast:
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
     flops: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # forward, backward, ...
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,6 +128,7 @@ class _Position:
     flops: float = 0.0
     moved_in: list[int] = field(default_factory=list)  # chunks copied to the device
     copied_out: list[int] = field(default_factory=list)  # chunks copied to the host
+    for_adam: set[int] = field(default_factory=set)  # of those, ones next used by Adam
 
 
 def moments(
@@ -272,6 +274,9 @@ def forecast(
         (clean.add if to_device and nproc == 1 else clean.discard)(i)
         if copied:
             (record[t].moved_in if to_device else record[t].copied_out).append(i)
+            nxt = next_use[t][i]
+            if not to_device and nxt < len(seq) and seq[int(nxt)][0] == "adam":
+                record[t].for_adam.add(i)
         if counting and copied:
             moved["in" if to_device else "out"] += chunk
 
@@ -301,8 +306,9 @@ def forecast(
             off = units - len(on_device) + len(clean)  # a host copy is host memory too
             host_peak = max(host_peak, off * chunk + (n_train - device_adam) * triple)
     step_s = compute_s = 0.0
+    phases: dict[str, float] = {}
     if rates is not None:
-        step_s, compute_s = _timeline(
+        step_s, compute_s, phases = _timeline(
             record, rates, chunk, plan.chunk_size, device_adam, nproc, others
         )
     return Forecast(
@@ -317,6 +323,7 @@ def forecast(
         non_model_peak_bytes=peak_nm,
         step_seconds=step_s,
         compute_seconds=compute_s,
+        phase_seconds=phases,
         flops=sum(m.flops for m in steps),
     )
 
@@ -340,12 +347,16 @@ def _timeline(
     device_adam: int,
     nproc: int,
     others: int,
-) -> tuple[float, float]:
-    """The second iteration's time, and its compute and Adam time alone, from the
+) -> tuple[float, float, dict[str, float]]:
+    """The second iteration's time, its compute and Adam time alone, and its time per
+    phase (forward, backward, optimizer; each from the end of the one before), from the
     placement simulation's moves, with the overlap the engine builds (issue 32):
     - the main thread runs each position in turn: an operator on the device (its FLOPs,
-      after its chunks arrived and, under ZeRO, its groups were gathered: collectives
-      are not issued ahead yet), Adam on the host or the device;
+      after its chunks arrived and, under ZeRO, its groups were gathered), Adam on the
+      host or the device;
+    - under ZeRO a group is gathered ahead, while the operator before computes, and
+      reduce-scattered once backward is done with it, in flight meanwhile; collectives
+      run one after another (one communicator);
     - each direction of the link carries its copies one after another;
     - a chunk moved in is sent for when the operator `prefetch_moments` before its use
       starts, or earlier, at the use of the chunk moved in `prefetch_chunks` before it;
@@ -361,15 +372,24 @@ def _timeline(
     device_adam_s = chunk_numel / rates.device_adam_params_per_s
     n = len(record)
     start, end = [0.0] * n, [0.0] * n
-    clock = h2d_free = d2h_free = 0.0
+    clock = h2d_free = d2h_free = collective_free = 0.0
     ins: list[tuple[int, float]] = []  # (position, done) of every copy in, in order
     updated: dict[int, float] = {}  # chunk -> when Adam on the host updated it
-    last_use: dict[int, float] = {}  # chunk -> when its last operator ended
     out_done: dict[int, float] = {}  # chunk -> when its last copy out is done
     step_end = 0.0  # the end of the latest iteration's last Adam
     compute = 0.0
     gathered_before: set[int] = set()
     lookahead, depth = rates.prefetch_moments, rates.prefetch_chunks
+    # a chunk next used by Adam on the host leaves as soon as backward is done with it
+    # (`Residency._send_done_for_host_adam`): its copy goes on the link then
+    send_after: dict[int, list[tuple[int, int]]] = {}  # position -> (move's position, chunk)
+    for t, p in enumerate(record):
+        for i in p.copied_out:
+            if p.kind == "adam" or i in p.for_adam:
+                used = [u for u in range(t - 1, -1, -1) if i in record[u].need]
+                if used and record[used[0]].kind != "adam":
+                    send_after.setdefault(used[0], []).append((t, i))
+    sent_early = {move for moves in send_after.values() for move in moves}
     for t, p in enumerate(record):
         # copies in: when each is sent for
         sends: list[float] = []
@@ -384,16 +404,16 @@ def _timeline(
                 at = after if after <= step_end else max(at, adam_end)
             sends.append(at)
             ins.append((t, math.inf))
-        # copies out: a chunk for host Adam once backward was done with it; one evicted
-        # for room before the copies in (or the operator) that need the room
+        # copies out: one evicted for room before the copies in (or the operator) that
+        # need the room
         room = min(sends, default=clock)
         room_done = 0.0
         for i in p.copied_out:
-            at = last_use.get(i, room) if p.kind == "adam" else room
-            d2h_free = max(d2h_free, at) + d2h
-            out_done[i] = d2h_free
+            if (t, i) not in sent_early:  # (one sent after its last use is on its way)
+                d2h_free = max(d2h_free, room) + d2h
+                out_done[i] = d2h_free
             if p.kind != "adam":
-                room_done = max(room_done, d2h_free)
+                room_done = max(room_done, out_done[i])
         arrived = 0.0
         for k, at in enumerate(sends):
             h2d_free = max(h2d_free, at, room_done) + h2d
@@ -414,12 +434,31 @@ def _timeline(
         else:
             took = p.flops / rates.flops_per_s
             compute += took
-            fresh = [i for i in p.need if i not in gathered_before] if nproc > 1 else []
-            gathered_before = set(p.need)
+            if nproc > 1:
+                # a group not gathered for the operator before was gathered ahead, while
+                # that one computed; the collectives run one after another
+                for _ in (i for i in p.need if i not in gathered_before):
+                    ahead = start[t - 1] if t > 0 and record[t - 1].kind != "adam" else begin
+                    collective_free = max(collective_free, ahead) + gather
+                    begin = max(begin, collective_free)
             start[t] = begin
-            end[t] = begin + len(fresh) * gather + took
-            for i in p.need:
-                last_use[i] = end[t]
+            end[t] = begin + took
+            if nproc > 1 and p.kind == "bwd":
+                # a group backward is done with is reduce-scattered, in flight meanwhile
+                following = set(record[t + 1].need) if t + 1 < n else set()
+                for _ in (i for i in p.need if i not in following):
+                    collective_free = max(collective_free, end[t]) + gather
+            gathered_before = set(p.need)
         clock = end[t]
+        for _, i in send_after.get(t, ()):
+            d2h_free = max(d2h_free, clock) + d2h
+            out_done[i] = d2h_free
     half = n // 2
-    return end[-1] - end[half - 1], compute / 2
+    phases: dict[str, float] = {}
+    before = end[half - 1]
+    for t in range(half, n):
+        kind = "forward" if record[t].kind == "op" else "backward"
+        kind = "optimizer" if record[t].kind == "adam" else kind
+        phases[kind] = phases.get(kind, 0.0) + end[t] - before
+        before = end[t]
+    return end[-1] - end[half - 1], compute / 2, phases
