@@ -261,7 +261,7 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: WireCounter)
         "losses": losses,
         "comm_bytes": (stats["comm_bytes_sent"] - marks["engine"]) / spec["steps"],
         "comm_calls": {k: v for k, v in calls.items() if v["calls"]},
-        # of which the failure flags (a 72-byte all-reduce before each collective: the
+        # of which the failure flags (an 80-byte all-reduce before each collective: the
         # flag and the collective's codes, [Note: collective order] in pstar_core/zero.py)
         "comm_bytes_flags": calls.get("failure_flag", {}).get("bytes", 0),
         "wire": measured,  # what was handed to torch.distributed, per timed step

@@ -61,13 +61,23 @@ def sign_in(browser, serve, token: str) -> None:
 
 
 def wait_page(browser, script: str, what: str, timeout: float = 60):
+    """Poll `script` until it returns something true. A script that throws counts as
+    not yet: right after a navigation the element it reads may not be rendered (CI once
+    read `#try` as null there); the last error is told if it never comes."""
+    from selenium.common.exceptions import JavascriptException
+
     deadline = time.time() + timeout
+    error = None
     while time.time() < deadline:
-        got = browser.execute_script(script)
+        try:
+            got = browser.execute_script(script)
+        except JavascriptException as e:
+            got, error = None, e
         if got:
             return got
         time.sleep(0.25)
-    raise AssertionError(f"the page never showed {what} in {timeout:.0f} s")
+    said = f" (the script last failed: {error.msg})" if error is not None else ""
+    raise AssertionError(f"the page never showed {what} in {timeout:.0f} s{said}")
 
 
 def shot(browser, name: str) -> Path:

@@ -73,12 +73,13 @@ def test_our_counter_and_the_wire_count_agree_and_ranks_send_alike(zero):
         assert scatter["given_bytes"] == n * scatter["received_bytes"]
         # the engine counts the ring algorithms' share of those tensors ([Note: bytes sent]
         # in pstar_core/zero.py): (n-1) x the chunk given, (n-1) x the shard received, and
-        # 2 (n-1)/n x each 72-byte flag (the failure flag, then the collective's 4 codes
-        # and their negations: [Note: collective order])
+        # 2 (n-1)/n x each 80-byte flag (the failure flag, then the collective's 4 codes
+        # and their negations: [Note: collective order], and whether this rank can issue
+        # it now: [Note: gathers ahead])
         assert ours["all_gather"]["bytes"] == (n - 1) * gather["given_bytes"]
         assert ours["reduce_scatter"]["bytes"] == (n - 1) * scatter["received_bytes"]
         assert ours["failure_flag"]["bytes"] == 2 * (n - 1) / n * flags["given_bytes"]
-        assert flags["given_bytes"] == 72 * flags["calls"]
+        assert flags["given_bytes"] == 80 * flags["calls"]
     assert zero["comm_bytes"] == sum(c["bytes"] for c in zero["comm_calls"][0].values())
     assert 0 < zero["comm_bytes_flags"] < 0.01 * zero["comm_bytes"]
 
