@@ -432,7 +432,9 @@ class Residency:
 
     def upcoming(self, kinds: Iterable[ChunkType], moments: int) -> Iterator[Chunk]:
         """The chunks of `kinds` the next `moments` moments of the trace use, in order of
-        use, within the pass under way (forward or backward); none off the trace."""
+        use (those of one moment by list and index: the same order on every rank, whose
+        traces noted a moment's chunks in different orders), within the pass under way
+        (forward or backward); none off the trace."""
         trace = self.tracer.trace
         if trace is None or not self.tracer.following:
             return
@@ -445,7 +447,7 @@ class Residency:
         for m in range(now + 1, min(now + 1 + moments, trace.moments)):
             if not trace.names[m].startswith(pass_of):
                 return
-            for key in by_moment[m]:
+            for key in sorted(by_moment[m]):
                 c = self._chunk_of_key(key) if key[0] in wanted else None
                 if c is not None:
                     yield c
