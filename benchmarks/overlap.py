@@ -193,8 +193,8 @@ def _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype) -> di
     }
 
 
-def _forecast(cfg, r: dict[str, Any], chunk: int, gbps: float, batch: int, dtype: str) -> float:
-    """The planner's step time (`forecast.Rates`, issue 32 item 6) for one budget's run,
+def _forecast(cfg, r: dict[str, Any], chunk: int, gbps: float, batch: int, dtype: str):
+    """The planner's forecast (`forecast.Rates`, issue 32 item 6) of one budget's run,
     from what the run measured without the link: host Adam's rate is its chunks over the
     optimizer phase's time, the compute rate the model's FLOPs over the rest of a
     free-running step (the phases' own synchronizations cost up to 10% here); the link
@@ -207,7 +207,7 @@ def _forecast(cfg, r: dict[str, Any], chunk: int, gbps: float, batch: int, dtype
 
     with torch.device("meta"):
         t = module_tensors(GPT(cfg), arch_of(cfg), cfg.seq_len)
-    work = Workload(batch, cfg.seq_len, False, "fp32" if dtype == "fp32" else "bf16", chunk)
+    work = Workload(batch, cfg.seq_len, False, dtype, chunk)
     ph = r["phases"]
     flops = tensors_forecast(t, r["budget"], 1, work, chunk).flops
     on_host = (r["own_chunks"] - r["device_adam_chunks"]) * chunk
@@ -219,9 +219,7 @@ def _forecast(cfg, r: dict[str, Any], chunk: int, gbps: float, batch: int, dtype
         on_host / adam_s if on_host else math.inf,
         latency_s=0.0,
     )
-    f = tensors_forecast(t, r["budget"], 1, work, chunk, rates=rates)
-    r["forecast_phases_s"] = f.phase_seconds
-    return f.step_seconds
+    return tensors_forecast(t, r["budget"], 1, work, chunk, rates=rates)
 
 
 def run(
@@ -278,8 +276,9 @@ def run(
         for name, budget in budgets(st, "fakegpu").items()
     }
     for r in runs.values():
-        r["forecast_step_s"] = _forecast(cfg, r, chunk, gbps, batch, dtype)
-        r["forecast_over_measured"] = r["forecast_step_s"] / r["free_step_s_with_link"]
+        f = _forecast(cfg, r, chunk, gbps, batch, dtype)
+        r["forecast_step_s"], r["forecast_phases_s"] = f.step_seconds, f.phase_seconds
+        r["forecast_over_measured"] = f.step_seconds / r["free_step_s_with_link"]
     table = Table(title=f"copy time hidden on fakegpu, link {gbps:.3f} GB/s each way")
     for col in ("budget", "phase", "issued s", "exposed s", "hidden", "wall s (no link)"):
         table.add_column(col)

@@ -3,6 +3,7 @@ files and jobs (`pstar/cli_service.py`). Progress and tables live here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -268,8 +269,8 @@ def _plan_capacity(
     find_largest: bool,
     json_out: bool,
     lora_r: int | None,
-    speed=None,
-    min_tflops: float | None = None,
+    speed,
+    min_tflops: float | None,
 ) -> None:
     from pstar_core import capacity as cap
     from pstar_core.config import LoraConfig
@@ -281,12 +282,11 @@ def _plan_capacity(
     lora = LoraConfig(r=lora_r) if lora_r is not None else None
     hw = cap.node(gpus, gpu_memory, host_memory, disk, speed)
     work = cap.Workload(batch=batch, seq=seq, activation_checkpointing=checkpointing)
-    node = f"{gpus} x {gpu_memory:g} GiB GPU, {host_memory:g} GiB host, {disk:g} GiB disk"
-    if speed is not None:
-        node += (
-            f" ({speed.name}: {speed.peak_tflops:g} TFLOPS x {speed.efficiency:g}, link "
-            f"{speed.link_gbps:g} GB/s, host Adam {speed.host_adam_gparams:g} G params/s)"
-        )
+    node = (
+        f"{gpus} x {gpu_memory:g} GiB GPU, {host_memory:g} GiB host, {disk:g} GiB disk "
+        f"({speed.name}: {speed.peak_tflops:g} TFLOPS x {speed.efficiency:g}, link "
+        f"{speed.link_gbps:g} GB/s, host Adam {speed.host_adam_gparams:g} G params/s)"
+    )
     if find_largest:
         result = cap.largest(hw, work, lora=lora, min_tflops=min_tflops)
         bar = f" at {min_tflops:g} TFLOPS per GPU or more" if min_tflops else ""
@@ -294,7 +294,7 @@ def _plan_capacity(
             f"largest that fits {node}{bar}: [bold]{result['largest_model']}[/bold] "
             f"({result['params'] / 1e9:.2f}B parameters)"
         )
-        if result["plan"] and speed is not None:
+        if result["plan"]:
             p = result["plan"]
             console.print(
                 f"its step: {p['step_seconds']:.2f} s forecast ({p['compute_seconds']:.2f} s "
@@ -334,13 +334,12 @@ def _plan_capacity(
         f"GiB host->GPU and {p.device_to_host_bytes_per_iter / gib:.1f} GiB GPU->host, "
         f"{p.collective_bytes_per_iter / gib:.1f} GiB in collectives"
     )
-    if speed is not None:
-        console.print(
-            f"a step: {p.step_seconds:.2f} s forecast ({p.compute_seconds:.2f} s of compute "
-            f"and Adam, the rest copies and collectives not hidden), "
-            f"[bold]{p.tflops_per_gpu:.0f} TFLOPS per GPU[/bold] (model FLOPs, recompute "
-            "counted)"
-        )
+    console.print(
+        f"a step: {p.step_seconds:.2f} s forecast ({p.compute_seconds:.2f} s of compute "
+        f"and Adam, the rest copies and collectives not hidden), "
+        f"[bold]{p.tflops_per_gpu:.0f} TFLOPS per GPU[/bold] (model FLOPs, recompute "
+        "counted)"
+    )
     verdict = "[green]fits[/green]" if p.fits else f"[red]does not fit[/red]: {p.why}"
     console.print(f"{verdict} (the paper's rule: {'fits' if p.fits_paper_rule else 'does not'})")
     out = p.to_json()
@@ -348,7 +347,7 @@ def _plan_capacity(
 
         def plan_for(o: cap.Options) -> cap.RankPlan:
             w = cap.Workload(batch=o.batch, seq=seq, activation_checkpointing=o.checkpointing)
-            h = cap.Hardware(o.workers, hw.gpu_bytes, hw.host_bytes, hw.disk_bytes, speed=speed)
+            h = dataclasses.replace(hw, gpus=o.workers)
             return cap.plan_capacity(model, h, w, lora or (LoraConfig() if o.lora else None))
 
         now = cap.Options(gpus, batch, checkpointing, lora is not None)

@@ -31,14 +31,13 @@ class GradAccumulator:
         self,
         residency: Residency,
         lists: dict[ChunkType, list[Chunk]],
-        adam_tier: Callable[[Chunk], TierName] | None = None,
+        adam_tier: Callable[[Chunk], TierName],
     ) -> None:
         self.residency = residency
         self.lists = lists
         self.chunks: dict[int, Chunk] = {}  # trainable chunk index -> its accum chunk
         self.peak_bytes = 0
-        # where Adam reads a chunk: its sums are kept there (default: where the chunk is)
-        self._adam_tier = adam_tier
+        self._adam_tier = adam_tier  # where Adam reads a chunk: its sums are kept there
 
     def tier_for(self, chunk: Chunk) -> TierName:
         """Where `chunk`'s sums live and its gradients are added in: where its Adam runs
@@ -46,7 +45,7 @@ class GradAccumulator:
         runs on the host goes down with its gradients (2 bytes a parameter in bf16) rather
         than the master and the sums coming up (4 each, and the sums back again: D9 in
         GPU_NOTES)."""
-        tier = self._adam_tier(chunk) if self._adam_tier is not None else chunk.tier
+        tier = self._adam_tier(chunk)
         return HOST if tier == DISK else tier
 
     def stash(self, chunk: Chunk) -> None:

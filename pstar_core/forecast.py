@@ -128,7 +128,7 @@ class _Position:
     flops: float = 0.0
     moved_in: list[int] = field(default_factory=list)  # chunks copied to the device
     copied_out: list[int] = field(default_factory=list)  # chunks copied to the host
-    for_adam: set[int] = field(default_factory=set)  # of those, ones next used by Adam
+    for_adam: set[int] = field(default_factory=set)  # of those, ones Adam reads next
 
 
 def moments(
@@ -243,15 +243,15 @@ def forecast(
 
     # the access sequence of two iterations: every moment, then Adam's per trainable chunk
     seq: list[tuple[str, list[int], int]] = []
-    flops: list[float] = []
+    record: list[_Position] = []  # what happened at each position, for `_timeline`
     for _ in range(2):
-        seq += [
-            ("bwd" if m.name.startswith("bwd:") else "op", u, m.non_model)
-            for m, u in zip(steps, uses, strict=True)
-        ]
-        seq += [("adam", [i], 0) for i in range(n_train)]
-        flops += [m.flops for m in steps] + [0.0] * n_train
-    record = [_Position(kind, need, f) for (kind, need, _), f in zip(seq, flops, strict=True)]
+        for m, u in zip(steps, uses, strict=True):
+            kind = "bwd" if m.name.startswith("bwd:") else "op"
+            seq.append((kind, u, m.non_model))
+            record.append(_Position(kind, u, m.flops))
+        for i in range(n_train):
+            seq.append(("adam", [i], 0))
+            record.append(_Position("adam", [i]))
     next_use = _next_uses(seq, units)
     # the room a moment leaves for chunks: the engine's allowance is max(N_j, N_j+1)
     allowance = [max(seq[t][2], seq[t + 1][2] if t + 1 < len(seq) else 0) for t in range(len(seq))]
@@ -275,7 +275,8 @@ def forecast(
         if copied:
             (record[t].moved_in if to_device else record[t].copied_out).append(i)
             nxt = next_use[t][i]
-            if not to_device and nxt < len(seq) and seq[int(nxt)][0] == "adam":
+            at_adam = seq[t][0] == "adam" or (nxt < len(seq) and seq[int(nxt)][0] == "adam")
+            if not to_device and at_adam:
                 record[t].for_adam.add(i)
         if counting and copied:
             moved["in" if to_device else "out"] += chunk
@@ -384,11 +385,10 @@ def _timeline(
     # (`Residency._send_done_for_host_adam`): its copy goes on the link then
     send_after: dict[int, list[tuple[int, int]]] = {}  # position -> (move's position, chunk)
     for t, p in enumerate(record):
-        for i in p.copied_out:
-            if p.kind == "adam" or i in p.for_adam:
-                used = [u for u in range(t - 1, -1, -1) if i in record[u].need]
-                if used and record[used[0]].kind != "adam":
-                    send_after.setdefault(used[0], []).append((t, i))
+        for i in p.for_adam:
+            used = next((u for u in range(t - 1, -1, -1) if i in record[u].need), None)
+            if used is not None and record[used].kind != "adam":
+                send_after.setdefault(used, []).append((t, i))
     sent_early = {move for moves in send_after.values() for move in moves}
     for t, p in enumerate(record):
         # copies in: when each is sent for
@@ -437,8 +437,8 @@ def _timeline(
             if nproc > 1:
                 # a group not gathered for the operator before was gathered ahead, while
                 # that one computed; the collectives run one after another
-                for _ in (i for i in p.need if i not in gathered_before):
-                    ahead = start[t - 1] if t > 0 and record[t - 1].kind != "adam" else begin
+                ahead = start[t - 1] if t > 0 and record[t - 1].kind != "adam" else begin
+                for _ in set(p.need) - gathered_before:
                     collective_free = max(collective_free, ahead) + gather
                     begin = max(begin, collective_free)
             start[t] = begin
@@ -446,7 +446,7 @@ def _timeline(
             if nproc > 1 and p.kind == "bwd":
                 # a group backward is done with is reduce-scattered, in flight meanwhile
                 following = set(record[t + 1].need) if t + 1 < n else set()
-                for _ in (i for i in p.need if i not in following):
+                for _ in set(p.need) - following:
                     collective_free = max(collective_free, end[t]) + gather
             gathered_before = set(p.need)
         clock = end[t]
@@ -454,11 +454,11 @@ def _timeline(
             d2h_free = max(d2h_free, clock) + d2h
             out_done[i] = d2h_free
     half = n // 2
+    phase_of = {"op": "forward", "bwd": "backward", "adam": "optimizer"}
     phases: dict[str, float] = {}
     before = end[half - 1]
     for t in range(half, n):
-        kind = "forward" if record[t].kind == "op" else "backward"
-        kind = "optimizer" if record[t].kind == "adam" else kind
-        phases[kind] = phases.get(kind, 0.0) + end[t] - before
+        phase = phase_of[record[t].kind]
+        phases[phase] = phases.get(phase, 0.0) + end[t] - before
         before = end[t]
     return end[-1] - end[half - 1], compute / 2, phases

@@ -31,7 +31,7 @@ from pstar_core.chunk import HOLD_LIKE, PARAM_LISTS, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
 from pstar_core.devices import check
 from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt, next_use
-from pstar_core.placement import FORWARD_MOMENT, is_adam_moment
+from pstar_core.placement import BACKWARD_MOMENT, FORWARD_MOMENT, is_adam_moment
 from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, Tier, TierName, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
 from pstar_core.transfers import PayloadIndex, Transfers
@@ -441,11 +441,16 @@ class Residency:
         now = self.tracer.moment
         if now < 0:
             return
+        this_pass = next(
+            (p for p in (FORWARD_MOMENT, BACKWARD_MOMENT) if trace.names[now].startswith(p)),
+            None,
+        )
+        if this_pass is None:  # an Adam moment
+            return
         wanted = {k.value for k in kinds}
         by_moment = self._uses_by_moment()
-        pass_of = trace.names[now][:4]  # "fwd:" or "bwd:" (FORWARD/BACKWARD_MOMENT)
         for m in range(now + 1, min(now + 1 + moments, trace.moments)):
-            if not trace.names[m].startswith(pass_of):
+            if not trace.names[m].startswith(this_pass):
                 return
             for key in sorted(by_moment[m]):
                 c = self._chunk_of_key(key) if key[0] in wanted else None

@@ -162,8 +162,11 @@ class ZeroGroup:
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 0, 1, device=device)
         accelerator = capabilities(device).accelerator
-        on = overlap == "on" or (overlap == "auto" and accelerator)
-        early = ahead == "on" or (ahead == "auto" and accelerator)
+
+        def resolved(setting: str) -> bool:  # "auto": on for an accelerator
+            return setting == "on" or (setting == "auto" and accelerator)
+
+        on, early = resolved(overlap), resolved(ahead)
         rank, nproc = dist.get_rank(group), dist.get_world_size(group)
         flags = None
         if nproc > 1:
@@ -578,9 +581,10 @@ class GatheredGroups:
         the gather's flag (`agree_ahead`), having allocated the memory already, and gives
         it back if some rank could not (that group is gathered at its use, as before).
         A group with gradients to stash first, or with its reduction in flight, is left
-        to its use. True if the gather was issued."""
+        to its use. Called with `zero.ahead` on (the manager asks). True if the gather
+        was issued."""
         key = self._key(c)
-        if not self.zero.ahead or self.zero.variant != "collective" or key in self.live:
+        if self.zero.variant != "collective" or key in self.live:
             return False
         members = self._members(c)
         if any(s.state is TensorState.HOLD_AFTER_BWD for m in members for s in m.slots):
