@@ -7,9 +7,11 @@ From then on `Residency` moves chunks as the iterations need them.
 
 from __future__ import annotations
 
+import torch
+
 from pstar_core.chunk import PARAM_LISTS, ChunkType
 from pstar_core.residency import Residency
-from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, gib
+from pstar_core.tiers import DEVICE, DISK, HOST, HostArena, MemoryBudgetError, gib
 
 ZERO_AT_START = (ChunkType.MOMENTUM, ChunkType.VARIANCE)
 
@@ -119,16 +121,20 @@ def enforce_budgets(r: Residency) -> dict[str, int]:
 def pin_host_chunks(r: Residency) -> None:
     """After materialization (remote chunks dropped, budgets enforced): the host tier's
     chunks move into its pool, sized to what this rank can ever hold there. The pool is
-    locked in slices as chunks are copied in, each old payload freed right after its copy
-    (see [Note: the pool grows as it fills] in tiers.py), so the peak is the payloads
-    plus one slice, not the payloads plus the whole pool."""
+    locked region by region as chunks are copied in, each old payload freed right after
+    its copy (see [Note: the pool grows as it fills] in tiers.py), so the peak is the
+    payloads plus one region, not the payloads plus the whole pool."""
     host = r.tiers[HOST]
     if not host.use_arena:
         return
-    own = sum(c.nbytes for c in r.chunks() if r.owned(c))
+    own = sum(HostArena.region_bytes(c.capacity, c.dtype) for c in r.chunks() if r.owned(c))
     # gradient accumulation adds an fp32 chunk per trainable chunk while it runs: address
     # space only until it does
-    own += sum(4 * c.capacity for c in r.lists[ChunkType.PARAM] if r.owned(c))
+    own += sum(
+        HostArena.region_bytes(c.capacity, torch.float32)
+        for c in r.lists[ChunkType.PARAM]
+        if r.owned(c)
+    )
     host.make_arena(min(own, host.budget_bytes))
     for c in r.chunks():
         if c.tier == HOST and c.payload is not None:

@@ -161,15 +161,22 @@ class HostArena:
 
     [Note: the pool grows as it fills] The mapping is address space only: a page costs
     memory once written. Page-locking (`devices.register_host`: cudaHostRegister on CUDA)
-    makes every page of its range resident, so the pool is locked in slices, each as the
-    regions handed out reach it (at least `SLICE_BYTES`, page-aligned). Locking it whole at
-    once made the pool resident before any chunk was copied in, beside the unpinned
-    payloads it replaces: about 24 bytes per parameter at start in bf16 (an 8B model
-    could not start on a 128 GiB machine), where now the peak is the payloads plus one
-    slice, and the accumulation buffers' part costs nothing until accumulation happens.
-    """
+    makes every page of its range resident, so the pool is locked region by region, each
+    when it is first handed out (a freed region stays locked for the next chunk of its
+    size). Locking it whole at once made the pool resident before any chunk was copied
+    in, beside the unpinned payloads it replaces: about 24 bytes per parameter at start in
+    bf16 (an 8B model could not start on a 128 GiB machine), where now the peak is the
+    payloads plus one region, and the accumulation buffers' part costs nothing until
+    accumulation happens.
 
-    SLICE_BYTES = 64 * 2**20
+    [Note: one registration a region] A copy's host side must lie inside one page-locked
+    range: CUDA answers a copy that runs from one registration into the next with
+    cudaErrorInvalidValue. The pool was once locked in slices of 64 MiB: a chunk that
+    straddled two slices failed at its first copy (an H200, the doctor's small model).
+    So each region is its own registration, and regions start on page boundaries (their
+    sizes rounded up to whole pages: `region_bytes`), so no two registrations share a
+    page.
+    """
 
     def __init__(self, nbytes: int, pin_for: torch.device | None) -> None:
         self.buffer = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)
@@ -177,11 +184,16 @@ class HostArena:
         self.pinned_for = pin_for  # the device it is page-locked for, or None
         self.nbytes = nbytes
         self._end = 0
-        self._locked = 0  # bytes from the start page-locked so far (a multiple of a page)
-        self._slices: list[int] = []  # the start of each locked slice
+        self._regions: list[int] = []  # the start of every region handed out (each locked)
         self._free: dict[int, list[int]] = {}  # region size -> free offsets
         self._live: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size)
         self.fallbacks = 0
+
+    @staticmethod
+    def region_bytes(numel: int, dtype: torch.dtype) -> int:
+        """The pool bytes a payload of `numel` elements of `dtype` takes: whole pages."""
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        return -(-size // _PAGE) * _PAGE
 
     @property
     def live_bytes(self) -> int:
@@ -189,33 +201,26 @@ class HostArena:
 
     @property
     def locked_bytes(self) -> int:
-        """Bytes of the pool page-locked so far (resident, whatever the regions hold)."""
-        return self._locked if self.pinned_for is not None else 0
+        """Bytes of the pool page-locked so far (every region handed out, live or free)."""
+        return self._end if self.pinned_for is not None else 0
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = self.region_bytes(numel, dtype)
         free = self._free.get(size)
         if free:
             offset = free.pop()
         elif self._end + size <= self.nbytes:
             offset, self._end = self._end, self._end + size
-            self._lock_to(self._end)
+            if self.pinned_for is not None:
+                register_host(self.pinned_for, self.buffer[offset : self._end])
+            self._regions.append(offset)
         else:
             self.fallbacks += 1
             return None
-        t = self.buffer[offset : offset + size].view(dtype)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        t = self.buffer[offset : offset + nbytes].view(dtype)
         self._live[t.data_ptr()] = (offset, size)
         return t
-
-    def _lock_to(self, end: int) -> None:
-        """Page-lock the pool up to `end` at least (see [Note: the pool grows as it fills])."""
-        if self.pinned_for is None or end <= self._locked:
-            return
-        stop = max(end, self._locked + self.SLICE_BYTES)
-        stop = min(-(-stop // _PAGE) * _PAGE, self.nbytes)
-        register_host(self.pinned_for, self.buffer[self._locked : stop])
-        self._slices.append(self._locked)
-        self._locked = stop
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._live
@@ -228,10 +233,10 @@ class HostArena:
     def close(self) -> None:
         """Unlock the pool (its memory goes when the last view of it does)."""
         if self.pinned_for is not None:
-            for start in self._slices:
+            for start in self._regions:
                 unregister_host(self.pinned_for, self.buffer[start:])
-            self._slices.clear()
             self.pinned_for = None
+        self._regions.clear()
 
 
 @dataclass

@@ -519,6 +519,25 @@ struct PinnedMemory final : c10::Allocator {
     for (uintptr_t at = 0; at < n; at += page - ((p + at) % page)) bytes[at] = bytes[at];
   }
 
+  // A copy's host side must lie inside one page-locked range when it touches any: CUDA
+  // answers a copy that runs past the end of its registration (into the next one, say)
+  // with cudaErrorInvalidValue. Seen on an H200: chunks of a pool locked in slices, a
+  // chunk straddling two slices.
+  void check_copy_range(const at::Tensor& t) {
+    if (!t.is_cpu() || !t.is_contiguous() || t.numel() == 0) return;
+    const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const auto n = static_cast<size_t>(t.numel()) * t.element_size();
+    std::lock_guard<std::mutex> g(mu);
+    auto it = registered.upper_bound(start);  // the first range starting after `start`
+    const bool starts_inside = it != registered.begin() &&
+                               std::prev(it)->first + std::prev(it)->second > start;
+    const bool inside = starts_inside && std::prev(it)->first + std::prev(it)->second >= start + n;
+    const bool touches = starts_inside || (it != registered.end() && it->first < start + n);
+    TORCH_CHECK(
+        inside || !touches, "fakegpu: a copy of ", n, " host bytes at 0x", std::hex, start,
+        " runs outside the page-locked range it touches (cudaErrorInvalidValue)");
+  }
+
   void host_unregister(uintptr_t p) {
     std::lock_guard<std::mutex> g(mu);
     auto it = registered.find(p);
@@ -884,6 +903,7 @@ at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool no
   const bool host_side = !is_fake(self) || !is_fake(dst);
   const int direction = !host_side ? -1 : (is_fake(dst) ? 0 : 1);
   const int64_t nbytes = dst.numel() * static_cast<int64_t>(dst.element_size());
+  for (const auto* t : {&self, &dst}) g_pinned.check_copy_range(*t);
   if (key.second == 0 || (host_side && !non_blocking)) {
     if (key.second != 0) run_all(key);
     {

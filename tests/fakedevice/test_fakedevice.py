@@ -613,6 +613,30 @@ def test_host_register_refuses_overlaps_and_unknown_pointers(fake):
         fake.host_unregister(buf.data_ptr())
 
 
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_copy_must_stay_inside_the_page_locked_range_it_touches(fake, non_blocking):
+    """As CUDA: a copy whose host side runs past the end of its registration, into the
+    next one or into unregistered memory, is cudaErrorInvalidValue (seen on an H200 with
+    a chunk straddling two slices of the pinned pool); one inside a range copies."""
+    buf = torch.arange(8192, dtype=torch.int32).view(torch.uint8)  # 32 KiB, 8 pages
+    half = buf.nbytes // 2
+    fake.host_register(buf.data_ptr(), half)
+    fake.host_register(buf.data_ptr() + half, half)
+    try:
+        inside = buf[:half].to(DEV, non_blocking=non_blocking)
+        torch.fakegpu.synchronize()
+        assert torch.equal(inside.cpu(), buf[:half])
+        across = buf[half - 4096 : half + 4096]
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            across.to(DEV, non_blocking=non_blocking)
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            across.copy_(torch.zeros(8192, dtype=torch.uint8, device=DEV), non_blocking)
+    finally:
+        fake.host_unregister(buf.data_ptr())
+        fake.host_unregister(buf.data_ptr() + half)
+    assert torch.equal(buf[half - 4096 : half + 4096].to(DEV).cpu(), buf[half - 4096 : half + 4096])
+
+
 def test_pinned_allocator_rounds_up_to_a_power_of_two_and_never_gives_back(fake):
     mib = 1 << 20
     requested, held = fake.pinned_allocator_bytes(), fake.pinned_allocator_held_bytes()
