@@ -27,7 +27,8 @@ collective is killed, and the stage reports a timeout with its last output), and
   fused AdamW on the GPU), as the engine with no budget, and as FSDP2 with CPU offload on
   one rank: TFLOPS and loss curves against plain PyTorch;
 - resume: a checkpoint after step 2 and a fresh process that loads it: steps 3-4 bitwise,
-  with Adam on the same chunks of each tier;
+  with Adam on the same chunks of each tier; a second straight run says whether the
+  engine repeats itself at all, and a failure names the first step and chunk that differ;
 - nccl: every collective the engine calls, on one NCCL rank, with its dtypes and
   in-place buffers (a gloo flag group beside it).
 
@@ -53,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "doctor", "budgets", "baselines", "resume", "nccl")
 # each stage's time limit in seconds: 7 minutes in all
-LIMITS = {"env": 60, "doctor": 70, "budgets": 110, "baselines": 90, "resume": 55, "nccl": 35}
+LIMITS = {"env": 60, "doctor": 50, "budgets": 105, "baselines": 90, "resume": 90, "nccl": 25}
 NEEDED = ("torch", "numpy", "safetensors", "psutil", "yaml", "rich", "pydantic")
 # where `scripts/gpu_deps.sh` unpacks what a GPU image lacks; the processes this script
 # starts find it here too

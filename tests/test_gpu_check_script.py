@@ -77,6 +77,7 @@ def test_figures_only_a_gpu_gives_say_na_and_the_rest_are_measured(fake_run):
     resume = report["stages"]["resume"]["numbers"]
     assert resume["losses_resumed"] == resume["losses_straight"]
     assert resume["same_state"]
+    assert resume["straight_repeats"]
     assert resume["same_device_adam"]
     probes = report["stages"]["nccl"]["numbers"]["probes"]
     assert set(probes.values()) == {"ok"}
@@ -108,3 +109,20 @@ def test_missing_modules_are_named_with_how_to_bring_them(monkeypatch, capsys, t
     assert result["missing"] == ["pstar_no_such_module"]
     assert "scripts/gpu_deps.sh" in result["error"]
     assert not (tmp_path / "gpu_check.json").exists()  # nothing ran
+
+
+def test_the_resume_stage_names_the_first_step_and_chunk_two_runs_differ_in():
+    from benchmarks.gpu_stages import first_difference
+
+    def half(grads, states):
+        return {"grads": [{}, {}, *grads], "states": [{}, {}, *states]}
+
+    same = {"adam": "device", "param": "p", "param_fp32": "m", "momentum": "1", "variance": "2"}
+    other = {**same, "adam": "host", "momentum": "x"}
+    x = half([{"0": "g", "1": "h"}, {}], [{"0": same, "1": same}, {"0": same, "1": same}])
+    assert first_difference(x, x) == "every chunk's states after steps 3 and 4 are the same"
+    y = half([{"0": "g", "1": "h"}, {}], [{"0": same, "1": same}, {"0": same, "1": other}])
+    where = "step 4, chunk 1 (Adam on device vs host)"
+    assert first_difference(x, y) == f"{where}: momentum after the step"
+    z = half([{"0": "g", "1": "k"}, {}], [{"0": same, "1": other}, {"0": same, "1": same}])
+    assert first_difference(x, z) == "step 3, chunk 1 (Adam on device vs host): its gradient"

@@ -170,7 +170,19 @@ struct PendingCopy {
   std::vector<void*> blocks;
   int64_t ready_ns = 0;  // [Note: a modeled link] when the copy is done; 0: no link
   int direction = -1;  // 0 host to device, 1 device to host, -1 neither (no link time)
+  at::Tensor issued;  // [Note: a source written under a queued copy] the source as issued
 };
+
+// [Note: a source written under a queued copy] A GPU's copy engine reads a copy's source
+// at some time between its issue and its event: any time, so a write to the source in
+// between (a kernel on another stream, the host into pinned memory) is a race whose
+// outcome depends on timing. Here the copy reads when it runs (late), which always sees
+// such a write and so hides the race; so the source's bytes are kept as issued and
+// compared when the copy runs, and a difference is raised, naming the copy.
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
 
 struct StreamQueue {
   int64_t issued = 0;  // seq of the last copy queued (events record it)
@@ -190,6 +202,47 @@ int64_t g_hazards = 0;
 bool queued_uses(const StreamQueue& q, void* block) {
   for (const auto& c : q.pending) {
     if (std::find(c.blocks.begin(), c.blocks.end(), block) != c.blocks.end()) return true;
+  }
+  return false;
+}
+
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto x = reinterpret_cast<uintptr_t>(a.data_ptr());
+  const auto y = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return x < y + b.nbytes() && y < x + a.nbytes();
+}
+
+// [Note: copies on two streams] Two streams' queued work is unordered, as on a GPU: a copy
+// reading what a copy queued on another stream writes, or writing what one there reads
+// or writes, races with it. Found when the second copy is issued (a wait in between
+// would have run the first). On its own stream a queued write is ordered before it.
+// Guarded by g_mu.
+void check_unordered(StreamKey key, const at::Tensor& src, const at::Tensor& dst) {
+  for (const auto& [other, q] : g_queues) {
+    if (other == key) continue;
+    for (const auto& c : q.pending) {
+      const char* what = overlap(c.dst, src)   ? "reads what"
+                         : overlap(c.dst, dst) ? "writes what"
+                         : overlap(c.src, dst) ? "writes what"
+                                               : nullptr;
+      if (what == nullptr) continue;
+      TORCH_CHECK(
+          false, "fakegpu: a copy issued on stream ", key.second, " ", what,
+          " a copy still queued on stream ", other.second,
+          overlap(c.dst, src) || overlap(c.dst, dst) ? " writes" : " reads",
+          ": a race on a GPU (make this stream wait for that copy's event first)");
+    }
+  }
+}
+
+// Whether a copy queued on stream `key` writes memory `t` covers (`t`'s bytes are then
+// not yet final: a copy behind it reads them after that write). Guarded by g_mu.
+bool queued_writes(StreamKey key, const at::Tensor& t) {
+  auto it = g_queues.find(key);
+  if (it == g_queues.end()) return false;
+  for (const auto& c : it->second.pending) {
+    if (overlap(c.dst, t)) return true;
   }
   return false;
 }
@@ -253,6 +306,12 @@ void run_until(StreamKey key, int64_t seq) {
     g_link.wait(c.direction, c.ready_ns);  // the bytes land when the modeled copy is done
     std::exception_ptr err;
     try {
+      TORCH_CHECK(
+          !c.issued.defined() || same_bytes(c.src, c.issued), "fakegpu: the source of a copy (",
+          c.src.nbytes(), " bytes, ", c.direction == 0 ? "host to device" : "device to host",
+          ", issued on stream ", key.second,
+          ") was written after the copy was issued and before it ran: a race on a GPU, where "
+          "the copy may read either (record an event after the copy and wait on it first)");
       c.dst.copy_(c.src);
     } catch (...) {
       err = std::current_exception();
@@ -925,10 +984,14 @@ at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool no
   } else {
     c.src = self.clone(at::MemoryFormat::Preserve);  // CUDA stages pageable memory at once
   }
+  std::lock_guard<std::recursive_mutex> g(g_mu);
+  check_unordered(key, c.src.is_same(self) || is_fake(self) ? c.src : at::Tensor(), c.dst);
+  if ((c.src.is_same(self) || is_fake(self)) && !queued_writes(key, c.src)) {
+    c.issued = c.src.clone(at::MemoryFormat::Contiguous);  // as its writers left it
+  }
   for (const auto* t : {&self, &dst}) {
     if (is_fake(*t) && t->storage().data()) c.blocks.push_back(t->storage().mutable_data());
   }
-  std::lock_guard<std::recursive_mutex> g(g_mu);
   StreamQueue& q = g_queues[key];
   c.seq = ++q.issued;
   c.direction = direction;

@@ -399,17 +399,41 @@ def test_ops_issued_on_the_side_stream_run_after_its_queued_copies(side):
     assert torch.equal(dst.cpu(), src * 2)
 
 
-def test_a_queued_copy_reads_pinned_memory_when_it_runs_and_pageable_when_issued(side):
+def test_a_write_to_a_queued_copys_pinned_source_is_a_race_and_pageable_was_staged(side):
+    """A DMA reads page-locked memory some time before its event: a write in between is a
+    race, raised when the copy runs. CUDA staged pageable memory at the call: writing it
+    after is fine."""
     pinned, pageable = torch.ones(4).pin_memory(), torch.ones(4)
     to_pinned, to_pageable = torch.zeros(4, device=DEV), torch.zeros(4, device=DEV)
     with side:
-        to_pinned.copy_(pinned, non_blocking=True)
         to_pageable.copy_(pageable, non_blocking=True)
-    pinned.fill_(7)  # a race on a GPU: the DMA may not have read it yet
-    pageable.fill_(7)  # fine on a GPU: CUDA staged pageable memory at the call
+    pageable.fill_(7)
     side.synchronize()
-    assert to_pinned.cpu().tolist() == [7.0] * 4
     assert to_pageable.cpu().tolist() == [1.0] * 4
+    with side:
+        to_pinned.copy_(pinned, non_blocking=True)
+    pinned.fill_(7)
+    with pytest.raises(RuntimeError, match="written after the copy was issued"):
+        side.synchronize()
+
+
+def test_a_kernel_writing_a_queued_copys_device_source_is_a_race(side):
+    """The copy stream waited for the compute stream's work so far; a kernel issued after
+    the copy that writes its source races with it (the copy engine may read either)."""
+    src = torch.arange(4.0, device=DEV)
+    host = torch.zeros(4).pin_memory()
+    with side:
+        host.copy_(src, non_blocking=True)
+    src.add_(1)  # on the compute stream, which never waited for the copy
+    with pytest.raises(RuntimeError, match="written after the copy was issued"):
+        side.synchronize()
+    ok = torch.zeros(4).pin_memory()
+    with side:
+        ok.copy_(src, non_blocking=True)
+    torch.fakegpu.current_stream().wait_stream(side)  # the compute stream waits first
+    src.add_(1)
+    side.synchronize()
+    assert ok.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_dropping_a_tensor_a_queued_copy_reads_counts_a_hazard(fake, side):
