@@ -441,14 +441,15 @@ def _digest(t) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-def _chunk_states(engine) -> dict[str, dict[str, str]]:
-    """Each trainable chunk's tier of Adam and digests of its states (after a step)."""
+def _chunk_states(engine, device_adam: list[int]) -> dict[str, dict[str, str]]:
+    """After a step whose Adam ran on the device for `device_adam`: each trainable
+    chunk's tier of Adam and digests of its states."""
     from pstar_core.chunk import ChunkType
 
     m = engine.manager
     out = {}
     for c in m.own_chunks([ChunkType.PARAM]):
-        seen = {"adam": "device" if c.index in m.device_adam else "host"}
+        seen = {"adam": "device" if c.index in device_adam else "host"}
         for kind in STATE_KINDS:
             chunks = m.lists[ChunkType(kind)]
             if c.index < len(chunks):
@@ -481,6 +482,9 @@ def resume_half(device: str, half: str, work: Path) -> None:
     if is_cuda(dev):  # attention's plain path: the fused kernels' backward may use atomics
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
+        # cuDNN's too: torch 2.11 picks it on an H200 and warns that its backward is not
+        # deterministic (two straight runs differed in a chunk's gradient at step 3)
+        getattr(torch.backends.cuda, "enable_cudnn_sdp", lambda _on: None)(False)
     import pstar_core
     from pstar_core.chunk import ChunkType
     from pstar_core.models import build
@@ -507,7 +511,7 @@ def resume_half(device: str, half: str, work: Path) -> None:
             tiers[first + k] = sorted(engine.manager.device_adam)
             grads.append({})
             losses += run_engine(engine, [x], dev, warmup=1).losses
-            steps.append(_chunk_states(engine))
+            steps.append(_chunk_states(engine, tiers[first + k]))
         return losses
 
     if half == "b":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -211,7 +212,9 @@ def _expandable_segments(module: Any) -> None:
     if setter is None or "expandable_segments" in conf:
         return
     try:  # pragma: no cover - CUDA only (the test device has no caching allocator)
-        setter("expandable_segments:True")
+        with warnings.catch_warnings():  # torch 2.11 names a newer, private API instead
+            warnings.simplefilter("ignore", FutureWarning)
+            setter("expandable_segments:True")
     except RuntimeError as e:  # pragma: no cover - an allocator without the option
         log.info("expandable segments not available: %s", e)
 

@@ -129,6 +129,9 @@ class ChunkManager:
             self._forward_done,
         )
         self.device_adam: set[int] = set()  # trainable chunks whose Adam runs on the device
+        # the placement of the run a checkpoint continues, kept after the first trace while
+        # it fits ([Note: a resumed run places as the run it continues] in placement.py)
+        self._continued_adam: set[int] | None = None
         self.margin_bytes = 0  # device bytes left for optimizer states by the last trace
         # Observers of Access, each called with an operator's slots once `access_slots`
         # has put them in place (`pstar doctor` samples the allocator there). Empty, they
@@ -226,7 +229,9 @@ class ChunkManager:
                 nproc=self.zero.nproc,
                 chunk_size=self.plan.chunk_size,
                 device=self.device,
+                keep=self._continued_adam,
             )
+            self._continued_adam = None
         return traced
 
     def placement_state(self) -> dict[str, Any]:
@@ -235,15 +240,16 @@ class ChunkManager:
         return placement.saved(self.device, budget, self.device_adam)
 
     def restore_placement(self, saved: dict[str, Any] | None) -> None:
-        """Until this engine's own trace decides again, Adam runs where it ran for the run
-        a checkpoint continues (see `placement.restored`)."""
+        """Adam runs where it ran for the run a checkpoint continues: in the warm-up step,
+        and after it while that fits, where the budget is the same (`placement.restored`)."""
         if self.tracer.trace is not None:
             return
         budget = self.residency.tiers[TierName.DEVICE].budget_bytes
         n = len(self.lists[ChunkType.PARAM])
-        device_adam = placement.restored(saved, self.device, budget, n)
-        if device_adam is not None:
-            self.device_adam = device_adam
+        found = placement.restored(saved, self.device, budget, n)
+        if found is not None:
+            self.device_adam, same_budget = found
+            self._continued_adam = set(self.device_adam) if same_budget else None
 
     def end_iteration(self) -> None:
         self.residency.end_iteration()

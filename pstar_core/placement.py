@@ -38,9 +38,12 @@ def place_optimizer_states(
     nproc: int,
     chunk_size: int,
     device: torch.device,
+    keep: set[int] | None = None,
 ) -> tuple[set[int], int]:
     """The trainable chunks whose Adam runs on the device, decided from the trace (again
-    after a re-trace), and the margin; none and 0 without a trace.
+    after a re-trace), and the margin; none and 0 without a trace. `keep`, where given
+    and it fits the margin, is the answer instead: the placement of the run a checkpoint
+    continues ([Note: a resumed run places as the run it continues]).
 
     The margin comes from the peak non-model memory of the forward and backward moments
     only: Adam's own moments measured whatever tier the traced step happened to update
@@ -66,14 +69,19 @@ def place_optimizer_states(
     margin = device_budget_bytes - peak - params
     temporary = adam_temporary_bytes(chunk_size, device)
     left = margin - temporary
-    for i, chunk in enumerate(lists[ChunkType.PARAM]):
-        if not owned(chunk):
-            continue
-        triple = sum(lists[k][i].nbytes for k in TRAINABLE_LISTS[1:])
-        if triple > left:
-            break
-        device_adam.add(i)
-        left -= triple
+    triples = {
+        i: sum(lists[k][i].nbytes for k in TRAINABLE_LISTS[1:])
+        for i, chunk in enumerate(lists[ChunkType.PARAM])
+        if owned(chunk)
+    }
+    if keep is not None and keep <= triples.keys() and sum(triples[i] for i in keep) <= left:
+        device_adam = set(keep)
+    else:
+        for i, triple in triples.items():
+            if triple > left:
+                break
+            device_adam.add(i)
+            left -= triple
     _reserve_adam_temporaries(trace, device_adam, temporary)
     return device_adam, margin
 
@@ -122,13 +130,24 @@ def restored(
     device: torch.device,
     device_budget_bytes: int,
     num_chunks: int,
-) -> set[int] | None:
-    """The chunks whose Adam ran on the device in the run being continued, until this
-    engine's own trace decides again: on the same kind of device with at least its budget
-    (a smaller one may not hold those chunks; the step is then as any warm-up's, on the
-    host); None where that does not hold."""
+) -> tuple[set[int], bool] | None:
+    """The chunks whose Adam ran on the device in the run being continued, for this
+    engine's warm-up step: on the same kind of device with at least its budget (a smaller
+    one may not hold those chunks; the step is then as any warm-up's, on the host); None
+    where that does not hold. And whether the budget is the same: then the placement is
+    kept after this engine's own trace too, while it fits.
+
+    [Note: a resumed run places as the run it continues] A trace depends on the step it
+    traced: the batch, what was resident, what the process had allocated before. On an
+    H200 the resumed run's first trace found room for both trainable chunks' states where
+    the original run's had found room for one; placing again moved a chunk's Adam to the
+    other tier, whose kernel rounds differently, and the resumed run was no longer the
+    run it continued. With the same budget the run keeps the placement it continues as
+    long as its own trace says that placement fits; with a larger budget it places
+    again (the room is the point of moving to a larger device)."""
     if saved is None or saved["device"] != device.type:
         return None
     if device_budget_bytes < saved["device_budget"]:
         return None
-    return {i for i in saved["device_adam"] if i < num_chunks}
+    chunks = {i for i in saved["device_adam"] if i < num_chunks}
+    return chunks, device_budget_bytes == saved["device_budget"]

@@ -178,7 +178,8 @@ struct PendingCopy {
 // between (a kernel on another stream, the host into pinned memory) is a race whose
 // outcome depends on timing. Here the copy reads when it runs (late), which always sees
 // such a write and so hides the race; so the source's bytes are kept as issued and
-// compared when the copy runs, and a difference is raised, naming the copy.
+// compared when the copy runs, and a difference is raised, naming the copy. Not with a
+// modeled link (keeping the bytes takes host time the link's timings would count).
 bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   const at::Tensor x = a.contiguous(), y = b.contiguous();
   return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
@@ -986,7 +987,9 @@ at::Tensor fake_copy_from(const at::Tensor& self, const at::Tensor& dst, bool no
   }
   std::lock_guard<std::recursive_mutex> g(g_mu);
   check_unordered(key, c.src.is_same(self) || is_fake(self) ? c.src : at::Tensor(), c.dst);
-  if ((c.src.is_same(self) || is_fake(self)) && !queued_writes(key, c.src)) {
+  // (not with a modeled link: the copy of the source would delay the copy's issue, and
+  // the link's timings are what such a run measures)
+  if ((c.src.is_same(self) || is_fake(self)) && !g_link.on() && !queued_writes(key, c.src)) {
     c.issued = c.src.clone(at::MemoryFormat::Contiguous);  // as its writers left it
   }
   for (const auto* t : {&self, &dst}) {

@@ -160,6 +160,43 @@ def test_state_dict_and_checkpoint_from_the_second_device(tmp_path):
         e.close()
 
 
+def test_a_resumed_run_keeps_the_placement_of_the_run_it_continues_while_it_fits(tmp_path):
+    """Its own first trace would place Adam again, and a trace depends on the step traced
+    (on an H200 the resumed warm-up found room for both chunks where the original run had
+    placed one: the resumed run then updated a chunk with the other tier's kernel and was
+    not the run it continued). Here the resumed run's first batch is smaller (less
+    activation memory: room for more states), and the placement stays; a budget too
+    small for it places again."""
+    from benchmarks.doctor import budgets
+
+    probe = make("gpt", DEV)
+    run_engine(probe, batches(1))
+    budget = budgets(probe.stats(), DEV)["adam_split"]
+    probe.close()
+    engine = make("gpt", DEV, {"device_budget": budget})
+    run_engine(engine, batches(2))
+    kept = set(engine.manager.device_adam)
+    own = len(list(engine.manager.own_chunks([pstar_core.chunk.ChunkType.PARAM])))
+    assert 0 < len(kept) < own
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+
+    def resumed(device_budget: int, batch: int) -> set[int]:
+        again = make("gpt", DEV, {"device_budget": device_budget})
+        again.load_checkpoint(tmp_path / "ckpt")
+        run_engine(again, batches(2, batch=batch, seed=3))
+        placed = set(again.manager.device_adam)
+        again.close()
+        return placed
+
+    fresh = make("gpt", DEV, {"device_budget": budget})
+    run_engine(fresh, batches(1, batch=1, seed=3))
+    assert len(fresh.manager.device_adam) > len(kept)  # a small batch's trace has room
+    fresh.close()
+    assert resumed(budget, batch=1) == kept
+    assert resumed(budget + 10 * 2**20, batch=4) != kept  # a larger device places again
+
+
 def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
     # collectives on device tensors through an NCCL-like backend that refuses host ones:
     # gathers, overlapped reduce-scatters, the clipping/loss all-reduces, export's
