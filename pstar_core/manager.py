@@ -10,7 +10,7 @@ The rest lives beside it, one concern a module:
   chunks to a tier, the limit A_j, making room by eviction (OPT), letting chunks go;
 - `transfers.Transfers`: the copies between tiers, prefetch arrivals, move counters;
 - `tiers`: the tiers (`TierName`) and their budgets; `startup`: where chunks start;
-- `zero.GatheredGroups`: the ZeRO communication groups' gather / reduce / release;
+- `groups.GatheredGroups`: the ZeRO communication groups' gather / reduce / release;
 - `accum.GradAccumulator`: gradients kept across micro-batches;
 - `placement`: which optimizer-state chunks live (and are updated) on the device;
 - `tracer.MemoryTracer`: moments, non-model memory, departures from the trace.
@@ -36,11 +36,12 @@ from pstar_core.chunk import (
     TensorState,
 )
 from pstar_core.config import MemoryConfig
+from pstar_core.groups import GatheredGroups
 from pstar_core.mapping import Plan
 from pstar_core.residency import Residency
 from pstar_core.tiers import MemoryBudgetError, TierName, gib
 from pstar_core.tracer import MemoryTracer, profiled
-from pstar_core.zero import GatheredGroups, ZeroGroup
+from pstar_core.zero import ZeroGroup
 
 # how far ahead the next ZeRO group is looked for (its gather starts at most that early)
 GATHER_AHEAD_MOMENTS = 4
@@ -108,7 +109,7 @@ class ChunkManager:
             self.owned,
             extra=lambda: self.grad_accum.values(),
             # ZeRO's reductions in flight hold device memory until waited on; settled
-            # because the device is full (see [Note: leaving the group buffer] in zero.py)
+            # because the device is full (see [Note: leaving the group buffer] in groups.py)
             settle=lambda: self.groups.settle(pressed=True),
             host_whole=host_whole,  # the host share read at the engine's start
             tier_of_moment=lambda name: placement.moment_tier(self.device_adam, name),
@@ -292,7 +293,7 @@ class ChunkManager:
 
     def _gather_next_group(self) -> None:
         """The next group the trace uses that is not gathered: its gather starts now
-        ([Note: gathers ahead] in zero.py). Every rank is at this moment of the same trace,
+        ([Note: gathers ahead] in groups.py). Every rank is at this moment of the same trace,
         so every rank asks for the same group."""
         for c in self.residency.upcoming(PARAM_LISTS, GATHER_AHEAD_MOMENTS):
             if self.groups.is_live(c):

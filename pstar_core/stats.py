@@ -89,9 +89,9 @@ def engine_stats(
         "rank": zero.rank,
         "comm_bytes_sent": zero.bytes_sent,
         "comm_overlapped_reductions": zero.overlapped,
-        "comm_gathered_ahead": m.groups.gathered_ahead,  # [Note: gathers ahead] in zero.py
+        "comm_gathered_ahead": m.groups.gathered_ahead,  # [Note: gathers ahead] in groups.py
         # own chunks a settle at the device's limit sent to the host ([Note: leaving the
-        # group buffer] in zero.py)
+        # group buffer] in groups.py)
         "comm_evicted_under_pressure": m.groups.evicted_under_pressure,
         "host_pool": m.residency.host_pool(),
         "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in zero.calls.items()},
