@@ -13,6 +13,11 @@ dtype (``--dtype``, default auto: what the engine picks on this CPU):
   the fair baseline (the engine's fp32 is fp32 params + fp32 masters, and a master copy of
   an fp32 param would be the param itself), and the master recipe is not run.
 
+``--device fakegpu`` runs every recipe on the test suite's second device (a device with
+streams, as a GPU: the engine's per-operator prefetch bookkeeping runs there, and not on
+the CPU, where nothing can be copied ahead); the ratio then is host overhead against the
+same kernels, with the fake device's own per-op cost on both sides.
+
 All models live at once and the runs are interleaved in one process, one whole step
 each per round, with the order alternating between rounds (A B C, C B A, ...) so slow
 drift of a shared, noisy machine hits every recipe alike. Reported: medians of per-step
@@ -25,6 +30,7 @@ before/after, the CPU's capability and torch's thread count.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -38,6 +44,7 @@ from rich.table import Table
 import pstar_core
 from benchmarks.report import (
     bench_dtype,
+    fake_device,
     finish,
     load_avg,
     machine,
@@ -45,7 +52,7 @@ from benchmarks.report import (
     torch_dtype,
     watch_compute_dtype,
 )
-from pstar_core.models import build, get_config, num_params
+from pstar_core.models import GPTConfig, build, get_config, num_params
 
 __all__ = ["run"]
 
@@ -72,13 +79,16 @@ class _Runner:
     phases: list[tuple[float, float, float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
 
-    def step(self, x: torch.Tensor, record: bool) -> None:
+    def step(self, x: torch.Tensor, record: bool, sync: Callable[[], None]) -> None:
         c0, t0 = time.process_time(), time.perf_counter()
         loss = self.fwd(x)
+        sync()
         t1 = time.perf_counter()
         self.bwd(loss)
+        sync()
         t2 = time.perf_counter()
         self.opt()
+        sync()
         t3, c3 = time.perf_counter(), time.process_time()
         if record:
             self.steps.append(t3 - t0)
@@ -87,10 +97,17 @@ class _Runner:
             self.losses.append(float(loss.detach()))
 
 
-def _engine_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> tuple[_Runner, Any]:
+def _engine_runner(
+    cfg: GPTConfig, dtype: str, state: dict[str, torch.Tensor], device: str
+) -> tuple[_Runner, Any]:
     engine = pstar_core.initialize(
-        lambda: build(model),
-        {"dtype": dtype, "chunk_size": "auto", "optimizer": {"lr": _LR, "weight_decay": _WD}},
+        lambda: build(cfg),
+        {
+            "dtype": dtype,
+            "device": device,
+            "chunk_size": "auto",
+            "optimizer": {"lr": _LR, "weight_decay": _WD},
+        },
     )
     engine.load_state_dict(state)
     seen = watch_compute_dtype(engine.module)
@@ -101,17 +118,21 @@ def _engine_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> tu
     return _Runner(ENGINE, fwd, engine.backward, engine.step, seen), engine
 
 
-def _master_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> _Runner:
+def _master_runner(
+    cfg: GPTConfig, dtype: str, state: dict[str, torch.Tensor], device: str
+) -> _Runner:
     """Params in `dtype` + fp32 masters + fused AdamW on the masters, copied back (the
     engine's math in bf16/fp16)."""
-    net = build(model)
+    net = build(cfg)
     net.load_state_dict(state)
+    net.to(device)
     params = list(net.parameters())  # deduplicated: the tied wte/lm_head weight once
     masters = [p.detach().clone().float() for p in params]
     net.to(torch_dtype(dtype))  # in place (param.data), so the weight tie survives
     opt = torch.optim.AdamW(masters, lr=_LR, weight_decay=_WD, fused=True)
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(device)
         return net(input_ids=x, labels=x).loss
 
     def bwd(loss: torch.Tensor) -> None:
@@ -130,12 +151,14 @@ def _master_runner(model: str, dtype: str, state: dict[str, torch.Tensor]) -> _R
     return _Runner(master_recipe(dtype), fwd, bwd, step, watch_compute_dtype(net))
 
 
-def _fp32_runner(model: str, state: dict[str, torch.Tensor]) -> _Runner:
-    net = build(model)
+def _fp32_runner(cfg: GPTConfig, state: dict[str, torch.Tensor], device: str) -> _Runner:
+    net = build(cfg)
     net.load_state_dict(state)
+    net.to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=_LR, weight_decay=_WD, fused=True)
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(device)
         return net(input_ids=x, labels=x).loss
 
     def bwd(loss: torch.Tensor) -> None:
@@ -156,6 +179,8 @@ def run(
     warmup: int = 2,
     dtype: str = "auto",
     json_out: bool = False,
+    device: str = "cpu",
+    layers: int = 0,
 ) -> dict[str, Any]:
     """Time engine vs. plain-PyTorch training steps of ``model``; print a table, return a dict.
 
@@ -167,18 +192,28 @@ def run(
     if steps < 1 or warmup < 0 or batch < 1 or seq < 2:
         raise ValueError("need steps >= 1, warmup >= 0, batch >= 1, seq >= 2")
     cfg = get_config(model)
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
     if seq > cfg.seq_len:
         raise ValueError(f"seq {seq} exceeds {model}'s seq_len {cfg.seq_len}")
     n_params = num_params(cfg)
     master = master_recipe(dtype)
+    if device.startswith("fakegpu"):
+        fake_device("bench overhead --device fakegpu")
+    elif device != "cpu":
+        raise ValueError(f"device {device!r}: this bench runs on cpu or fakegpu")
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.accelerator.synchronize()
 
     torch.manual_seed(0)
-    state = build(model).state_dict()  # one fp32 init shared by all recipes
-    engine_runner, engine = _engine_runner(model, dtype, state)
+    state = build(cfg).state_dict()  # one fp32 init shared by all recipes
+    engine_runner, engine = _engine_runner(cfg, dtype, state, device)
     runners = [engine_runner]
     if dtype != "fp32":
-        runners.append(_master_runner(model, dtype, state))
-    runners.append(_fp32_runner(model, state))
+        runners.append(_master_runner(cfg, dtype, state, device))
+    runners.append(_fp32_runner(cfg, state, device))
     baseline = runners[1]
     del state
     gc.collect()
@@ -192,7 +227,7 @@ def run(
     for _ in range(warmup):
         x = batch_ids()
         for r in runners:
-            r.step(x, record=False)
+            r.step(x, record=False, sync=sync)
     gc.collect()
 
     load_before = load_avg()
@@ -200,7 +235,7 @@ def run(
         x = batch_ids()
         order = runners if i % 2 == 0 else runners[::-1]
         for r in order:
-            r.step(x, record=True)
+            r.step(x, record=True, sync=sync)
     load_after = load_avg()
 
     eng = runners[0]
@@ -211,6 +246,8 @@ def run(
     tokens = batch * seq
     result: dict[str, Any] = {
         "model": model,
+        "device": device,
+        "layers": cfg.num_layers,
         "params": n_params,
         "dtype": dtype,
         "batch": batch,
@@ -253,10 +290,10 @@ def run(
 
     table = Table(
         title=(
-            f"pstar engine overhead: {model} ({n_params / 1e6:.1f}M params), {dtype} on CPU "
-            f"{result['cpu_capability']} ({result['torch_threads']} threads), batch {batch} x "
-            f"seq {seq}, {steps} interleaved steps after {warmup} warm-up; baseline "
-            f"{baseline.name}"
+            f"pstar engine overhead: {model} ({n_params / 1e6:.1f}M params), {dtype} on "
+            f"{device}, CPU {result['cpu_capability']} ({result['torch_threads']} threads), "
+            f"batch {batch} x seq {seq}, {steps} interleaved steps after {warmup} warm-up; "
+            f"baseline {baseline.name}"
         )
     )
     for col in (

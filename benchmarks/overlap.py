@@ -49,30 +49,12 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.doctor import budgets
-from benchmarks.report import bench_dtype, finish, load_avg, machine, median
+from benchmarks.report import bench_dtype, fake_device, finish, load_avg, machine, median
 
 __all__ = ["run"]
 
 PHASES = ("forward", "backward", "optimizer")
 DIRECTIONS = ("host_to_device", "device_to_host")
-
-
-def _fake():
-    """The test suite's second device, from this checkout (`tests/fakedevice`)."""
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    if (root / "tests" / "fakedevice").is_dir() and str(root) not in sys.path:
-        sys.path.append(str(root))
-    try:
-        from tests import fakedevice
-    except ImportError as e:  # an installed package without the tests
-        raise ValueError(
-            "bench overlap runs on the test suite's fake device: run it from a checkout "
-            f"of this repository ({e})"
-        ) from None
-    return fakedevice.load()
 
 
 def _link_totals(fake) -> tuple[float, float]:
@@ -242,7 +224,7 @@ def run(
     from pstar_core.models import build, get_config
 
     console = Console(stderr=True)
-    fake = _fake()
+    fake = fake_device("bench overlap")
     dtype = bench_dtype(dtype)
     load_before = load_avg()
     cfg = dataclasses.replace(get_config(model), seq_len=seq)

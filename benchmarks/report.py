@@ -178,3 +178,22 @@ def peak_rss_growth() -> Iterator[dict[str, Any]]:
         after = _status_bytes("VmHWM")
         out["bytes"] = None if before is None or after is None else max(0, after - before)
         out["new_modules"] = len(sys.modules) - modules
+
+
+def fake_device(bench: str) -> Any:
+    """The test suite's second device (`tests/fakedevice`), from this checkout: loaded,
+    its module returned. `bench` names the caller in the error of an installed package
+    without the tests."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if (root / "tests" / "fakedevice").is_dir() and str(root) not in sys.path:
+        sys.path.append(str(root))
+    try:
+        from tests import fakedevice
+    except ImportError as e:
+        raise ValueError(
+            f"{bench} runs on the test suite's fake device: run it from a checkout of this "
+            f"repository ({e})"
+        ) from None
+    return fakedevice.load()

@@ -78,6 +78,10 @@ def bench_overhead(
     batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
     seq: Annotated[int, typer.Option(help="tokens per sequence")] = 320,
     dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
+    device: Annotated[
+        str, typer.Option(help="cpu, or fakegpu: a device with streams, as a GPU")
+    ] = "cpu",
+    layers: Annotated[int, typer.Option(help="its layers (0: the zoo's)")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Engine step time / plain PyTorch step time (same dtype), runs interleaved."""
@@ -86,7 +90,7 @@ def bench_overhead(
     try:
         run(
             model=model, steps=steps, warmup=warmup, batch=batch, seq=seq, dtype=dtype,
-            json_out=json_out,
+            json_out=json_out, device=device, layers=layers,
         )  # fmt: skip
     except ValueError as e:
         _fail(str(e))

@@ -127,6 +127,19 @@ def test_bench_overhead_in_fp32_runs_every_recipe_in_fp32_against_plain_torch():
     assert "torch fp32 (baseline)" in res.output
 
 
+@pytest.mark.fakegpu
+def test_bench_overhead_on_a_device_with_streams_runs_every_recipe_there():
+    """On fakegpu the engine's per-operator prefetch bookkeeping runs (it does not on the
+    CPU, where nothing can be copied ahead); plain torch runs the same kernels there."""
+    r = last_json([*OVERHEAD, "--dtype", "fp32", "--device", "fakegpu", "--layers", "3"])
+    assert (r["device"], r["layers"]) == ("fakegpu", 3)
+    losses = r["final_loss"]
+    assert losses["engine"] == pytest.approx(losses["torch fp32"], rel=1e-5)
+    res = runner.invoke(app, [*OVERHEAD, "--device", "tpu"])
+    assert res.exit_code != 0
+    assert "runs on cpu or fakegpu" in res.output
+
+
 def test_bench_overhead_in_bf16_compares_with_the_bf16_master_recipe():
     r = last_json([*OVERHEAD, "--dtype", "bf16"])
     assert r["compute_dtype"] == r["engine_dtype"] == "bf16"
