@@ -73,6 +73,7 @@ class Residency:
         # where each moment of the trace reads its chunks, for this iteration (the
         # placement may change between iterations): `_moment_tiers`
         self._tiers: tuple[object, list[TierName]] | None = None
+        self._traced: tuple[object, list[tuple[Chunk, list[int]]]] | None = None
         self._tier_of_moment = tier_of_moment  # where a moment reads its chunks (by name)
         self._to_send: list[tuple[Chunk, TierName]] = []  # `send_ahead`'s, in order
 
@@ -310,6 +311,8 @@ class Residency:
         """Device chunks whose next use is Adam on the host leave now: backward is done
         with them, and their gradients cross while it goes on."""
         trace = self.tracer.trace
+        if HOST not in self._moment_tiers():  # Adam runs on the device for every chunk
+            return
         for c in self.chunks():
             if c.tier != DEVICE or id(c) in self.transfers.arriving or not self._owned(c):
                 continue
@@ -332,13 +335,10 @@ class Residency:
         GPT, which the unbudgeted engine on an H200 paid at every layer."""
         trace = self.tracer.trace
         depth, enough = self.memory.prefetch_moments, self.memory.prefetch_chunks
-        tiers, moments, uses_of = self._moment_tiers(), trace.moments, trace.uses
+        tiers, moments, after = self._moment_tiers(), trace.moments, bisect.bisect_right
         found: list[tuple[int, Chunk, TierName]] = []
-        for c in self.chunks():
-            uses = uses_of.get((c.kind.value, c.index))
-            if not uses:
-                continue
-            i = bisect.bisect_right(uses, now)
+        for c, uses in self._traced_chunks():
+            i = after(uses, now)
             if i == len(uses) or uses[i] >= moments or c.tier == tiers[uses[i]]:
                 continue
             m = uses[i]
@@ -434,6 +434,16 @@ class Residency:
                 return
             self._to_send.pop(0)
             self.transfers.ahead(c, tier, self.allowed(DEVICE), movable)
+
+    def _traced_chunks(self) -> list[tuple[Chunk, list[int]]]:
+        """Each chunk the trace uses, with the moments it uses it at (worked out once a
+        trace: a chunk's key is an enum's value and a tuple, too slow to build per
+        operator)."""
+        trace = self.tracer.trace
+        if self._traced is None or self._traced[0] is not trace:
+            pairs = [(c, trace.uses.get((c.kind.value, c.index))) for c in self.chunks()]
+            self._traced = (trace, [(c, uses) for c, uses in pairs if uses])
+        return self._traced[1]
 
     def _moment_tiers(self) -> list[TierName]:
         """The tier each moment of the trace reads its chunks on (`_tier_of_moment`),
