@@ -313,14 +313,15 @@ class Residency:
         trace = self.tracer.trace
         if HOST not in self._moment_tiers():  # Adam runs on the device for every chunk
             return
-        for c in self.chunks():
-            if c.tier != DEVICE or id(c) in self.transfers.arriving or not self._owned(c):
+        tiers, arriving = self._moment_tiers(), self.transfers.arriving
+        for c, uses in self._traced_chunks():
+            if c.tier != DEVICE or id(c) in arriving or not self._owned(c):
                 continue
-            nu = next_use(self.tracer.uses_of((c.kind.value, c.index)), now, trace.moments)
-            if nu >= trace.moments:  # not again in this iteration
+            i = bisect.bisect_right(uses, now)
+            if i == len(uses) or uses[i] >= trace.moments:  # not again in this iteration
                 continue
-            name = trace.names[int(nu)]
-            if is_adam_moment(name) and self._tier_of_moment(name) == HOST and movable(c):
+            m = uses[i]
+            if tiers[m] == HOST and is_adam_moment(trace.names[m]) and movable(c):
                 self.transfers.send(c)
 
     def _wanted(self, now: int) -> list[tuple[Chunk, TierName, int]]:
