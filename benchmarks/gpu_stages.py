@@ -473,8 +473,8 @@ def _trace_grads(engine, grads: list[dict[str, str]]) -> None:
 def resume_half(device: str, half: str, work: Path) -> None:
     """One process of the resume stage: "a" trains 4 steps and checkpoints after step 2,
     "a2" trains the same 4 steps again (is a straight run repeatable?), "b" loads the
-    checkpoint and trains steps 3-4. Each writes what it saw, with each step's Adam traced
-    chunk by chunk (`_trace_adam`)."""
+    checkpoint and trains steps 3-4. Each writes what it saw, with each chunk's states
+    after every step (`_chunk_states`) and, with RESUME_GRADS_ENV, its gradients."""
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -535,7 +535,6 @@ def resume_half(device: str, half: str, work: Path) -> None:
     result = {
         "first": first,
         "last": last,
-        "device_adam_before_step_3": tiers[3],
         "device_adam_before_step": tiers,
         "own_chunks": len(m.lists[ChunkType.PARAM]),
         "state_sha256": digest.hexdigest(),
@@ -588,7 +587,7 @@ def stage_resume(device: str, dev) -> Result:
         "losses_resumed": b["last"],
         "same_state": a["state_sha256"] == b["state_sha256"],
         "straight_repeats": a["state_sha256"] == a2["state_sha256"] and a["last"] == a2["last"],
-        "device_adam_chunks": len(a["device_adam_before_step_3"]),
+        "device_adam_chunks": len(a["device_adam_before_step"]["3"]),
         "own_chunks": a["own_chunks"],
         "same_device_adam": all(
             a["device_adam_before_step"][k] == b["device_adam_before_step"][k] for k in ("3", "4")

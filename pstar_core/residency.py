@@ -23,7 +23,6 @@ warm-up. When the host tier is over budget, chunks spill to disk by the same pol
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -311,16 +310,16 @@ class Residency:
         """Device chunks whose next use is Adam on the host leave now: backward is done
         with them, and their gradients cross while it goes on."""
         trace = self.tracer.trace
-        if HOST not in self._moment_tiers():  # Adam runs on the device for every chunk
-            return
         tiers, arriving = self._moment_tiers(), self.transfers.arriving
+        if HOST not in tiers:  # Adam runs on the device for every chunk
+            return
         for c, uses in self._traced_chunks():
             if c.tier != DEVICE or id(c) in arriving or not self._owned(c):
                 continue
-            i = bisect.bisect_right(uses, now)
-            if i == len(uses) or uses[i] >= trace.moments:  # not again in this iteration
+            nu = next_use(uses, now, trace.moments)
+            if nu >= trace.moments:  # not again in this iteration
                 continue
-            m = uses[i]
+            m = int(nu)
             if tiers[m] == HOST and is_adam_moment(trace.names[m]) and movable(c):
                 self.transfers.send(c)
 
@@ -336,13 +335,13 @@ class Residency:
         GPT, which the unbudgeted engine on an H200 paid at every layer."""
         trace = self.tracer.trace
         depth, enough = self.memory.prefetch_moments, self.memory.prefetch_chunks
-        tiers, moments, after = self._moment_tiers(), trace.moments, bisect.bisect_right
+        tiers, moments = self._moment_tiers(), trace.moments
         found: list[tuple[int, Chunk, TierName]] = []
         for c, uses in self._traced_chunks():
-            i = after(uses, now)
-            if i == len(uses) or uses[i] >= moments or c.tier == tiers[uses[i]]:
+            nu = next_use(uses, now, moments)
+            if nu >= moments or c.tier == tiers[int(nu)]:  # not again, or already there
                 continue
-            m = uses[i]
+            m = int(nu)
             # an operator's optimizer-state uses (a master beside an accumulation) are
             # left to their moment; Adam's chunks all go where Adam runs
             read_there = c.kind in PARAM_LISTS or is_adam_moment(trace.names[m])

@@ -192,8 +192,7 @@ class HostArena:
     @staticmethod
     def region_bytes(numel: int, dtype: torch.dtype) -> int:
         """The pool bytes a payload of `numel` elements of `dtype` takes: whole pages."""
-        size = numel * torch.empty((), dtype=dtype).element_size()
-        return -(-size // _PAGE) * _PAGE
+        return -(-numel * dtype.itemsize // _PAGE) * _PAGE
 
     @property
     def live_bytes(self) -> int:
@@ -217,8 +216,7 @@ class HostArena:
         else:
             self.fallbacks += 1
             return None
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        t = self.buffer[offset : offset + nbytes].view(dtype)
+        t = self.buffer[offset : offset + numel * dtype.itemsize].view(dtype)
         self._live[t.data_ptr()] = (offset, size)
         return t
 
