@@ -204,6 +204,8 @@ def plan(
                 f"{row['model_data_bytes'] / total:.1%}",
             )
         console.print(ranks)
+    for row in result["spanning"]:
+        console.print(f"{row['tensor']} is larger than a chunk: it spans {row['chunks']} chunks")
     console.print(
         f"params {result['params']:,} ({result['trainable_params']:,} trainable); "
         f"chunk size {result['chunk_size']:,} elements; utilization {result['utilization']:.1%}; "

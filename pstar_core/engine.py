@@ -36,6 +36,7 @@ from pstar_core.mapping import Plan, make_plan
 from pstar_core.materialize import WeightSource, materialize
 from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
+from pstar_core.spans import Span, stand_in
 from pstar_core.tensors import ModelTensors
 from pstar_core.tiers import FreedMemory, host_share, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
@@ -162,18 +163,25 @@ class Engine:
             [names[0] for names, _ in params], [p.dim() for _, p in params], cfg
         )
         group_by_id = {id(p): g for (_, p), g in zip(params, group_of, strict=True)}
-        self.slots = _add_slots(chunked, self.plan, group_by_id, self.manager)  # by id(param)
+        # by id(param); a parameter larger than a chunk by its pieces' stand-ins, and in spans
+        self.slots, self.spans = _add_slots(chunked, self.plan, group_by_id, self.manager)
         self.excluded = ExcludedParams(excluded, self.dtype, self.device, cfg, groups, group_by_id)
         # the model's tensors by name: what state dicts, checkpoints and exports read
-        self.tensors = ModelTensors(module, self.manager, self.slots, self.excluded, cfg.dtype)
+        self.tensors = ModelTensors(
+            module, self.manager, self.slots, self.spans, self.excluded, cfg.dtype
+        )
         self.by_name = self.tensors.by_name
         adapter_dir = cfg.lora.adapter_dir if cfg.lora is not None else None
-        materialize(self.tensors, self.slots, weights, lazy_frozen, adapter_dir)
+        materialize(self.tensors, self.slots, self.spans, weights, lazy_frozen, adapter_dir)
         self.manager.drop_remote()
         self.load_peak_bytes = startup.enforce_budgets(self.manager.residency)
         startup.pin_host_chunks(self.manager.residency)
         self.manager.check_working_sets(
-            [ops for mod in module.modules() if (ops := operator_slots(mod, self.slots))]
+            [
+                ops
+                for mod in module.modules()
+                if (ops := operator_slots(mod, self.slots, self.spans))
+            ]
         )
         self._closed = False
         if cfg.activation_checkpointing:
@@ -181,8 +189,8 @@ class Engine:
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
         self._guard = IterationGuard(self.manager, self.optimizer, self.excluded)
-        self._hooks = install_hooks(module, self.slots, self.manager)
-        self._saved_tensor_hooks = saved_tensor_hooks(self.manager)
+        self._hooks = install_hooks(module, self.slots, self.spans, self.manager)
+        self._saved_tensor_hooks = saved_tensor_hooks(self.manager, list(self.spans.values()))
         return_freed_host_memory()  # what loading the weights left behind
         self._freed = FreedMemory()
 
@@ -458,28 +466,48 @@ def _add_slots(
     plan: Plan,
     group_by_id: dict[int, int],
     manager: ChunkManager,
-) -> dict[int, TensorSlot]:
-    """A slot for each chunked parameter where the plan puts it, added to the manager;
-    by the parameter's id."""
+) -> tuple[dict[int, TensorSlot], dict[int, Span]]:
+    """A slot for each chunked parameter where the plan puts it, added to the manager, by
+    the parameter's id; for a parameter larger than a chunk, a slot for each piece (by its
+    stand-in's id) and the `Span` that joins them (by the parameter's id)."""
     slots: dict[int, TensorSlot] = {}
-    tr_place = iter(plan.trainable.placements)
-    fr_place = iter(plan.frozen.placements)
+    spans: dict[int, Span] = {}
+    index = {True: 0, False: 0}  # the next tensor's index in each list
     for names, p in chunked:
-        place = next(tr_place if p.requires_grad else fr_place)
-        slot = TensorSlot(
-            names[0],
-            names,
-            p,
-            p.shape,
-            place.chunk_index,
-            place.offset,
-            p.numel(),
-            p.requires_grad,
-            group_by_id[id(p)],
-        )
-        manager.add_slot(slot)
-        slots[id(p)] = slot
-    return slots
+        trainable = p.requires_grad
+        layout = plan.trainable if trainable else plan.frozen
+        i, index[trainable] = index[trainable], index[trainable] + 1
+        pieces = layout.spans.get(i)
+        if pieces is None:
+            place = layout.placements[i]
+            slot = TensorSlot(
+                names[0], names, p, p.shape, place.chunk_index, place.offset, p.numel(),
+                trainable, group_by_id[id(p)],
+            )  # fmt: skip
+            manager.add_slot(slot)
+            slots[id(p)] = slot
+            continue
+        span = Span(names[0], names, p, p.shape, trainable)
+        piece_slots = []
+        for k, place in enumerate(pieces):
+            slot = TensorSlot(
+                f"{names[0]}[piece {k + 1} of {len(pieces)}]",
+                names,  # a tied weight's pieces are used once per name, as it is
+                stand_in(manager.device, manager.dtype),
+                torch.Size([place.numel]),
+                place.chunk_index,
+                place.offset,
+                place.numel,
+                trainable,
+                group_by_id[id(p)],
+                span=span,
+            )
+            manager.add_slot(slot)
+            slots[id(slot.param)] = slot
+            piece_slots.append(slot)
+        span.pieces = tuple(piece_slots)
+        spans[id(p)] = span
+    return slots, spans
 
 
 def _unique_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:

@@ -224,18 +224,26 @@ def forecast(
     Adam. With `rates`, also the time it takes (`_timeline`)."""
     n_train = -(-plan.trainable.num_chunks // nproc)  # groups: one owned chunk each
     units = n_train + -(-plan.frozen.num_chunks // nproc)  # trainable first, then frozen
-    train_at = iter(plan.trainable.placements)
-    frozen_at = iter(plan.frozen.placements)
-    index = [
-        next(train_at).chunk_index // nproc if t else n_train + next(frozen_at).chunk_index // nproc
-        for t in trainable
-    ]
+    # each tensor's units (a tensor larger than a chunk spans several), and the bytes of
+    # the contiguous copy an operator gets of such a tensor (none for the others)
+    index: list[tuple[int, ...]] = []
+    copy_bytes: list[int] = []
+    at = {True: 0, False: 0}
+    for t in trainable:
+        layout, base = (plan.trainable, 0) if t else (plan.frozen, n_train)
+        i, at[t] = at[t], at[t] + 1
+        pieces = layout.spans.get(i, (layout.placements[i],))
+        index.append(tuple(sorted({base + p.chunk_index // nproc for p in pieces})))
+        copy_bytes.append(
+            sum(p.numel for p in pieces) * BYTES_PARAM[plan.dtype] if i in layout.spans else 0
+        )
     chunk = plan.chunk_size * BYTES_PARAM[plan.dtype]  # one param chunk
     others = (nproc - 1) * chunk  # a group's chunks of the other ranks, while gathered
     triple = plan.chunk_size * BYTES_OPTIMIZER_STATES  # fp32 master, momentum, variance
-    uses = [sorted({index[t] for t in m.tensors}) for m in steps]
+    uses = [sorted({u for t in m.tensors for u in index[t]}) for m in steps]
+    copies = [sum(copy_bytes[t] for t in set(m.tensors)) for m in steps]
 
-    peak_nm = max((m.non_model for m in steps), default=0)
+    peak_nm = max((m.non_model + c for m, c in zip(steps, copies, strict=True)), default=0)
     # as `placement.place_optimizer_states`: two gathered groups may be in flight
     margin = device_budget - peak_nm - units * chunk - 2 * others
     device_adam = min(n_train, max(0, margin - adam_temporary) // triple)
@@ -245,9 +253,9 @@ def forecast(
     seq: list[tuple[str, list[int], int]] = []
     record: list[_Position] = []  # what happened at each position, for `_timeline`
     for _ in range(2):
-        for m, u in zip(steps, uses, strict=True):
+        for m, u, c in zip(steps, uses, copies, strict=True):
             kind = "bwd" if m.name.startswith("bwd:") else "op"
-            seq.append((kind, u, m.non_model))
+            seq.append((kind, u, m.non_model + c))
             record.append(_Position(kind, u, m.flops))
         for i in range(n_train):
             seq.append(("adam", [i], 0))

@@ -23,7 +23,7 @@ FSDP); one used elsewhere is reported by the access check.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from pstar_core.chunk import TensorSlot, TensorState
 from pstar_core.manager import ChunkManager
 from pstar_core.placement import BACKWARD_MOMENT, FORWARD_MOMENT
+from pstar_core.spans import Span, SpanRef
 from pstar_core.tiers import TierName
 
 
@@ -41,25 +42,42 @@ def _in_backward() -> bool:
 
 
 def install_hooks(
-    module: torch.nn.Module, by_param: dict[int, TensorSlot], manager: ChunkManager
+    module: torch.nn.Module,
+    by_param: dict[int, TensorSlot],
+    spans: dict[int, Span],
+    manager: ChunkManager,
 ) -> list[Any]:
     """Hook every module that owns chunked parameters; returns the handles."""
     handles: list[Any] = []
     for name, mod in module.named_modules():
-        slots = operator_slots(mod, by_param)
+        slots = operator_slots(mod, by_param, spans)
         if not slots:
             continue
         handles.append(mod.register_forward_pre_hook(_pre_forward(name, slots, manager)))
         handles.append(mod.register_forward_hook(_post_forward(name, slots, manager)))
-    for slot in {id(s): s for s in by_param.values()}.values():
-        if slot.trainable:
+    for slot in by_param.values():
+        if slot.trainable and slot.span is None:
             handles.append(slot.param.register_post_accumulate_grad_hook(_grad_hook(slot, manager)))
+    for span in spans.values():
+        if span.trainable:
+            handles.append(
+                span.param.register_post_accumulate_grad_hook(_span_grad_hook(span, manager))
+            )
     return handles
 
 
-def operator_slots(mod: torch.nn.Module, by_param: dict[int, TensorSlot]) -> list[TensorSlot]:
-    """The chunked tensors one module (operator) uses: its direct parameters."""
-    return [by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in by_param]
+def operator_slots(
+    mod: torch.nn.Module, by_param: dict[int, TensorSlot], spans: dict[int, Span]
+) -> list[TensorSlot]:
+    """The chunked tensors one module (operator) uses: its direct parameters (a span's
+    pieces, in order, for a parameter larger than a chunk)."""
+    out: list[TensorSlot] = []
+    for p in mod.parameters(recurse=False):
+        if id(p) in by_param:
+            out.append(by_param[id(p)])
+        elif id(p) in spans:
+            out.extend(spans[id(p)].pieces)
+    return out
 
 
 def _pre_forward(name: str, slots: list[TensorSlot], manager: ChunkManager) -> Callable[..., None]:
@@ -130,6 +148,16 @@ def _grad_hook(slot: TensorSlot, manager: ChunkManager) -> Callable[[torch.Tenso
     return hook
 
 
+def _span_grad_hook(span: Span, manager: ChunkManager) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        for piece, share in span.grad_pieces(grad):
+            manager.grad_ready(piece, share)
+
+    return hook
+
+
 class ChunkRef:
     """A saved-for-backward view of a chunk, kept as (chunk, geometry) instead of storage.
 
@@ -145,18 +173,25 @@ class ChunkRef:
         self.chunk, self.offset, self.size, self.stride = chunk, offset, size, stride
 
 
-def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tensors_hooks:
+def saved_tensor_hooks(
+    manager: ChunkManager, spans: Sequence[Span] = ()
+) -> torch.autograd.graph.saved_tensors_hooks:
     residency = manager.residency
     chunk_of_tensor = residency.payloads.chunk_of_tensor  # called for every saved tensor
 
     def pack(t: torch.Tensor) -> Any:
         chunk = chunk_of_tensor(t)
         if chunk is None:
+            for span in spans:  # empty unless a parameter is larger than a chunk
+                if span.holds(t):
+                    return SpanRef(span, t.storage_offset(), t.size(), t.stride())
             return t
         offset = t.storage_offset() - chunk.payload.storage_offset()  # within the chunk
         return ChunkRef(chunk, offset, t.size(), t.stride())
 
     def unpack(x: Any) -> torch.Tensor:
+        if isinstance(x, SpanRef):
+            return _span_copy(x.span, manager).as_strided(x.size, x.stride, x.offset)
         if not isinstance(x, ChunkRef):
             return x
         if x.chunk.tier != TierName.DEVICE:
@@ -168,3 +203,22 @@ def saved_tensor_hooks(manager: ChunkManager) -> torch.autograd.graph.saved_tens
         return payload.as_strided(x.size, x.stride, payload.storage_offset() + x.offset)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _span_copy(span: Span, manager: ChunkManager) -> torch.Tensor:
+    """The copy backward reads a span's saved view from: the one its module's Access in
+    backward made, else (a forward re-run by activation checkpointing has released it
+    already) one made from the pieces, which still hold the values."""
+    if span.buffer is not None:
+        return span.buffer
+    if any(p.state is TensorState.HOLD_AFTER_BWD for p in span.pieces):
+        raise RuntimeError(
+            f"{span.name}: backward reads a saved copy of it after its gradient was written; "
+            "use the parameter only inside the forward of the module that registers it"
+        )
+    residency = manager.residency
+    chunks = list({id(c): c for c in (manager.param_chunk(p) for p in span.pieces)}.values())
+    residency.make_resident(chunks, TierName.DEVICE)
+    for c in chunks:
+        residency.transfers.arrive(c)
+    return torch.cat([manager.param_chunk(p).flat(p) for p in span.pieces])

@@ -183,6 +183,8 @@ class ChunkManager:
         """Point the parameter at the empty placeholder: a parameter has storage only
         while an operator uses it (what Release does, for a slot outside an operator)."""
         slot.param.data = self._placeholder
+        if slot.span is not None:  # so does a span's parameter, with its pieces
+            slot.span.unbind(self._placeholder)
 
     def check_working_sets(self, operators: Sequence[Sequence[TensorSlot]]) -> None:
         """Fail before training if one operator's chunks cannot fit on the device at all."""
@@ -286,6 +288,8 @@ class ChunkManager:
                 s.compute_refs += 1
                 if s.compute_refs == 1:
                     s.param.data = chunk.view(s)
+                    if s.span is not None and s is s.span.pieces[-1]:
+                        s.span.bind()  # the operator lists a span's pieces in order
                 s.forward_uses += forward
         if self.on_access:
             for observe in self.on_access:
@@ -327,7 +331,7 @@ class ChunkManager:
         if slot.compute_refs > 0:
             return
         slot.set_state(target)
-        slot.param.data = self._placeholder
+        self.drop_storage(slot)
         if self.zero.enabled and target is TensorState.HOLD_AFTER_FWD:
             self.groups.maybe_release(self.param_chunk(slot), backward=False)
 
@@ -356,7 +360,7 @@ class ChunkManager:
         chunk.view(slot).copy_(grad)
         slot.compute_refs = 0
         slot.set_state(TensorState.HOLD_AFTER_BWD)
-        slot.param.data = self._placeholder
+        self.drop_storage(slot)
         if self.zero.enabled:
             self.groups.maybe_release(chunk, backward=True)
 

@@ -4,25 +4,38 @@ Tensors are packed in model-initialization order, each into the current chunk if
 fits and otherwise into a new one, so tensors used together share a chunk. The same
 placement serves the four aligned lists (param, param fp32, momentum, variance), so a
 parameter has one (chunk, offset) everywhere. Frozen parameters form their own list.
+
+[Note: tensors spanning chunks]
+A tensor larger than the chunk size is cut into pieces that fill the current chunk's
+rest, then whole chunks, then the start of one more (`Layout.spans`). The paper makes the
+largest tensor the floor of the chunk size; with a 128k vocabulary that floor is a 525M-
+element embedding, so every chunk, Adam temporary and ZeRO group buffer would be sized by
+it. Here the floor is the largest tensor of at most `SPAN_ABOVE` elements: those above
+it do not bound the search, and span chunks when larger than the size it picks (a
+Llama-3-8B plans 208M-element chunks, its embedding and head 3 chunks each; models whose
+tensors are all below the limit plan as the paper's rule does). An operator using such a
+tensor gets all its pieces' chunks and one contiguous copy of it for the operator's time
+(`spans.Span`); the tracer sees that copy as non-model memory.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-from pstar_core.config import ConfigError
+from dataclasses import dataclass, field
 
 # Bytes per element of each list, by compute dtype: param, param fp32, momentum, variance.
 BYTES_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
 BYTES_OPTIMIZER_STATES = 12
+# A tensor larger than this does not set the chunk size's floor: it may span chunks.
+SPAN_ABOVE = 256 * 2**20
 
 
 @dataclass(frozen=True)
 class Placement:
     chunk_index: int
     offset: int
+    numel: int = 0  # of a spanning tensor's piece (else the whole tensor's, not kept)
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,9 @@ class Layout:
     num_chunks: int
     used_elems: int
     chunk_used: tuple[int, ...] = ()  # elements used in each chunk
+    # a tensor larger than the chunk (by its index): its pieces, in order; `placements`
+    # holds the first ([Note: tensors spanning chunks])
+    spans: dict[int, tuple[Placement, ...]] = field(default_factory=dict)
 
     @property
     def utilization(self) -> float:
@@ -70,20 +86,33 @@ def balanced_owners(chunk_used: Sequence[int], nproc: int) -> tuple[int, ...]:
 
 
 def pack(numels: Sequence[int], chunk_size: int) -> Layout:
-    """Greedy in-order packing: a tensor that does not fit opens a new chunk."""
+    """Greedy in-order packing: a tensor that does not fit opens a new chunk; one larger
+    than a chunk spans chunks from the current one's rest on."""
     placements = []
     used: list[int] = []
+    spans: dict[int, tuple[Placement, ...]] = {}
     chunk, fill = -1, chunk_size  # forces the first tensor to open chunk 0
-    for n in numels:
+    for i, n in enumerate(numels):
         if n > chunk_size:
-            raise ValueError(f"tensor of {n} elements exceeds chunk size {chunk_size}")
+            pieces = []
+            while n:
+                if fill == chunk_size:
+                    chunk, fill = chunk + 1, 0
+                    used.append(0)
+                take = min(n, chunk_size - fill)
+                pieces.append(Placement(chunk, fill, take))
+                fill, n = fill + take, n - take
+                used[chunk] += take
+            spans[i] = tuple(pieces)
+            placements.append(pieces[0])
+            continue
         if fill + n > chunk_size:
             chunk, fill = chunk + 1, 0
             used.append(0)
         placements.append(Placement(chunk, fill))
         fill += n
         used[chunk] += n
-    return Layout(chunk_size, tuple(placements), chunk + 1, sum(numels), tuple(used))
+    return Layout(chunk_size, tuple(placements), chunk + 1, sum(numels), tuple(used), spans)
 
 
 def _waste(numels: Sequence[int], chunk_size: int, nproc: int = 1) -> int:
@@ -91,6 +120,11 @@ def _waste(numels: Sequence[int], chunk_size: int, nproc: int = 1) -> int:
     whole communication groups; the hot loop of the search, kept allocation-free."""
     chunks, fill = 0, chunk_size
     for n in numels:
+        if n > chunk_size:  # spans: fills the rest of this chunk, then whole ones
+            rest = n - (chunk_size - fill)
+            chunks += -(-rest // chunk_size)
+            fill = rest - (-(-rest // chunk_size) - 1) * chunk_size
+            continue
         if fill + n > chunk_size:
             chunks, fill = chunks + 1, 0
         fill += n
@@ -105,15 +139,18 @@ def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024, nproc: 
 
     Candidates lie between the largest tensor (a lower bound: every tensor must fit) and
     about a quarter of the model (so there are several chunks to move around), capped
-    near 512M elements as in the paper's scan. Besides a regular grid, exact sums of
-    runs of consecutive tensors are tried: repeated transformer blocks then pack without
-    gaps.
+    near 512M elements as in the paper's scan. A tensor above `SPAN_ABOVE` sets no floor:
+    it spans chunks ([Note: tensors spanning chunks]). Besides a regular grid, exact sums
+    of runs of consecutive tensors are tried: repeated transformer blocks then pack
+    without gaps.
     """
     flat = [n for lst in lists for n in lst]
     if not flat:
         return align
-    total, largest = sum(flat), max(flat)
-    lo = max(largest, min(math.ceil(total / 64), 256 * 2**20))
+    total = sum(flat)
+    # every tensor but those above SPAN_ABOVE must fit a chunk
+    floor = max((n for n in flat if n <= SPAN_ABOVE), default=align)
+    lo = max(floor, min(math.ceil(total / 64), 256 * 2**20))
     hi = max(2 * lo, min(math.ceil(total / 4), 512 * 2**20))
     cands = {_round_up(lo + (hi - lo) * i // 255, align) for i in range(256)}
     for lst in lists:
@@ -128,8 +165,8 @@ def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024, nproc: 
     if nproc > 1:
         # with ZeRO, a list shorter than one group per rank is not sharded at all: also
         # try sizes that split the model into at least nproc chunks
-        cands |= {_round_up(max(largest, -(-total // (nproc * k))), align) for k in range(1, 9)}
-    cands = sorted(c for c in cands if c >= largest)
+        cands |= {_round_up(max(floor, -(-total // (nproc * k))), align) for k in range(1, 9)}
+    cands = sorted(c for c in cands if c >= floor)
     wastes = {c: sum(_waste(lst, c, nproc) for lst in lists) for c in cands}
     best = {c: total / (total + w) for c, w in wastes.items()}
     top = max(best.values())
@@ -156,6 +193,8 @@ class Plan:
     dtype: str
     params: int
     trainable_params: int
+    # the tensors larger than a chunk, by name, with the chunks each spans
+    spanning: tuple[tuple[str, int], ...] = ()
 
     @property
     def utilization(self) -> float:
@@ -219,14 +258,14 @@ def make_plan(
     """
     tr = [n for n, t in zip(numels, trainable, strict=True) if t]
     fr = [n for n, t in zip(numels, trainable, strict=True) if not t]
-    if chunk_size == "auto":
-        size = search_chunk_size([tr, fr], nproc=nproc)
-    else:
-        size = int(chunk_size)
-        big = max(range(len(numels)), key=numels.__getitem__, default=None)
-        if big is not None and numels[big] > size:
-            raise ConfigError(
-                f"chunk_size: {size} elements is smaller than parameter {names[big]!r} "
-                f"({numels[big]} elements); use chunk_size >= {numels[big]} or 'auto'"
-            )
-    return Plan(size, pack(tr, size), pack(fr, size), dtype, sum(numels), sum(tr))
+    # a tensor larger than the size spans chunks
+    size = search_chunk_size([tr, fr], nproc=nproc) if chunk_size == "auto" else int(chunk_size)
+    trainable_layout, frozen_layout = pack(tr, size), pack(fr, size)
+    tr_names = [n for n, t in zip(names, trainable, strict=True) if t]
+    fr_names = [n for n, t in zip(names, trainable, strict=True) if not t]
+    spanning = tuple(
+        (names_[i], len(pieces))
+        for layout, names_ in ((trainable_layout, tr_names), (frozen_layout, fr_names))
+        for i, pieces in layout.spans.items()
+    )
+    return Plan(size, trainable_layout, frozen_layout, dtype, sum(numels), sum(tr), spanning)

@@ -9,7 +9,7 @@ parameter has storage only while an operator uses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from torch import nn
 
 from pstar_core import lora
 from pstar_core.chunk import ChunkType, TensorSlot, TensorState
+from pstar_core.spans import Span
 from pstar_core.store import ChunkStore
 from pstar_core.tensors import ModelTensors
 
@@ -28,6 +29,7 @@ WeightSource = Callable[[ChunkStore], None]
 def materialize(
     tensors: ModelTensors,
     by_param: dict[int, TensorSlot],
+    spans: dict[int, Span],
     weights: WeightSource | None,
     lazy_frozen: bool,
     adapter_dir: Path | None,
@@ -39,6 +41,8 @@ def materialize(
     whose non-persistent buffers (rotary frequencies) only init code can compute.
     `lazy_frozen`: frozen chunks get memory only when their tensors stream in
     (`startup.allocate`). `adapter_dir`: a LoRA adapter directory loaded over the init.
+    A parameter larger than a chunk (`spans`) that init code writes is one whole copy
+    while it runs, cut into its pieces after.
     """
     m = tensors.manager
     module = tensors.module
@@ -47,9 +51,15 @@ def materialize(
     # init code will write it: a random init writes every tensor, a weights source
     # only the adapters peft initializes; the others stay empty here.
     adapters = lora.is_peft(module)
-    written = [s for s in by_param.values() if weights is None or (adapters and s.trainable)]
+    written = [
+        s
+        for s in by_param.values()
+        if s.span is None and (weights is None or (adapters and s.trainable))
+    ]
     staging = _Staging(written, m, m.dtype)
     for slot in by_param.values():
+        if slot.span is not None:
+            continue  # its span's parameter is what init code writes (below)
         if slot.param.is_meta:
             _rehome(slot.param, m.device)
         if lazy_frozen and not slot.trainable:
@@ -63,6 +73,21 @@ def materialize(
             preloaded = True
         if view is not None:
             slot.param.data = view
+    whole: list[tuple[Span, torch.Tensor]] = []  # the spans init code writes, and their copy
+    for span in spans.values():
+        p = span.param
+        if p.is_meta:
+            _rehome(p, m.device)
+        if weights is not None and not (adapters and span.trainable):
+            continue  # `weights` writes the pieces (`ModelTensors.load_tensor`)
+        if lazy_frozen and not span.trainable:
+            continue
+        copy = torch.empty(span.shape, dtype=torch.float32 if span.trainable else m.dtype)
+        if p.numel():
+            copy.copy_(p.data)  # model_fn built real weights: keep them
+            preloaded = True
+        p.data = copy
+        whole.append((span, copy))
     preloaded |= tensors.excluded.materialize()
     for mod in module.modules():
         for name, buf in mod._buffers.items():
@@ -72,12 +97,14 @@ def materialize(
                 mod._buffers[name] = buf.to(m.device)
     with torch.no_grad():
         if weights is not None:
-            _init_buffer_only_modules(module, by_param)
+            _init_buffer_only_modules(module, by_param.keys() | spans.keys())
             weights(tensors)
         elif not preloaded:
             _run_model_init(module)
         if lora.is_peft(module) and not preloaded:
             lora.init_adapters(module)
+        for span, copy in whole:
+            _cut_into_pieces(span, copy, m)
         if adapter_dir is not None:
             lora.load_adapter(tensors, adapter_dir)
     for param, master in zip(m.lists[ChunkType.PARAM], m.lists[ChunkType.PARAM_FP32], strict=True):
@@ -128,10 +155,21 @@ def _rehome(param: nn.Parameter, device: torch.device) -> None:
     torch.utils.swap_tensors(param, empty)
 
 
-def _init_buffer_only_modules(module: nn.Module, slots: dict[int, TensorSlot]) -> None:
+def _cut_into_pieces(span: Span, copy: torch.Tensor, m: Any) -> None:
+    """Write a span's initialized copy into its pieces (this rank's)."""
+    kind = ChunkType.PARAM_FP32 if span.trainable else ChunkType.FROZEN
+    flat = copy.reshape(-1)
+    for piece, a, b in span.ranges():
+        chunk = m.chunk_of(kind, piece)
+        if m.owned(chunk):
+            chunk.view(piece).copy_(flat[a:b])
+
+
+def _init_buffer_only_modules(module: nn.Module, chunked: Collection[int]) -> None:
+    """Init the modules without chunked parameters (`chunked`: the parameters' ids)."""
     hf_init = getattr(module, "_init_weights", None)
     for mod in module.modules():
-        if any(id(p) in slots for p in mod.parameters(recurse=False)) or not mod._buffers:
+        if any(id(p) in chunked for p in mod.parameters(recurse=False)) or not mod._buffers:
             continue
         if hf_init is not None:
             hf_init(mod)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot
+from pstar_core.spans import Span
 from pstar_core.zero import ZeroGroup
 
 
@@ -29,8 +30,9 @@ class ChunkStore(Protocol):
         """The model, whose `state_dict` names every entry."""
 
     @property
-    def by_name(self) -> Mapping[str, TensorSlot]:
-        """The chunked tensors under every name of theirs (tied weights have several)."""
+    def by_name(self) -> Mapping[str, TensorSlot | Span]:
+        """The chunked tensors under every name of theirs (tied weights have several); a
+        parameter larger than a chunk as its `Span`."""
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """One state-dict entry: the fp32 master of a trainable parameter. Under ZeRO

@@ -19,6 +19,7 @@ from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import missing_unexpected
 from pstar_core.excluded import ExcludedParams
 from pstar_core.manager import ChunkManager
+from pstar_core.spans import Span
 from pstar_core.tiers import TierName
 from pstar_core.zero import ZeroGroup
 
@@ -29,12 +30,16 @@ class ModelTensors:
         module: nn.Module,
         manager: ChunkManager,
         by_param: dict[int, TensorSlot],
+        spans: dict[int, Span],
         excluded: ExcludedParams,
         compute_dtype: str,
     ) -> None:
         self.module = module
         self.manager = manager
-        self.by_name = {n: s for s in by_param.values() for n in s.aliases}
+        self.by_name: dict[str, TensorSlot | Span] = {
+            n: s for s in by_param.values() if s.span is None for n in s.aliases
+        }
+        self.by_name.update({n: span for span in spans.values() for n in span.aliases})
         self.excluded = excluded
         self.compute_dtype = compute_dtype
         self.source_dir: Path | None = None  # a HF model directory the weights came from
@@ -100,11 +105,29 @@ class ModelTensors:
         self._gather_cache = None
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """A view of one state-dict entry: the fp32 master of a trainable parameter."""
+        """A view of one state-dict entry: the fp32 master of a trainable parameter (a
+        host copy for one larger than a chunk)."""
         slot = self.by_name.get(name)
         if slot is None:
             value = self.excluded.value(name)
             return (value if value is not None else self.module.get_buffer(name)).detach()
+        if isinstance(slot, Span):
+            return self._read_span(slot)
+        return self._read_slot(slot)
+
+    def _read_span(self, span: Span) -> torch.Tensor:
+        """A host copy joined from the pieces, each copied before the next is read (which
+        may bring a chunk back from disk in the place of the one before)."""
+        out = None
+        for piece, a, b in span.ranges():
+            value = self._read_slot(piece)
+            if out is None:
+                out = torch.empty(span.numel, dtype=value.dtype)
+            out[a:b].copy_(value)
+        assert out is not None
+        return out.view(span.shape)
+
+    def _read_slot(self, slot: TensorSlot) -> torch.Tensor:
         kind = ChunkType.PARAM_FP32 if slot.trainable else ChunkType.FROZEN
         chunk = self.manager.chunk_of(kind, slot)
         if self.zero.enabled:
@@ -141,6 +164,14 @@ class ModelTensors:
                 f"{name}: shape {tuple(value.shape)} in the source, "
                 f"{tuple(slot.shape)} in the model"
             )
+        if isinstance(slot, Span):
+            flat = value.reshape(-1)
+            for piece, a, b in slot.ranges():
+                self._load_slot(piece, flat[a:b])
+            return
+        self._load_slot(slot, value)
+
+    def _load_slot(self, slot: TensorSlot, value: torch.Tensor) -> None:
         m = self.manager
         if not m.owned(m.param_chunk(slot)):
             return  # another rank owns this tensor and loads it there

@@ -59,5 +59,7 @@ def plan_model(
         "chunk_bytes": plan.chunk_bytes,
         "lists": plan.list_stats(),
         "per_rank": plan.per_rank(nproc),
+        # tensors larger than a chunk, each with the chunks it spans
+        "spanning": [{"tensor": name, "chunks": n} for name, n in plan.spanning],
         "plan_s": time.perf_counter() - t0,
     }

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from pstar_core.config import ConfigError
-from pstar_core.mapping import make_plan, pack, search_chunk_size
+from pstar_core.mapping import SPAN_ABOVE, make_plan, pack, search_chunk_size
 from pstar_core.models import ZOO
 from service.planning import plan_model
 
@@ -22,9 +23,15 @@ def test_pack_keeps_init_order_and_opens_a_chunk_when_a_tensor_does_not_fit():
     assert layout.utilization == 14 / 16
 
 
-def test_pack_rejects_a_tensor_larger_than_the_chunk():
-    with pytest.raises(ValueError, match="exceeds chunk size"):
-        pack([10], chunk_size=8)
+def test_a_tensor_larger_than_the_chunk_spans_from_the_current_chunks_rest():
+    layout = pack([3, 20, 2, 6], chunk_size=8)
+    pieces = [(p.chunk_index, p.offset, p.numel) for p in layout.spans[1]]
+    assert pieces == [(0, 3, 5), (1, 0, 8), (2, 0, 7)]
+    assert [(p.chunk_index, p.offset) for p in layout.placements] == [
+        (0, 0), (0, 3), (3, 0), (3, 2)
+    ]  # fmt: skip
+    assert list(layout.spans) == [1]
+    assert layout.chunk_used == (8, 8, 7, 8)
 
 
 def test_search_packs_repeated_blocks_with_little_waste():
@@ -36,9 +43,33 @@ def test_search_packs_repeated_blocks_with_little_waste():
     assert layout.utilization > pack([50_000, *block * 16], 50_176).utilization
 
 
-def test_explicit_chunk_size_smaller_than_a_tensor_names_it():
-    with pytest.raises(ConfigError, match=r"smaller than parameter 'emb' \(5000 elements\)"):
-        make_plan([5000, 10], [True, True], ["emb", "b"], "bf16", chunk_size=4096)
+def test_explicit_chunk_size_smaller_than_a_tensor_plans_it_spanning():
+    plan = make_plan([5000, 10], [True, True], ["emb", "b"], "bf16", chunk_size=4096)
+    assert plan.spanning == (("emb", 2),)
+    assert plan.trainable.num_chunks == 2
+    assert plan.utilization == 5010 / 8192
+
+
+def test_a_128k_vocabulary_llama_plans_chunks_of_at_most_256m_elements(tmp_path):
+    """Llama-3-8B's embedding and head (128256 x 4096 = 525M elements each) would set every
+    chunk's floor; they span chunks instead, and the search picks a layer's size."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = plan_model(str(tmp_path / "config.json"), "bf16")
+    assert result["chunk_size"] <= SPAN_ABOVE
+    assert result["utilization"] >= 0.95
+    spans = {row["tensor"]: row["chunks"] for row in result["spanning"]}
+    assert spans == {"model.embed_tokens.weight": 3, "lm_head.weight": 3}
+
+
+def test_the_search_keeps_the_largest_tensor_as_its_floor_up_to_the_span_limit():
+    big = SPAN_ABOVE // 2
+    assert search_chunk_size([[big, *[4096] * 100]]) >= big
+    assert search_chunk_size([[SPAN_ABOVE + 1, *[2**20] * 2000]]) <= SPAN_ABOVE
 
 
 def test_frozen_tensors_get_their_own_list():

@@ -329,8 +329,9 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     zero = {"variant": variant, "overlap_reductions": overlap, "gather_ahead": ahead}
     device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
     clip = float(os.environ.get("PSTAR_TEST_CLIP", "0")) or None  # global-norm clipping
+    chunk = int(os.environ.get("PSTAR_TEST_CHUNK", "8192"))  # below 4096: tensors span chunks
     cfg = engine_config(
-        chunk_size=8192, memory=memory, zero=zero, device=device, gradient_clipping=clip
+        chunk_size=chunk, memory=memory, zero=zero, device=device, gradient_clipping=clip
     )
     accel = getattr(torch, device.split(":")[0]) if device != "cpu" else None
     if accel is not None:  # the device's own count of bytes, from here on

@@ -84,6 +84,30 @@ def test_tracer_reads_the_device_allocator_and_budgets_evict(fake):
     engine.close()
 
 
+def test_tensors_spanning_chunks_train_bitwise_the_same_and_within_the_budget(fake):
+    """Chunks of 1024 elements: the embedding, head and MLP weights span chunks; each
+    operator's contiguous copy is made on the device from pieces that arrive on the copy
+    stream (the fake device's race checks are on), and counted in the tracer's N_j."""
+    data = batches(3)
+    whole = run_engine(make("hf_llama", DEV), data)
+    probe = make("hf_llama", DEV)
+    run_engine(probe, batches(1))
+    st = probe.stats()
+    probe.close()
+    budget = int(st["tracer"]["peak_non_model_bytes"] + 0.5 * st["chunks"]["param"]["bytes"])
+    ref = reference_model(MODELS["hf_llama"])
+    cfg = engine_config(chunk_size=1024, device=DEV, memory={"device_budget": budget})
+    engine = pstar_core.initialize(MODELS["hf_llama"], cfg)
+    engine.load_state_dict(ref.state_dict())
+    assert "lm_head.weight" in {s.name for s in engine.spans.values()}
+    fake.reset_peak_memory_stats()
+    before = fake.memory_allocated()
+    assert run_engine(engine, data) == whole
+    assert engine.stats()["bytes_moved"]["device->host"] > 0
+    assert fake.max_memory_allocated() - before <= budget
+    engine.close()
+
+
 def _forward_backward_peak(stats) -> int:
     names, non_model = stats["tracer"]["names"], stats["tracer"]["non_model_bytes"]
     return max(n for name, n in zip(names, non_model, strict=True) if not name.startswith("adam."))
