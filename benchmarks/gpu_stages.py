@@ -6,25 +6,20 @@ Every stage is `stage_NAME(device, dev) -> Result`, `STAGE_FUNCTIONS` names them
 the stages' own processes import this module (the script's parent never loads torch). On
 a GPU the models are real (`gpu_common.GPU`: a ~1B GPT); on the test suite's fake device
 they are small (`SMALL`), and figures only a GPU gives say "n/a". What the stages share
-is in `benchmarks/gpu_common.py`.
+is in `benchmarks/gpu_common.py`; the resume stage is `benchmarks/gpu_resume.py`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import importlib
 import importlib.util
-import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from benchmarks.doctor import budgets
@@ -40,7 +35,6 @@ from benchmarks.gpu_common import (
     gpu_only,
     init_single_rank,
     is_cuda,
-    open_device,
     probe,
     reset_vm_hwm,
     run_engine,
@@ -49,10 +43,7 @@ from benchmarks.gpu_common import (
     timed_steps,
     vm_hwm,
 )
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-HALF_SECONDS = 60  # each process of the resume stage (three; the first may build the Adam kernel)
-
+from benchmarks.gpu_resume import stage_resume
 
 # ---------------------------------------------------------------------------------------
 # Stage: env
@@ -417,195 +408,6 @@ def stage_baselines(device: str, dev) -> Result:
         if rel > LOSS_RTOL or not all(math.isfinite(x) for x in r.losses):
             problems.append(f"{name}: losses {rel:.3g} from plain PyTorch's (allowed {LOSS_RTOL})")
     numbers["engine_no_budget"]["device_adam_chunks"] = device_adam
-    return Result("fail" if problems else "pass", numbers, "; ".join(problems))
-
-
-# ---------------------------------------------------------------------------------------
-# Stage: resume
-# ---------------------------------------------------------------------------------------
-
-
-# the extra memory settings of every process of the stage (JSON), to investigate a failure
-# (with prefetch off, say): `PSTAR_GPU_CHECK_RESUME_MEMORY='{"prefetch_moments": 0}'`
-RESUME_MEMORY_ENV = "PSTAR_GPU_CHECK_RESUME_MEMORY"
-# "1": also note each chunk's gradient as Adam reads it (a host sync before each chunk's
-# Adam, which changes the step's timing: for investigating, not by default)
-RESUME_GRADS_ENV = "PSTAR_GPU_CHECK_RESUME_GRADS"
-STATE_KINDS = ("param", "param_fp32", "momentum", "variance")
-
-
-def _digest(t) -> str:
-    import torch
-
-    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data).hexdigest()[:12]
-
-
-def _chunk_states(engine, device_adam: list[int]) -> dict[str, dict[str, str]]:
-    """After a step whose Adam ran on the device for `device_adam`: each trainable
-    chunk's tier of Adam and digests of its states."""
-    from pstar_core.chunk import ChunkType
-
-    m = engine.manager
-    out = {}
-    for c in m.own_chunks([ChunkType.PARAM]):
-        seen = {"adam": "device" if c.index in device_adam else "host"}
-        for kind in STATE_KINDS:
-            chunks = m.lists[ChunkType(kind)]
-            if c.index < len(chunks):
-                seen[kind] = _digest(m.residency.in_memory(chunks[c.index]).payload)
-        out[str(c.index)] = seen
-    return out
-
-
-def _trace_grads(engine, grads: list[dict[str, str]]) -> None:
-    """Note each chunk's gradient as its Adam reads it, in `grads[-1]` (RESUME_GRADS_ENV)."""
-    opt = engine.optimizer
-    adam = opt._adam
-
-    def traced(i, chunk, segs, grad_scale):
-        grads[-1][str(i)] = _digest(opt._grad_source(i).payload)
-        adam(i, chunk, segs, grad_scale)
-
-    opt._adam = traced
-
-
-def resume_half(device: str, half: str, work: Path) -> None:
-    """One process of the resume stage: "a" trains 4 steps and checkpoints after step 2,
-    "a2" trains the same 4 steps again (is a straight run repeatable?), "b" loads the
-    checkpoint and trains steps 3-4. Each writes what it saw, with each chunk's states
-    after every step (`_chunk_states`) and, with RESUME_GRADS_ENV, its gradients."""
-    import torch
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    dev = open_device(device)
-    if is_cuda(dev):  # attention's plain path: the fused kernels' backward may use atomics
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        # cuDNN's too: torch 2.11 picks it on an H200 and warns that its backward is not
-        # deterministic (two straight runs differed in a chunk's gradient at step 3)
-        getattr(torch.backends.cuda, "enable_cudnn_sdp", lambda _on: None)(False)
-    import pstar_core
-    from pstar_core.chunk import ChunkType
-    from pstar_core.models import build
-
-    sizes = sizes_for(device)
-    cfg = gpt_config(sizes.resume_model, sizes.seq)
-    data = batches(cfg, sizes, 4, seed=1)
-    if half == "a":  # a budget with Adam on both tiers
-        budget = budgets(probe(cfg, data[:2], device, dev), dev)["adam_split"]
-        (work / "budget.json").write_text(json.dumps(budget))
-    budget = json.loads((work / "budget.json").read_text())
-    memory = {"device_budget": budget, **json.loads(os.environ.get(RESUME_MEMORY_ENV) or "{}")}
-    torch.manual_seed(0)
-    engine = pstar_core.initialize(lambda: build(cfg), engine_config(device, memory))
-    steps: list[dict[str, Any]] = []  # per step: each chunk's states after it
-    grads: list[dict[str, str]] = []  # per step: each chunk's gradient (RESUME_GRADS_ENV)
-    if os.environ.get(RESUME_GRADS_ENV) == "1":
-        _trace_grads(engine, grads)
-    tiers = {}
-
-    def run(batch: list, first: int) -> list[float]:
-        losses = []
-        for k, x in enumerate(batch):
-            tiers[first + k] = sorted(engine.manager.device_adam)
-            grads.append({})
-            losses += run_engine(engine, [x], dev, warmup=1).losses
-            steps.append(_chunk_states(engine, tiers[first + k]))
-        return losses
-
-    if half == "b":
-        engine.load_checkpoint(work / "ckpt")
-        first = []
-        steps += [{}, {}]  # steps 1-2 ran in "a"
-        grads += [{}, {}]
-    else:
-        first = run(data[:2], 1)
-        if half == "a":
-            engine.save_checkpoint(work / "ckpt")
-    last = run(data[2:], 3)
-    m = engine.manager
-    digest = hashlib.sha256()
-    for kind in (ChunkType.PARAM_FP32, ChunkType.MOMENTUM, ChunkType.VARIANCE):
-        for c in m.lists[kind]:
-            digest.update(m.residency.in_memory(c).payload.cpu().view(torch.uint8).numpy())
-    for name, t in sorted(engine.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(t.contiguous().view(torch.uint8).numpy())
-    result = {
-        "first": first,
-        "last": last,
-        "device_adam_before_step": tiers,
-        "own_chunks": len(m.lists[ChunkType.PARAM]),
-        "state_sha256": digest.hexdigest(),
-        "states": steps,
-        "grads": grads,
-        "budget": budget,
-    }
-    engine.close()
-    (work / f"{half}.json").write_text(json.dumps(result))
-
-
-def first_difference(x: dict[str, Any], y: dict[str, Any]) -> str:
-    """Where two halves first differ in steps 3-4: the step, the chunk (its Adam's tier in
-    each) and what: its gradient (when traced: before the update) or a state after it."""
-    for step in (3, 4):
-        gx, gy = x["grads"][step - 1], y["grads"][step - 1]
-        sx, sy = x["states"][step - 1], y["states"][step - 1]
-        for chunk in sorted(set(sx) | set(sy), key=int):
-            cx, cy = sx.get(chunk, {}), sy.get(chunk, {})
-            where = f"step {step}, chunk {chunk} (Adam on {cx.get('adam')} vs {cy.get('adam')})"
-            if gx.get(chunk) != gy.get(chunk):
-                return f"{where}: its gradient"
-            for kind in STATE_KINDS:
-                if cx.get(kind) != cy.get(kind):
-                    return f"{where}: {kind} after the step"
-    return "every chunk's states after steps 3 and 4 are the same"
-
-
-def stage_resume(device: str, dev) -> Result:
-    env = {
-        **os.environ,
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # before CUDA starts: deterministic cuBLAS
-    }
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="pstar-resume-") as tmp:
-        for half in ("a", "a2", "b"):
-            proc = subprocess.run(
-                [sys.executable, str(SCRIPT), "--device", device, "--resume-half", half, tmp],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=HALF_SECONDS,
-            )
-            if proc.returncode != 0:
-                return Result("fail", {}, f"half {half}: {(proc.stdout + proc.stderr)[-1500:]}")
-            results[half] = json.loads(Path(tmp, f"{half}.json").read_text())
-    a, a2, b = results["a"], results["a2"], results["b"]
-    numbers = {
-        "losses_straight": a["last"],
-        "losses_resumed": b["last"],
-        "same_state": a["state_sha256"] == b["state_sha256"],
-        "straight_repeats": a["state_sha256"] == a2["state_sha256"] and a["last"] == a2["last"],
-        "device_adam_chunks": len(a["device_adam_before_step"]["3"]),
-        "own_chunks": a["own_chunks"],
-        "same_device_adam": all(
-            a["device_adam_before_step"][k] == b["device_adam_before_step"][k] for k in ("3", "4")
-        ),
-    }
-    problems = []
-    if not numbers["straight_repeats"]:
-        problems.append(f"two straight runs differ: {first_difference(a, a2)}")
-    if a["last"] != b["last"]:
-        problems.append("steps 3-4 differ after resuming")
-    if not numbers["same_state"]:
-        problems.append("the chunks or the state dict differ after step 4")
-    if a["last"] != b["last"] or not numbers["same_state"]:
-        problems.append(f"first: {first_difference(a, b)}")
-    if not numbers["same_device_adam"]:
-        problems.append("the resumed run ran Adam on other chunks")
-    if not 0 < numbers["device_adam_chunks"] < numbers["own_chunks"]:
-        problems.append("Adam did not run on both tiers")
     return Result("fail" if problems else "pass", numbers, "; ".join(problems))
 
 

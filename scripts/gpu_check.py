@@ -212,7 +212,7 @@ def main() -> int:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     if args.resume_half:
-        from benchmarks.gpu_stages import resume_half
+        from benchmarks.gpu_resume import resume_half
 
         resume_half(args.device, args.resume_half[0], Path(args.resume_half[1]))
         return 0

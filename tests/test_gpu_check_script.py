@@ -112,7 +112,7 @@ def test_missing_modules_are_named_with_how_to_bring_them(monkeypatch, capsys, t
 
 
 def test_the_resume_stage_names_the_first_step_and_chunk_two_runs_differ_in():
-    from benchmarks.gpu_stages import first_difference
+    from benchmarks.gpu_resume import first_difference
 
     def half(grads, states):
         return {"grads": [{}, {}, *grads], "states": [{}, {}, *states]}
