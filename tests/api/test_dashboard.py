@@ -47,10 +47,12 @@ def jobs(serve):
     c = serve.client()
     # 512 rows: 64 steps an epoch, so the running job runs for minutes (it is cancelled)
     files = upload_chat_files(serve, train_rows=512)
+    # both created at once: the two Ray jobs start side by side (the head has room for
+    # both), instead of the second starting only once the first ended
     done = create_job(serve, files, 12, suffix="dash", engine={})  # dtype auto
+    running = create_job(serve, files, 5000, suffix="dash")  # cancelled by a test
     finished = ended(serve, done.id, 600)
     assert finished.status == "succeeded", finished.error
-    running = create_job(serve, files, 5000, suffix="dash")  # cancelled by a test
     wait_for(lambda: _metrics(serve, running.id, "train_loss"), 300, "the running job's metrics")
     yield done.id, running.id
     if c.fine_tuning.jobs.retrieve(running.id).status == "running":  # a test stopped early
@@ -251,6 +253,37 @@ def test_two_renders_of_a_job_page_that_overlap_draw_each_chart_once(serve, jobs
     assert _charts_per_card(browser) == [1] * 7
 
 
+def test_pause_and_resume_buttons_pause_the_running_job_and_resume_it(serve, jobs, browser):
+    # before the try-it box's test: the resumed job's new attempt starts while Ray Serve
+    # deploys the models there, and trains again by the live-chart test after it
+    _, running = jobs
+    c = serve.client()
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{running}")
+    _wait(browser, "return window.pstar.streamState === 'live'", "the live stream")
+    assert "method supervised" in browser.find_element("css selector", "#job-method").text
+    assert not browser.find_element("css selector", "#resume").is_displayed()
+    browser.find_element("css selector", "#pause").click()
+    _wait(
+        browser,
+        "return document.querySelector('#job-status').textContent === 'paused'",
+        "the paused status",
+        120,
+    )
+    assert c.fine_tuning.jobs.retrieve(running).status == "paused"
+    assert not browser.find_element("css selector", "#pause").is_displayed()
+    _shot(browser, "job-paused")
+    browser.find_element("css selector", "#resume").click()
+    _wait(
+        browser,
+        "return ['queued', 'running'].includes(document.querySelector('#job-status').textContent)",
+        "the resumed job queued",
+        60,
+    )
+    assert c.fine_tuning.jobs.retrieve(running).status in ("queued", "running")
+    assert browser.find_element("css selector", "#pause").is_displayed()
+
+
 def test_try_it_box_asks_the_fine_tuned_model_and_its_base_side_by_side(serve, jobs, browser):
     """The box streams both answers from /v1/chat/completions (Ray Serve deploys the two
     models on this first request); each equals the API's own greedy answer."""
@@ -299,35 +332,6 @@ def test_try_it_box_asks_the_fine_tuned_model_and_its_base_side_by_side(serve, j
     assert any(r.startswith(job.fine_tuned_model) for r in rows)
     assert any(r.startswith(f"{job.model} ") for r in rows)
     _shot(browser, "served-models")
-
-
-def test_pause_and_resume_buttons_pause_the_running_job_and_resume_it(serve, jobs, browser):
-    _, running = jobs
-    c = serve.client()
-    _sign_in(browser, serve, TOKEN)
-    browser.get(f"{serve.url}/ui/#/jobs/{running}")
-    _wait(browser, "return window.pstar.streamState === 'live'", "the live stream")
-    assert "method supervised" in browser.find_element("css selector", "#job-method").text
-    assert not browser.find_element("css selector", "#resume").is_displayed()
-    browser.find_element("css selector", "#pause").click()
-    _wait(
-        browser,
-        "return document.querySelector('#job-status').textContent === 'paused'",
-        "the paused status",
-        120,
-    )
-    assert c.fine_tuning.jobs.retrieve(running).status == "paused"
-    assert not browser.find_element("css selector", "#pause").is_displayed()
-    _shot(browser, "job-paused")
-    browser.find_element("css selector", "#resume").click()
-    _wait(
-        browser,
-        "return ['queued', 'running'].includes(document.querySelector('#job-status').textContent)",
-        "the resumed job queued",
-        60,
-    )
-    assert c.fine_tuning.jobs.retrieve(running).status in ("queued", "running")
-    assert browser.find_element("css selector", "#pause").is_displayed()
 
 
 def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_first(
