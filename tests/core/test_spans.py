@@ -162,13 +162,30 @@ def test_a_frozen_base_that_spans_chunks_trains_its_adapters_the_same():
 
 
 def test_two_ranks_whose_tensors_span_chunks_match_one_rank(tmp_path):
-    """ZeRO: a span's pieces lie in chunks that different ranks own; each is gathered."""
-    one = spawn_ranks("tests.core.zero_worker", 1, tmp_path / "one", "train")[0]
-    two = spawn_ranks(
-        "tests.core.zero_worker", 2, tmp_path / "two", "train", PSTAR_TEST_CHUNK="1024"
-    )
-    assert two[0]["stats_before"]["chunk_size"] == 1024
+    """ZeRO: a span's pieces lie in chunks that different ranks own; each is gathered.
+    The ranks train `zero_worker`'s run (hf_gpt2, 20 batches of 8, half each); one rank
+    here trains the same batches whole."""
+    from tests.core.zero_worker import STEPS
+
+    two = spawn_ranks("tests.core.zero_worker", 2, tmp_path, "train", PSTAR_TEST_CHUNK=str(SMALL))
+    assert two[0]["stats_before"]["chunk_size"] == SMALL
     assert two[0]["losses"] == two[1]["losses"]
-    torch.testing.assert_close(
-        torch.tensor(two[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0
-    )
+    ref = reference_model(MODELS["hf_gpt2"])
+    one = run_engine(make(MODELS["hf_gpt2"], ref, 8192), batches(STEPS, batch=8))
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one), rtol=1e-5, atol=0)
+
+
+def test_the_forecast_loads_every_piece_and_counts_the_operators_copy():
+    """The planner's iteration: an operator using a spanning tensor needs all the chunks
+    its pieces lie in, and the tensor's contiguous copy is non-model memory then."""
+    from pstar_core.forecast import Moment, forecast
+    from pstar_core.mapping import make_plan
+
+    numels = [512, 3000, 512]  # the middle one spans 4 chunks of 1024, from a's rest on
+    plan = make_plan(numels, [True] * 3, ["a", "big", "b"], "fp32", 1024)
+    assert plan.spanning == (("big", 4),)
+    steps = [Moment("op:a", (0,), 100), Moment("op:big", (1,), 100), Moment("op:b", (2,), 100)]
+    f = forecast(plan, [True] * 3, steps, 1 << 30)
+    assert f.non_model_peak_bytes == 100 + 3000 * 4  # the copy, in fp32
+    # the big tensor's operator needs its 4 chunks and room for its copy
+    assert f.least_device_bytes == 4 * 1024 * 4 + 100 + 3000 * 4
