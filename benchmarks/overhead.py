@@ -98,14 +98,19 @@ class _Runner:
 
 
 def _engine_runner(
-    cfg: GPTConfig, dtype: str, state: dict[str, torch.Tensor], device: str
+    cfg: GPTConfig,
+    dtype: str,
+    state: dict[str, torch.Tensor],
+    device: str,
+    chunk_size: int | str = "auto",
+    name: str = ENGINE,
 ) -> tuple[_Runner, Any]:
     engine = pstar_core.initialize(
         lambda: build(cfg),
         {
             "dtype": dtype,
             "device": device,
-            "chunk_size": "auto",
+            "chunk_size": chunk_size,
             "optimizer": {"lr": _LR, "weight_decay": _WD},
         },
     )
@@ -115,7 +120,7 @@ def _engine_runner(
     def fwd(x: torch.Tensor) -> torch.Tensor:
         return engine(input_ids=x, labels=x).loss
 
-    return _Runner(ENGINE, fwd, engine.backward, engine.step, seen), engine
+    return _Runner(name, fwd, engine.backward, engine.step, seen), engine
 
 
 def _master_runner(
@@ -181,12 +186,16 @@ def run(
     json_out: bool = False,
     device: str = "cpu",
     layers: int = 0,
+    chunk_size: int = 0,
 ) -> dict[str, Any]:
     """Time engine vs. plain-PyTorch training steps of ``model``; print a table, return a dict.
 
     ``ratio`` is engine ÷ the fair baseline (``baseline``: the dtype+fp32-master recipe in
     bf16/fp16, plain fp32 torch in fp32); ``ratio_vs_fp32`` is engine ÷ plain fp32
-    PyTorch. With ``json_out`` the last line printed is one JSON object with the numbers.
+    PyTorch. ``chunk_size`` (elements, 0: none) adds a second engine with chunks of that
+    size, interleaved with the rest: the tensors larger than it span chunks, and
+    ``spanned_over_engine`` is its step time ÷ the engine's (whose chunks hold every
+    tensor). With ``json_out`` the last line printed is one JSON object with the numbers.
     """
     dtype = bench_dtype(dtype)
     if steps < 1 or warmup < 0 or batch < 1 or seq < 2:
@@ -215,6 +224,11 @@ def run(
         runners.append(_master_runner(cfg, dtype, state, device))
     runners.append(_fp32_runner(cfg, state, device))
     baseline = runners[1]
+    spanned = None
+    if chunk_size:
+        name = f"engine, chunks of {chunk_size}"
+        spanned_runner, spanned = _engine_runner(cfg, dtype, state, device, chunk_size, name)
+        runners.append(spanned_runner)
     del state
     gc.collect()
 
@@ -286,6 +300,12 @@ def run(
         **machine(dtype),
         "load_avg": {"before": load_before, "after": load_after},
     }
+    if spanned is not None:
+        result["chunk_size"] = {ENGINE: engine.plan.chunk_size, runners[-1].name: chunk_size}
+        result["spanning"] = [name for name, _ in spanned.plan.spanning]
+        result["spanned_over_engine"] = med[runners[-1].name] / med[ENGINE]
+        result["spanned_losses_equal"] = runners[-1].losses == eng.losses
+        spanned.close()
     engine.close()
 
     table = Table(

@@ -82,6 +82,10 @@ def bench_overhead(
         str, typer.Option(help="cpu, or fakegpu: a device with streams, as a GPU")
     ] = "cpu",
     layers: Annotated[int, typer.Option(help="its layers (0: the zoo's)")] = 0,
+    chunk_size: Annotated[
+        int,
+        typer.Option(help="also an engine with chunks of this many elements (tensors span)"),
+    ] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Engine step time / plain PyTorch step time (same dtype), runs interleaved."""
@@ -90,7 +94,7 @@ def bench_overhead(
     try:
         run(
             model=model, steps=steps, warmup=warmup, batch=batch, seq=seq, dtype=dtype,
-            json_out=json_out, device=device, layers=layers,
+            json_out=json_out, device=device, layers=layers, chunk_size=chunk_size,
         )  # fmt: skip
     except ValueError as e:
         _fail(str(e))

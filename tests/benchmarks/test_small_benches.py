@@ -131,10 +131,16 @@ def test_bench_overhead_in_fp32_runs_every_recipe_in_fp32_against_plain_torch():
 def test_bench_overhead_on_a_device_with_streams_runs_every_recipe_there():
     """On fakegpu the engine's per-operator prefetch bookkeeping runs (it does not on the
     CPU, where nothing can be copied ahead); plain torch runs the same kernels there."""
-    r = last_json([*OVERHEAD, "--dtype", "fp32", "--device", "fakegpu", "--layers", "3"])
+    args = [*OVERHEAD, "--dtype", "fp32", "--device", "fakegpu", "--layers", "3"]
+    r = last_json([*args, "--chunk-size", "4096"])
     assert (r["device"], r["layers"]) == ("fakegpu", 3)
     losses = r["final_loss"]
     assert losses["engine"] == pytest.approx(losses["torch fp32"], rel=1e-5)
+    # a second engine whose chunks are smaller than the embedding: it spans, same losses
+    assert "wte.weight" in r["spanning"]
+    assert r["spanned_losses_equal"] is True
+    spanned = r["step_times_s"]["engine, chunks of 4096"]
+    assert r["spanned_over_engine"] == median(spanned) / median(r["step_times_s"]["engine"])
     res = runner.invoke(app, [*OVERHEAD, "--device", "tpu"])
     assert res.exit_code != 0
     assert "runs on cpu or fakegpu" in res.output
