@@ -199,7 +199,7 @@ def check_tracer(device: str) -> Check:
             i = m.tracer.moment
             chunks = m.residency.device_chunk_bytes()
             samples[i] = max(samples.get(i, 0), _allocated(dev) - chunks)
-            allowed[i] = m.tracer.trace.non_model[i] + m.tracer.carry_bytes
+            allowed[i] = m.tracer.trace.need(i) + m.tracer.carry_bytes
 
     _train(engine, _batches(STEPS), sample)
     trace = engine.manager.tracer.trace

@@ -194,7 +194,7 @@ def _sampled_against_trace(engine, dev) -> tuple[dict[int, int], Callable[[], in
             chunks = m.residency.device_chunk_bytes()
             allocated = int(device_module(dev).memory_allocated(dev))
             samples[i] = max(samples.get(i, 0), allocated - chunks)
-            allowed[i] = m.tracer.trace.non_model[i] + m.tracer.carry_bytes
+            allowed[i] = m.tracer.trace.need(i) + m.tracer.carry_bytes
 
     m.on_access.append(observe)
     return samples, lambda: sum(1 for i, s in samples.items() if s > allowed[i])

@@ -50,7 +50,8 @@ def place_optimizer_states(
     each chunk on (the host in a first warm-up; the device after a resume, see
     `checkpoint`), and a decision that depended on it would not be the same twice. What
     Adam itself needs on the device is reserved explicitly instead: its temporaries are
-    written into the trace at the device-Adam moments, so A_j there leaves room for them.
+    set aside in the trace at the device-Adam moments (`Trace.reserved`, not written into
+    the measurements), so A_j there leaves room for them.
     """
     device_adam: set[int] = set()
     if trace is None:
@@ -91,13 +92,15 @@ def is_adam_moment(moment_name: str) -> bool:
 
 
 def _reserve_adam_temporaries(trace: Trace, device_adam: set[int], temporary: int) -> None:
-    """N_j at the moments of Adam on the device: at least what the kernel allocates
-    there (a warm-up that ran them on the host measured nothing on the device)."""
+    """At the moments of Adam on the device, room for what the kernel allocates there (a
+    warm-up that ran them on the host measured nothing on the device): set aside in
+    `trace.reserved`, beside the measured N_j (each placement replaces the last's)."""
+    trace.reserved.clear()
     if not temporary:
         return
     for j, name in enumerate(trace.names):
         if is_adam_moment(name) and int(name[len(ADAM_MOMENT) :]) in device_adam:
-            trace.non_model[j] = max(trace.non_model[j], temporary)
+            trace.reserved[j] = temporary
 
 
 def adam_tier(device_adam: set[int], index: int) -> TierName:

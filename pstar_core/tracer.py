@@ -65,7 +65,11 @@ class Trace:
     chunk_peak: list[int] = field(default_factory=list)  # the most chunk bytes in window i
     # the least chunk bytes in window i once its operator's chunks were in place
     chunk_compute: list[int] = field(default_factory=list)
-    non_model: list[int] = field(default_factory=list)  # N_i
+    non_model: list[int] = field(default_factory=list)  # N_i, as measured
+    # what a decision set aside at moment i beyond what was measured there (placement:
+    # device Adam's temporaries, where the traced step ran Adam on the host); kept apart
+    # so that a reported N_i is always a measurement (`need` is what admission uses)
+    reserved: dict[int, int] = field(default_factory=dict)
     uses: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     # on an accelerator, the caching allocator's reserved peak in window i (what the device
     # really holds; above allocated by the blocks it caches, or fragmentation)
@@ -81,14 +85,25 @@ class Trace:
 
     @property
     def peak_non_model(self) -> int:
+        """The most non-model memory measured at a moment."""
         return max(self.non_model, default=0)
 
+    def need(self, moment: int) -> int:
+        """Non-model memory moment i may use: what was measured, or what was set aside
+        there if more."""
+        return max(self.non_model[moment], self.reserved.get(moment, 0))
+
+    @property
+    def peak_need(self) -> int:
+        return max((self.need(i) for i in range(len(self.non_model))), default=0)
+
     def non_model_around(self, moment: int) -> int:
-        """max(N_j, N_{j+1}): what the operator starting at moment j may need."""
+        """max(N_j, N_{j+1}) (each with what was set aside there): what the operator
+        starting at moment j may need."""
         if not self.non_model:
             return 0
         j = min(max(moment, 0), len(self.non_model) - 1)
-        return max(self.non_model[j], self.non_model[min(j + 1, len(self.non_model) - 1)])
+        return max(self.need(j), self.need(min(j + 1, len(self.non_model) - 1)))
 
     def device_peak(self) -> int:
         """max over moments of N_i + the chunk bytes of window i: the device's peak."""
@@ -331,7 +346,7 @@ class MemoryTracer:
             return 0
         if self.mode is Mode.FOLLOWING:
             return t.non_model_around(self.moment) + self.carry_bytes
-        return int(t.peak_non_model * self.scale) + self.carry_bytes
+        return int(t.peak_need * self.scale) + self.carry_bytes
 
     def _estimated_non_model(self, moments: int, mode: Mode) -> list[int]:
         """A pass that did not measure: the trace's N_i (or its scaled peak off the trace),
@@ -342,8 +357,8 @@ class MemoryTracer:
         live = self._pass.live_start
         carry = [self._carry(i, live[i], mode) if i < len(live) else 0 for i in range(moments)]
         if mode is Mode.FOLLOWING or (moments <= t.moments and self.scale == 1.0):
-            return [t.non_model[min(i, t.moments - 1)] + carry[i] for i in range(moments)]
-        return [int(t.peak_non_model * self.scale) + carry[i] for i in range(moments)]
+            return [t.need(min(i, t.moments - 1)) + carry[i] for i in range(moments)]
+        return [int(t.peak_need * self.scale) + carry[i] for i in range(moments)]
 
     @contextlib.contextmanager
     def chunk_memory(self) -> Iterator[None]:
@@ -422,6 +437,8 @@ class MemoryTracer:
             "moments": t.moments if t else 0,
             "peak_non_model_bytes": t.peak_non_model if t else 0,
             "non_model_bytes": list(t.non_model) if t else [],
+            # what placement set aside beyond the measurement, by moment (not measured)
+            "reserved_non_model_bytes": {str(k): v for k, v in t.reserved.items()} if t else {},
             "chunk_bytes": list(t.chunk_bytes) if t else [],
             "chunk_peak_bytes": list(t.chunk_peak) if t else [],
             "chunk_compute_bytes": list(t.chunk_compute) if t else [],
