@@ -186,12 +186,13 @@ def _newest_checkpoint(store: Store, job_id: str) -> str | None:
 
 def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from service.finetune import train_func
+    from service.trainer import lean_torch_trainer
 
     res = job.plan["resources"]
-    trainer = TorchTrainer(
+    trainer = lean_torch_trainer(
         train_func,
         # no store address in here: Ray shows a trainer's config on its dashboard; the
         # workers read it as the driver does

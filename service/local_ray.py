@@ -31,6 +31,9 @@ HEAD_ENV = {
     # Ray Train's controller polls workers this often; its default 2 s delays every
     # checkpoint report and the detection of a lost worker
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # an actor (a process that imports Ray) per worker-group start, watching for node
+    # drains: this head's one node is never drained (see service.trainer)
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 

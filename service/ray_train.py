@@ -64,7 +64,9 @@ def run_ray(
     `train_loop` is the per-worker function (`train_func`, or one that wraps it)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
+
+    from service.trainer import lean_torch_trainer
 
     if spec.train.batch_size % workers:
         raise ConfigError(
@@ -79,7 +81,7 @@ def run_ray(
     if started:
         phase("starting a local Ray")
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-    trainer = TorchTrainer(
+    trainer = lean_torch_trainer(
         train_loop,
         train_loop_config={"spec_json": spec.model_dump_json(), "run": run},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
