@@ -50,6 +50,9 @@ class Reconciler:
         self.on_ray_down = on_ray_down  # the embedded default restarts its local head
         self.interval_s = interval_s
         self._stop = threading.Event()
+        # set when a tick need not wait out the interval: a file check is in, a job has just
+        # become queued (each step of a new job used to wait a whole interval)
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.ticks = 0
         self.ray_ok = True
@@ -66,17 +69,23 @@ class Reconciler:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._checks.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # a wake-up during the tick starts the next one at once
             try:
                 self.tick()
             except Exception:  # one bad tick must not end reconciliation
                 log.exception("reconciler tick failed")
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+
+    def wake(self) -> None:
+        """Tick now instead of at the end of the interval (thread-safe)."""
+        self._wake.set()
 
     def tick(self) -> None:
         self.ticks += 1
@@ -309,7 +318,9 @@ class Reconciler:
         thread; the verdict is acted on at the first tick after it is in."""
         check = self._checking.get(job.id)
         if check is None:
-            self._checking[job.id] = self._checks.submit(self._file_problem, job)
+            check = self._checks.submit(self._file_problem, job)
+            self._checking[job.id] = check
+            check.add_done_callback(lambda _f: self.wake())
             return
         if not check.done():
             return
@@ -328,6 +339,7 @@ class Reconciler:
             )
             return
         self.store.jobs.update(job.id, event="Files validated; the job is queued", status="queued")
+        self.wake()  # its first attempt is submitted by the next tick
 
     def _file_problem(self, job: ActiveJob) -> str | None:
         from service.files import file_path

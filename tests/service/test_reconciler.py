@@ -447,3 +447,29 @@ def test_a_job_paused_before_its_first_attempt_gets_none_until_resumed(world):
     assert store.jobs.get(job.id).status == "validating_files"  # its files checked again
     assert not store.jobs.resume(job.id, "acme")
     assert store.jobs.pause(job.id, "rival") is None  # another tenant's: not found as such
+
+
+def test_a_checked_job_is_submitted_without_waiting_out_the_interval(local_service):
+    import hashlib
+
+    settings, store = local_service
+    data = b'{"text": "hello"}\n'
+    f = make_file("acme", "good")
+    f.bytes, f.sha256 = len(data), hashlib.sha256(data).hexdigest()
+    store.files.add(f)
+    (settings.files_dir / "good").write_bytes(data)
+    job = add_job(store, status="validating_files", body=None)
+    with store.db.write() as s:
+        s.execute(update(Job).where(Job.id == job.id).values(training_file=f.id))
+    ray = ScriptedLauncher()
+    # three steps (check, queued, submitted), each of which used to wait an interval
+    rec = Reconciler(settings, store, ray, interval_s=60)
+    rec.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not ray.submits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        rec.stop()
+    assert ray.submits == [f"{job.id}-a1"]
+    assert rec.ticks <= 4
