@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from service.status import JobStatus
 from service.store import Store
 
 
@@ -20,7 +21,7 @@ class _JobsCollector:
             counts = self.store.jobs.count_by_status(self.tenant)
         except Exception:  # a scrape must not fail because the store is down; /readyz says so
             counts = {}
-        for status in ("validating_files", "queued", "running", "succeeded", "failed", "cancelled"):
+        for status in JobStatus:
             g.add_metric([status], counts.get(status, 0))
         yield g
 

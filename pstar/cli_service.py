@@ -23,11 +23,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from pstar.client import DEFAULT_URL, ApiError, Client, find_token
+from service.status import TERMINAL
 
 console = Console()
 files_app = typer.Typer(help="Training files on the service.")
 jobs_app = typer.Typer(help="Fine-tuning jobs on the service.")
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 Url = Annotated[str, typer.Option(envvar="PSTAR_URL", help="the service's base URL")]
 DataDir = Annotated[

@@ -33,6 +33,7 @@ from service.files import file_path
 from service.prepare import prepare, save_rows
 from service.registry import fine_tuned_name
 from service.settings import Settings
+from service.status import JobStatus
 from service.store import File, Job, StaleAttempt, Store
 from service.store.models import PAUSED
 
@@ -295,7 +296,7 @@ def fail(store: Store, job_id: str, attempt: int, code: str, message: str) -> No
         job_id,
         event=f"The job failed: {message}",
         attempt=attempt,
-        status="failed",
+        status=JobStatus.FAILED,
         status_detail=None,
         error={"code": code, "message": message, "param": None},
     )

@@ -33,6 +33,7 @@ from service.job_request import (
 from service.registry import ModelRef, resolve_model
 from service.resources import Resources
 from service.settings import Limits, Settings
+from service.status import JobStatus
 from service.store import (
     IdempotencyConflict,
     Job,
@@ -254,7 +255,7 @@ class JobService:
             request_hash=h,
             idempotency_key=idempotency_key,
             plan=plan,
-            status="validating_files",
+            status=JobStatus.VALIDATING_FILES,
             status_detail=None,
             progress_step=0,
             progress_total=0,
@@ -303,7 +304,7 @@ class JobService:
     def cancel(self, tenant: str, job_id: str) -> Job:
         job = self.get(tenant, job_id)
         if not self.store.jobs.update(
-            job_id, event="Job cancelled", status="cancelled", cancel_requested=True
+            job_id, event="Job cancelled", status=JobStatus.CANCELLED, cancel_requested=True
         ):
             job = self.get(tenant, job_id)
             raise Conflict(
@@ -333,7 +334,7 @@ class JobService:
                 code="job_not_pausable",
             )
         job = self.get(tenant, job_id)
-        if how == "requested" and job.status == "queued" and job.attempt:
+        if how == "requested" and job.status == JobStatus.QUEUED and job.attempt:
             # waiting in Ray for resources (or recovering): nothing to wait for
             self.launcher.stop_quietly(f"{job_id}-a{job.attempt}")
         return job

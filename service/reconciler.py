@@ -31,6 +31,7 @@ from service.errors import Unavailable
 from service.faults import crash_point
 from service.launcher import ENDED, LIVE
 from service.settings import Settings, job_env
+from service.status import AttemptState, JobStatus
 from service.store import ActiveAttempt, ActiveJob, Attempt, Store
 from service.store.models import PAUSED, PAUSED_RAY_STATUS
 
@@ -110,7 +111,11 @@ class Reconciler:
         orphans = self.store.attempts.open_of_finished_jobs()
         try:
             # Ray is asked about the attempts that may have ended, and about no other
-            asked = {a.submission_id for _, a in pairs if a is not None and a.state == "submitted"}
+            asked = {
+                a.submission_id
+                for _, a in pairs
+                if a is not None and a.state == AttemptState.SUBMITTED
+            }
             ray = RayView(self.launcher.statuses(asked | {a.submission_id for a, _ in orphans}))
             shares = TenantShares(self.settings.limits, pairs)
             waiting: dict[str, str | None] = {}
@@ -120,7 +125,11 @@ class Reconciler:
                 # a job waiting for its first attempt, or resumed after a pause, starts
                 # only within its tenant's running limits
                 starting = att is None or att.paused
-                if starting and job.status == "queued" and not self._admitted(job, shares, waiting):
+                if (
+                    starting
+                    and job.status == JobStatus.QUEUED
+                    and not self._admitted(job, shares, waiting)
+                ):
                     continue
                 self._guarded(job, att, ray)
             if waiting:  # every new reason to wait (or none) of the tick, in one write
@@ -200,7 +209,7 @@ class Reconciler:
             self.store.jobs.update(
                 job.id,
                 event=f"The job failed: {message}",
-                status="failed",
+                status=JobStatus.FAILED,
                 status_detail=None,
                 error={"code": code, "message": message[:2000], "param": None},
             )
@@ -227,14 +236,16 @@ class Reconciler:
 
     def reconcile(self, job: ActiveJob, att: ActiveAttempt | None, ray: RayView) -> None:
         """One unfinished job and its current attempt (None before the first)."""
-        if job.status == "validating_files":
+        if job.status == JobStatus.VALIDATING_FILES:
             self._validate_files(job)
             return
         if att is None:
             self._next_attempt(job, "Attempt 1 submitted to Ray")
             return
         if att.paused:
-            if job.status == "queued":  # resumed: a new attempt, which a pause does not spend
+            if (
+                job.status == JobStatus.QUEUED
+            ):  # resumed: a new attempt, which a pause does not spend
                 nxt = self.store.attempts.close(
                     job.id,
                     att.number,
@@ -245,15 +256,15 @@ class Reconciler:
                 if nxt is not None:
                     self._submit(job, nxt)
             return
-        if att.state == "submitting":
+        if att.state == AttemptState.SUBMITTING:
             # a crash may have come between recording the attempt and Ray taking it: ask
             # Ray itself (not the tick's snapshot, which predates a submission of this tick)
             if self.launcher.status(att.submission_id) is None:
                 self._submit(job, att)
             else:
-                self.store.attempts.update(job.id, att.number, state="submitted")
+                self.store.attempts.update(job.id, att.number, state=AttemptState.SUBMITTED)
             return
-        if att.state == "submitted":
+        if att.state == AttemptState.SUBMITTED:
             status = ray.status(att.submission_id)
             if status in LIVE:
                 return
@@ -261,7 +272,7 @@ class Reconciler:
             status = self.launcher.status(att.submission_id)
             if status in LIVE:
                 return
-        elif att.state == "ended":
+        elif att.state == AttemptState.ENDED:
             # ended by a control plane that died before writing what follows (older
             # versions wrote the two apart): carry it forward now
             status = self.launcher.status(att.submission_id)
@@ -330,7 +341,7 @@ class Reconciler:
             self.store.jobs.update(
                 job.id,
                 event=f"File validation failed: {problem}",
-                status="failed",
+                status=JobStatus.FAILED,
                 error={
                     "code": "invalid_training_file",
                     "message": problem,
@@ -338,7 +349,9 @@ class Reconciler:
                 },
             )
             return
-        self.store.jobs.update(job.id, event="Files validated; the job is queued", status="queued")
+        self.store.jobs.update(
+            job.id, event="Files validated; the job is queued", status=JobStatus.QUEUED
+        )
         self.wake()  # its first attempt is submitted by the next tick
 
     def _file_problem(self, job: ActiveJob) -> str | None:
@@ -368,7 +381,7 @@ class Reconciler:
         env = job_env(self.settings)
         self.launcher.submit(att.submission_id, job.id, att.number, env)
         crash_point("ray-has-attempt")
-        self.store.attempts.update(job.id, att.number, state="submitted")
+        self.store.attempts.update(job.id, att.number, state=AttemptState.SUBMITTED)
 
     def _keep_log(self, att: Attempt | ActiveAttempt) -> None:
         """Copy an ended attempt's Ray log into the job's directory. Best effort: a full
@@ -388,7 +401,7 @@ class Reconciler:
             paused = job.status == PAUSED
             if status in LIVE:
                 # a paused job's driver ends by itself, once its workers have paused
-                if job.status != "succeeded" and not paused:
+                if job.status != JobStatus.SUCCEEDED and not paused:
                     self.launcher.stop_quietly(att.submission_id)
             elif status in ENDED or status is None:
                 self.store.attempts.close(

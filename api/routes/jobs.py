@@ -29,6 +29,7 @@ from service import exports
 from service.errors import InvalidRequest, NotFound
 from service.job_request import JobRequest
 from service.registry import fine_tuned_name
+from service.status import TERMINAL
 
 router = APIRouter(
     prefix="/fine_tuning/jobs",
@@ -151,7 +152,6 @@ def jobs_events(
     return respond(EventList(data=[JobEvent.of(e) for e in rows], has_more=more))
 
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 STREAM_POLL_S = 0.5  # how often the stream looks for new events in the store
 STREAM_KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep the stream open
 

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
+from service.status import AttemptState, JobStatus
 from service.store.db import Resource, StaleAttempt, check_current
 from service.store.events import new_event
 from service.store.jobs import paused_values
@@ -26,7 +27,7 @@ class Attempts(Resource):
             job_id=job_id,
             number=number,
             submission_id=f"{job_id}-a{number}",
-            state="submitting",
+            state=AttemptState.SUBMITTING,
             reason=reason,
             created_at=time.time(),
         )
@@ -70,14 +71,14 @@ class Attempts(Resource):
     def open(self) -> list[Attempt]:
         """Every attempt not marked ended."""
         with self.db.read() as s:
-            return list(s.scalars(select(Attempt).where(Attempt.state != "ended")))
+            return list(s.scalars(select(Attempt).where(Attempt.state != AttemptState.ENDED)))
 
     def open_of_finished_jobs(self) -> list[tuple[Attempt, Job]]:
         """Attempts not marked ended whose job is: what Ray may still run for nothing."""
         q = (
             select(Attempt, Job)
             .join(Job, Job.id == Attempt.job_id)
-            .where(Attempt.state != "ended", Job.status.not_in(ACTIVE))
+            .where(Attempt.state != AttemptState.ENDED, Job.status.not_in(ACTIVE))
         )
         with self.db.read() as s:
             return [(att, job) for att, job in s.execute(q).all()]
@@ -85,7 +86,11 @@ class Attempts(Resource):
     def end_paused(self, job_id: str, number: int) -> None:
         """The driver of attempt `number` ends after its workers paused the job."""
         self.update(
-            job_id, number, state="ended", ray_status=PAUSED_RAY_STATUS, ended_at=time.time()
+            job_id,
+            number,
+            state=AttemptState.ENDED,
+            ray_status=PAUSED_RAY_STATUS,
+            ended_at=time.time(),
         )
 
     def update(self, job_id: str, number: int, **values: Any) -> None:
@@ -119,9 +124,13 @@ class Attempts(Resource):
         with self.db.write() as s:
             s.execute(
                 update(Attempt)
-                .where(Attempt.job_id == job_id, Attempt.number == number, Attempt.state != "ended")
+                .where(
+                    Attempt.job_id == job_id,
+                    Attempt.number == number,
+                    Attempt.state != AttemptState.ENDED,
+                )
                 .values(
-                    state="ended",
+                    state=AttemptState.ENDED,
                     ray_status=PAUSED_RAY_STATUS if pause else (ray_status or "LOST"),
                     ended_at=now,
                 )
@@ -140,7 +149,7 @@ class Attempts(Resource):
                         job_id=job_id,
                         number=number + 1,
                         submission_id=f"{job_id}-a{number + 1}",
-                        state="submitting",
+                        state=AttemptState.SUBMITTING,
                         reason=next_reason,
                         created_at=now,
                     )
@@ -160,7 +169,7 @@ class Attempts(Resource):
                     update(Job)
                     .where(*current)
                     .values(
-                        status="failed",
+                        status=JobStatus.FAILED,
                         status_detail=None,
                         finished_at=int(now),
                         error=failure["error"],

@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import UnknownCursor
+from service.status import AttemptState
 from service.store import statements
 from service.store.models import TERMINAL, Attempt, Job
 
@@ -162,7 +163,7 @@ def check_current(s: Session, job_id: str, attempt: int, *, lock: bool) -> None:
         raise StaleAttempt(job_id, attempt, f"attempt {row.attempt} is the current one")
     if row.status in TERMINAL:
         raise StaleAttempt(job_id, attempt, f"the job is {row.status}")
-    if row.state == "ended":
+    if row.state == AttemptState.ENDED:
         raise StaleAttempt(job_id, attempt, "the reconciler has ended this attempt")
 
 

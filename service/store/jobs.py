@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import bindparam, case, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
+from service.status import AttemptState, JobStatus, sources
 from service.store import statements
 from service.store.db import Resource
 from service.store.events import new_event
@@ -29,6 +30,9 @@ from service.store.models import (
     File,
     Job,
 )
+
+# a job that has had no attempt yet is paused at once (`pause`)
+_BEFORE_AN_ATTEMPT = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED)
 
 
 class ActiveJob(NamedTuple):
@@ -58,7 +62,7 @@ class ActiveAttempt(NamedTuple):
     @property
     def paused(self) -> bool:
         """Ended by a pause: the job waits for its owner, then a new attempt resumes."""
-        return self.state == "ended" and self.ray_status == PAUSED_RAY_STATUS
+        return self.state == AttemptState.ENDED and self.ray_status == PAUSED_RAY_STATUS
 
 
 def paused_values() -> dict[str, Any]:
@@ -187,7 +191,7 @@ class Jobs(Resource):
             conn = s.connection()
             changed = statements.update_job(conn, job_id, values)
             if changed and event:
-                level = "error" if values.get("status") == "failed" else "info"
+                level = "error" if values.get("status") == JobStatus.FAILED else "info"
                 statements.insert_event(conn, new_event(job_id, event, level=level))
             return changed
 
@@ -209,9 +213,9 @@ class Jobs(Resource):
         with self.db.write() as s:
             res = s.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.status == "queued")
+                .where(Job.id == job_id, Job.status.in_(sources(JobStatus.RUNNING)))
                 .where(Job.attempt == attempt)
-                .values(status="running", started_at=func.coalesce(Job.started_at, now))
+                .values(status=JobStatus.RUNNING, started_at=func.coalesce(Job.started_at, now))
                 .execution_options(synchronize_session=False)
             )
             if res.rowcount == 1:
@@ -239,7 +243,7 @@ class Jobs(Resource):
             s.execute(
                 update(Job)
                 .where(Job.id == job_id)
-                .values(status="succeeded", finished_at=int(time.time()), **values)
+                .values(status=JobStatus.SUCCEEDED, finished_at=int(time.time()), **values)
                 .execution_options(synchronize_session=False)
             )
             s.add(new_event(job_id, event))
@@ -255,7 +259,7 @@ class Jobs(Resource):
         with self.db.write() as s:
             res = s.execute(
                 update(Job)
-                .where(*mine, Job.status.in_(("validating_files", "queued")), Job.attempt == 0)
+                .where(*mine, Job.status.in_(_BEFORE_AN_ATTEMPT), Job.attempt == 0)
                 .values(status=PAUSED, status_detail=None)
                 .execution_options(synchronize_session=False)
             )
@@ -264,7 +268,7 @@ class Jobs(Resource):
                 return "paused"
             res = s.execute(
                 update(Job)
-                .where(*mine, Job.status.in_(("queued", "running")))
+                .where(*mine, Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
                 .values(pause_requested=True, status_detail="pausing at the next step boundary")
                 .execution_options(synchronize_session=False)
             )
@@ -308,7 +312,9 @@ class Jobs(Resource):
         """A paused job goes back to the queue; its next attempt starts from the pause's
         checkpoint (the reconciler). One paused before its first attempt has its files
         checked again first. False if it was not paused."""
-        back = case((Job.attempt == 0, "validating_files"), else_="queued")
+        back = case(
+            (Job.attempt == 0, JobStatus.VALIDATING_FILES.value), else_=JobStatus.QUEUED.value
+        )
         with self.db.write() as s:
             res = s.execute(
                 update(Job)
@@ -385,7 +391,7 @@ class Jobs(Resource):
             Job.seq,
         )
         joined = (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt)
-        waiting = (Job.status == "queued") & (Job.attempt == 0)
+        waiting = (Job.status == JobStatus.QUEUED) & (Job.attempt == 0)
         if waiting_per_tenant is None:
             queries = [select(*cols).outerjoin(Attempt, joined).where(Job.status.in_(ACTIVE))]
         else:

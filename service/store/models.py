@@ -26,13 +26,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# a job's status: the first three move on by themselves, a paused job waits for its owner
-# to resume it (or cancel it), the last three never change
-ACTIVE = ("validating_files", "queued", "running")
-PAUSED = "paused"
-UNFINISHED = (*ACTIVE, PAUSED)  # what holds its files and counts toward the tenant's quota
+from service.status import ACTIVE, TERMINAL, UNFINISHED, JobStatus
+
+__all__ = ["ACTIVE", "PAUSED", "PAUSED_RAY_STATUS", "TERMINAL", "UNFINISHED"]
+
+# a job's status, and which are active, unfinished, terminal: `service.status`
+PAUSED = JobStatus.PAUSED
 PAUSED_RAY_STATUS = "PAUSED"  # an attempt's `ray_status` when a pause ended it
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
 SeqType = BigInteger().with_variant(Integer(), "sqlite")

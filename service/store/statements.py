@@ -23,6 +23,7 @@ import orjson
 from sqlalchemy import bindparam, func, inspect, select, text
 from sqlalchemy.engine import Connection, Result
 
+from service.status import sources
 from service.store.models import TERMINAL, UNFINISHED, Event, File, Job
 
 _JOBS = Job.__table__
@@ -130,10 +131,17 @@ def insert_event(conn: Connection, event: Event) -> None:
 
 
 def update_job(conn: Connection, job_id: str, values: dict[str, Any]) -> bool:
-    """Set `values` (by attribute name) on a job that is not terminal yet; whether it was."""
+    """Set `values` (by attribute name) on a job that is not terminal yet; whether it was.
+    A new `status` is set only from one it may follow (`service.status.sources`)."""
+    status = values.get("status")
+    allowed = (
+        _JOBS.c.status.in_(sources(status))
+        if status is not None
+        else _JOBS.c.status.not_in(TERMINAL)
+    )
     q = (
         _JOBS.update()
-        .where(_JOBS.c.id == job_id, _JOBS.c.status.not_in(TERMINAL))
+        .where(_JOBS.c.id == job_id, allowed)
         .values({_COLUMNS[Job][k]: v for k, v in values.items()})
     )
     return conn.execute(q).rowcount == 1

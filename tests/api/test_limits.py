@@ -244,12 +244,18 @@ def test_prometheus_token_counts_every_tenants_jobs_and_opens_nothing_else(api, 
     c = api.client()
     job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
     prom = {"Authorization": f"Bearer {METRICS_TOKEN}"}
-    every = api.store.jobs.count_by_status()
+    # the reconciler moves the new job on (validating_files -> queued) at any moment: a
+    # scrape is compared with counts that held both before and after it
+    for _ in range(50):
+        every = api.store.jobs.count_by_status()
+        text = httpx.get(api.url + "/metrics", headers=prom).text
+        if api.store.jobs.count_by_status() == every:
+            break
     mine = api.store.jobs.count_by_status("acme")
     assert every != mine  # rival has jobs too (an earlier test made one)
-    text = httpx.get(api.url + "/metrics", headers=prom).text
     for status, n in every.items():
         assert f'pstar_jobs{{status="{status}"}} {float(n)}' in text, text
+    assert 'pstar_jobs{status="paused"}' in text  # every status has its line
     assert httpx.get(api.base + "/files", headers=prom).status_code == 401
     c.fine_tuning.jobs.cancel(job.id)
 
