@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, Plan
+from pstar_core.placement import device_margin
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)\.")
 
@@ -244,8 +245,7 @@ def forecast(
     copies = [sum(copy_bytes[t] for t in set(m.tensors)) for m in steps]
 
     peak_nm = max((m.non_model + c for m, c in zip(steps, copies, strict=True)), default=0)
-    # as `placement.place_optimizer_states`: two gathered groups may be in flight
-    margin = device_budget - peak_nm - units * chunk - 2 * others
+    margin = device_margin(device_budget, peak_nm, units * chunk, nproc, chunk)
     device_adam = min(n_train, max(0, margin - adam_temporary) // triple)
     pinned = device_adam * triple  # device-Adam states stay on the device
 

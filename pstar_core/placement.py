@@ -57,8 +57,6 @@ def place_optimizer_states(
     if trace is None:
         return device_adam, 0
     params = sum(c.nbytes for kind in PARAM_LISTS for c in lists[kind] if owned(c))
-    if nproc > 1:  # two gathered groups may be in flight at once
-        params += 2 * (nproc - 1) * lists[ChunkType.PARAM][0].nbytes
     peak = max(
         (
             n
@@ -67,7 +65,9 @@ def place_optimizer_states(
         ),
         default=0,
     )
-    margin = device_budget_bytes - peak - params
+    margin = device_margin(
+        device_budget_bytes, peak, params, nproc, lists[ChunkType.PARAM][0].nbytes
+    )
     temporary = adam_temporary_bytes(chunk_size, device)
     left = margin - temporary
     triples = {
@@ -85,6 +85,18 @@ def place_optimizer_states(
             left -= triple
     _reserve_adam_temporaries(trace, device_adam, temporary)
     return device_adam, margin
+
+
+def device_margin(
+    budget: int, peak_non_model: int, own_param_bytes: int, nproc: int, chunk_bytes: int
+) -> int:
+    """The device's room for optimizer states (the paper's margin space): its budget less
+    the peak non-model memory of forward and backward, this rank's param and frozen chunks,
+    and under ZeRO two gathered groups of the other ranks' chunks (`chunk_bytes` each),
+    which may be in flight at once. The engine's placement and the planner's forecast
+    both read it here."""
+    in_flight = 2 * (nproc - 1) * chunk_bytes if nproc > 1 else 0
+    return budget - peak_non_model - own_param_bytes - in_flight
 
 
 def is_adam_moment(moment_name: str) -> bool:
