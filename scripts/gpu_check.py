@@ -82,8 +82,9 @@ def run_stage(name: str, device: str, out: Path) -> None:
     start = time.perf_counter()
     try:
         from benchmarks import gpu_stages
+        from benchmarks.gpu_common import open_device
 
-        dev = gpu_stages.open_device(device)
+        dev = open_device(device)
         result = gpu_stages.STAGE_FUNCTIONS[name](device, dev)
         payload = {"status": result.status, "numbers": result.numbers, "detail": result.detail}
     except Exception as e:
