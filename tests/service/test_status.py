@@ -44,21 +44,10 @@ def test_the_api_documents_exactly_the_statuses_there_are():
     assert list(typing.get_args(FilterStatus)) == [s.value for s in JobStatus]
 
 
-@pytest.mark.parametrize(
-    ("now", "asked", "legal"),
-    [
-        ("validating_files", "queued", True),
-        ("running", "queued", False),  # no way back to the queue from running
-        ("paused", "queued", True),
-        ("queued", "validating_files", False),
-        ("running", "failed", True),
-        ("succeeded", "cancelled", False),  # terminal
-    ],
-)
-def test_a_status_write_changes_the_job_only_where_the_table_allows(
-    local_service, now, asked, legal
-):
+def test_the_store_marks_a_job_running_only_from_where_the_table_allows(local_service):
     _, store = local_service
-    job = add_job(store, status=now)
-    assert store.jobs.update(job.id, status=asked) is legal
-    assert store.jobs.get(job.id).status == (asked if legal else now)
+    for now in JobStatus:
+        job = add_job(store, status=now)
+        assert store.jobs.mark_running(job.id, 0) is (JobStatus.RUNNING in JOB_TRANSITIONS[now])
+        after = store.jobs.get(job.id).status
+        assert after == (JobStatus.RUNNING if now in sources(JobStatus.RUNNING) else now)
