@@ -1,10 +1,11 @@
 """A job's status and an attempt's state: the values, and which changes are legal.
 
 As `pstar_core/chunk.py` does for tensors, one table says which status a job may move to
-from which (`JOB_TRANSITIONS`). The store's writes are conditional updates whose `WHERE`
-names the statuses a change may come from (`sources`), so a change the table forbids
-changes no row, whatever another process did to the job in between. The values are
-`StrEnum`s: they are the strings the API and the database carry.
+from which (`JOB_TRANSITIONS`). A store write that holds a job to it is a conditional
+update whose `WHERE` names the statuses the change may come from (`sources`; so far
+`mark_running`, while generic `update()` writes only refuse terminal jobs), so a change
+the table forbids changes no row, whatever another process did to the job in between.
+The values are `StrEnum`s: they are the strings the API and the database carry.
 
     validating_files -> queued -> running -> succeeded   (queued -> succeeded too)
     validating_files | queued | running -> paused -> validating_files | queued
@@ -35,7 +36,6 @@ class JobStatus(StrEnum):
 ACTIVE = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED, JobStatus.RUNNING)
 UNFINISHED = (*ACTIVE, JobStatus.PAUSED)  # holds its files, counts toward the quota
 TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
-ALL = tuple(JobStatus)  # in the order the API documents them
 
 _ENDS = {JobStatus.FAILED, JobStatus.CANCELLED}  # from any status that is not terminal
 JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
@@ -76,17 +76,8 @@ class AttemptState(StrEnum):
     ENDED = "ended"  # its Ray job is over (its `ray_status` says how)
 
 
-ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
-    AttemptState.SUBMITTING: frozenset({AttemptState.SUBMITTED, AttemptState.ENDED}),
-    AttemptState.SUBMITTED: frozenset({AttemptState.ENDED}),
-    AttemptState.ENDED: frozenset(),
-}
-
-
 __all__ = [
     "ACTIVE",
-    "ALL",
-    "ATTEMPT_TRANSITIONS",
     "JOB_TRANSITIONS",
     "TERMINAL",
     "UNFINISHED",
