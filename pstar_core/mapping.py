@@ -122,8 +122,8 @@ def _waste(numels: Sequence[int], chunk_size: int, nproc: int = 1) -> int:
     for n in numels:
         if n > chunk_size:  # spans: fills the rest of this chunk, then whole ones
             rest = n - (chunk_size - fill)
-            chunks += -(-rest // chunk_size)
-            fill = rest - (-(-rest // chunk_size) - 1) * chunk_size
+            more = -(-rest // chunk_size)
+            chunks, fill = chunks + more, rest - (more - 1) * chunk_size
             continue
         if fill + n > chunk_size:
             chunks, fill = chunks + 1, 0

@@ -103,8 +103,8 @@ def materialize(
             _run_model_init(module)
         if lora.is_peft(module) and not preloaded:
             lora.init_adapters(module)
-        for span, copy in whole:
-            _cut_into_pieces(span, copy, m)
+        for span, copy in whole:  # cut into its pieces, as a loaded tensor is
+            tensors.load_tensor(span.name, copy, span.param)
         if adapter_dir is not None:
             lora.load_adapter(tensors, adapter_dir)
     for param, master in zip(m.lists[ChunkType.PARAM], m.lists[ChunkType.PARAM_FP32], strict=True):
@@ -153,16 +153,6 @@ def _rehome(param: nn.Parameter, device: torch.device) -> None:
     """
     empty = nn.Parameter(torch.empty(0, device=device), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, empty)
-
-
-def _cut_into_pieces(span: Span, copy: torch.Tensor, m: Any) -> None:
-    """Write a span's initialized copy into its pieces (this rank's)."""
-    kind = ChunkType.PARAM_FP32 if span.trainable else ChunkType.FROZEN
-    flat = copy.reshape(-1)
-    for piece, a, b in span.ranges():
-        chunk = m.chunk_of(kind, piece)
-        if m.owned(chunk):
-            chunk.view(piece).copy_(flat[a:b])
 
 
 def _init_buffer_only_modules(module: nn.Module, chunked: Collection[int]) -> None:
