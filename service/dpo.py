@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.job_request import DEFAULT_BETA
+from service.methods.dpo import DEFAULT_BETA
 from service.objectives import Rows, Split, all_sum, all_sum_tensor, eval_rounds
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from service import methods
 from service.datasets import DataError
 from service.files import file_path
 from service.prepare import prepare, save_rows
@@ -103,7 +104,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     hp = dict(plan["hyperparameters"], seq_len=meta["seq_len"])
     engine = dict(plan["engine"])
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
-    method = plan.get("method") or {"type": "supervised"}
+    method = plan.get("method") or {"type": methods.DEFAULT}
     store.jobs.update(job.id, attempt=attempt, progress_total=total)
     return {
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,

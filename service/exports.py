@@ -27,26 +27,27 @@ from service.settings import Settings
 from service.store import Checkpoint, Job
 
 VARIANTS = ("adapter", "merged", "full")
-BY_METHOD = {"lora": ("adapter", "merged"), "supervised": ("full",)}  # adapters, or every weight
+# what a job's checkpoints download as: with adapters trained, or every weight
+BY_ADAPTERS = {True: ("adapter", "merged"), False: ("full",)}
 # the file a complete directory of each variant holds
 MARKER = {"adapter": "adapter_config.json", "merged": "config.json", "full": "config.json"}
 BLOCK = 512  # tar's block: headers and file data are padded to it
 READ_BYTES = 1 << 20
 
 
-def method_of(job: Job) -> str:
-    """What the job's checkpoints hold: "lora" when it trains adapters (a LoRA job, or DPO
-    on adapters), "supervised" when every weight trains (supervised or DPO)."""
-    return "lora" if trains_adapters(job.plan) else "supervised"
+def variants_of(job: Job) -> tuple[str, ...]:
+    """What the job's checkpoints download as, the default first: the adapter (and the
+    merged model) when its method trains adapters, else every weight."""
+    return BY_ADAPTERS[trains_adapters(job.plan)]
 
 
 def default_variant(job: Job) -> str:
-    return BY_METHOD[method_of(job)][0]
+    return variants_of(job)[0]
 
 
 def variant_dir(settings: Settings, job: Job, ck: Checkpoint, variant: str) -> Path | None:
     """The complete directory of `variant` for the checkpoint; None if there is none."""
-    if variant not in BY_METHOD[method_of(job)]:
+    if variant not in variants_of(job):
         return None
     if variant == "adapter":
         d = adapter_dir(ck.path)
@@ -59,18 +60,17 @@ def variant_dir(settings: Settings, job: Job, ck: Checkpoint, variant: str) -> P
 
 def available(settings: Settings, job: Job, ck: Checkpoint) -> list[str]:
     """The variants the checkpoint downloads as now."""
-    return [v for v in BY_METHOD[method_of(job)] if variant_dir(settings, job, ck, v)]
+    return [v for v in variants_of(job) if variant_dir(settings, job, ck, v)]
 
 
 def content_dir(settings: Settings, job: Job, ck: Checkpoint, variant: str | None) -> Path:
     """The directory to send, or a 404 saying why there is none: the job's method never
     writes that variant, or this checkpoint does not have it (now)."""
-    method = method_of(job)
     variant = variant or default_variant(job)
-    allowed = BY_METHOD[method]
+    allowed = variants_of(job)
     if variant not in allowed:
         raise NotAvailable(
-            f"variant '{variant}': a {'LoRA' if method == 'lora' else 'full fine-tuning'} "
+            f"variant '{variant}': a {'LoRA' if trains_adapters(job.plan) else 'full fine-tuning'} "
             f"job's checkpoints download as {' or '.join(repr(v) for v in allowed)}",
             param="variant",
             code="variant_not_available",

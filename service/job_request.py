@@ -2,10 +2,11 @@
 messages a client needs, how its "auto" values are decided, and the limits one job may
 ask for (`service.jobs.JobService` creates the job from it).
 
-`method.type` is "supervised" (every weight trains) or ours, "lora": low-rank adapters
-on a pretrained model whose own weights stay frozen. The LoRA settings (`method.lora`)
-become the engine's `lora` section, which a client cannot set in `engine` itself; their
-target modules are checked against the model built on meta (see `service.lora`).
+`method` is built from the training methods' registry (`service.methods`): `method.type`
+names one, `method.<type>` is its section. A method that trains adapters (ours: "lora",
+or "dpo" with `method.dpo.lora`) gives the engine its `lora` section, which a client
+cannot set in `engine` itself; the target modules are checked against the model built on
+meta (see `service.lora`).
 """
 
 from __future__ import annotations
@@ -15,27 +16,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BeforeValidator,
-    Discriminator,
     Field,
-    Tag,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from pstar_core.config import LORA_DEFAULT_TARGETS as ALL_LINEAR
-from pstar_core.config import ConfigError, EngineConfig, LoraConfig
+from pstar_core.config import ConfigError, EngineConfig
+from service import methods
 from service.errors import InvalidRequest, describe_invalid
+from service.methods.sections import Hyperparameters, LoraSettings
 from service.resources import WHOLE, Body, Resources
 from service.settings import Limits
 
-Auto = Literal["auto"]
-
-
 # pretrained weights want a small step; a from-scratch zoo model a large one
 BASE_LR = {"base": 1e-4, "fine-tuned": 1e-4, "zoo": 1e-3}
-DEFAULT_BETA = 0.1  # DPO's "auto" beta: the paper's and OpenAI's default
 # set by the service, never by a client: the device follows `resources.use_gpu`, spill
 # files go to the job's directory
 SERVICE_ENGINE_KEYS = {"device": "resources.use_gpu", "memory.disk_dir": "the job's directory"}
@@ -71,161 +67,46 @@ MetadataKey = Annotated[str, Field(max_length=64), AfterValidator(_plain_text)]
 MetadataValue = Annotated[str, Field(max_length=512), AfterValidator(_plain_text)]
 
 
-class Hyperparameters(Body):
-    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50), WHOLE] = Field(
-        default="auto", description="passes over the training file"
-    )
-    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=4096), WHOLE] = Field(
-        default="auto", description="examples per optimizer step, over all workers"
-    )
-    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=1000)] = Field(
-        default="auto", description="multiplies the base learning rate"
-    )
-    # ours
-    max_steps: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = Field(
-        default=None, description="stop after this many optimizer steps (at most n_epochs)"
-    )
-    seq_len: Auto | Annotated[int, Field(strict=True, ge=16, le=32768), WHOLE] = Field(
-        default="auto", description="tokens per example row; auto: fits the longest, up to 512"
-    )
-    eval_every: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = Field(
-        default=None, description="steps between validation losses (default: 10 per run)"
-    )
-    packing: Auto | Annotated[bool, Field(strict=True)] = Field(
-        default="auto",
-        description="several short examples per row of seq_len tokens, attention kept inside "
-        "each (a batch is then batch_size rows); auto: packs when one example per row would "
-        "leave more than a third of the row slots padding",
-    )
+class _MethodBase(Body):
+    """`method`: its `type`, and at most the section of that type (`method.<type>`)."""
 
-
-class Supervised(Body):
-    hyperparameters: Hyperparameters | None = None
-
-
-# the engine's LoRA defaults are the API's: one source of defaults
-_ENGINE_LORA = LoraConfig()
-ModuleName = Annotated[
-    str,
-    Field(
-        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
-        description="a module name or name suffix, e.g. 'q_proj' or 'self_attn.q_proj'",
-    ),
-]
-
-
-def _no_all_linear_in_list(v: list[str]) -> list[str]:
-    if ALL_LINEAR in v:
-        raise ValueError(f"give '{ALL_LINEAR}' as the whole value, not inside a list")
-    return v
-
-
-def _one_name_is_not_a_list(v: Any) -> Any:
-    if isinstance(v, str) and v != ALL_LINEAR:
-        raise ValueError(f"give a list of module names (['{v}']) or '{ALL_LINEAR}'")
-    return v
-
-
-# a string is 'all-linear', anything else a list of names: the discriminator validates the
-# one member that applies, so an error is about it alone (not "or" the other member). The
-# tags read as pydantic's own union tags, which error locations leave out
-TargetModules = Annotated[
-    Annotated[Literal["all-linear"], Tag("str")]
-    | Annotated[
-        list[ModuleName],
-        Field(min_length=1, max_length=64),
-        AfterValidator(_no_all_linear_in_list),
-        Tag("list[str]"),
-    ],
-    Discriminator(lambda v: "str" if isinstance(v, str) else "list[str]"),
-    BeforeValidator(_one_name_is_not_a_list),
-]
-
-
-class LoraSettings(Body):
-    """Low-rank adapters on a pretrained model: its weights stay frozen, only the
-    adapters train."""
-
-    r: Annotated[int, Field(strict=True, ge=1, le=4096), WHOLE] = Field(
-        default=_ENGINE_LORA.r, description="rank of each adapter"
-    )
-    alpha: Annotated[float, Field(strict=True, gt=0)] = Field(
-        default=_ENGINE_LORA.alpha, description="scaling numerator: the update is (alpha / r) B A x"
-    )
-    dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = Field(
-        default=_ENGINE_LORA.dropout, description="dropout on the adapter input"
-    )
-    target_modules: TargetModules = Field(
-        default=_ENGINE_LORA.target_modules,
-        description="the linear layers that get adapters, by name or name suffix; 'all-linear': "
-        "every linear layer but the output head",
-    )
-
-    def settings(self) -> dict[str, Any]:
-        """The adapter settings the job runs with (its `engine.lora` section)."""
-        return self.model_dump(mode="json", exclude={"hyperparameters"})
-
-
-class Lora(LoraSettings):
-    """LoRA fine-tuning (ours, beside OpenAI's methods): supervised, on the adapters."""
-
-    hyperparameters: Hyperparameters | None = None
-
-
-class DpoHyperparameters(Hyperparameters):
-    beta: Auto | Annotated[float, Field(gt=0, le=100)] = Field(
-        default="auto",
-        description="how far the policy may move from the reference: the weight of the "
-        "log-probability ratios in the DPO loss; auto: 0.1",
-    )
-
-
-class Dpo(Body):
-    """Direct Preference Optimization on preference pairs (OpenAI's `dpo`); with `lora`
-    (ours) only low-rank adapters train, and the reference is the base without them."""
-
-    hyperparameters: DpoHyperparameters | None = None
-    lora: LoraSettings | None = Field(
-        default=None, description="train low-rank adapters instead of every weight"
-    )
-
-
-METHOD_TYPES = ("supervised", "lora", "dpo")
-
-
-class Method(Body):
-    # OpenAI's three are parsed (so reinforcement gets a message saying it is not
-    # supported); the document lists the ones this service runs: supervised (every
-    # weight), dpo (preference pairs) and ours, lora
-    type: Literal["supervised", "lora", "dpo", "reinforcement"] = Field(
-        json_schema_extra={"enum": list(METHOD_TYPES)}
-    )
-    supervised: Supervised | None = None
-    lora: Lora | None = None
-    dpo: Dpo | None = None
-    reinforcement: dict[str, Any] | None = None
+    type: str
 
     @model_validator(mode="after")
-    def _one_supported_method(self) -> Method:
-        if self.type not in METHOD_TYPES:
+    def _one_supported_method(self) -> _MethodBase:
+        if self.type not in methods.METHODS:
             raise ValueError(
-                f"method.type '{self.type}' is not supported; use 'supervised' (every weight "
-                "trains), 'dpo' (preference pairs) or 'lora' (low-rank adapters on a frozen "
-                "model)"
+                f"method.type '{self.type}' is not supported; use "
+                + ", ".join(f"'{m.name}' ({m.summary})" for m in methods.METHODS.values())
             )
         # a section for a method not asked for would be stored and never read
-        for name in ("supervised", "lora", "dpo", "reinforcement"):
+        for name in (*methods.METHODS, *methods.NOT_RUN):
             if name != self.type and getattr(self, name) is not None:
                 raise ValueError(
                     f"method.{name} belongs with method.type '{name}', and method.type is "
                     f"'{self.type}'; remove method.{name}"
-                    + (f" or set method.type to '{name}'" if name in METHOD_TYPES else "")
+                    + (f" or set method.type to '{name}'" if name in methods.METHODS else "")
                 )
         return self
 
     @property
-    def section(self) -> Supervised | Lora | Dpo | None:
-        return {"lora": self.lora, "dpo": self.dpo}.get(self.type, self.supervised)
+    def section(self) -> Body | None:
+        return getattr(self, self.type)
+
+
+# built from the registry: a section per method, typed in the document; OpenAI's methods
+# this service does not run are parsed (so a job asking for one gets a message saying
+# so), and the document's enum lists the ones it runs
+Method = create_model(
+    "Method",
+    __base__=_MethodBase,
+    type=(
+        Literal[(*methods.METHODS, *methods.NOT_RUN)],  # type: ignore[valid-type]
+        Field(json_schema_extra={"enum": list(methods.METHODS)}),
+    ),
+    **{name: (m.section | None, None) for name, m in methods.METHODS.items()},
+    **{name: (dict[str, Any] | None, None) for name in methods.NOT_RUN},
+)
 
 
 class EarlyStoppingRequest(Body):
@@ -293,35 +174,40 @@ class JobRequest(Body):
         return self
 
     @property
+    def training_method(self) -> methods.Method:
+        """The method the job trains with (`service.methods`)."""
+        return methods.get(self.method.type if self.method else methods.DEFAULT)
+
+    @property
     def method_type(self) -> str:
-        return self.method.type if self.method else "supervised"
+        return self.training_method.name
+
+    @property
+    def method_section(self) -> Body | None:
+        return self.method.section if self.method else None
 
     @property
     def method_hyperparameters(self) -> Hyperparameters | None:
-        section = self.method.section if self.method else None
-        return section.hyperparameters if section is not None else None
+        section = self.method_section
+        return getattr(section, "hyperparameters", None) if section is not None else None
 
     @property
     def lora(self) -> LoraSettings | None:
-        """The adapter settings of a LoRA job, or a DPO job on adapters (defaults filled
-        in); None otherwise."""
-        if self.method_type == "dpo" and self.method and self.method.dpo:
-            return self.method.dpo.lora
-        if self.method_type != "lora":
-            return None
-        return (self.method.lora if self.method else None) or Lora()
+        """The adapters the job trains (defaults filled in), or None when every weight
+        trains."""
+        return self.training_method.adapters(self.method_section)
 
     @property
     def hp(self) -> Hyperparameters:
+        """The hyperparameters, as the method's class: top-level ones carry none of the
+        method's own (a DPO job's beta), so their defaults apply."""
         given = self.method_hyperparameters or self.hyperparameters
-        if self.method_type == "dpo":
-            # top-level hyperparameters of a DPO job carry no beta: its default applies
-            return (
-                DpoHyperparameters(**given.model_dump(exclude_unset=True))
-                if given
-                else DpoHyperparameters()
-            )
-        return given or Hyperparameters()
+        kind = self.training_method.hyperparameters
+        if given is None:
+            return kind()
+        if isinstance(given, kind):
+            return given
+        return kind(**given.model_dump(exclude_unset=True))
 
 
 def json_problem(v: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
@@ -382,7 +268,7 @@ def auto_epochs(examples: int) -> int:
     return max(3, min(10, math.ceil(100 / max(1, examples))))
 
 
-def check_engine(eng: Any, method: str = "supervised") -> None:
+def check_engine(eng: Any, method: methods.Method | None = None) -> None:
     """Refuse an engine section that is not plain JSON or sets what the service owns."""
     if not isinstance(eng, dict):
         raise InvalidRequest("engine: must be an object", param="engine", code="invalid_value")
@@ -390,11 +276,16 @@ def check_engine(eng: Any, method: str = "supervised") -> None:
         raise InvalidRequest(f"{found[0]}: {found[1]}", param=found[0], code="invalid_value")
     if "lora" in eng:
         # one place says how a job trains adapters: the method
+        at = method.adapter_settings_at if method is not None else None
+        with_adapters = [m for m in methods.METHODS.values() if m.adapter_settings_at]
         how = (
-            "the adapter settings go in method.lora (r, alpha, dropout, target_modules)"
-            if method == "lora"
-            else "to train low-rank adapters, set method.type 'lora' and give r, alpha, "
-            "dropout and target_modules in method.lora"
+            f"the adapter settings go in {at} (r, alpha, dropout, target_modules)"
+            if at
+            else "to train low-rank adapters, use "
+            + " or ".join(
+                f"method.type '{m.name}' with {m.adapter_settings_at}" for m in with_adapters
+            )
+            + " (r, alpha, dropout, target_modules)"
         )
         raise InvalidRequest(
             f"engine.lora is set by the service from the method: {how}; remove engine.lora",
@@ -416,7 +307,7 @@ def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
     device and (a LoRA job) the adapter settings of `method.lora`; the driver adds the
     spill directory (under the job's directory)."""
     eng = req.engine
-    check_engine(eng, req.method_type)
+    check_engine(eng, req.training_method)
     cfg = {k: v for k, v in eng.items()}
     if req.lora is not None:
         cfg["lora"] = req.lora.settings()

@@ -20,8 +20,6 @@ from typing import Any, TypeVar
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from service.job_request import (
     BASE_LR,
-    DEFAULT_BETA,
-    DpoHyperparameters,
     JobRequest,
     auto_batch_size,
     auto_epochs,
@@ -69,20 +67,16 @@ class JobService:
                 param="model",
                 code="model_not_found",
             )
-        if req.method_type == "dpo" and model.kind == "zoo":
+        method = req.training_method
+        # adapters train on a pretrained model's frozen weights, whatever the method
+        why = method.pretrained or (
+            "trains adapters on a pretrained model's frozen weights" if req.lora else None
+        )
+        if model.kind == "zoo" and why:
             raise InvalidRequest(
-                f"method.type 'dpo' teaches a pretrained model preferences, and '{req.model}' "
-                "is a zoo model trained from scratch (its weights start random); fine-tune a "
-                "pretrained model (GET /v1/models: kind 'base' or 'fine-tuned')",
-                param="model",
-                code="model_not_available",
-            )
-        if req.lora is not None and model.kind == "zoo":
-            raise InvalidRequest(
-                f"method.type 'lora' trains adapters on a pretrained model's frozen weights, "
-                f"and '{req.model}' is a zoo model trained from scratch (its weights start "
-                "random); use method.type 'supervised', or a pretrained model (GET /v1/models: "
-                "kind 'base' or 'fine-tuned')",
+                f"method.type '{method.name}' {why}, and '{req.model}' is a zoo model trained "
+                "from scratch (its weights start random); fine-tune a pretrained model (GET "
+                "/v1/models: kind 'base' or 'fine-tuned')",
                 param="model",
                 code="model_not_available",
             )
@@ -108,15 +102,10 @@ class JobService:
                     param=param,
                     code="invalid_file",
                 )
-            if (f.format == "preference") != (req.method_type == "dpo"):
-                want = (
-                    "preference pairs ('input', 'preferred_output', 'non_preferred_output')"
-                    if req.method_type == "dpo"
-                    else "chat, completion or text examples"
-                )
+            if not method.takes(f.format):
                 raise InvalidRequest(
                     f"{param} '{fid}' holds {f.format} examples, and method.type "
-                    f"'{req.method_type}' trains on {want}",
+                    f"'{method.name}' trains on {method.wants}",
                     param=param,
                     code="invalid_file",
                 )
@@ -142,7 +131,7 @@ class JobService:
             )
         epochs = auto_epochs(train.examples) if hp.n_epochs == "auto" else hp.n_epochs
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
-        check_engine(req.engine, req.method_type)  # before reading engine.optimizer.lr
+        check_engine(req.engine, method)  # before reading engine.optimizer.lr
         user_lr = (
             (req.engine.get("optimizer") or {}).get("lr")
             if isinstance(req.engine.get("optimizer"), dict)
@@ -162,7 +151,7 @@ class JobService:
                 param="hyperparameters.learning_rate_multiplier",
                 code="invalid_value",
             )
-        method: dict[str, Any] = {"type": req.method_type}
+        planned: dict[str, Any] = {"type": method.name}
         if req.lora is not None:
             from service.lora import wrap_meta
             from service.planning import build_meta
@@ -172,10 +161,10 @@ class JobService:
             assert model.path is not None  # every model but a zoo one is a HF directory
             path, lora = str(model.path), req.lora.settings()
             self.heavy.run(lambda: wrap_meta(build_meta(path), lora))
-            method["lora"] = req.lora.settings()
+            planned["lora"] = req.lora.settings()
         plan = {
             "base_model": model.base,
-            "method": method,
+            "method": planned,
             "model": {
                 "id": model.id,
                 "kind": model.kind,
@@ -196,11 +185,7 @@ class JobService:
                 "seq_len": hp.seq_len,
                 "eval_every": hp.eval_every,
                 "packing": hp.packing,
-                **(
-                    {"beta": DEFAULT_BETA if hp.beta == "auto" else float(hp.beta)}
-                    if isinstance(hp, DpoHyperparameters)
-                    else {}
-                ),
+                **method.decided(hp),
             },
             "engine": engine_config(req, lr),
             "resources": req.resources.model_dump(),

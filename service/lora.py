@@ -26,10 +26,9 @@ PARAM = "method.lora.target_modules"
 
 
 def trains_adapters(plan: dict[str, Any] | None) -> bool:
-    """Whether a job's plan trains LoRA adapters: method 'lora', or DPO with `dpo.lora`
-    (the plan's method then holds the adapter settings)."""
-    method = (plan or {}).get("method") or {}
-    return method.get("type") == "lora" or bool(method.get("lora"))
+    """Whether a job's plan trains LoRA adapters: its method then holds their settings
+    (`JobService.resolve` stores them for every method that trains adapters)."""
+    return bool(((plan or {}).get("method") or {}).get("lora"))
 
 
 def adapter_dir(directory: str | Path) -> Path:

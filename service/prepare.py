@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service import methods
 from service.datasets import (
     CHATML_TEMPLATE,
     DataError,
@@ -115,9 +116,9 @@ def prepare(
 ) -> Prepared:
     """Tokenize the files as the plan says; raises `DataError` for unusable data."""
     fmt, train_ex = read_examples(train_path)
-    dpo = (plan.get("method") or {}).get("type") == "dpo"
-    if dpo != (fmt == "preference"):
-        raise DataError(_method_format_mismatch("training file", fmt, dpo))
+    method = methods.of_plan(plan)
+    if not method.takes(fmt):
+        raise DataError(_method_format_mismatch("training file", fmt, method))
     tok = load_tokenizer(plan["model"], fmt, train_ex, tokenizer_cache)
     hp = plan["hyperparameters"]
     seq_len = hp["seq_len"]
@@ -149,8 +150,8 @@ def prepare(
     valid = None
     if valid_path is not None:
         vfmt, valid_ex = read_examples(valid_path)
-        if dpo != (vfmt == "preference"):
-            raise DataError(_method_format_mismatch("validation file", vfmt, dpo))
+        if not method.takes(vfmt):
+            raise DataError(_method_format_mismatch("validation file", vfmt, method))
         valid = _rows(tok, vfmt, valid_ex, _tokenized(tok, vfmt, valid_ex), seq_len, packed)
         if valid.input_ids.shape[0] == 0:
             raise DataError("the validation file has no rows to evaluate at this seq_len")
@@ -162,15 +163,11 @@ def prepare(
     return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing)
 
 
-def _method_format_mismatch(what: str, fmt: str, dpo: bool) -> str:
-    if dpo:
-        return (
-            f"the {what} holds {fmt} examples, and method.type 'dpo' trains on preference "
-            "pairs ('input', 'preferred_output', 'non_preferred_output' per line)"
-        )
+def _method_format_mismatch(what: str, fmt: str, method: methods.Method) -> str:
+    takers = " or ".join(f"'{m.name}'" for m in methods.taking(fmt)) or "none"
     return (
-        f"the {what} holds preference pairs, which only method.type 'dpo' trains on; set "
-        "method.type 'dpo' or upload chat, completion or text examples"
+        f"the {what} holds {fmt} examples, and method.type '{method.name}' trains on "
+        f"{method.wants} (one per line); methods that train on {fmt} examples: {takers}"
     )
 
 

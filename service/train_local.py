@@ -24,6 +24,7 @@ import pstar_core
 from pstar_core.checkpoint import META
 from pstar_core.config import ConfigError
 from pstar_core.models import GPT, get_config
+from service import methods
 from service.data import read_text, train_tokenizer
 from service.datasets import Encoded, encode
 from service.prepare import save_rows
@@ -59,7 +60,8 @@ def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: 
     lora = bool(spec.engine.get("lora"))
     run = {
         "model": {"spec": spec.model, "vocab_size": len(tok)},
-        "method": "lora" if lora else "supervised",
+        "method": methods.DEFAULT,
+        "lora": lora,  # adapters from the engine's own `lora` section
         "hyperparameters": {
             "batch_size": loop.batch_size,
             "micro_batches": loop.micro_batches,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from service.early_stopping import EarlyStopping
 from service.eta import Eta
 from service.lora import adapter_dir
-from service.objectives import Split, Supervised, all_sum
+from service.objectives import Split, all_sum
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ def write_checkpoint(
 
 def trains_adapters(run: dict[str, Any]) -> bool:
     """Whether a run trains LoRA adapters (its checkpoints and export carry the adapter):
-    a LoRA job, a DPO job on adapters, or `pstar train` with an engine `lora` section."""
-    return bool(run.get("lora")) or run.get("method") == "lora"
+    a job whose method trains them, or `pstar train` with an engine `lora` section."""
+    return bool(run.get("lora"))
 
 
 def this_rank() -> int:
@@ -220,11 +220,9 @@ def memory_values(stats: dict[str, Any]) -> dict[str, Any]:
 
 def objective_for(run: dict[str, Any]) -> Any:
     """The training method's objective (`service.objectives`)."""
-    if run.get("method") == "dpo":
-        from service.dpo import DPO
+    from service import methods
 
-        return DPO(run)
-    return Supervised()
+    return methods.get(run.get("method") or methods.DEFAULT).objective(run)
 
 
 def agreed(flag: bool, device: torch.device) -> bool:

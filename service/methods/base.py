@@ -1,0 +1,66 @@
+"""What a training method is to the service: one object that says what its request section
+holds, what data it trains on, which models it applies to, what it adds to the stored
+plan, and which objective the worker loop runs (see `service.methods` for the registry
+and how a method is added)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from service.methods.sections import Hyperparameters, LoraSettings
+from service.resources import Body
+
+# what a method trains on: examples (chat, completion or text files) or preference pairs
+Data = Literal["examples", "preference"]
+DATA_FORMATS: dict[Data, tuple[str, ...]] = {
+    "examples": ("chat", "completion", "text"),
+    "preference": ("preference",),
+}
+DATA_WORDS: dict[Data, str] = {
+    "examples": "chat, completion or text examples",
+    "preference": "preference pairs ('input', 'preferred_output', 'non_preferred_output')",
+}
+
+
+class Method:
+    """A training method: subclass it in one module, and add the instance to
+    `service.methods.BUILT_IN` (or to the `pstar.methods` entry-point group).
+
+    Every method trains through the one worker loop (`service.worker.run_loop`); what it
+    changes is its objective (`service.objectives`: what a step does, what an evaluation
+    measures). The rest has defaults that fit a supervised method."""
+
+    name: ClassVar[str]  # `method.type`, and the request's `method.<name>` section
+    summary: ClassVar[str]  # what it does, in a few words, for messages and the document
+    section: ClassVar[type[Body]]  # the request's `method.<name>`
+    hyperparameters: ClassVar[type[Hyperparameters]] = Hyperparameters
+    data: ClassVar[Data] = "examples"
+    # why it needs a pretrained model, or None if a zoo model (random weights) will do
+    pretrained: ClassVar[str | None] = None
+    # where the request gives the adapter settings, when this method can train adapters
+    adapter_settings_at: ClassVar[str | None] = None
+
+    def adapters(self, section: Body | None) -> LoraSettings | None:
+        """The adapters the job trains (its engine's `lora` section), or None when every
+        weight trains."""
+        return None
+
+    def decided(self, hp: Hyperparameters) -> dict[str, Any]:
+        """This method's own hyperparameters with "auto" decided, for the stored plan."""
+        return {}
+
+    def objective(self, run: dict[str, Any]) -> Any:
+        """The objective the worker loop calls (`service.objectives`), for a run."""
+        raise NotImplementedError(f"method '{self.name}' names no objective")
+
+    def takes(self, fmt: str) -> bool:
+        """Whether it trains on a file of format `fmt`."""
+        return fmt in DATA_FORMATS[self.data]
+
+    @property
+    def wants(self) -> str:
+        """The data it trains on, in words."""
+        return DATA_WORDS[self.data]
+
+    def __repr__(self) -> str:
+        return f"<method {self.name}>"

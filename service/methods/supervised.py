@@ -1,0 +1,28 @@
+"""Supervised fine-tuning (OpenAI's `supervised`): every weight trains on next-token
+cross-entropy over the labelled tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.methods.base import Method
+from service.methods.sections import Hyperparameters
+from service.resources import Body
+
+
+class SupervisedSection(Body):
+    hyperparameters: Hyperparameters | None = None
+
+
+class SupervisedMethod(Method):
+    name = "supervised"
+    summary = "every weight trains"
+    section = SupervisedSection
+
+    def objective(self, run: dict[str, Any]) -> Any:
+        from service.objectives import Supervised
+
+        return Supervised()
+
+
+SUPERVISED = SupervisedMethod()
