@@ -150,7 +150,9 @@ def plugin_result(tmp_path_factory) -> dict:
         timeout=600,
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    why = proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, why
+    assert lines, why
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
