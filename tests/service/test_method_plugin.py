@@ -19,7 +19,7 @@ from service import methods
 ROOT = Path(__file__).resolve().parents[2]
 
 # the one file: supervised, reporting the perplexity too, with a hyperparameter of its own
-PLUGIN = '''
+PLUGIN = """
 import math
 from typing import Annotated, Any
 
@@ -64,7 +64,7 @@ class PerplexityMethod(Method):
 
 
 METHOD = PerplexityMethod()
-'''
+"""
 
 # the one line, in the plugin package's metadata
 ENTRY_POINTS = "[pstar.methods]\nperplexity = perplexity_method:METHOD\n"
