@@ -388,10 +388,13 @@ class Generator:
         p = row.req.params
         if p.temperature <= 0:
             return logits.argmax()
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+        probs = torch.softmax(logits.float() / p.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return logits.argmax()  # a temperature so small the division overflows: greedy
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest set reaching top_p
+            keep[0] = True  # the likeliest token, whatever top_p (5e-324 is 0 in float32)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return torch.multinomial(probs.cpu(), 1, generator=row.rng)[0].to(self.device)
 

@@ -297,3 +297,24 @@ def test_unloading_the_last_adapter_leaves_the_base_answering_as_before(tmp_path
         assert complete(gen, ids, greedy, "a", tmp_path / "a").tokens[0] == tuned
     finally:
         gen.close()
+
+
+def test_a_vanishing_top_p_or_temperature_samples_the_likeliest_token(tmp_path):
+    """top_p 5e-324 is 0 in float32, and kept no token at all; a temperature of 1e-300
+    overflows the division: each was a 500 (multinomial of no probability). Both sample
+    the likeliest token, as greedy decoding does."""
+    from service.generation import Generator, SamplingParams, complete
+    from tests.tiny import make_tiny_llama
+
+    gen = Generator(make_tiny_llama(tmp_path / "base"))
+    try:
+        ids = gen.render([{"role": "user", "content": "What does apple mean?"}])
+        greedy = complete(gen, ids, SamplingParams(max_tokens=6, temperature=0), None, None)
+        for params in (
+            SamplingParams(max_tokens=6, temperature=1.0, top_p=5e-324, seed=3),
+            SamplingParams(max_tokens=6, temperature=1e-300, seed=3),
+        ):
+            got = complete(gen, ids, params, None, None)
+            assert got.tokens[0] == greedy.tokens[0], params
+    finally:
+        gen.close()
