@@ -8,6 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from service.early_stopping import EarlyStopping
+from service.job_spec import JobSpec, spec_of
+from service.methods.base import ECHOED
 from service.registry import ModelRef
 from service.store import Checkpoint as CheckpointRow
 from service.store import Event as EventRow
@@ -214,21 +216,11 @@ class FineTuningJob(BaseModel):
 
     @classmethod
     def of(cls, j: JobRow) -> FineTuningJob:
-        hp = (j.plan or {}).get("hyperparameters", {})
-        openai_hp = {
-            k: hp.get(k, "auto") for k in ("batch_size", "learning_rate_multiplier", "n_epochs")
-        }
-        # jobs stored before LoRA have no method in their plan: they are supervised
-        method = (j.plan or {}).get("method") or {"type": "supervised"}
-        kind = method["type"]
-        lora = method.get("lora")
-        section: dict[str, Any] = {"hyperparameters": openai_hp}
-        if kind == "dpo":  # OpenAI's dpo hyperparameters carry beta; adapters go in `lora`
-            section["hyperparameters"] = {**openai_hp, "beta": hp.get("beta", "auto")}
-            if lora:
-                section["lora"] = lora
-        else:
-            section.update(lora or {})
+        spec = spec_of(j)
+        hp = spec.hyperparameters.model_dump()
+        openai_hp = {k: hp[k] for k in ECHOED}
+        lora = spec.method.lora
+        kind = spec.method.type
         return cls(
             id=j.id,
             created_at=j.created_at,
@@ -246,25 +238,26 @@ class FineTuningJob(BaseModel):
             validation_file=j.validation_file,
             estimated_finish=j.estimated_finish,
             metadata=j.metadata_,
-            method={"type": kind, kind: section},
+            method={"type": kind, kind: spec.training_method.echo(hp, lora)},
             user_provided_suffix=j.suffix,
             status_detail=j.status_detail,
             progress=Progress(step=j.progress_step, total=j.progress_total),
             attempt=j.attempt,
             max_attempts=j.max_attempts,
             ray_submission_id=f"{j.id}-a{j.attempt}" if j.attempt else None,
-            hyperparameters_resolved=_resolved(hp, lora, (j.plan or {}).get("engine"), j.runtime),
-            resources=(j.plan or {}).get("resources", {}),
+            hyperparameters_resolved=_resolved(hp, lora, spec.engine, j.runtime),
+            resources=spec.resources.model_dump(),
             pause_requested=bool(j.pause_requested),  # None on a job just created in memory
-            early_stopping=j.early_stopping or _early_stopping_settings(j.plan),
+            early_stopping=j.early_stopping or _early_stopping_settings(spec),
             data=j.data_report,
             memory_plan=j.memory_plan,
         )
 
 
-def _early_stopping_settings(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+def _early_stopping_settings(spec: JobSpec) -> dict[str, Any] | None:
     """A job's early stopping before its first evaluation: the settings, nothing found."""
-    stopper = EarlyStopping.of((plan or {}).get("early_stopping"))
+    settings = spec.early_stopping
+    stopper = EarlyStopping.of(settings.model_dump() if settings is not None else None)
     return stopper.view() if stopper is not None else None
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from service.job_spec import FileSpec, HyperparametersSpec, JobSpec, MethodSpec, ModelSpec
 from service.registry import fine_tuned_name
 from service.store import Checkpoint, Job, Store
 from service.store.jobs import request_hash
@@ -42,6 +43,19 @@ def _adapter(base_dir: Path, out: Path, seed: int, scale: float = 0.5) -> None:
                 p.mul_(scale / max(p.abs().max().item(), 1e-6))
     peft.save_pretrained(out)
     return peft
+
+
+def _plan(base: str, base_dir: Path, method: MethodSpec) -> dict:
+    """The spec a job fine-tuning `base` with `method` stored."""
+    return JobSpec(
+        base_model=base,
+        method=method,
+        model=ModelSpec(id=base, kind="base", path=str(base_dir)),
+        training_file=FileSpec(id="file-none", format="chat", examples=1),
+        hyperparameters=HyperparametersSpec(
+            n_epochs=1, batch_size=1, learning_rate_multiplier=1.0, learning_rate=1e-4
+        ),
+    ).stored()
 
 
 def _job(tenant: str, base: str, plan: dict, suffix: str) -> Job:
@@ -81,7 +95,8 @@ def lora_model(
     from transformers import AutoTokenizer
 
     base_dir = data_dir / "models" / base
-    plan = {"base_model": base, "method": {"type": "lora", "lora": {"rank": 4}}}
+    adapters = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    plan = _plan(base, base_dir, MethodSpec(type="lora", lora=adapters))
     job = _job(tenant, base, plan, "lora")
     export = data_dir / "models" / ".ft" / job.id
     peft = _adapter(base_dir, export / "adapter", seed=seed)
@@ -113,7 +128,7 @@ def full_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_dir = data_dir / "models" / base
-    job = _job(tenant, base, {"base_model": base, "method": {"type": "supervised"}}, "full")
+    job = _job(tenant, base, _plan(base, base_dir, MethodSpec()), "full")
     export = data_dir / "models" / ".ft" / job.id
     torch.manual_seed(3)
     m = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

@@ -28,9 +28,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from service import methods
 from service.datasets import DataError
 from service.files import file_path
+from service.job_spec import spec_of
 from service.prepare import prepare, save_rows
 from service.registry import fine_tuned_name
 from service.settings import Settings
@@ -54,6 +54,7 @@ def _data_file(settings: Settings, job: Job, train: File, valid: File | None) ->
 def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dict[str, Any]:
     """Tokenize (or reuse the cached rows) and decide everything the workers need."""
     job_dir = settings.job_dir(job.id)
+    spec = spec_of(job)
     train = store.files.get(job.tenant, job.training_file)
     valid = store.files.get(job.tenant, job.validation_file) if job.validation_file else None
     if train is None or (job.validation_file and valid is None):
@@ -63,7 +64,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     if not meta_file.is_file():
         store.jobs.update(job.id, attempt=attempt, status_detail="preparing data")
         prep = prepare(
-            job.plan,
+            spec,
             file_path(settings, train),
             file_path(settings, valid) if valid else None,
             tokenizer_cache=job_dir / "tokenizer",
@@ -99,19 +100,18 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
             data_report=_data_report(meta),
             memory_plan=_memory_plan(store, job, meta, attempt),
         )
-    plan = job.plan
     total = meta["total_steps"]
-    hp = dict(plan["hyperparameters"], seq_len=meta["seq_len"])
-    engine = dict(plan["engine"])
+    hp = dict(spec.hyperparameters.model_dump(), seq_len=meta["seq_len"])
+    engine = spec.engine_config()
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
-    method = plan.get("method") or {"type": methods.DEFAULT}
     store.jobs.update(job.id, attempt=attempt, progress_total=total)
+    early = spec.early_stopping
     return {
         "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
-        "model": plan["model"],
-        "method": method["type"],
-        "lora": bool(method.get("lora")),
-        "early_stopping": plan.get("early_stopping"),
+        "model": spec.model.model_dump(),
+        "method": spec.method.type,
+        "lora": spec.trains_adapters,
+        "early_stopping": early.model_dump() if early is not None else None,
         # the best evaluation's model, kept across attempts while early stopping watches
         "best_dir": str(job_dir / "best"),
         "engine": engine,
@@ -120,12 +120,12 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
         "vocab_size": meta["vocab_size"],
         "total_steps": total,
         "steps_per_epoch": meta["steps_per_epoch"],
-        "checkpoint_every": plan.get("checkpoint_every") or max(1, -(-total // 4)),
+        "checkpoint_every": spec.checkpoint_every or max(1, -(-total // 4)),
         "checkpoints_to_keep": CHECKPOINTS_TO_KEEP,
         "seed": job.seed,
         "data_file": str(data_file),
         # a zoo model's tokenizer was trained on the data: the export carries it
-        "tokenizer_dir": str(job_dir / "tokenizer") if plan["model"]["kind"] == "zoo" else None,
+        "tokenizer_dir": str(job_dir / "tokenizer") if spec.model.kind == "zoo" else None,
         "export_dir": str(settings.finetuned_dir(job.id)),
         "storage_path": str(job_dir / "ray"),
     }
@@ -141,7 +141,7 @@ def _memory_plan(
 
     rows_per_example = 2 if meta["format"] == "preference" else 1
     try:
-        plan = estimate_memory(job.plan, meta["seq_len"], meta["vocab_size"], rows_per_example)
+        plan = estimate_memory(spec_of(job), meta["seq_len"], meta["vocab_size"], rows_per_example)
     except Exception as e:  # a model the planner cannot read: the job runs regardless
         log.warning("job %s: no memory plan: %s", job.id, e)
         return None
@@ -193,18 +193,18 @@ def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:
     from service.finetune import train_func
     from service.trainer import lean_torch_trainer
 
-    res = job.plan["resources"]
+    res = spec_of(job).resources
     trainer = lean_torch_trainer(
         train_func,
         # no store address in here: Ray shows a trainer's config on its dashboard; the
         # workers read it as the driver does
         train_loop_config={"job_id": job.id, "attempt": attempt, "run": run},
-        torch_config=TorchConfig(backend="nccl" if res["use_gpu"] else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=res["num_workers"],
-            use_gpu=res["use_gpu"],
-            resources_per_worker={"CPU": res["cpus_per_worker"]},
-            placement_strategy=res.get("placement_strategy", "PACK"),
+            num_workers=res.num_workers,
+            use_gpu=res.use_gpu,
+            resources_per_worker={"CPU": res.cpus_per_worker},
+            placement_strategy=res.placement_strategy,
         ),
         run_config=RunConfig(
             name=job.id,
@@ -254,7 +254,7 @@ def finish_success(settings: Settings, store: Store, job: Job, attempt: int) -> 
     tmp.write_bytes(data)
     points = store.events.metric_points(job.id)
     trained = int(points[-1].values.get("trained_tokens", 0)) if points else 0
-    name = fine_tuned_name(job.plan.get("base_model", job.model), job.suffix, job.id)
+    name = fine_tuned_name(spec_of(job).base_model, job.suffix, job.id)
     early = job.early_stopping or {}
     stopped = early.get("stopped_at_step")
     results = File(
@@ -378,7 +378,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         job_id,
         attempt,
         run["total_steps"],
-        job.plan["resources"]["num_workers"],
+        spec_of(job).resources.num_workers,
     )
     paused = False
     try:

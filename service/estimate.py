@@ -43,6 +43,7 @@ from service.datasets import DataError
 from service.errors import InvalidRequest
 from service.files import file_path
 from service.job_request import JobRequest
+from service.job_spec import JobSpec
 from service.jobs import JobService
 from service.prepare import prepare
 from service.settings import Settings
@@ -52,25 +53,24 @@ from service.store import Store
 def validate_job(
     settings: Settings, store: Store, jobs: JobService, tenant: str, req: JobRequest
 ) -> dict[str, Any]:
-    _model, plan = jobs.resolve(tenant, req)
+    _model, spec = jobs.resolve(tenant, req)
     train = store.files.get(tenant, req.training_file)
     valid = store.files.get(tenant, req.validation_file) if req.validation_file else None
     try:
         prep = prepare(
-            plan,
+            spec,
             file_path(settings, train),
             file_path(settings, valid) if valid is not None else None,
         )
     except DataError as e:
         raise InvalidRequest(str(e), param="training_file", code="invalid_training_data") from None
-    hp = dict(plan["hyperparameters"], seq_len=prep.seq_len)
     # a DPO step forwards both answers of each of its pairs
     rows_per_example = 2 if prep.format == "preference" else 1
     nodes = getattr(jobs.launcher, "cluster_nodes", lambda: None)()
-    memory = estimate_memory(plan, prep.seq_len, len(prep.tokenizer), rows_per_example, nodes)
-    tokens_per_step = hp["batch_size"] * rows_per_example * prep.seq_len
+    memory = estimate_memory(spec, prep.seq_len, len(prep.tokenizer), rows_per_example, nodes)
+    tokens_per_step = spec.hyperparameters.batch_size * rows_per_example * prep.seq_len
     problems = list(memory.pop("problems"))
-    resources = place_workers(plan["resources"], nodes)
+    resources = place_workers(spec.resources.model_dump(), nodes)
     if resources["fits"] is False:
         problems.append(resources["problem"])
     if prep.train.truncated:
@@ -83,7 +83,7 @@ def validate_job(
         "object": "fine_tuning.job.validation",
         "fits": fits,
         "problems": problems,
-        "hyperparameters": hp,
+        "hyperparameters": {**spec.hyperparameters.model_dump(), "seq_len": prep.seq_len},
         "data": prep.report(),
         "estimate": {
             "steps": prep.total_steps,
@@ -137,7 +137,7 @@ def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> 
 
 
 def estimate_memory(
-    plan: dict[str, Any],
+    spec: JobSpec,
     seq_len: int,
     vocab: int,
     rows_per_example: int = 1,
@@ -146,12 +146,13 @@ def estimate_memory(
     """The chunk plan for the job's workers, each rank's model data per tier at start, and
     one iteration forecast by the capacity planner (`pstar_core.capacity`); for a job that
     does not fit, the smallest change that would."""
-    cfg = EngineConfig.parse(plan["engine"])
-    workers = plan["resources"]["num_workers"]
-    gpu = bool(plan["resources"].get("use_gpu"))
+    cfg = EngineConfig.parse(spec.engine_config())
+    workers = spec.resources.num_workers
+    gpu = spec.resources.use_gpu
     dtype = planned_dtype(cfg.dtype, gpu)
-    lora = (plan.get("method") or {}).get("lora")
-    tensors = _tensors(plan["model"], seq_len, vocab, lora)
+    lora = spec.method.lora
+    model = spec.model.model_dump()
+    tensors = _tensors(model, seq_len, vocab, lora)
     chunk_plan = make_plan(
         tensors.numels, tensors.trainable, tensors.names, dtype, cfg.chunk_size, workers
     )
@@ -177,16 +178,16 @@ def estimate_memory(
     def plan_for(o: Options) -> RankPlan:
         t = tensors
         if o.lora and lora is None:  # the suggestion: LoRA with its defaults
-            t = _tensors(plan["model"], seq_len, vocab, {})  # LoraConfig's defaults
+            t = _tensors(model, seq_len, vocab, {})  # LoraConfig's defaults
         hw = Hardware(o.workers, device or 1 << 60, host * o.workers, disk * o.workers,
                       accelerator=False)  # fmt: skip
         work = Workload(
             batch=max(1, o.batch // o.workers) * rows_per_example, seq=seq_len,
             activation_checkpointing=o.checkpointing, dtype=dtype, chunk_size=cfg.chunk_size,
         )  # fmt: skip
-        return plan_tensors(plan["model"]["id"], t, hw, work)
+        return plan_tensors(spec.model.id, t, hw, work)
 
-    now = Options(workers, plan["hyperparameters"]["batch_size"], cfg.activation_checkpointing,
+    now = Options(workers, spec.hyperparameters.batch_size, cfg.activation_checkpointing,
                   lora is not None)  # fmt: skip
     rank = plan_for(now)
     share = int(mem.warmup_ratio * device) if device is not None else 0
@@ -245,7 +246,9 @@ def estimate_memory(
         ),
     }
     if overflow is not None:
-        one = place_workers({**plan["resources"], "num_workers": 1}, nodes) if nodes else {}
+        one = (
+            place_workers({**spec.resources.model_dump(), "num_workers": 1}, nodes) if nodes else {}
+        )
         out["smallest_change"] = smallest_change(
             plan_for, now, max_workers=one.get("placeable_workers")
         )

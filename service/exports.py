@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.errors import NotAvailable
-from service.lora import adapter_dir, trains_adapters
+from service.job_spec import spec_of
+from service.lora import adapter_dir
 from service.settings import Settings
 from service.store import Checkpoint, Job
 
@@ -38,7 +39,7 @@ READ_BYTES = 1 << 20
 def variants_of(job: Job) -> tuple[str, ...]:
     """What the job's checkpoints download as, the default first: the adapter (and the
     merged model) when its method trains adapters, else every weight."""
-    return BY_ADAPTERS[trains_adapters(job.plan)]
+    return BY_ADAPTERS[spec_of(job).trains_adapters]
 
 
 def default_variant(job: Job) -> str:
@@ -69,9 +70,10 @@ def content_dir(settings: Settings, job: Job, ck: Checkpoint, variant: str | Non
     variant = variant or default_variant(job)
     allowed = variants_of(job)
     if variant not in allowed:
+        kind = "LoRA" if spec_of(job).trains_adapters else "full fine-tuning"
         raise NotAvailable(
-            f"variant '{variant}': a {'LoRA' if trains_adapters(job.plan) else 'full fine-tuning'} "
-            f"job's checkpoints download as {' or '.join(repr(v) for v in allowed)}",
+            f"variant '{variant}': a {kind} job's checkpoints download as "
+            f"{' or '.join(repr(v) for v in allowed)}",
             param="variant",
             code="variant_not_available",
         )

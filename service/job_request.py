@@ -302,28 +302,21 @@ def check_engine(eng: Any, method: methods.Method | None = None) -> None:
             )
 
 
-def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
-    """The engine section a job runs with: the client's, plus the learning rate, the
-    device and (a LoRA job) the adapter settings of `method.lora`; the driver adds the
-    spill directory (under the job's directory)."""
+def checked_engine(req: JobRequest) -> dict[str, Any]:
+    """The client's engine section, checked: plain JSON, nothing the service sets, an
+    optimizer section that is an object (`JobSpec.engine_config` adds the rest)."""
     eng = req.engine
     check_engine(eng, req.training_method)
-    cfg = {k: v for k, v in eng.items()}
-    if req.lora is not None:
-        cfg["lora"] = req.lora.settings()
-    opt = (
-        dict(cfg.get("optimizer") or {})
-        if isinstance(cfg.get("optimizer"), dict)
-        else cfg.get("optimizer")
-    )
+    opt = eng.get("optimizer")
     if opt is not None and not isinstance(opt, dict):
         raise InvalidRequest(
             "engine.optimizer: must be an object", param="engine.optimizer", code="invalid_value"
         )
-    opt = opt or {}
-    opt["lr"] = lr
-    cfg["optimizer"] = opt
-    cfg["device"] = "cuda" if req.resources.use_gpu else "cpu"
+    return dict(eng)
+
+
+def check_engine_config(cfg: dict[str, Any]) -> None:
+    """Refuse (400) an engine config `pstar_core` would not take, naming each wrong field."""
     try:
         EngineConfig.parse(cfg)
     except ConfigError as e:
@@ -336,7 +329,6 @@ def engine_config(req: JobRequest, lr: float) -> dict[str, Any]:
             param="engine" if field == "(top level)" else f"engine.{field}",
             code="invalid_value",
         ) from None
-    return cfg
 
 
 def _over(what: str, value: Any, limit: Any, name: str, param: str) -> InvalidRequest:

@@ -23,10 +23,18 @@ from service.job_request import (
     JobRequest,
     auto_batch_size,
     auto_epochs,
-    check_engine,
+    check_engine_config,
     check_job_limits,
-    engine_config,
+    checked_engine,
     gpu_cpus_per_worker,
+)
+from service.job_spec import (
+    EarlyStoppingSpec,
+    FileSpec,
+    HyperparametersSpec,
+    JobSpec,
+    MethodSpec,
+    ModelSpec,
 )
 from service.registry import ModelRef, resolve_model
 from service.resources import Resources
@@ -55,8 +63,8 @@ class JobService:
         self.settings, self.store, self.launcher = settings, store, launcher
         self.heavy = HeavyWork()
 
-    def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, dict[str, Any]]:
-        """Check everything a client can get wrong; the plan the driver will run."""
+    def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, JobSpec]:
+        """Check everything a client can get wrong; the spec the driver will run."""
         req = self._with_default_resources(req)
         check_job_limits(self.settings.limits, req)
         model = resolve_model(self.settings, self.store, tenant, req.model)
@@ -131,12 +139,8 @@ class JobService:
             )
         epochs = auto_epochs(train.examples) if hp.n_epochs == "auto" else hp.n_epochs
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
-        check_engine(req.engine, method)  # before reading engine.optimizer.lr
-        user_lr = (
-            (req.engine.get("optimizer") or {}).get("lr")
-            if isinstance(req.engine.get("optimizer"), dict)
-            else None
-        )
+        engine = checked_engine(req)  # before reading engine.optimizer.lr
+        user_lr = (engine.get("optimizer") or {}).get("lr")
         base_lr = (
             float(user_lr)
             if isinstance(user_lr, (int, float)) and not isinstance(user_lr, bool) and user_lr > 0
@@ -151,51 +155,52 @@ class JobService:
                 param="hyperparameters.learning_rate_multiplier",
                 code="invalid_value",
             )
-        planned: dict[str, Any] = {"type": method.name}
-        if req.lora is not None:
+        adapters = req.lora.settings() if req.lora is not None else None
+        if adapters is not None:
             from service.lora import wrap_meta
             from service.planning import build_meta
 
             # the targets must name linear layers of this model: refused now, not when a
             # worker builds the engine
             assert model.path is not None  # every model but a zoo one is a HF directory
-            path, lora = str(model.path), req.lora.settings()
-            self.heavy.run(lambda: wrap_meta(build_meta(path), lora))
-            planned["lora"] = req.lora.settings()
-        plan = {
-            "base_model": model.base,
-            "method": planned,
-            "model": {
-                "id": model.id,
-                "kind": model.kind,
-                "path": str(model.path) if model.path else None,
-            },
-            "training_file": {"id": train.id, "format": train.format, "examples": train.examples},
-            "validation_file": (
-                {"id": v.id, "format": v.format, "examples": v.examples}
-                if (v := files.get("validation_file"))
+            path = str(model.path)
+            self.heavy.run(lambda: wrap_meta(build_meta(path), adapters))
+        valid = files.get("validation_file")
+        spec = JobSpec(
+            base_model=model.base,
+            method=MethodSpec(type=method.name, lora=adapters),
+            model=ModelSpec(
+                id=model.id, kind=model.kind, path=str(model.path) if model.path else None
+            ),
+            training_file=FileSpec(id=train.id, format=train.format, examples=train.examples),
+            validation_file=(
+                FileSpec(id=valid.id, format=valid.format, examples=valid.examples)
+                if valid
                 else None
             ),
-            "hyperparameters": {
-                "n_epochs": epochs,
-                "batch_size": batch,
-                "learning_rate_multiplier": mult,
-                "learning_rate": lr,
-                "max_steps": hp.max_steps,
-                "seq_len": hp.seq_len,
-                "eval_every": hp.eval_every,
-                "packing": hp.packing,
+            hyperparameters=HyperparametersSpec(
+                n_epochs=epochs,
+                batch_size=batch,
+                learning_rate_multiplier=mult,
+                learning_rate=lr,
+                max_steps=hp.max_steps,
+                seq_len=hp.seq_len,
+                eval_every=hp.eval_every,
+                packing=hp.packing,
                 **method.decided(hp),
-            },
-            "engine": engine_config(req, lr),
-            "resources": req.resources.model_dump(),
-            "checkpoint_every": req.checkpoint_every,
-            "suffix": req.suffix,
-            "early_stopping": (
-                req.early_stopping.model_dump() if req.early_stopping is not None else None
             ),
-        }
-        return model, plan
+            engine=engine,
+            resources=req.resources,
+            checkpoint_every=req.checkpoint_every,
+            suffix=req.suffix,
+            early_stopping=(
+                EarlyStoppingSpec(**req.early_stopping.model_dump())
+                if req.early_stopping is not None
+                else None
+            ),
+        )
+        check_engine_config(spec.engine_config())
+        return model, spec
 
     def _with_default_resources(self, req: JobRequest) -> JobRequest:
         """The deployment's default resources (PSTAR_DEFAULT_RESOURCES) under the fields
@@ -225,7 +230,7 @@ class JobService:
             existing = self.store.jobs.by_idempotency_key(tenant, idempotency_key)
             if existing is not None:
                 return self._same(existing, h, idempotency_key), False
-        _model, plan = self.resolve(tenant, req)
+        _model, spec = self.resolve(tenant, req)
         now = int(time.time())
         job = Job(
             id=new_id("ftjob"),
@@ -239,7 +244,7 @@ class JobService:
             request=body,
             request_hash=h,
             idempotency_key=idempotency_key,
-            plan=plan,
+            plan=spec.stored(),
             status=JobStatus.VALIDATING_FILES,
             status_detail=None,
             progress_step=0,
@@ -249,8 +254,8 @@ class JobService:
             max_attempts=req.max_attempts,
             cancel_requested=False,
             created_at=now,
-            workers=plan["resources"]["num_workers"],
-            gpus=plan["resources"]["num_workers"] if plan["resources"]["use_gpu"] else 0,
+            workers=spec.resources.num_workers,
+            gpus=spec.resources.num_workers if spec.resources.use_gpu else 0,
         )
         limit = self.settings.limits.max_unfinished_jobs_per_tenant
         try:

@@ -25,12 +25,6 @@ ADAPTER_DIR = "adapter"  # the adapter beside a merged export, and inside a chec
 PARAM = "method.lora.target_modules"
 
 
-def trains_adapters(plan: dict[str, Any] | None) -> bool:
-    """Whether a job's plan trains LoRA adapters: its method then holds their settings
-    (`JobService.resolve` stores them for every method that trains adapters)."""
-    return bool(((plan or {}).get("method") or {}).get("lora"))
-
-
 def adapter_dir(directory: str | Path) -> Path:
     """Where the adapter of an export or checkpoint directory is."""
     return Path(directory) / ADAPTER_DIR

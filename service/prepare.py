@@ -24,6 +24,7 @@ from service.datasets import (
     read_examples,
     tokenize,
 )
+from service.job_spec import JobSpec
 from service.packing import padding_share, rows, wants_packing
 from service.preference import pair_rows, tokenize_pairs
 
@@ -109,28 +110,29 @@ def max_positions(model: dict[str, Any]) -> int:
 
 
 def prepare(
-    plan: dict[str, Any],
+    spec: JobSpec,
     train_path: Path,
     valid_path: Path | None,
     tokenizer_cache: Path | None = None,
 ) -> Prepared:
-    """Tokenize the files as the plan says; raises `DataError` for unusable data."""
+    """Tokenize the files as the spec says, deciding `seq_len` and `packing` where it
+    leaves them "auto"; raises `DataError` for unusable data."""
     fmt, train_ex = read_examples(train_path)
-    method = methods.of_plan(plan)
+    method = spec.training_method
     if not method.takes(fmt):
         raise DataError(_method_format_mismatch("training file", fmt, method))
-    tok = load_tokenizer(plan["model"], fmt, train_ex, tokenizer_cache)
-    hp = plan["hyperparameters"]
-    seq_len = hp["seq_len"]
-    limit = max_positions(plan["model"])
+    model = spec.model.model_dump()
+    tok = load_tokenizer(model, fmt, train_ex, tokenizer_cache)
+    hp = spec.hyperparameters
+    seq_len = hp.seq_len
+    limit = max_positions(model)
     tokenized = _tokenized(tok, fmt, train_ex)
     if seq_len == "auto":
         longest = max((_longest(fmt, t) for t in tokenized), default=16) if tokenized else 256
         seq_len = auto_seq_len(longest, limit)
     if seq_len > limit:
         raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
-    # plans stored before packing existed ran one example per row; pairs are never packed
-    asked = hp.get("packing", False)
+    asked = hp.packing  # pairs are never packed
     packed = fmt in ("chat", "completion") and wants_packing(asked, tokenized, seq_len)
     packing: dict[str, Any] = {"requested": asked, "packed": packed}
     if fmt in ("chat", "completion"):
@@ -155,11 +157,10 @@ def prepare(
         valid = _rows(tok, vfmt, valid_ex, _tokenized(tok, vfmt, valid_ex), seq_len, packed)
         if valid.input_ids.shape[0] == 0:
             raise DataError("the validation file has no rows to evaluate at this seq_len")
-    batch = hp["batch_size"]
-    per_epoch = math.ceil(train.input_ids.shape[0] / batch)
-    total = per_epoch * hp["n_epochs"]
-    if hp.get("max_steps"):
-        total = min(total, hp["max_steps"])
+    per_epoch = math.ceil(train.input_ids.shape[0] / hp.batch_size)
+    total = per_epoch * hp.n_epochs
+    if hp.max_steps:
+        total = min(total, hp.max_steps)
     return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing)
 
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.lora import trains_adapters
+from service.job_spec import spec_of
 from service.settings import Settings
 from service.store import Job, Store
 
@@ -61,16 +61,15 @@ def fine_tuned_models(settings: Settings, store: Store, tenant: str) -> list[Mod
 
 
 def _fine_tuned(settings: Settings, job: Job, model_id: str, created: int) -> ModelRef:
-    plan = job.plan or {}
-    lora = trains_adapters(plan)
+    spec = spec_of(job)
     return ModelRef(
         model_id,
         "fine-tuned",
         settings.finetuned_dir(job.id),
         created,
         job.tenant,
-        plan.get("base_model", job.model),
-        adapter_base=job.model if lora else None,
+        spec.base_model,
+        adapter_base=job.model if spec.trains_adapters else None,
     )
 
 

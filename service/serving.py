@@ -128,9 +128,9 @@ def _checkpoint_target(
     if not found:
         raise NotFound("model", model_id, param="model")
     ck = found[0]
-    from service.lora import trains_adapters
+    from service.job_spec import spec_of
 
-    if trains_adapters(job.plan):
+    if spec_of(job).trains_adapters:
         adapter = adapter_dir(ck.path)
         base = _base_dir(settings, store, tenant, job.model)
         if base is None or not (adapter / "adapter_config.json").is_file():

@@ -28,6 +28,7 @@ from api.schemas import (
 from service import exports
 from service.errors import InvalidRequest, NotFound
 from service.job_request import JobRequest
+from service.job_spec import spec_of
 from service.registry import fine_tuned_name
 from service.status import TERMINAL
 
@@ -243,9 +244,7 @@ def jobs_checkpoints(
     """The job's newest checkpoints (as many as Ray Train keeps) and the final one."""
     c = ctx(request)
     job = c.jobs.get(tenant, fine_tuning_job_id)
-    name = job.fine_tuned_model or fine_tuned_name(
-        (job.plan or {}).get("base_model", job.model), job.suffix, job.id
-    )
+    name = job.fine_tuned_model or fine_tuned_name(spec_of(job).base_model, job.suffix, job.id)
     rows, more = c.store.checkpoints.page(job.id, after, limit)
     data = [JobCheckpoint.of(ck, name, exports.available(c.settings, job, ck)) for ck in rows]
     return respond(CheckpointList(data=data, has_more=more, **page_ends(data)))

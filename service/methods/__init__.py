@@ -17,7 +17,6 @@ the worker loop and the exports then take it; nothing else names a method.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from typing import Any
 
 from service.methods.base import Method
 from service.methods.dpo import DPO_METHOD
@@ -56,15 +55,9 @@ def get(name: str) -> Method:
         ) from None
 
 
-def of_plan(plan: dict[str, Any] | None) -> Method:
-    """The method of a stored job plan (plans stored before methods had sections hold
-    only `method.type`, or no method: supervised)."""
-    return get(((plan or {}).get("method") or {}).get("type") or DEFAULT)
-
-
 def taking(fmt: str) -> list[Method]:
     """The methods that train on files of format `fmt`."""
     return [m for m in METHODS.values() if m.takes(fmt)]
 
 
-__all__ = ["METHODS", "Method", "get", "of_plan", "taking"]
+__all__ = ["METHODS", "Method", "get", "taking"]

@@ -22,6 +22,10 @@ DATA_WORDS: dict[Data, str] = {
 }
 
 
+# the hyperparameters OpenAI's job object echoes for every method
+ECHOED = ("batch_size", "learning_rate_multiplier", "n_epochs")
+
+
 class Method:
     """A training method: subclass it in one module, and add the instance to
     `service.methods.BUILT_IN` (or to the `pstar.methods` entry-point group).
@@ -52,6 +56,24 @@ class Method:
     def objective(self, run: dict[str, Any]) -> Any:
         """The objective the worker loop calls (`service.objectives`), for a run."""
         raise NotImplementedError(f"method '{self.name}' names no objective")
+
+    def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
+        """The job object's `method.<name>`: OpenAI's hyperparameters and this method's
+        own, as decided (`hp`: the stored ones), and the adapter settings where the request
+        gives them (`adapter_settings_at`)."""
+        own = [
+            k for k in self.hyperparameters.model_fields if k not in Hyperparameters.model_fields
+        ]
+        section: dict[str, Any] = {
+            "hyperparameters": {k: hp.get(k, "auto") for k in (*ECHOED, *own)}
+        }
+        if lora and self.adapter_settings_at:
+            inside = self.adapter_settings_at.split(".")[2:]  # "method.<name>[.<key>]"
+            if inside:
+                section[inside[0]] = lora
+            else:
+                section.update(lora)
+        return section
 
     def takes(self, fmt: str) -> bool:
         """Whether it trains on a file of format `fmt`."""

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.job_spec import spec_of
 from tests.api.test_hostile import assert_envelope, post_json, stored_jobs
 from tests.service.test_store import driver_attempt
 from tests.tiny import chat_lines
@@ -62,9 +63,12 @@ def test_a_lora_job_is_created_with_the_sdk_and_echoes_its_method(api, train_fil
     assert job.model_extra["hyperparameters_resolved"]["lora"] == {**LORA, "alpha": 16.0}
     again = c.fine_tuning.jobs.retrieve(job.id)
     assert again.method.model_extra["lora"] == job.method.model_extra["lora"]
-    # the engine section the workers run with carries the adapters; nothing else does
-    plan = api.store.jobs.get(job.id).plan
-    assert plan["engine"]["lora"] == {**LORA, "alpha": 16.0}
+    # the engine config the workers run with carries the adapters, stored once: in the
+    # method, not in the client's engine section
+    stored = api.store.jobs.get(job.id)
+    plan = stored.plan
+    assert spec_of(stored).engine_config()["lora"] == {**LORA, "alpha": 16.0}
+    assert "lora" not in plan["engine"]
     assert plan["method"] == {"type": "lora", "lora": {**LORA, "alpha": 16.0}}
 
 
@@ -91,7 +95,7 @@ def test_a_supervised_job_echoes_supervised_and_has_no_lora_settings(api, train_
     job = api.client().fine_tuning.jobs.create(model="tiny-llama", training_file=train_file)
     assert job.method.type == "supervised"
     assert "lora" not in job.model_extra["hyperparameters_resolved"]
-    assert "lora" not in api.store.jobs.get(job.id).plan["engine"]
+    assert "lora" not in spec_of(api.store.jobs.get(job.id)).engine_config()
 
 
 def lora_body(model: str = "tiny-llama", **fields: Any):

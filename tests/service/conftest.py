@@ -17,3 +17,12 @@ def local_service(tmp_path):
     settings.ensure_dirs()
     yield settings, store
     store.close()
+
+
+@pytest.fixture
+def fresh_store(db_url):
+    """A store migrated now, on each backend (`db_url`)."""
+    s = Store(db_url)
+    s.migrate()
+    yield s
+    s.close()

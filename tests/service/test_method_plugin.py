@@ -168,7 +168,7 @@ def test_the_plugin_method_is_checked_stored_and_echoed_as_its_own(plugin_result
     assert plugin_result["echoed_method"] == "perplexity"
     # its section takes its own hyperparameters and refuses another method's
     assert "beta" in plugin_result["refused"]
-    assert plugin_result["plan_method"] == {"type": "perplexity"}
+    assert plugin_result["plan_method"] == {"type": "perplexity", "lora": None}
     assert plugin_result["plan_cap"] == 5000.0
 
 

@@ -54,12 +54,21 @@ def store(backend_store):
     return backend_store
 
 
-@pytest.fixture
-def fresh_store(db_url):
-    s = Store(db_url)
-    s.migrate()
-    yield s
-    s.close()
+def spec_plan(model: str = "tiny-llama", training_file: str = "file-1") -> dict[str, Any]:
+    """The smallest stored job spec (`service.job_spec.JobSpec`) a job can have."""
+    return {
+        "version": 1,
+        "base_model": model,
+        "method": {"type": "supervised"},
+        "model": {"id": model, "kind": "base", "path": None},
+        "training_file": {"id": training_file, "format": "chat", "examples": 8},
+        "hyperparameters": {
+            "n_epochs": 1,
+            "batch_size": 2,
+            "learning_rate_multiplier": 1.0,
+            "learning_rate": 1e-4,
+        },
+    }
 
 
 def make_job(
@@ -83,7 +92,7 @@ def make_job(
         request=body,
         request_hash=request_hash(body),
         idempotency_key=key,
-        plan={},
+        plan=spec_plan(body["model"], body["training_file"]),
         status=status,
         progress_step=0,
         progress_total=0,
