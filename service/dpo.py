@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from service.methods.dpo import DEFAULT_BETA
 from service.objectives import Rows, Split, all_sum, all_sum_tensor, eval_rounds
+from service.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,15 @@ def adapters_disabled(engine: Any):
 class DPO:
     name = "dpo"
 
-    def __init__(self, run: dict[str, Any]) -> None:
-        hp = run["hyperparameters"]
-        self.beta = float(hp.get("beta", DEFAULT_BETA))  # a job's plan has it decided
-        self.lora = bool(run.get("lora"))
-        self.ref_file = Path(run["data_file"]).with_suffix(".ref.pt")
+    def __init__(self, beta: float, lora: bool, ref_file: Path) -> None:
+        self.beta, self.lora, self.ref_file = beta, lora, ref_file
+
+    @classmethod
+    def of(cls, run: RunPlan) -> DPO:
+        """For a run: its beta (a job's spec has it decided), whether it trains adapters,
+        and where the reference log-probabilities go (beside its rows)."""
+        beta = (run.hyperparameters.model_extra or {}).get("beta", DEFAULT_BETA)
+        return cls(float(beta), run.lora, run.ref_file)
 
     # -- the reference pass -----------------------------------------------------------------
 

@@ -33,13 +33,18 @@ from service.files import file_path
 from service.job_spec import spec_of
 from service.prepare import prepare, save_rows
 from service.registry import fine_tuned_name
+from service.run_plan import (
+    CHECKPOINTS_TO_KEEP,
+    RunHyperparameters,
+    RunPlan,
+    default_checkpoint_every,
+)
 from service.settings import Settings
 from service.status import JobStatus
 from service.store import File, Job, StaleAttempt, Store
 from service.store.models import PAUSED
 
 log = logging.getLogger("pstar.driver")
-CHECKPOINTS_TO_KEEP = 3
 
 
 def _data_file(settings: Settings, job: Job, train: File, valid: File | None) -> Path:
@@ -51,7 +56,7 @@ def _data_file(settings: Settings, job: Job, train: File, valid: File | None) ->
     return settings.job_dir(job.id) / "data" / f"rows-{key}.pt"
 
 
-def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dict[str, Any]:
+def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> RunPlan:
     """Tokenize (or reuse the cached rows) and decide everything the workers need."""
     job_dir = settings.job_dir(job.id)
     spec = spec_of(job)
@@ -106,29 +111,28 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> dic
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
     store.jobs.update(job.id, attempt=attempt, progress_total=total)
     early = spec.early_stopping
-    return {
-        "resume_from": _newest_checkpoint(store, job.id) if attempt > 1 else None,
-        "model": spec.model.model_dump(),
-        "method": spec.method.type,
-        "lora": spec.trains_adapters,
-        "early_stopping": early.model_dump() if early is not None else None,
+    return RunPlan(
+        resume_from=_newest_checkpoint(store, job.id) if attempt > 1 else None,
+        model=spec.model.model_dump(),
+        method=spec.method.type,
+        lora=spec.trains_adapters,
+        early_stopping=early.model_dump() if early is not None else None,
         # the best evaluation's model, kept across attempts while early stopping watches
-        "best_dir": str(job_dir / "best"),
-        "engine": engine,
-        "hyperparameters": hp,
-        "seq_len": meta["seq_len"],
-        "vocab_size": meta["vocab_size"],
-        "total_steps": total,
-        "steps_per_epoch": meta["steps_per_epoch"],
-        "checkpoint_every": spec.checkpoint_every or max(1, -(-total // 4)),
-        "checkpoints_to_keep": CHECKPOINTS_TO_KEEP,
-        "seed": job.seed,
-        "data_file": str(data_file),
+        best_dir=str(job_dir / "best"),
+        engine=engine,
+        hyperparameters=RunHyperparameters(**hp),
+        seq_len=meta["seq_len"],
+        vocab_size=meta["vocab_size"],
+        total_steps=total,
+        steps_per_epoch=meta["steps_per_epoch"],
+        checkpoint_every=default_checkpoint_every(spec.checkpoint_every, total, True),
+        seed=job.seed,
+        data_file=str(data_file),
         # a zoo model's tokenizer was trained on the data: the export carries it
-        "tokenizer_dir": str(job_dir / "tokenizer") if spec.model.kind == "zoo" else None,
-        "export_dir": str(settings.finetuned_dir(job.id)),
-        "storage_path": str(job_dir / "ray"),
-    }
+        tokenizer_dir=str(job_dir / "tokenizer") if spec.model.kind == "zoo" else None,
+        export_dir=str(settings.finetuned_dir(job.id)),
+        storage_path=str(job_dir / "ray"),
+    )
 
 
 def _memory_plan(
@@ -186,7 +190,7 @@ def _newest_checkpoint(store: Store, job_id: str) -> str | None:
     return max(rows, key=lambda c: c.step).path if rows else None
 
 
-def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:
+def run_trainer(run: RunPlan, job: Job, attempt: int) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -208,7 +212,7 @@ def run_trainer(run: dict[str, Any], job: Job, attempt: int) -> Any:
         ),
         run_config=RunConfig(
             name=job.id,
-            storage_path=run["storage_path"],
+            storage_path=run.storage_path,
             failure_config=FailureConfig(max_failures=2),
             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP),
         ),
@@ -377,7 +381,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         "job %s attempt %d: %d steps on %s worker(s)",
         job_id,
         attempt,
-        run["total_steps"],
+        run.total_steps,
         spec_of(job).resources.num_workers,
     )
     paused = False

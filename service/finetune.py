@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from service.run_plan import RunPlan
 from service.worker import (
     Sink,
     prepare_kernels,
@@ -41,7 +42,7 @@ def train_func(config: dict[str, Any]) -> None:
     rep = Reporter.for_rank(config, rank, world)
     prepare_kernels(rep)
     rep.phase("loading model")
-    torch.manual_seed(run["seed"])
+    torch.manual_seed(run.seed)
     engine = build_job_engine(run)
     run_loop(run, engine, rank, world, rep, RayCheckpoints(run), name=f"job {config['job_id']}")
 
@@ -51,7 +52,7 @@ class RayCheckpoints:
     storage (named `checkpoint_dir_name`), and the sink records it (the store, for a job);
     a restarted worker group or a new attempt resumes from the newest (`resume`)."""
 
-    def __init__(self, run: dict[str, Any]) -> None:
+    def __init__(self, run: RunPlan) -> None:
         self.run = run
         self._names: set[str] = set()  # reported by this worker in this attempt
 
@@ -74,13 +75,13 @@ class RayCheckpoints:
         report_checkpoint(engine, values, sink, step, final, state=state, name=name)
 
 
-def resume(engine: Any, run: dict[str, Any], rep: Any) -> bool:
+def resume(engine: Any, run: RunPlan, rep: Any) -> bool:
     """Load the newest checkpoint of the job, if there is one; True if one was loaded
     (`resume_state`)."""
     return resume_state(engine, run, rep) is not None
 
 
-def resume_state(engine: Any, run: dict[str, Any], rep: Any) -> dict[str, Any] | None:
+def resume_state(engine: Any, run: RunPlan, rep: Any) -> dict[str, Any] | None:
     """Load the newest checkpoint of the job, if there is one: the loop's state kept with
     it, or None when there was none.
 
@@ -89,7 +90,7 @@ def resume_state(engine: Any, run: dict[str, Any], rep: Any) -> dict[str, Any] |
     head was lost, or the job was paused) reads the same registry from storage, but Ray
     persists it a moment after `report` returns: a driver killed in that moment leaves it
     one checkpoint behind, or empty. The store records each checkpoint's directory once
-    every rank has written it (`run["resume_from"]`, set by the driver), so the newer of
+    every rank has written it (`run.resume_from`, set by the driver), so the newer of
     the two wins.
     """
     import ray.train
@@ -100,7 +101,7 @@ def resume_state(engine: Any, run: dict[str, Any], rep: Any) -> dict[str, Any] |
         return int(json.loads((d / META).read_text())["global_step"])
 
     checkpoint = ray.train.get_checkpoint()
-    stored = Path(run["resume_from"]) if run.get("resume_from") else None
+    stored = Path(run.resume_from) if run.resume_from else None
     if stored is not None and not (stored / META).is_file():
         stored = None  # deleted with its run directory, or never complete
     if checkpoint is None and stored is None:
@@ -147,12 +148,12 @@ def report_checkpoint(
     rep.checkpoint(step, values, final, name)
 
 
-def build_job_engine(run: dict[str, Any]):
+def build_job_engine(run: RunPlan):
     import pstar_core
     from service.prepare import model_fn
 
-    fn = model_fn(run["model"], run["seq_len"], run["vocab_size"])
-    cfg = dict(run["engine"])
+    fn = model_fn(run.model, run.seq_len, run.vocab_size)
+    cfg = dict(run.engine)
     if cfg.get("device", "cpu") != "cpu":
         import ray.train.torch
 

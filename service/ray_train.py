@@ -5,9 +5,9 @@ The rows are prepared once here, before the workers start (`train_local.prepare_
 every worker builds the engine on the process group Ray created (gloo on CPU, NCCL on
 GPU), so the chunks are sharded with chunk ZeRO, and takes its share of each global batch.
 Checkpoints go through `ray.train.report` (`finetune.RayCheckpoints`, as a job's do),
-every `checkpoint_every` steps (default `log_every`): on a lost worker Ray restarts the
-group (`FailureConfig(max_failures)`) and the loop resumes from the newest one. Rank 0
-writes `metrics.jsonl` (`service.runlog`).
+every `checkpoint_every` steps (default: every quarter of the run, as a job's): on a lost
+worker Ray restarts the group (`FailureConfig(max_failures)`) and the loop resumes from
+the newest one. Rank 0 writes `metrics.jsonl` (`service.runlog`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from pstar_core.config import ConfigError
 from service.finetune import RayCheckpoints
+from service.run_plan import default_checkpoint_every
 from service.runlog import RunLog
 from service.spec import TrainSpec
 from service.train_local import build_engine, prepare_spec_run
@@ -75,8 +76,15 @@ def run_ray(
         )
     run_dir = spec.output_dir / spec.name
     run, _tok = prepare_spec_run(spec, phase)  # once, before the workers need the rows
-    run["checkpoint_every"] = spec.train.checkpoint_every or spec.train.log_every
-    run["storage_path"] = str(run_dir / "ray")
+    run = run.model_copy(
+        update={
+            # Ray restarts a lost worker group: it resumes from the newest checkpoint
+            "checkpoint_every": default_checkpoint_every(
+                spec.train.checkpoint_every, run.total_steps, True
+            ),
+            "storage_path": str(run_dir / "ray"),
+        }
+    )
     started = not ray.is_initialized()
     if started:
         phase("starting a local Ray")
@@ -92,7 +100,7 @@ def run_ray(
         ),
         run_config=RunConfig(
             name=spec.name,
-            storage_path=run["storage_path"],
+            storage_path=run.storage_path,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),

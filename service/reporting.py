@@ -259,8 +259,8 @@ class Reporter:
             self.job_id,
             step,
             {k: v for k, v in values.items() if isinstance(v, (int, float))},
-            str(Path(self.run["storage_path"]) / self.job_id / dir_name),
-            keep=self.run["checkpoints_to_keep"],
+            str(Path(self.run.storage_path or ".") / self.job_id / dir_name),
+            keep=self.run.checkpoints_to_keep,
             final=final,
             attempt=self.attempt,
         )

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from service.run_plan import RunPlan
+
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, dict[str, Any]], None]
@@ -26,7 +28,7 @@ class RunLog:
 
     def __init__(
         self,
-        run: dict[str, Any],
+        run: RunPlan,
         run_dir: Path,
         log_every: int,
         rank: int = 0,

@@ -42,7 +42,7 @@ class TrainLoopSpec(_Spec):
         default=None,
         gt=0,
         description="checkpoint every N steps (default: at the end in one process; every "
-        "log_every steps on Ray workers, which a restarted worker group resumes from)",
+        "quarter of the run on Ray workers, which a restarted worker group resumes from)",
     )
     seed: int = 0
 

@@ -24,10 +24,10 @@ import pstar_core
 from pstar_core.checkpoint import META
 from pstar_core.config import ConfigError
 from pstar_core.models import GPT, get_config
-from service import methods
 from service.data import read_text, train_tokenizer
 from service.datasets import Encoded, encode
 from service.prepare import save_rows
+from service.run_plan import RunHyperparameters, RunPlan, default_checkpoint_every
 from service.runlog import RunLog, StepCallback
 from service.spec import TrainSpec
 from service.worker import (
@@ -57,26 +57,23 @@ def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: 
     valid = _cut(rows, n - n_held, min(n, n - n_held + loop.eval_batches * loop.batch_size))
     data_file = run_dir / "data" / "rows.pt"
     save_rows(data_file, train, valid)
-    lora = bool(spec.engine.get("lora"))
-    run = {
-        "model": {"spec": spec.model, "vocab_size": len(tok)},
-        "method": methods.DEFAULT,
-        "lora": lora,  # adapters from the engine's own `lora` section
-        "hyperparameters": {
-            "batch_size": loop.batch_size,
-            "micro_batches": loop.micro_batches,
-            "eval_every": loop.eval_every or 0,  # 0: held-out loss before and after only
-        },
-        "seq_len": spec.data.seq_len,
-        "total_steps": loop.steps,
-        "steps_per_epoch": math.ceil((n - n_held) / loop.batch_size),
-        "checkpoint_every": loop.checkpoint_every or 0,  # 0: at the end only
-        "seed": loop.seed,
-        "data_file": str(data_file),
-        "export_dir": str(run_dir / "hf") if spec.is_path_model else None,
-        "tokenizer_dir": None,  # a HF model's export copies its own tokenizer
-        "resume_from": None,
-    }
+    run = RunPlan(
+        model={"spec": spec.model, "vocab_size": len(tok)},
+        lora=bool(spec.engine.get("lora")),  # adapters from the engine's own `lora` section
+        hyperparameters=RunHyperparameters(
+            batch_size=loop.batch_size,
+            micro_batches=loop.micro_batches,
+            eval_every=loop.eval_every or 0,  # 0: held-out loss before and after only
+        ),
+        engine=spec.engine,
+        seq_len=spec.data.seq_len,
+        total_steps=loop.steps,
+        steps_per_epoch=math.ceil((n - n_held) / loop.batch_size),
+        checkpoint_every=default_checkpoint_every(loop.checkpoint_every, loop.steps, False),
+        seed=loop.seed,
+        data_file=str(data_file),
+        export_dir=str(run_dir / "hf") if spec.is_path_model else None,
+    )
     return run, tok
 
 
@@ -102,7 +99,7 @@ def load_tokenizer(spec: TrainSpec, run_dir: Path, text: str, phase=lambda _m: N
     return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
 
 
-def build_engine(spec: TrainSpec, run: dict[str, Any], phase=lambda _m: None):
+def build_engine(spec: TrainSpec, run: RunPlan, phase=lambda _m: None):
     """The engine for a spec's model (ZeRO over the ranks if distributed is up)."""
     from pstar_core.hf import HFLoadError, is_hf_dir
 
@@ -111,7 +108,7 @@ def build_engine(spec: TrainSpec, run: dict[str, Any], phase=lambda _m: None):
     if not spec.is_path_model:
         cfg = replace(
             get_config(spec.model),
-            vocab_size=run["model"]["vocab_size"],
+            vocab_size=run.model["vocab_size"],
             seq_len=spec.data.seq_len,
             **spec.model_overrides,
         )
@@ -184,7 +181,7 @@ def run_training(
         "heldout_ppl_before": ppl(rep.before),  # None when resumed past the start
         "heldout_ppl_after": ppl(final),
         "checkpoint": str(ckpt),
-        "hf_export": run["export_dir"],
+        "hf_export": run.export_dir,
         "model_data_bytes_per_param": stats["model_data_bytes_per_param"],
         "trained_tokens": final["trained_tokens"],
     }

@@ -2,7 +2,7 @@
 
 A service job (`service.finetune.train_func` on N Ray Train workers) and `pstar train`
 (one process, or N Ray Train workers: `service.train_local`, `service.ray_train`) differ
-only in what they hand it: where the rows come from (`run["data_file"]`, written by
+only in what they hand it: where the rows come from (`run.data_file`, written by
 `service.prepare.save_rows`), whom it tells (a `Sink`: the store's `Reporter`, or
 `service.runlog.RunLog` for files and the CLI) and where checkpoints go (a `Checkpoints`:
 Ray Train's registry, or a directory). The data path, the metrics (names and meanings),
@@ -28,6 +28,7 @@ from service.early_stopping import EarlyStopping
 from service.eta import Eta
 from service.lora import adapter_dir
 from service.objectives import Split, all_sum
+from service.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Sink(Protocol):
     """Whom the loop tells what happens (rank 0 writes; every rank may export gauges)."""
 
     attempt: int
-    run: dict[str, Any]
+    run: RunPlan
 
     def phase(self, detail: str) -> None: ...
     def event(self, message: str, **data: Any) -> None: ...
@@ -102,10 +103,10 @@ def write_checkpoint(
         (directory / LOOP_STATE).write_text(json.dumps(state))
 
 
-def trains_adapters(run: dict[str, Any]) -> bool:
+def trains_adapters(run: RunPlan) -> bool:
     """Whether a run trains LoRA adapters (its checkpoints and export carry the adapter):
     a job whose method trains them, or `pstar train` with an engine `lora` section."""
-    return bool(run.get("lora"))
+    return run.lora
 
 
 def this_rank() -> int:
@@ -218,11 +219,9 @@ def memory_values(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def objective_for(run: dict[str, Any]) -> Any:
+def objective_for(run: RunPlan) -> Any:
     """The training method's objective (`service.objectives`)."""
-    from service import methods
-
-    return methods.get(run.get("method") or methods.DEFAULT).objective(run)
+    return run.training_method.objective(run)
 
 
 def agreed(flag: bool, device: torch.device) -> bool:
@@ -231,7 +230,7 @@ def agreed(flag: bool, device: torch.device) -> bool:
 
 
 def run_loop(
-    run: dict[str, Any],
+    run: RunPlan,
     engine: Any,
     rank: int,
     world: int,
@@ -239,7 +238,7 @@ def run_loop(
     checkpoints: Checkpoints,
     name: str = "",
 ) -> dict[str, Any]:
-    """Train `engine` on the run's rows to `run["total_steps"]` (or until early stopping
+    """Train `engine` on the run's rows to `run.total_steps` (or until early stopping
     ends it), then checkpoint and export; the final values (trained tokens, full
     validation) are returned and told to `rep`. A pause asked for through `rep` ends the
     loop at a step boundary with a checkpoint and no export (`{"paused_at_step": s}`)."""
@@ -252,7 +251,7 @@ class RunLoop:
 
     def __init__(
         self,
-        run: dict[str, Any],
+        run: RunPlan,
         engine: Any,
         rank: int,
         world: int,
@@ -262,19 +261,16 @@ class RunLoop:
     ) -> None:
         self.run_, self.engine, self.rank, self.world = run, engine, rank, world
         self.rep, self.checkpoints, self.name = rep, checkpoints, name
-        data = torch.load(run["data_file"], weights_only=True)
+        data = torch.load(run.data_file, weights_only=True)
         self.train, self.valid = Split.of(data, "train"), Split.of(data, "valid")
-        hp = run["hyperparameters"]
-        self.batch, self.total = hp["batch_size"], run["total_steps"]
-        self.micro_batches = hp.get("micro_batches") or 1
+        self.batch, self.total = run.hyperparameters.batch_size, run.total_steps
+        self.micro_batches = run.hyperparameters.micro_batches
         self.local = self.batch // world
-        self.eval_every = hp.get("eval_every")
-        if self.eval_every is None:
-            self.eval_every = max(1, self.total // 10)
+        self.eval_every = run.eval_every
         self.lora = trains_adapters(run)
         self.objective = objective_for(run)
         self.eta = Eta(self.total)
-        self.best_dir = Path(run["best_dir"]) if run.get("best_dir") else None
+        self.best_dir = Path(run.best_dir) if run.best_dir else None
         self.stopper: EarlyStopping | None = None
         self.trained_tokens = 0
 
@@ -283,13 +279,11 @@ class RunLoop:
     def run(self) -> dict[str, Any]:
         engine, rep, total = self.engine, self.rep, self.total
         self._start()
-        sampler = Batches(
-            len(self.train), self.batch, self.run_["steps_per_epoch"], self.run_["seed"]
-        )
+        sampler = Batches(len(self.train), self.batch, self.run_.steps_per_epoch, self.run_.seed)
         flops_tok = flops_per_token(engine, self.train.seq_len)
         self.trained_tokens = int(rep.values_at(engine.global_step).get("trained_tokens", 0))
         comm_before = engine.stats()["comm_bytes_sent"]
-        ckpt_every = self.run_["checkpoint_every"]
+        ckpt_every = self.run_.checkpoint_every
         rep.phase("training")
         first = engine.global_step
         full_eval: dict[str, float] | None = None
@@ -330,10 +324,10 @@ class RunLoop:
         if restored is not None:
             rep.resumed(engine.global_step)
         self.stopper = EarlyStopping.of(
-            self.run_.get("early_stopping"), (restored or {}).get("early_stopping")
+            self.run_.early_stopping, (restored or {}).get("early_stopping")
         )
         if self.stopper is not None and self.best_dir is None:
-            raise ValueError("early stopping needs run['best_dir'] for the best model")
+            raise ValueError("early stopping needs the run's best_dir for the best model")
         st = engine.stats()
         if self.rank == 0:
             rep.runtime(runtime_values(st))
@@ -454,7 +448,7 @@ class RunLoop:
         self.checkpoints.save(
             engine, rep, {**last, **final}, engine.global_step, final=True, state=self._state()
         )
-        if self.run_.get("export_dir"):
+        if self.run_.export_dir:
             rep.phase("exporting")
             _export(engine, self.run_, self.rank, self.lora)
         rep.stats(engine.stats())
@@ -463,18 +457,19 @@ class RunLoop:
         return final
 
 
-def _export(engine: Any, run: dict[str, Any], rank: int, lora: bool) -> None:
+def _export(engine: Any, run: RunPlan, rank: int, lora: bool) -> None:
     """A Hugging Face directory of the trained model (a LoRA run: the merged model, with the
     adapter inside it; the layout is in service.lora), and the tokenizer beside it."""
-    out_dir = Path(run["export_dir"])
+    assert run.export_dir is not None
+    out_dir = Path(run.export_dir)
     if lora:
         # the merged model first: its directory replaces the export as a whole
         engine.export_hf(out_dir, variant="merged")
         engine.export_hf(adapter_dir(out_dir), variant="adapter")
     else:
         engine.export_hf(out_dir)
-    if rank == 0 and run.get("tokenizer_dir"):
+    if rank == 0 and run.tokenizer_dir:
         from transformers import PreTrainedTokenizerFast
 
-        tok = PreTrainedTokenizerFast.from_pretrained(run["tokenizer_dir"])
+        tok = PreTrainedTokenizerFast.from_pretrained(run.tokenizer_dir)
         tok.save_pretrained(str(out_dir))

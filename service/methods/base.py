@@ -5,10 +5,13 @@ and how a method is added)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from service.methods.sections import Hyperparameters, LoraSettings
 from service.resources import Body
+
+if TYPE_CHECKING:
+    from service.run_plan import RunPlan
 
 # what a method trains on: examples (chat, completion or text files) or preference pairs
 Data = Literal["examples", "preference"]
@@ -53,7 +56,7 @@ class Method:
         """This method's own hyperparameters with "auto" decided, for the stored plan."""
         return {}
 
-    def objective(self, run: dict[str, Any]) -> Any:
+    def objective(self, run: RunPlan) -> Any:
         """The objective the worker loop calls (`service.objectives`), for a run."""
         raise NotImplementedError(f"method '{self.name}' names no objective")
 

@@ -4,13 +4,16 @@ train, and the reference is the base without them. The objective is `service.dpo
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
 from service.methods.base import Method
 from service.methods.sections import Auto, Hyperparameters, LoraSettings
 from service.resources import Body
+
+if TYPE_CHECKING:
+    from service.run_plan import RunPlan
 
 DEFAULT_BETA = 0.1  # DPO's "auto" beta: the paper's and OpenAI's default
 
@@ -50,10 +53,10 @@ class DpoMethod(Method):
         beta = getattr(hp, "beta", "auto")
         return {"beta": DEFAULT_BETA if beta == "auto" else float(beta)}
 
-    def objective(self, run: dict[str, Any]) -> Any:
+    def objective(self, run: RunPlan) -> Any:
         from service.dpo import DPO
 
-        return DPO(run)
+        return DPO.of(run)
 
 
 DPO_METHOD = DpoMethod()

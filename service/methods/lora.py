@@ -3,11 +3,14 @@ pretrained model whose own weights stay frozen (`service.lora` checks the target
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.methods.base import Method
 from service.methods.sections import Hyperparameters, LoraSettings
 from service.resources import Body
+
+if TYPE_CHECKING:
+    from service.run_plan import RunPlan
 
 
 class LoraSection(LoraSettings):
@@ -27,7 +30,7 @@ class LoraMethod(Method):
         assert section is None or isinstance(section, LoraSection)
         return section or LoraSection()
 
-    def objective(self, run: dict[str, Any]) -> Any:
+    def objective(self, run: RunPlan) -> Any:
         from service.objectives import Supervised
 
         return Supervised()

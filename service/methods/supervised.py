@@ -3,11 +3,14 @@ cross-entropy over the labelled tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.methods.base import Method
 from service.methods.sections import Hyperparameters
 from service.resources import Body
+
+if TYPE_CHECKING:
+    from service.run_plan import RunPlan
 
 
 class SupervisedSection(Body):
@@ -19,7 +22,7 @@ class SupervisedMethod(Method):
     summary = "every weight trains"
     section = SupervisedSection
 
-    def objective(self, run: dict[str, Any]) -> Any:
+    def objective(self, run: RunPlan) -> Any:
         from service.objectives import Supervised
 
         return Supervised()

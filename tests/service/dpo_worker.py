@@ -36,10 +36,9 @@ def main(rank: int, world: int, tmp: str) -> None:
     split = pairs_split()
     model = tiny_llama()
     local = BATCH // world
-    run = {"hyperparameters": {"beta": BETA}, "data_file": str(tmp_path / "rows.pt"), "lora": False}
     losses = []
     with pstar_core.initialize(lambda: copy.deepcopy(model), CFG) as engine:
-        dpo = DPO(run)
+        dpo = DPO(BETA, False, tmp_path / "rows.ref.pt")
         dpo.prepare(engine, {"train": split}, rank, world, local, Sink())
         for step in range(STEPS):
             mine = step_indices(step)[rank * local : (rank + 1) * local]

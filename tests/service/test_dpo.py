@@ -174,8 +174,7 @@ class Sink:
 
 def engine_dpo_losses(engine, split: Split, tmp_path, lora: bool) -> list[float]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    run = {"hyperparameters": {"beta": BETA}, "data_file": str(tmp_path / "rows.pt"), "lora": lora}
-    dpo = DPO(run)
+    dpo = DPO(BETA, lora, tmp_path / "rows.ref.pt")
     dpo.prepare(engine, {"train": split}, 0, 1, BATCH, Sink())
     assert (tmp_path / "rows.ref.pt").is_file()  # kept with the prepared data
     losses = []
@@ -253,7 +252,7 @@ def test_lora_reference_is_the_base_even_after_training(tmp_path):
         first = torch.load(tmp_path / "rows.ref.pt", weights_only=True)["train"]
         (tmp_path / "rows.ref.pt").unlink()
         again = Split(split.ids, split.labels, split.lengths)
-        DPO({"hyperparameters": {}, "data_file": str(tmp_path / "rows.pt"), "lora": True}).prepare(
+        DPO(BETA, True, tmp_path / "rows.ref.pt").prepare(
             engine, {"train": again}, 0, 1, BATCH, Sink()
         )
     assert losses[-1] < losses[0]  # the adapters moved
@@ -270,9 +269,9 @@ def test_full_fine_tuning_refuses_to_recompute_a_lost_reference_after_training(t
         engine_dpo_losses(engine, split, tmp_path, lora=False)
         (tmp_path / "rows.ref.pt").unlink()
         with pytest.raises(RuntimeError, match="cannot be computed again"):
-            DPO(
-                {"hyperparameters": {}, "data_file": str(tmp_path / "rows.pt"), "lora": False}
-            ).prepare(engine, {"train": split}, 0, 1, BATCH, Sink())
+            DPO(BETA, False, tmp_path / "rows.ref.pt").prepare(
+                engine, {"train": split}, 0, 1, BATCH, Sink()
+            )
 
 
 def test_dpo_under_an_evicting_device_budget_gives_bitwise_the_same_losses(tmp_path):

@@ -7,6 +7,7 @@ from sqlalchemy import update
 
 from service.driver import fail, finish_success, results_file_id
 from service.store import Job, StaleAttempt
+from tests.service.runs import run_plan
 from tests.service.test_store import running_job
 
 
@@ -99,7 +100,7 @@ def _reporter(store, job_id: str):
     config = {
         "job_id": job_id,
         "attempt": 1,
-        "run": {"storage_path": "/x", "checkpoints_to_keep": 3},
+        "run": run_plan(storage_path="/x"),
     }
     return Reporter(config, 0, store)
 

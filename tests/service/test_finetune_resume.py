@@ -9,6 +9,7 @@ import ray.train
 import pstar_core
 from service.finetune import resume
 from tests.core.helpers import MODELS, batches, engine_config, run_engine
+from tests.service.runs import run_plan
 
 
 class _Rep:
@@ -52,7 +53,7 @@ def test_resume_takes_the_newer_of_rays_and_the_stores_checkpoint(
 ):
     ray_ckpt = ray.train.Checkpoint.from_directory(str(saved / ray_has)) if ray_has else None
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray_ckpt)
-    run = {"resume_from": str(saved / store_has) if store_has else None}
+    run = run_plan(resume_from=str(saved / store_has) if store_has else None)
     engine, rep = _fresh(), _Rep()
     assert resume(engine, run, rep) is (expect > 0)
     assert engine.global_step == expect
@@ -74,14 +75,12 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
 
     base = make_tiny_llama(tmp_path / "base")
     lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    run = {
-        "model": {"id": "tiny", "kind": "base", "path": str(base)},
-        "method": "lora",
-        "seq_len": 16,
-        "vocab_size": 0,
-        "engine": {"dtype": "fp32", "optimizer": {"lr": 0.05}, "lora": lora},
-        "resume_from": None,
-    }
+    run = run_plan(
+        model={"id": "tiny", "kind": "base", "path": str(base)},
+        method="lora",
+        lora=True,
+        engine={"dtype": "fp32", "optimizer": {"lr": 0.05}, "lora": lora},
+    )
     torch.manual_seed(0)
     engine = build_job_engine(run)
     x = torch.randint(3, 300, (2, 16))

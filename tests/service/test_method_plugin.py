@@ -60,7 +60,7 @@ class PerplexityMethod(Method):
         return {"perplexity_cap": 1e6 if cap == "auto" else float(cap)}
 
     def objective(self, run: dict[str, Any]) -> Any:
-        return PerplexityObjective(run["hyperparameters"]["perplexity_cap"])
+        return PerplexityObjective(run.hyperparameters.perplexity_cap)
 
 
 METHOD = PerplexityMethod()

@@ -72,7 +72,7 @@ def test_lost_worker_resumes_from_the_last_checkpoint_and_finishes(ray_local, tm
 name: ray-job
 model: gpt-tiny
 data: {{path: {text}, seq_len: 32, vocab_size: 300}}
-train: {{steps: 12, batch_size: 8, log_every: 2}}
+train: {{steps: 12, batch_size: 8, log_every: 2, checkpoint_every: 2}}
 engine: {{dtype: fp32, chunk_size: 32768, optimizer: {{lr: 0.01}}}}
 output_dir: {tmp_path / "runs"}
 """

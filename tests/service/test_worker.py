@@ -14,6 +14,7 @@ from service.objectives import Rows, Supervised
 from service.runlog import RunLog
 from service.worker import flops_per_token
 from tests.core.helpers import MODELS, SEQ, VOCAB, engine_config
+from tests.service.runs import run_plan
 
 
 def _rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +98,7 @@ def test_flops_count_every_parameter_once_and_frozen_ones_at_four(tmp_path):
 
 def test_runlog_writes_every_log_every_step_and_the_last_and_reads_a_step_back(tmp_path):
     seen: list[int] = []
-    log = RunLog({}, tmp_path, log_every=3, on_step=lambda step, _m: seen.append(step))
+    log = RunLog(run_plan(), tmp_path, log_every=3, on_step=lambda step, _m: seen.append(step))
     log.runtime({"world_size": 2})
     log.metrics(0, {"full_valid_loss": 2.0})  # before training: kept, not a line
     for step in range(1, 8):
