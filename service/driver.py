@@ -191,33 +191,20 @@ def _newest_checkpoint(store: Store, job_id: str) -> str | None:
 
 
 def run_trainer(run: RunPlan, job: Job, attempt: int) -> Any:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
-
     from service.finetune import train_func
-    from service.trainer import lean_torch_trainer
+    from service.trainer import fit_on_workers
 
-    res = spec_of(job).resources
-    trainer = lean_torch_trainer(
+    assert run.storage_path is not None
+    return fit_on_workers(
         train_func,
         # no store address in here: Ray shows a trainer's config on its dashboard; the
         # workers read it as the driver does
-        train_loop_config={"job_id": job.id, "attempt": attempt, "run": run},
-        torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=res.num_workers,
-            use_gpu=res.use_gpu,
-            resources_per_worker={"CPU": res.cpus_per_worker},
-            placement_strategy=res.placement_strategy,
-        ),
-        run_config=RunConfig(
-            name=job.id,
-            storage_path=run.storage_path,
-            failure_config=FailureConfig(max_failures=2),
-            checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP),
-        ),
+        {"job_id": job.id, "attempt": attempt, "run": run},
+        name=job.id,
+        storage_path=run.storage_path,
+        resources=spec_of(job).resources,
+        max_failures=2,
     )
-    return trainer.fit()
 
 
 def metrics_csv(store: Store, job_id: str) -> bytes:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pstar_core.config import ConfigError
 from service.finetune import RayCheckpoints
+from service.resources import Resources
 from service.run_plan import default_checkpoint_every
 from service.runlog import RunLog
 from service.spec import TrainSpec
@@ -64,10 +65,8 @@ def run_ray(
     and, with `use_gpu`, one GPU that its engine computes on (NCCL between them).
     `train_loop` is the per-worker function (`train_func`, or one that wraps it)."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
-    from service.trainer import lean_torch_trainer
+    from service.trainer import fit_on_workers
 
     if spec.train.batch_size % workers:
         raise ConfigError(
@@ -89,24 +88,15 @@ def run_ray(
     if started:
         phase("starting a local Ray")
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-    trainer = lean_torch_trainer(
-        train_loop,
-        train_loop_config={"spec_json": spec.model_dump_json(), "run": run},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=workers,
-            use_gpu=use_gpu,
-            resources_per_worker={"CPU": cpus_per_worker},
-        ),
-        run_config=RunConfig(
-            name=spec.name,
-            storage_path=run.storage_path,
-            failure_config=FailureConfig(max_failures=max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-        ),
-    )
     phase(f"training on {workers} Ray workers")
-    result = trainer.fit()
+    result = fit_on_workers(
+        train_loop,
+        {"spec_json": spec.model_dump_json(), "run": run},
+        name=spec.name,
+        storage_path=str(run_dir / "ray"),
+        resources=Resources(num_workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
+        max_failures=max_failures,
+    )
     out = {
         "metrics": dict(result.metrics or {}),
         "checkpoint": result.checkpoint.path if result.checkpoint else None,

@@ -9,7 +9,7 @@ actors of its own, each a Python process that imports Ray (~2-3 s of CPU each; o
 - `DatasetManager` (`DatasetsCallback`): hands out Ray Data shards. Created even when the
   trainer has no `datasets`, and it pickles Ray Data's context into every worker, so each
   worker also imports `ray.data` before the train function runs. Our workers read their
-  rows from the prepared file (`run["data_file"]`) and never ask for a shard.
+  rows from the prepared file (`run.data_file`) and never ask for a shard.
 - `PlacementGroupCleaner` (`PlacementGroupCleanerCallback`): a detached actor that removes
   the workers' placement group as soon as the controller dies. Kept: when a driver is
   killed, it frees the workers' resources for the next attempt at once, where Ray's own
@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+from service.resources import Resources
+from service.run_plan import CHECKPOINTS_TO_KEEP
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +64,40 @@ def lean_torch_trainer(*args: Any, **kwargs: Any) -> Any:
     if not unused or not hasattr(TorchTrainer, "_create_default_callbacks"):
         return TorchTrainer(*args, **kwargs)
     return _LeanTorchTrainer(*args, **kwargs)
+
+
+def fit_on_workers(
+    train_loop: Any,
+    config: dict[str, Any],
+    *,
+    name: str,
+    storage_path: str,
+    resources: Resources,
+    max_failures: int,
+    keep: int = CHECKPOINTS_TO_KEEP,
+) -> Any:
+    """The one launch of the worker loop on Ray Train workers, for a job's driver and for
+    `pstar train --workers`: `train_loop(config)` on `resources.num_workers` workers (gloo
+    on CPU, NCCL with a GPU each), a lost worker group restarted up to `max_failures`
+    times from the newest of the `keep` checkpoints Ray keeps; Ray's result."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    trainer = lean_torch_trainer(
+        train_loop,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=resources.num_workers,
+            use_gpu=resources.use_gpu,
+            resources_per_worker={"CPU": resources.cpus_per_worker},
+            placement_strategy=resources.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=keep),
+        ),
+    )
+    return trainer.fit()
