@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from pstar_core.tiers import TierName
-
-if TYPE_CHECKING:
-    from pstar_core.spans import Span
 
 
 class ChunkType(enum.Enum):
@@ -87,7 +84,9 @@ class TensorSlot:
     grad_in_accum: bool = False  # an earlier micro-batch left a grad in the accum chunk
     forward_uses: int = 0  # operators that used it in this forward (tied weights: several)
     backward_done: bool = False  # frozen: its module's backward is over (input grads)
-    span: Span | None = None  # a piece of a parameter larger than a chunk (see spans.py)
+    # a piece of a parameter larger than a chunk: its `spans.Span` (typed loosely, since
+    # spans.py builds on this module)
+    span: Any = None
 
     def set_state(self, new: TensorState) -> None:
         if new not in _LEGAL[self.state]:

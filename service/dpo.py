@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.methods.dpo import DEFAULT_BETA
 from service.objectives import Rows, Split, all_sum, all_sum_tensor, eval_rounds
 from service.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BETA = 0.1  # "auto" beta: the paper's and OpenAI's default
 
 SUMS = ("loss_sum", "chosen", "rejected", "correct", "count")  # per rank, summed over ranks
 

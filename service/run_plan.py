@@ -12,8 +12,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from service import methods
-
 CHECKPOINTS_TO_KEEP = 3
 
 
@@ -36,7 +34,7 @@ class RunPlan(BaseModel):
     # how to build the model (`service.prepare.model_fn`): {"id", "kind", "path"} of a
     # job's model, or {"spec", "vocab_size"} of a `pstar train` zoo model
     model: dict[str, Any]
-    method: str = methods.DEFAULT
+    method: str  # the training method (`service.methods`), by name
     lora: bool = False  # it trains LoRA adapters (checkpoints and exports carry them)
     hyperparameters: RunHyperparameters
     engine: dict[str, Any]  # the engine's config
@@ -54,10 +52,6 @@ class RunPlan(BaseModel):
     best_dir: str | None = None  # early stopping's best model
     early_stopping: dict[str, Any] | None = None
     storage_path: str | None = None  # Ray Train's storage (runs on Ray workers)
-
-    @property
-    def training_method(self) -> methods.Method:
-        return methods.get(self.method)
 
     @property
     def eval_every(self) -> int:

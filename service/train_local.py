@@ -24,6 +24,7 @@ import pstar_core
 from pstar_core.checkpoint import META
 from pstar_core.config import ConfigError
 from pstar_core.models import GPT, get_config
+from service import methods
 from service.data import read_text, train_tokenizer
 from service.datasets import Encoded, encode
 from service.prepare import save_rows
@@ -59,6 +60,7 @@ def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: 
     save_rows(data_file, train, valid)
     run = RunPlan(
         model={"spec": spec.model, "vocab_size": len(tok)},
+        method=methods.DEFAULT,
         lora=bool(spec.engine.get("lora")),  # adapters from the engine's own `lora` section
         hyperparameters=RunHyperparameters(
             batch_size=loop.batch_size,

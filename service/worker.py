@@ -221,7 +221,9 @@ def memory_values(stats: dict[str, Any]) -> dict[str, Any]:
 
 def objective_for(run: RunPlan) -> Any:
     """The training method's objective (`service.objectives`)."""
-    return run.training_method.objective(run)
+    from service import methods
+
+    return methods.get(run.method).objective(run)
 
 
 def agreed(flag: bool, device: torch.device) -> bool:

@@ -111,3 +111,39 @@ def test_main_prints_tables_then_the_json_line(structure, tree: Path, capsys) ->
     assert "pstar_core.checkpoint -> pstar_core.engine -> pstar_core.checkpoint" in text
     assert "service/jobs.py:5: service imports fastapi (top-level)" in text
     assert "service -> pstar_core: 1 (1 top-level, 0 in functions)" in text
+
+
+# what the worker processes run (Ray Train workers, `pstar train`): none of it may reach the
+# control plane or the HTTP request schema, even through a function-local import
+WORKER_ENTRIES = ("service.finetune", "service.ray_train", "service.train_local")
+CONTROL_PLANE = ("service.job_request", "service.jobs", "service.reconciler", "api")
+
+
+def test_the_real_tree_has_no_import_cycle_and_keeps_its_layers(structure) -> None:
+    data = structure.analyze(SCRIPT.parent.parent)
+    assert data["parse_errors"] == []
+    assert data["cycles"] == [], [c["cycle"] for c in data["cycles"]]
+    assert data["violations"] == []
+
+
+def test_worker_modules_reach_neither_the_control_plane_nor_the_http_schema(structure) -> None:
+    report = structure.load(SCRIPT.parent.parent)
+    structure.collect_imports(report)
+    graph = structure.module_graph(report)
+    seen: dict[str, str] = {m: m for m in WORKER_ENTRIES}
+    todo = list(WORKER_ENTRIES)
+    while todo:
+        here = todo.pop()
+        for there in graph.get(here, {}):
+            if there not in seen:
+                seen[there] = here
+                todo.append(there)
+    reached = sorted(m for m in seen if m.startswith(CONTROL_PLANE))
+
+    def path(m: str) -> str:
+        steps = [m]
+        while seen[steps[-1]] != steps[-1]:
+            steps.append(seen[steps[-1]])
+        return " <- ".join(steps)
+
+    assert reached == [], [path(m) for m in reached]

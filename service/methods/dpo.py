@@ -8,14 +8,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
+from service.dpo import DEFAULT_BETA, DPO
 from service.methods.base import Method
 from service.methods.sections import Auto, Hyperparameters, LoraSettings
 from service.resources import Body
 
 if TYPE_CHECKING:
     from service.run_plan import RunPlan
-
-DEFAULT_BETA = 0.1  # DPO's "auto" beta: the paper's and OpenAI's default
 
 
 class DpoHyperparameters(Hyperparameters):
@@ -54,8 +53,6 @@ class DpoMethod(Method):
         return {"beta": DEFAULT_BETA if beta == "auto" else float(beta)}
 
     def objective(self, run: RunPlan) -> Any:
-        from service.dpo import DPO
-
         return DPO.of(run)
 
 

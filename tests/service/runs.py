@@ -10,6 +10,7 @@ from service.run_plan import RunHyperparameters, RunPlan
 def run_plan(**fields: Any) -> RunPlan:
     given: dict[str, Any] = {
         "model": {},
+        "method": "supervised",
         "hyperparameters": RunHyperparameters(batch_size=1),
         "engine": {},
         "seq_len": 16,
