@@ -10,73 +10,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 
 from api import errors, ui
-from service.errors import QuotaExceeded
+from api.context import Context, Streams
 from service.jobs import JobService
-from service.settings import Limits, Settings
+from service.settings import Settings
 from service.store import Store
-
-
-class Streams:
-    """The long-lived responses (event streams, followed logs; generations) open per
-    tenant: at most `limit` each (429 past it), and all of them told to end when the server
-    shuts down, so an open dashboard cannot hold a SIGTERM."""
-
-    def __init__(
-        self,
-        limit: int,
-        setting: str = "max_event_streams_per_tenant",
-        what: str = "streams open",
-        hint: str = "close one (a dashboard tab, a followed log) or poll the list routes instead",
-        code: str = "too_many_streams",
-    ) -> None:
-        self.limit = limit
-        self.setting, self.what, self.hint, self.code = setting, what, hint, code
-        self.open: dict[str, int] = {}
-        self.closing = False
-
-    def take(self, tenant: str) -> None:
-        n = self.open.get(tenant, 0)
-        if n >= self.limit:
-            raise QuotaExceeded(
-                f"tenant {tenant} has {n} {self.what}, its limit "
-                f"({Limits.var(self.setting)}={self.limit}); {self.hint}",
-                code=self.code,
-            )
-        self.open[tenant] = n + 1
-
-    def give_back(self, tenant: str) -> None:
-        self.open[tenant] -= 1
-
-    async def guard(self, tenant: str, body: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """`body`, ending early when the server shuts down; its slot given back at the end
-        (taken by the caller before the response starts, so a 429 can still be sent)."""
-        try:
-            async for part in body:
-                yield part
-                if self.closing:
-                    return
-        finally:
-            self.give_back(tenant)
-
-
-@dataclass
-class Context:
-    settings: Settings
-    store: Store
-    launcher: Any
-    jobs: JobService
-    reconciler: Any = None
-    metrics: Any = None
-    streams: Streams | None = None
-    generations: Streams | None = None  # chat and text completions in flight
-    serving: Any = None  # service.serving.Serving: which deployment answers a model
-    backend: Any = None  # api.generate's backend: where a generation's events come from
 
 
 def create_app(

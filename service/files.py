@@ -20,7 +20,7 @@ from pathlib import Path
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.datasets import MAX_LINE_BYTES, LineValidator
-from service.errors import InvalidRequest, QuotaExceeded, ServiceError, TooLarge
+from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, ServiceError, TooLarge
 from service.settings import Limits, Settings
 from service.store import File, Store, new_id
 
@@ -378,8 +378,33 @@ def file_path(settings: Settings, f: File) -> Path:
     return settings.files_dir / f.storage_name
 
 
-def delete_file(settings: Settings, store: Store, tenant: str, file_id: str) -> File | None:
+def own_file(store: Store, tenant: str, file_id: str) -> File:
+    """The tenant's file; a 404 for another tenant's, as for one that does not exist."""
+    f = store.files.get(tenant, file_id)
+    if f is None:
+        raise NotFound("file", file_id, param="file_id")
+    return f
+
+
+def page_files(
+    store: Store, tenant: str, after: str | None, limit: int, purpose: str | None, order: str
+) -> tuple[list[File], bool]:
+    return store.files.page(tenant, after, limit, purpose, order)
+
+
+def delete_file(settings: Settings, store: Store, tenant: str, file_id: str) -> File:
+    """Delete the tenant's file: a 409 while an unfinished job uses it, a 404 if it is
+    not there (any more)."""
+    job = store.files.in_use(tenant, file_id)
+    if job is not None:
+        raise Conflict(
+            f"file {file_id} is used by job {job}, which has not finished; cancel the job "
+            "or wait for it to end",
+            param="file_id",
+            code="file_in_use",
+        )
     f = store.files.delete(tenant, file_id)
-    if f is not None:
-        (settings.files_dir / f.storage_name).unlink(missing_ok=True)
+    if f is None:
+        raise NotFound("file", file_id, param="file_id")
+    (settings.files_dir / f.storage_name).unlink(missing_ok=True)
     return f

@@ -41,6 +41,8 @@ from service.resources import Resources
 from service.settings import Limits, Settings
 from service.status import JobStatus
 from service.store import (
+    Checkpoint,
+    Event,
     IdempotencyConflict,
     Job,
     Store,
@@ -286,6 +288,40 @@ class JobService:
 
     def get(self, tenant: str, job_id: str) -> Job:
         return _found(self.store.jobs.get(job_id, tenant), job_id)
+
+    def page(
+        self,
+        tenant: str,
+        after: str | None,
+        limit: int,
+        status: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> tuple[list[View], bool]:
+        """A page of the tenant's jobs, newest first; whether more follow."""
+        return self.store.jobs.page(tenant, after, limit, status, metadata)
+
+    # -- a job's own records: the caller has the job (`get`), so the tenant is checked
+
+    def events(
+        self, job: Job, after: int | None, limit: int, kind: str | None = None, order="desc"
+    ) -> tuple[list[Event], bool]:
+        return self.store.events.page(job.id, after, limit, kind, order)
+
+    def checkpoints(self, job: Job, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:
+        return self.store.checkpoints.page(job.id, after, limit)
+
+    def checkpoint(self, job: Job, checkpoint_id: str) -> Checkpoint:
+        ck = self.store.checkpoints.get(job.id, checkpoint_id)
+        if ck is None:
+            raise NotFound("checkpoint", checkpoint_id, param="checkpoint_id")
+        return ck
+
+    def metric_points(self, job: Job, step_from: int | None, step_to: int | None) -> list[Any]:
+        return self.store.events.metric_points(job.id, step_from, step_to)
+
+    def stats(self, job: Job) -> Any:
+        """The engine's newest stats of the job (the tracer's timeline), or None."""
+        return self.store.events.get_stats(job.id)
 
     def view(self, tenant: str, job_id: str) -> View:
         """What `GET .../jobs/{id}` shows (`store.jobs.view`); 404 for another tenant's."""

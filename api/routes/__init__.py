@@ -9,14 +9,38 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from api.auth import require_tenant
+from api.context import Context
 from service.errors import InvalidRequest
 from service.job_request import text_problem
+from service.store import File, Job
 
 Tenant = Annotated[str, Depends(require_tenant)]
 
 
-def ctx(request: Request):
+def ctx(request: Request) -> Context:
     return request.app.state.ctx
+
+
+# what a route is handed: the app's context, and a job only when it is the caller's (the
+# one place a job's tenant is checked: another tenant's job is a 404, as one that does not
+# exist)
+Ctx = Annotated[Context, Depends(ctx)]
+
+
+def own_job(fine_tuning_job_id: str, c: Ctx, tenant: Tenant) -> Job:
+    return c.jobs.get(tenant, fine_tuning_job_id)
+
+
+OwnJob = Annotated[Job, Depends(own_job)]
+
+
+def own_file(file_id: str, c: Ctx, tenant: Tenant) -> File:
+    from service.files import own_file as owned
+
+    return owned(c.store, tenant, file_id)
+
+
+OwnFile = Annotated[File, Depends(own_file)]
 
 
 def respond(model: BaseModel) -> Response:

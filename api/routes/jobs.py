@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from api.errors import responses
-from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Tenant, ctx, respond
+from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Ctx, OwnJob, Tenant, respond
 from api.schemas import (
     CheckpointList,
     EventList,
@@ -26,7 +26,7 @@ from api.schemas import (
     page_ends,
 )
 from service import exports
-from service.errors import InvalidRequest, NotFound
+from service.errors import InvalidRequest
 from service.job_request import JobRequest
 from service.job_spec import spec_of
 from service.registry import fine_tuned_name
@@ -55,7 +55,7 @@ MAX_STEP = 2**31 - 1  # the store keeps steps as 32-bit integers (PostgreSQL's `
 @router.post("", response_model=FineTuningJob, responses=responses(400, 409))
 def jobs_create(
     req: JobRequest,
-    request: Request,
+    c: Ctx,
     tenant: Tenant,
     idempotency_key: Annotated[
         str | None,
@@ -68,23 +68,23 @@ def jobs_create(
 ) -> Response:
     """Create a fine-tuning job (OpenAI's body; extensions: engine, resources,
     checkpoint_every, max_attempts, hyperparameters.max_steps/seq_len/eval_every)."""
-    job, _created = ctx(request).jobs.create(tenant, req, idempotency_key)
+    job, _created = c.jobs.create(tenant, req, idempotency_key)
     return respond(FineTuningJob.of(job))
 
 
 @router.post("/validate", responses=responses(400, 503))
-def jobs_validate(req: JobRequest, request: Request, tenant: Tenant) -> dict[str, Any]:
+def jobs_validate(req: JobRequest, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     """Dry run, nothing stored: the data report (examples, tokens, truncation) and the
     estimate (steps, chunk plan, model data per tier per rank, whether it fits)."""
     from service.estimate import validate_job
 
-    c = ctx(request)
     return c.jobs.heavy.run(validate_job, c.settings, c.store, c.jobs, tenant, req)
 
 
 @router.get("", response_model=JobList, responses=responses(400, 404))
 def jobs_list(
     request: Request,
+    c: Ctx,
     tenant: Tenant,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
@@ -95,41 +95,41 @@ def jobs_list(
         for k, v in request.query_params.items()
         if k.startswith("metadata[") and k.endswith("]")
     }
-    rows, more = ctx(request).store.jobs.page(tenant, after, limit, status, metadata or None)
+    rows, more = c.jobs.page(tenant, after, limit, status, metadata or None)
     return respond(JobList(data=[FineTuningJob.of(j) for j in rows], has_more=more))
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, responses=responses(404))
-def jobs_get(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
-    return respond(FineTuningJob.of(ctx(request).jobs.view(tenant, fine_tuning_job_id)))
+def jobs_get(fine_tuning_job_id: str, c: Ctx, tenant: Tenant) -> Response:
+    return respond(FineTuningJob.of(c.jobs.view(tenant, fine_tuning_job_id)))
 
 
 @router.post(
     "/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=responses(404, 409)
 )
-def jobs_cancel(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+def jobs_cancel(fine_tuning_job_id: str, c: Ctx, tenant: Tenant) -> Response:
     """Stop the job's Ray job (and its workers); the job ends `cancelled`. 409 if it has
     already ended."""
-    return respond(FineTuningJob.of(ctx(request).jobs.cancel(tenant, fine_tuning_job_id)))
+    return respond(FineTuningJob.of(c.jobs.cancel(tenant, fine_tuning_job_id)))
 
 
 @router.post(
     "/{fine_tuning_job_id}/pause", response_model=FineTuningJob, responses=responses(400, 404)
 )
-def jobs_pause(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+def jobs_pause(fine_tuning_job_id: str, c: Ctx, tenant: Tenant) -> Response:
     """Pause the job: a queued one leaves the queue at once; a running one writes a
     checkpoint at its next step boundary, frees its workers and becomes `paused`
     (`pause_requested` until then). 400 in any other status."""
-    return respond(FineTuningJob.of(ctx(request).jobs.pause(tenant, fine_tuning_job_id)))
+    return respond(FineTuningJob.of(c.jobs.pause(tenant, fine_tuning_job_id)))
 
 
 @router.post(
     "/{fine_tuning_job_id}/resume", response_model=FineTuningJob, responses=responses(400, 404)
 )
-def jobs_resume(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+def jobs_resume(fine_tuning_job_id: str, c: Ctx, tenant: Tenant) -> Response:
     """Resume a paused job: queued again, it continues from the pause's checkpoint with
     the losses an uninterrupted run has. 400 if it is not paused."""
-    return respond(FineTuningJob.of(ctx(request).jobs.resume(tenant, fine_tuning_job_id)))
+    return respond(FineTuningJob.of(c.jobs.resume(tenant, fine_tuning_job_id)))
 
 
 def _event_cursor(after: str | None) -> int | None:
@@ -139,17 +139,14 @@ def _event_cursor(after: str | None) -> int | None:
 
 @router.get("/{fine_tuning_job_id}/events", response_model=EventList, responses=responses(400, 404))
 def jobs_events(
-    fine_tuning_job_id: str,
-    request: Request,
-    tenant: Tenant,
+    job: OwnJob,
+    c: Ctx,
     after: EventCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     type: EventType | None = None,
 ) -> Response:
     """Events newest first (as OpenAI); `after` pages to older ones."""
-    c = ctx(request)
-    c.jobs.get(tenant, fine_tuning_job_id)
-    rows, more = c.store.events.page(fine_tuning_job_id, _event_cursor(after), limit, type)
+    rows, more = c.jobs.events(job, _event_cursor(after), limit, type)
     return respond(EventList(data=[JobEvent.of(e) for e in rows], has_more=more))
 
 
@@ -172,7 +169,8 @@ STREAM_KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep the stre
     },
 )
 async def jobs_events_stream(
-    fine_tuning_job_id: str,
+    job: OwnJob,
+    c: Ctx,
     request: Request,
     tenant: Tenant,
     after: EventCursor = None,
@@ -190,8 +188,6 @@ async def jobs_events_stream(
     """The job's events as they happen (Server-Sent Events), from the first one or after
     `Last-Event-ID` / `after`; the stream ends after the job does. A chart fed by it
     grows as metrics arrive, without polling."""
-    c = ctx(request)
-    await run_in_threadpool(c.jobs.get, tenant, fine_tuning_job_id)
     start = _event_cursor(last_event_id or after)
 
     async def stream():
@@ -199,9 +195,7 @@ async def jobs_events_stream(
         quiet = 0.0
         ended = None
         while not await request.is_disconnected() and not c.streams.closing:
-            rows, more = await run_in_threadpool(
-                c.store.events.page, fine_tuning_job_id, seq, 500, None, "asc"
-            )
+            rows, more = await run_in_threadpool(c.jobs.events, job, seq, 500, None, "asc")
             for e in rows:
                 ev = JobEvent.of(e)
                 yield f"id: {ev.id}\nevent: {ev.type}\ndata: {ev.model_dump_json()}\n\n"
@@ -211,9 +205,9 @@ async def jobs_events_stream(
             if ended is not None:  # every event up to and after the end has been sent
                 yield f"event: end\ndata: {FineTuningJob.of(ended).model_dump_json()}\n\n"
                 return
-            job = await run_in_threadpool(c.jobs.get, tenant, fine_tuning_job_id)
-            if job.status in TERMINAL:
-                ended = job  # one more read: events written with the status change
+            now = await run_in_threadpool(c.jobs.get, tenant, job.id)
+            if now.status in TERMINAL:
+                ended = now  # one more read: events written with the status change
                 continue
             if rows:
                 quiet = 0.0
@@ -235,17 +229,14 @@ async def jobs_events_stream(
     responses=responses(400, 404),
 )
 def jobs_checkpoints(
-    fine_tuning_job_id: str,
-    request: Request,
-    tenant: Tenant,
+    job: OwnJob,
+    c: Ctx,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> Response:
     """The job's newest checkpoints (as many as Ray Train keeps) and the final one."""
-    c = ctx(request)
-    job = c.jobs.get(tenant, fine_tuning_job_id)
     name = job.fine_tuned_model or fine_tuned_name(spec_of(job).base_model, job.suffix, job.id)
-    rows, more = c.store.checkpoints.page(job.id, after, limit)
+    rows, more = c.jobs.checkpoints(job, after, limit)
     data = [JobCheckpoint.of(ck, name, exports.available(c.settings, job, ck)) for ck in rows]
     return respond(CheckpointList(data=data, has_more=more, **page_ends(data)))
 
@@ -266,10 +257,9 @@ def jobs_checkpoints(
     },
 )
 def jobs_checkpoint_content(
-    fine_tuning_job_id: str,
+    job: OwnJob,
+    c: Ctx,
     checkpoint_id: str,
-    request: Request,
-    tenant: Tenant,
     variant: Annotated[
         Literal["adapter", "merged", "full"] | None,
         Query(
@@ -282,11 +272,7 @@ def jobs_checkpoint_content(
     """Download a checkpoint's model as a tar archive, streamed. The checkpoint's
     `variants` list the forms it has; one it does not have (or the job's method never
     writes) is a 404 saying which it has."""
-    c = ctx(request)
-    job = c.jobs.get(tenant, fine_tuning_job_id)
-    ck = c.store.checkpoints.get(job.id, checkpoint_id)
-    if ck is None:
-        raise NotFound("checkpoint", checkpoint_id, param="checkpoint_id")
+    ck = c.jobs.checkpoint(job, checkpoint_id)
     chosen = variant or exports.default_variant(job)
     files = exports.members(exports.content_dir(c.settings, job, ck, chosen))
     name = f"{job.id}-step{ck.step}-{chosen}.tar"
@@ -303,9 +289,8 @@ def jobs_checkpoint_content(
     "/{fine_tuning_job_id}/metrics", response_model=MetricsResponse, responses=responses(400, 404)
 )
 def jobs_metrics(
-    fine_tuning_job_id: str,
-    request: Request,
-    tenant: Tenant,
+    job: OwnJob,
+    c: Ctx,
     names: Annotated[
         str | None,
         Query(max_length=2000, description="comma-separated series names; all if absent"),
@@ -316,11 +301,9 @@ def jobs_metrics(
     """Series by name over steps: train_loss, valid_loss, lr, tokens_per_second,
     step_time_s, tflops, model_data_bytes_<tier>, bytes_moved_<a>_to_<b>,
     peak_non_model_bytes, comm_bytes_sent, ..."""
-    c = ctx(request)
-    c.jobs.get(tenant, fine_tuning_job_id)
     wanted = {n.strip() for n in names.split(",") if n.strip()} if names else None
     series: dict[str, Series] = {}
-    for p in c.store.events.metric_points(fine_tuning_job_id, step_from, step_to):
+    for p in c.jobs.metric_points(job, step_from, step_to):
         for k, v in p.values.items():
             if (wanted is not None and k not in wanted) or not isinstance(v, (int, float)):
                 continue
@@ -328,19 +311,15 @@ def jobs_metrics(
             s.steps.append(p.step)
             s.values.append(float(v))
     return respond(
-        MetricsResponse(
-            job_id=fine_tuning_job_id, step_from=step_from, step_to=step_to, series=series
-        )
+        MetricsResponse(job_id=job.id, step_from=step_from, step_to=step_to, series=series)
     )
 
 
 @router.get("/{fine_tuning_job_id}/memory", response_model=MemoryResponse, responses=responses(404))
-def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Response:
+def jobs_memory(job: OwnJob, c: Ctx) -> Response:
     """The warm-up tracer's timeline (rank 0): per moment the operator, non-model bytes
     N_i, chunk bytes on the device, the device budget and A_j; tier budgets and peaks."""
-    c = ctx(request)
-    c.jobs.get(tenant, fine_tuning_job_id)
-    st = c.store.events.get_stats(fine_tuning_job_id)
+    st = c.jobs.stats(job)
     trace = (st.trace if st else None) or {}
     tiers = (st.tiers if st else None) or {}
     nm = [int(x) for x in trace.get("non_model_bytes", [])]
@@ -352,7 +331,7 @@ def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Re
     )
     return respond(
         MemoryResponse(
-            job_id=fine_tuning_job_id,
+            job_id=job.id,
             available=bool(nm),
             moments=len(nm),
             names=list(trace.get("names", [])),
@@ -374,8 +353,8 @@ def jobs_memory(fine_tuning_job_id: str, request: Request, tenant: Tenant) -> Re
     responses={200: {"content": {"text/plain": {}}}, **responses(400, 404, 429, 503)},
 )
 async def jobs_logs(
-    fine_tuning_job_id: str,
-    request: Request,
+    job: OwnJob,
+    c: Ctx,
     tenant: Tenant,
     follow: bool = False,
     attempt: Annotated[int | None, Query(ge=1, le=1000)] = None,
@@ -384,8 +363,6 @@ async def jobs_logs(
     once an attempt ends); `follow=true` streams the current attempt until the job ends."""
     from service.logs import attempt_logs, follow_logs
 
-    c = ctx(request)
-    job = await run_in_threadpool(c.jobs.get, tenant, fine_tuning_job_id)
     if attempt is not None and attempt > max(job.attempt, 0):
         raise InvalidRequest(
             f"attempt {attempt} does not exist; the job has had {job.attempt}",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
 from api.completion_schemas import ModelDeleted
 from api.errors import responses
-from api.routes import V1_DEPENDENCIES, Tenant, ctx, respond
+from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
 from api.schemas import ModelList, ModelObject
 from service.errors import NotFound
 from service.registry import list_models, resolve_model
@@ -19,16 +19,14 @@ router = APIRouter(
 
 
 @router.get("", response_model=ModelList)
-def models_list(request: Request, tenant: Tenant) -> Response:
-    c = ctx(request)
+def models_list(c: Ctx, tenant: Tenant) -> Response:
     refs = list_models(c.settings, c.store, tenant)
     where = serving_of(c.settings, c.store, c.serving, tenant, refs)
     return respond(ModelList(data=[ModelObject.of(m, where.get(m.id)) for m in refs]))
 
 
 @router.get("/{model}", response_model=ModelObject, responses=responses(404))
-def models_get(model: str, request: Request, tenant: Tenant) -> Response:
-    c = ctx(request)
+def models_get(model: str, c: Ctx, tenant: Tenant) -> Response:
     found = resolve_model(c.settings, c.store, tenant, model)
     if found is None:
         raise NotFound("model", model, param="model")
@@ -37,10 +35,9 @@ def models_get(model: str, request: Request, tenant: Tenant) -> Response:
 
 
 @router.delete("/{model}", response_model=ModelDeleted, responses=responses(400, 403, 404))
-def models_delete(model: str, request: Request, tenant: Tenant) -> Response:
+def models_delete(model: str, c: Ctx, tenant: Tenant) -> Response:
     """Delete one of the tenant's fine-tuned models (its files, its deployment, its adapter
     in any replica's memory). The job that made it keeps its record; a job still
     fine-tuning from it runs on (its files go when it ends). Base models are refused."""
-    c = ctx(request)
     delete_model(c.settings, c.store, c.serving, tenant, model)
     return respond(ModelDeleted(id=model, deleted=True))
