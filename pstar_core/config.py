@@ -207,7 +207,7 @@ class ZeroConfig(_Frozen):
     )
 
 
-LORA_DEFAULT_TARGETS = "all-linear"
+LORA_DEFAULT_TARGETS: Literal["all-linear"] = "all-linear"
 
 
 class LoraConfig(_Frozen):

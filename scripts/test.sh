@@ -13,6 +13,8 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# types: pyproject.toml's [tool.mypy] says what is checked and how strictly
+.venv/bin/python -m mypy
 # a test process per two cores, at most 4 (tests/conftest.py: [Note: parallel tests]):
 # on 2 cores one process (two were measured no faster there, and the Ray tests ran up to
 # 1.7x slower beside the other one); PSTAR_TEST_WORKERS=N sets it

@@ -159,6 +159,7 @@ class DPO:
         for part in parts:
             n = part.input_ids.shape[0]
             logps = policy_logps(engine, part)
+            assert part.reference is not None  # attached by `prepare`
             ref = part.reference.to(logps)
             loss, chosen, rejected = dpo_terms(logps, ref, self.beta)
             engine.backward(loss.sum() / total)
@@ -197,6 +198,7 @@ class DPO:
             rows = split.rows(idx, engine.device)
             logps = policy_logps(engine, rows)
             keep = real.to(logps.device)
+            assert rows.reference is not None  # attached by `prepare`
             loss, chosen, rejected = dpo_terms(logps, rows.reference.to(logps), self.beta)
             self._add(sums, loss[keep], chosen[keep], rejected[keep], int(keep.sum()))
             sums["logp_margin"] += float((logps[:, 0] - logps[:, 1])[keep].sum())

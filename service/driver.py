@@ -43,11 +43,12 @@ from service.settings import Settings
 from service.status import JobStatus
 from service.store import File, Job, StaleAttempt, Store
 from service.store.models import PAUSED
+from service.store.statements import View
 
 log = logging.getLogger("pstar.driver")
 
 
-def _data_file(settings: Settings, job: Job, train: File, valid: File | None) -> Path:
+def _data_file(settings: Settings, job: Job, train: File | View, valid: File | View | None) -> Path:
     key = hashlib.sha256(
         json.dumps(
             [train.sha256, valid.sha256 if valid else None, job.plan], sort_keys=True

@@ -55,6 +55,7 @@ def validate_job(
 ) -> dict[str, Any]:
     _model, spec = jobs.resolve(tenant, req)
     train = store.files.get(tenant, req.training_file)
+    assert train is not None  # resolve found it
     valid = store.files.get(tenant, req.validation_file) if req.validation_file else None
     try:
         prep = prepare(

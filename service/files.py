@@ -23,6 +23,7 @@ from service.datasets import MAX_LINE_BYTES, LineValidator
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, ServiceError, TooLarge
 from service.settings import Limits, Settings
 from service.store import File, Store, new_id
+from service.store.statements import View
 
 PURPOSES = ("fine-tune",)
 MAX_FIELD_BYTES = 1024
@@ -374,7 +375,7 @@ def sweep_partial_uploads(
     return n
 
 
-def file_path(settings: Settings, f: File) -> Path:
+def file_path(settings: Settings, f: File | View) -> Path:
     return settings.files_dir / f.storage_name
 
 

@@ -112,6 +112,7 @@ def resume_state(engine: Any, run: RunPlan, rep: Any) -> dict[str, Any] | None:
             if stored is None or step_of(Path(d)) >= step_of(stored):
                 engine.load_checkpoint(Path(d))
                 return read_loop_state(Path(d))
+    assert stored is not None  # neither is None, or Ray's was newer
     log.info("resuming from the store's newest checkpoint %s", stored)
     engine.load_checkpoint(stored)
     return read_loop_state(stored)

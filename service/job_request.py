@@ -97,11 +97,11 @@ class _MethodBase(Body):
 # built from the registry: a section per method, typed in the document; OpenAI's methods
 # this service does not run are parsed (so a job asking for one gets a message saying
 # so), and the document's enum lists the ones it runs
-Method = create_model(
+Method = create_model(  # type: ignore[call-overload]
     "Method",
     __base__=_MethodBase,
     type=(
-        Literal[(*methods.METHODS, *methods.NOT_RUN)],  # type: ignore[valid-type]
+        Literal[(*methods.METHODS, *methods.NOT_RUN)],
         Field(json_schema_extra={"enum": list(methods.METHODS)}),
     ),
     **{name: (m.section | None, None) for name, m in methods.METHODS.items()},
@@ -134,7 +134,7 @@ class JobRequest(Body):
     suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1), WHOLE] | None = None
     metadata: dict[MetadataKey, MetadataValue] | None = None
-    method: Method | None = None
+    method: Method | None = None  # type: ignore[valid-type]
     hyperparameters: Hyperparameters | None = None
     integrations: Annotated[list[Any], Field(json_schema_extra={"maxItems": 0})] | None = Field(
         default=None, description="not supported: null or empty"

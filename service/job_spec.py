@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service import methods
 from service.resources import Resources
 
-VERSION = 1
+VERSION: Literal[1] = 1
 
 
 class Frozen(BaseModel):

@@ -13,6 +13,7 @@ from typing import Any
 from service.errors import Unavailable
 from service.settings import Settings
 from service.store import TERMINAL, Attempt, Job, Store
+from service.store.jobs import ActiveAttempt
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def saved_log(settings: Settings, submission_id: str) -> Path:
     return settings.job_dir(job_id) / "logs" / f"{submission_id}.log"
 
 
-def save_attempt_log(settings: Settings, launcher: Any, att: Attempt) -> None:
+def save_attempt_log(settings: Settings, launcher: Any, att: Attempt | ActiveAttempt) -> None:
     try:
         text = launcher.logs(att.submission_id)
     except Unavailable:
@@ -90,7 +91,8 @@ async def follow_logs(
                 except Exception as e:  # the head went away mid-stream
                     yield f"(log stream interrupted: {e})\n"
             seen = fresh.attempt
-        fresh = await asyncio.to_thread(store.jobs.get, job.id) or fresh
+        again = await asyncio.to_thread(store.jobs.get, job.id)
+        fresh = again or fresh
         if fresh.status in TERMINAL and fresh.attempt == seen:
             yield f"===== job {fresh.status} =====\n"
             return

@@ -133,10 +133,11 @@ def prepare(
     if seq_len > limit:
         raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
     asked = hp.packing  # pairs are never packed
-    packed = fmt in ("chat", "completion") and wants_packing(asked, tokenized, seq_len)
+    examples = tokenized if fmt in ("chat", "completion") else None  # None: never packed
+    packed = examples is not None and wants_packing(asked, examples, seq_len)
     packing: dict[str, Any] = {"requested": asked, "packed": packed}
-    if fmt in ("chat", "completion"):
-        packing["padding_share_unpacked"] = round(padding_share(tokenized, seq_len), 4)
+    if examples is not None:
+        packing["padding_share_unpacked"] = round(padding_share(examples, seq_len), 4)
     train = _rows(tok, fmt, train_ex, tokenized, seq_len, packed)
     if train.input_ids.shape[0] == 0 and fmt == "text":
         # text rows are full cuts of the concatenated documents: a short text fills none

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from service.job_spec import spec_of
 from service.settings import Settings
@@ -26,7 +27,7 @@ MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass(frozen=True)
 class ModelRef:
     id: str
-    kind: str  # base | zoo | fine-tuned
+    kind: Literal["base", "zoo", "fine-tuned"]
     path: Path | None  # a HF directory (base and fine-tuned); None for zoo models
     created: int
     owned_by: str

@@ -82,6 +82,7 @@ def target_of(settings: Settings, store: Store, tenant: str, model_id: str) -> T
             code="model_not_servable",
         )
     if ref.kind == "base":
+        assert ref.path is not None  # a base model is a directory
         return Target(model_id, base_app(ref.path, model_id), ref.path)
     return _fine_tuned_target(settings, store, tenant, ref)
 

@@ -58,7 +58,7 @@ def lean_torch_trainer(*args: Any, **kwargs: Any) -> Any:
 
     class _LeanTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:
-            callbacks = super()._create_default_callbacks()
+            callbacks = super()._create_default_callbacks()  # type: ignore[misc]
             return [cb for cb in callbacks if not isinstance(cb, unused)]
 
     if not unused or not hasattr(TorchTrainer, "_create_default_callbacks"):

@@ -100,7 +100,7 @@ class LoraSettings(Body):
         default=_ENGINE_LORA.dropout, description="dropout on the adapter input"
     )
     target_modules: TargetModules = Field(
-        default=_ENGINE_LORA.target_modules,
+        default=ALL_LINEAR,  # the engine's default (LORA_DEFAULT_TARGETS)
         description="the linear layers that get adapters, by name or name suffix; 'all-linear': "
         "every linear layer but the output head",
     )
