@@ -220,8 +220,8 @@ def plan(
 @app.command("calibrate-activations")
 def calibrate_activations() -> None:
     """Measure the tracer's non-model peak of zoo GPT steps on this machine and rewrite the
-    capacity planner's calibration data (pstar_core/data/activation_calibration.json)."""
-    from pstar_core.plan_check import calibrate
+    capacity planner's calibration data (benchmarks/data/activation_calibration.json)."""
+    from benchmarks.plan_check import calibrate
 
     err = calibrate()
     console.print(
@@ -327,7 +327,7 @@ def _plan_capacity(
     console.print(
         f"chunk {p.chunk_size:,} elements ({p.utilization:.1%} used); non-model peak "
         f"{p.non_model_peak_bytes / gib:.2f} GiB (activation model calibrated on the tracer: "
-        "pstar_core/plan_check.py); GPU margin "
+        "benchmarks/plan_check.py); GPU margin "
         f"{p.gpu_margin_bytes / gib:.2f} GiB holds {p.os_chunks_on_gpu} of "
         f"{p.os_chunks} optimizer-state chunks\n"
         f"an iteration: GPU peak {p.device_peak_bytes / gib:.1f} GiB (it runs in "

@@ -8,7 +8,7 @@ Per rank (one GPU, its ZeRO share of the chunks, 1/N of the host and disk):
   job's base), as `make_plan` lays it out with chunk ZeRO over N ranks;
 - placement at start as `startup.enforce_budgets` does it (`lists_at_start`);
 - one iteration forecast (`forecast.forecast`): the non-model peak from the activation
-  model calibrated on the engine's tracer (`plan_check`), the GPU margin for optimizer
+  model calibrated on the engine's tracer (`benchmarks/plan_check.py`), the GPU margin for optimizer
   states and how many of them it holds (device-aware placement), the GPU and host peaks,
   the least GPU memory the iteration runs in, and the bytes moved each way; collective
   bytes (all-gathers in forward and backward, a reduce-scatter of the gradients);
@@ -177,7 +177,7 @@ def activation_peak_bytes(
 ) -> int:
     """The peak non-model bytes of one training iteration of a GPT of this shape: the
     most at any moment of `forecast.moments`, calibrated on the engine's tracer
-    (`plan_check.calibration_error`)."""
+    (`benchmarks/plan_check.py`: `calibration_error`)."""
     arch = Arch(hidden, layers, vocab, 4 * hidden)
     return max(m.non_model for m in moments([], arch, batch, seq, checkpointing, act_bytes))
 

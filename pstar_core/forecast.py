@@ -145,7 +145,7 @@ def moments(
     being computed), the logits at the output layer, then in backward the output layer's
     weight gradient on top of what is still kept, and three embedding-sized buffers at
     the embedding's own backward (the shape the engine's tracer measured, see
-    `plan_check`). Parameters are grouped by the first number in their names (the
+    `benchmarks/plan_check.py`). Parameters are grouped by the first number in their names (the
     layer); those before the first layer are the embeddings, those after it the final
     norm and an untied output layer (`lm_head`)."""
     h, b, s = arch.hidden, batch, seq

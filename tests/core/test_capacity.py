@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from benchmarks.plan_check import PAPER_CASES, paper_case
 from pstar_core.capacity import PAPER_FAMILY, GiB, Hardware, Workload, plan_capacity
 from pstar_core.forecast import Rates
-from pstar_core.plan_check import PAPER_CASES, paper_case
 
 
 @pytest.mark.parametrize("case", PAPER_CASES, ids=[c[0] for c in PAPER_CASES])
@@ -98,7 +98,7 @@ def test_the_activation_model_is_within_its_stated_error_of_the_shipped_tracer_r
     8, seq 128/256; checkpointing on and off): median 0.13% and largest 1.6% here; under
     1% and 5% asserted (the tiny preset is left out: its peak is mostly what no formula of
     the model's shape sees)."""
-    from pstar_core.plan_check import calibration_error
+    from benchmarks.plan_check import calibration_error
 
     err = calibration_error()
     assert err["points"] == 24
@@ -107,7 +107,7 @@ def test_the_activation_model_is_within_its_stated_error_of_the_shipped_tracer_r
 
 
 def test_a_fresh_tracer_run_reproduces_a_shipped_calibration_point():
-    from pstar_core.plan_check import CALIBRATION, measure_peak
+    from benchmarks.plan_check import CALIBRATION, measure_peak
 
     rows = json.loads(CALIBRATION.read_text())["rows"]
     [shipped] = [
@@ -123,7 +123,7 @@ def test_the_chunk_search_uses_at_least_the_papers_share_of_chunk_memory():
     """The paper's chunk-size table: where it reports a utilization, this engine's search
     (embeddings in chunks) reaches at least as much; where it does not, more than 90% (the
     paper's "typical")."""
-    from pstar_core.plan_check import chunk_table
+    from benchmarks.plan_check import chunk_table
 
     rows = chunk_table()
     assert [r["model"] for r in rows] == [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pstar_core.plan_check import (
+from benchmarks.plan_check import (
     SPLITS,
     VALIDATION,
     check_split,

@@ -1,4 +1,5 @@
-"""The capacity planner checked against this engine, on this machine.
+"""The capacity planner checked against this engine, on this machine (outside the engine's
+package: it trains models to measure them).
 
 - The activation model (`capacity.activation_peak_bytes`) is calibrated on the tracer's
   peak non-model bytes of real steps; the measurements ship in
@@ -23,6 +24,7 @@ from typing import Any
 from pstar_core.capacity import Workload, activation_peak_bytes, tensors_forecast, zoo_tensors
 from pstar_core.mapping import BYTES_PARAM, make_plan
 
+# the measurements the activation model (`capacity.activation_peak_bytes`) is fitted to
 CALIBRATION = Path(__file__).with_name("data") / "activation_calibration.json"
 
 
