@@ -29,6 +29,7 @@ from typing import Any
 
 from pstar_core.forecast import Arch, Forecast, Rates, forecast, moments
 from pstar_core.mapping import BYTES_PARAM, make_plan
+from pstar_core.startup import host_disk_shortfall
 
 GiB = 1 << 30
 DEVICE_SAFETY = 0.9  # as MemoryConfig.device_safety: the share of a GPU the engine plans with
@@ -233,15 +234,8 @@ def plan_tensors(label: str, t: Tensors, hw: Hardware, work: Workload) -> RankPl
     plan = make_plan(t.numels, t.trainable, t.names, work.dtype, work.chunk_size, n)
     p = BYTES_PARAM[work.dtype]
     chunk = plan.chunk_size
-    local = -(-plan.trainable.num_chunks // n)  # a rank owns one chunk of each group
-    frozen = -(-plan.frozen.num_chunks // n)
-    lists = {
-        "param": local * chunk * p,
-        "param_fp32": local * chunk * 4,
-        "momentum": local * chunk * 4,
-        "variance": local * chunk * 4,
-        "frozen": frozen * chunk * p,
-    }
+    local, frozen = plan.rank_chunks(n)  # a rank owns one chunk of each group
+    lists = plan.list_bytes(n)
     model_data = sum(lists.values())
     device = int(hw.gpu_bytes * (DEVICE_SAFETY if hw.accelerator else 1.0))
     rates = hw.speed.rates(n) if hw.speed is not None else None
@@ -252,8 +246,8 @@ def plan_tensors(label: str, t: Tensors, hw: Hardware, work: Workload) -> RankPl
     at_start = lists_at_start(lists, host, int(WARMUP_RATIO * device), disk)
 
     overflow: dict[str, int] = {}
-    if model_data > host + disk:
-        overflow["host+disk"] = model_data - host - disk
+    if short := host_disk_shortfall(model_data, host, disk):
+        overflow["host+disk"] = short
     if f.least_device_bytes > device:
         overflow["device"] = f.least_device_bytes - device
     paper_room = hw.host_bytes + n * max(0, device - peak)

@@ -223,8 +223,8 @@ def forecast(
     operator needs its groups gathered on the device (the other ranks' chunks arrive by
     collective and are dropped after use), and only the owned chunks stay, move and take
     Adam. With `rates`, also the time it takes (`_timeline`)."""
-    n_train = -(-plan.trainable.num_chunks // nproc)  # groups: one owned chunk each
-    units = n_train + -(-plan.frozen.num_chunks // nproc)  # trainable first, then frozen
+    n_train, n_frozen = plan.rank_chunks(nproc)  # groups: one owned chunk each
+    units = n_train + n_frozen  # trainable first, then frozen
     # each tensor's units (a tensor larger than a chunk spans several), and the bytes of
     # the contiguous copy an operator gets of such a tensor (none for the others)
     index: list[tuple[int, ...]] = []

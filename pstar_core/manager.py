@@ -85,8 +85,7 @@ class ChunkManager:
         size = plan.chunk_size
         # Lists are padded to whole communication groups (nproc chunks each).
         n = self.zero.nproc
-        n_tr = -(-plan.trainable.num_chunks // n) * n
-        n_fr = -(-plan.frozen.num_chunks // n) * n
+        n_tr, n_fr = (k * n for k in plan.rank_chunks(n))
         dtypes = {ChunkType.PARAM: dtype, ChunkType.FROZEN: dtype}
         self.lists: dict[ChunkType, list[Chunk]] = {
             kind: [Chunk(kind, i, size, dtypes.get(kind, torch.float32)) for i in range(n)]

@@ -202,17 +202,32 @@ class Plan:
         slots = (self.trainable.num_chunks + self.frozen.num_chunks) * self.chunk_size
         return used / slots if slots else 1.0
 
+    def rank_chunks(self, nproc: int = 1) -> tuple[int, int]:
+        """The trainable and frozen chunks each ZeRO rank owns: one of every communication
+        group, the lists padded to whole groups (nproc=1: the model's)."""
+        return -(-self.trainable.num_chunks // nproc), -(-self.frozen.num_chunks // nproc)
+
+    def list_bytes(self, nproc: int = 1) -> dict[str, int]:
+        """The bytes of each chunk list one rank owns (nproc=1: the model's): the engine's
+        lists, as `ChunkManager` builds them, and what the planner counts."""
+        trainable, frozen = self.rank_chunks(nproc)
+        p, c = BYTES_PARAM[self.dtype], self.chunk_size
+        return {
+            "param": trainable * c * p,
+            "param_fp32": trainable * c * 4,
+            "momentum": trainable * c * 4,
+            "variance": trainable * c * 4,
+            "frozen": frozen * c * p,
+        }
+
     def list_stats(self) -> dict[str, dict[str, float | int]]:
         """Chunks, bytes and utilization of each chunk list."""
-        p = BYTES_PARAM[self.dtype]
         out: dict[str, dict[str, float | int]] = {}
-        rows = [("param", self.trainable, p), ("param_fp32", self.trainable, 4)]
-        rows += [("momentum", self.trainable, 4), ("variance", self.trainable, 4)]
-        rows += [("frozen", self.frozen, p)]
-        for name, layout, nbytes in rows:
+        for name, nbytes in self.list_bytes().items():
+            layout = self.frozen if name == "frozen" else self.trainable
             out[name] = {
                 "chunks": layout.num_chunks,
-                "bytes": layout.num_chunks * self.chunk_size * nbytes,
+                "bytes": nbytes,
                 "utilization": layout.utilization,
             }
         return out

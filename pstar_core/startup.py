@@ -55,6 +55,14 @@ def allocate(r: Residency, streamed: bool = False) -> bool:
     return lazy
 
 
+def host_disk_shortfall(model_data_bytes: int, host_bytes: int, disk_bytes: int) -> int:
+    """The chunk bytes of one rank that host and disk together cannot hold (0: they fit).
+    The rule the engine starts by (`check_total_fits`) and the planner forecasts by: the
+    warm-up step runs Adam on the host for every chunk, so every chunk passes through host
+    memory or disk whatever the device holds."""
+    return max(0, model_data_bytes - host_bytes - disk_bytes)
+
+
 def check_total_fits(r: Residency) -> None:
     """Fail before training when the chunks cannot all pass through host and disk.
 
@@ -64,7 +72,7 @@ def check_total_fits(r: Residency) -> None:
     """
     need = sum(c.nbytes for c in r.chunks() if r.owned(c))
     host, disk = r.tiers[HOST].budget_bytes, r.tiers[DISK].budget_bytes
-    if need > host + disk:
+    if host_disk_shortfall(need, host, disk):
         raise MemoryBudgetError(
             f"the model needs {gib(need)} of chunks (model data), the budgets give "
             f"{gib(host + disk)} (host {gib(host)}, disk {gib(disk)}; the warm-up step "

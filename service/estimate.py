@@ -38,6 +38,7 @@ from pstar_core.capacity import (
 from pstar_core.config import EngineConfig
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, make_plan
 from pstar_core.precision import planned_dtype
+from pstar_core.startup import host_disk_shortfall
 from pstar_core.tiers import host_share
 from service.datasets import DataError
 from service.errors import InvalidRequest
@@ -157,7 +158,8 @@ def estimate_memory(
     chunk_plan = make_plan(
         tensors.numels, tensors.trainable, tensors.names, dtype, cfg.chunk_size, workers
     )
-    need = chunk_plan.chunk_bytes // workers
+    list_bytes = chunk_plan.list_bytes(workers)  # one rank's, whole groups each
+    need = sum(list_bytes.values())
     p_bytes = BYTES_PARAM[dtype]
     # the ranks of one host share it (local Ray: every worker is on this host), as the
     # workers' engines will count it when no budget is given
@@ -192,16 +194,15 @@ def estimate_memory(
                   lora is not None)  # fmt: skip
     rank = plan_for(now)
     share = int(mem.warmup_ratio * device) if device is not None else 0
-    list_bytes = {k: int(v["bytes"]) // workers for k, v in chunk_plan.list_stats().items()}
     lists_at = lists_at_start(list_bytes, host, share, disk)
     on = {t: sum(row[t] for row in lists_at.values()) for t in ("device", "host", "disk")}
     overflow = None
-    if need > host + disk:
-        overflow = {"tier": "host", "bytes": need - host - disk}
+    if short := host_disk_shortfall(need, host, disk):
+        overflow = {"tier": "host", "bytes": short}
         problems.append(
             f"each rank needs {_gib(need)} of chunks; host {_gib(host)} + disk {_gib(disk)} "
             f"budgets hold {_gib(host + disk)} (the warm-up step updates every chunk on the host): "
-            f"short by {_gib(need - host - disk)}; raise memory.host_budget or "
+            f"short by {_gib(short)}; raise memory.host_budget or "
             "memory.disk_budget, or add workers"
         )
     if device is not None and rank.least_device_bytes > device:

@@ -119,3 +119,24 @@ def test_the_plan_is_what_the_engine_allocates_and_holds(name, dtype, monkeypatc
     # tier's account is the storage it holds
     assert sum(storages.values()) == result["chunk_bytes"]
     assert residency.tiers[TierName.HOST].used_bytes == result["chunk_bytes"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_the_list_bytes_of_a_rank_are_its_share_of_whole_groups(nproc):
+    """Three trainable chunks and one frozen over `nproc` ranks: each rank owns one chunk
+    of every (padded) group, so on 2 ranks it holds 2 trainable chunks, not 1.5; the sum
+    is what `per_rank` gives every rank (the service's estimate divided the model's bytes
+    by the workers and counted 1.5)."""
+    numels = [1000, 1000, 1000, 500]
+    plan = make_plan(numels, [True, True, True, False], ["a", "b", "c", "f"], "fp32", 1000, nproc)
+    assert (plan.trainable.num_chunks, plan.frozen.num_chunks) == (3, 1)
+    trainable = -(-3 // nproc)
+    lists = plan.list_bytes(nproc)
+    assert lists == {
+        "param": trainable * 4000,
+        "param_fp32": trainable * 4000,
+        "momentum": trainable * 4000,
+        "variance": trainable * 4000,
+        "frozen": 4000,
+    }
+    assert {r["chunk_bytes"] for r in plan.per_rank(nproc)} == {sum(lists.values())}
