@@ -8,11 +8,13 @@ in this iteration is next used at its first moment of the next one.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from pstar_core.chunk import Chunk
 
 NEVER = float("inf")
+T = TypeVar("T")
 
 
 def next_use(moments: Sequence[int], now: int, period: int) -> float:
@@ -25,8 +27,19 @@ def next_use(moments: Sequence[int], now: int, period: int) -> float:
     return moments[0] + period
 
 
+def farthest_first(
+    candidates: Iterable[T], next_use_of: Callable[[T], float], index_of: Callable[[T], int]
+) -> list[T]:
+    """OPT's order: the farthest next use first, the lower index first among equals. The
+    engine evicts (`choose_opt`) and sends ahead (`Residency`) in it, and the planner's
+    forecast (`forecast._timeline`) evicts in it too."""
+    return sorted(candidates, key=lambda c: (-next_use_of(c), index_of(c)))
+
+
 def choose_opt(candidates: list[Chunk], moments_of, now: int, period: int) -> Chunk:
-    return max(candidates, key=lambda c: (next_use(moments_of(c), now, period), -c.index))
+    return farthest_first(
+        candidates, lambda c: next_use(moments_of(c), now, period), lambda c: c.index
+    )[0]
 
 
 def choose_lru(candidates: list[Chunk], last_use: dict[int, int]) -> Chunk:

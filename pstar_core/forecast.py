@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pstar_core.eviction import farthest_first
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, Plan
 from pstar_core.placement import device_margin
 
@@ -305,7 +306,8 @@ def forecast(
                     clean.discard(i)  # its gradients are written there
             room = device_budget - pinned - gathered - allowance[t]
             # OPT: the chunk whose next use is furthest goes first
-            spare = sorted((i for i in on_device if i not in need), key=lambda i: -next_use[t][i])
+            ahead = next_use[t]
+            spare = farthest_first((i for i in on_device if i not in need), ahead.__getitem__, int)
             while spare and len(on_device) * chunk > room:
                 move(spare.pop(0), False, counting)
         if counting:

@@ -30,7 +30,13 @@ import torch
 from pstar_core.chunk import HOLD_LIKE, PARAM_LISTS, Chunk, ChunkType
 from pstar_core.config import MemoryConfig
 from pstar_core.devices import check
-from pstar_core.eviction import choose_in_list_order, choose_lru, choose_opt, next_use
+from pstar_core.eviction import (
+    choose_in_list_order,
+    choose_lru,
+    choose_opt,
+    farthest_first,
+    next_use,
+)
 from pstar_core.placement import BACKWARD_MOMENT, FORWARD_MOMENT, is_adam_moment
 from pstar_core.tiers import DEVICE, DISK, HOST, MemoryBudgetError, Tier, TierName, gib, make_tiers
 from pstar_core.tracer import MemoryTracer
@@ -400,7 +406,7 @@ class Residency:
         ]
         if sum(v.nbytes for _, v in later) < short:
             return  # not enough to send: the move at its use makes the room
-        for _, v in sorted(later, key=lambda p: (-p[0], p[1].index)):
+        for _, v in farthest_first(later, lambda p: p[0], lambda p: p[1].index):
             if short <= 0:
                 break
             if not self.transfers.send(v):
