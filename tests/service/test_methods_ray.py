@@ -215,6 +215,7 @@ def exported_valid_loss(serve, job_id: str) -> float:
     prepared them, computed by transformers from the exported directory."""
     from transformers import AutoModelForCausalLM
 
+    from service.job_spec import spec_of
     from service.objectives import Rows
     from service.prepare import prepare
 
@@ -222,7 +223,7 @@ def exported_valid_loss(serve, job_id: str) -> float:
     job = store.jobs.get(job_id)
     stored = [serve.data_dir / "files" / store.files.get(job.tenant, fid).storage_name
               for fid in (job.training_file, job.validation_file)]  # fmt: skip
-    prep = prepare(job.plan, *stored)
+    prep = prepare(spec_of(job), *stored)
     v = prep.valid
     model = AutoModelForCausalLM.from_pretrained(
         serve.data_dir / "models" / ".ft" / job_id, dtype=torch.float32
