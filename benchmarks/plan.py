@@ -19,8 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import finish, load_avg
-from pstar_core.plan_check import (
+from benchmarks.plan_check import (
     CHECKED,
     PAPER_CASES,
     SPLITS,
@@ -30,6 +29,7 @@ from pstar_core.plan_check import (
     chunk_table,
     paper_case,
 )
+from benchmarks.report import finish, load_avg
 
 # gpt-100m: chunks of its embedding's size, three of them
 BENCH_MODELS = (*VALIDATION, ("gpt-100m", 38597376))

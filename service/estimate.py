@@ -244,7 +244,7 @@ def estimate_memory(
         "non_model_bytes": rank.non_model_peak_bytes,
         "non_model_source": (
             "the planner's activation model, calibrated on the engine's tracer "
-            "(pstar_core/plan_check.py); the job's first step measures it"
+            "(benchmarks/plan_check.py); the job's first step measures it"
         ),
     }
     if overflow is not None:
