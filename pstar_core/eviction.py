@@ -27,19 +27,23 @@ def next_use(moments: Sequence[int], now: int, period: int) -> float:
     return moments[0] + period
 
 
+def opt_order(next_use: float, index: int) -> tuple[float, int]:
+    """OPT's order, as a sort key: the farthest next use first, the lower index first
+    among equals. The engine evicts (`choose_opt`) and sends ahead (`Residency`) in it,
+    and the planner's forecast (`forecast._timeline`) evicts in it too."""
+    return (-next_use, index)
+
+
 def farthest_first(
     candidates: Iterable[T], next_use_of: Callable[[T], float], index_of: Callable[[T], int]
 ) -> list[T]:
-    """OPT's order: the farthest next use first, the lower index first among equals. The
-    engine evicts (`choose_opt`) and sends ahead (`Residency`) in it, and the planner's
-    forecast (`forecast._timeline`) evicts in it too."""
-    return sorted(candidates, key=lambda c: (-next_use_of(c), index_of(c)))
+    """`candidates` in OPT's order (`opt_order`)."""
+    return sorted(candidates, key=lambda c: opt_order(next_use_of(c), index_of(c)))
 
 
 def choose_opt(candidates: list[Chunk], moments_of, now: int, period: int) -> Chunk:
-    return farthest_first(
-        candidates, lambda c: next_use(moments_of(c), now, period), lambda c: c.index
-    )[0]
+    """The first chunk in OPT's order (one pass, no sort)."""
+    return min(candidates, key=lambda c: opt_order(next_use(moments_of(c), now, period), c.index))
 
 
 def choose_lru(candidates: list[Chunk], last_use: dict[int, int]) -> Chunk:

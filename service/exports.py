@@ -67,10 +67,11 @@ def available(settings: Settings, job: Job, ck: Checkpoint) -> list[str]:
 def content_dir(settings: Settings, job: Job, ck: Checkpoint, variant: str | None) -> Path:
     """The directory to send, or a 404 saying why there is none: the job's method never
     writes that variant, or this checkpoint does not have it (now)."""
-    variant = variant or default_variant(job)
-    allowed = variants_of(job)
+    adapters = spec_of(job).trains_adapters
+    allowed = BY_ADAPTERS[adapters]
+    variant = variant or allowed[0]
     if variant not in allowed:
-        kind = "LoRA" if spec_of(job).trains_adapters else "full fine-tuning"
+        kind = "LoRA" if adapters else "full fine-tuning"
         raise NotAvailable(
             f"variant '{variant}': a {kind} job's checkpoints download as "
             f"{' or '.join(repr(v) for v in allowed)}",

@@ -379,7 +379,7 @@ def file_path(settings: Settings, f: File | View) -> Path:
     return settings.files_dir / f.storage_name
 
 
-def own_file(store: Store, tenant: str, file_id: str) -> File:
+def own_file(store: Store, tenant: str, file_id: str) -> File | View:
     """The tenant's file; a 404 for another tenant's, as for one that does not exist."""
     f = store.files.get(tenant, file_id)
     if f is None:

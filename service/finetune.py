@@ -23,7 +23,6 @@ from service.worker import (
     prepare_kernels,
     read_loop_state,
     run_loop,
-    trains_adapters,
     write_checkpoint,
 )
 
@@ -140,7 +139,7 @@ def report_checkpoint(
     with tempfile.TemporaryDirectory() as d:
         # rank 0's adapter directory and loop state go into the checkpoint with the
         # others' shards
-        write_checkpoint(engine, Path(d) / "ckpt", lora=trains_adapters(rep.run), state=state)
+        write_checkpoint(engine, Path(d) / "ckpt", lora=rep.run.lora, state=state)
         ray.train.report(
             {**values, "step": step},
             checkpoint=ray.train.Checkpoint.from_directory(Path(d) / "ckpt"),

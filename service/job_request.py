@@ -168,7 +168,8 @@ class JobRequest(Body):
     def _one_hyperparameters(self) -> JobRequest:
         if self.method_hyperparameters is not None and self.hyperparameters is not None:
             raise ValueError(
-                f"give hyperparameters either in method.{self.method_type}.hyperparameters or "
+                f"give hyperparameters either in method.{self.training_method.name}."
+                "hyperparameters or "
                 "at the top level, not both"
             )
         return self
@@ -177,10 +178,6 @@ class JobRequest(Body):
     def training_method(self) -> methods.Method:
         """The method the job trains with (`service.methods`)."""
         return methods.get(self.method.type if self.method else methods.DEFAULT)
-
-    @property
-    def method_type(self) -> str:
-        return self.training_method.name
 
     @property
     def method_section(self) -> Body | None:

@@ -47,10 +47,6 @@ class MethodSpec(Frozen):
     type: str = methods.DEFAULT
     lora: dict[str, Any] | None = None  # the adapter settings, when the method trains them
 
-    @property
-    def method(self) -> methods.Method:
-        return methods.get(self.type)
-
 
 class HyperparametersSpec(BaseModel):
     """The hyperparameters with "auto" decided, but `seq_len` and `packing` (the driver
@@ -93,7 +89,7 @@ class JobSpec(Frozen):
 
     @property
     def training_method(self) -> methods.Method:
-        return self.method.method
+        return methods.get(self.method.type)
 
     @property
     def trains_adapters(self) -> bool:

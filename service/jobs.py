@@ -36,6 +36,7 @@ from service.job_spec import (
     MethodSpec,
     ModelSpec,
 )
+from service.methods.base import ADAPTERS_NEED_PRETRAINED
 from service.registry import ModelRef, resolve_model
 from service.resources import Resources
 from service.settings import Limits, Settings
@@ -79,9 +80,7 @@ class JobService:
             )
         method = req.training_method
         # adapters train on a pretrained model's frozen weights, whatever the method
-        why = method.pretrained or (
-            "trains adapters on a pretrained model's frozen weights" if req.lora else None
-        )
+        why = method.pretrained or (ADAPTERS_NEED_PRETRAINED if req.lora else None)
         if model.kind == "zoo" and why:
             raise InvalidRequest(
                 f"method.type '{method.name}' {why}, and '{req.model}' is a zoo model trained "

@@ -253,13 +253,14 @@ class Reporter:
         """Record the checkpoint Ray Train wrote to `<storage>/<job id>/<dir_name>`."""
         if self.store is None:
             return
+        assert self.run.storage_path is not None  # a job's run is on Ray's storage
         self._write(
             "a checkpoint",
             self.store.checkpoints.add,
             self.job_id,
             step,
             {k: v for k, v in values.items() if isinstance(v, (int, float))},
-            str(Path(self.run.storage_path or ".") / self.job_id / dir_name),
+            str(Path(self.run.storage_path) / self.job_id / dir_name),
             keep=self.run.checkpoints_to_keep,
             final=final,
             attempt=self.attempt,

@@ -36,7 +36,6 @@ from service.worker import (
     prepare_kernels,
     read_loop_state,
     run_loop,
-    trains_adapters,
     write_checkpoint,
 )
 
@@ -167,7 +166,7 @@ def run_training(
     prepare_kernels(rep)
     engine = build_engine(spec, run, phase)
     ckpt = run_dir / "checkpoint"
-    final = run_loop(run, engine, 0, 1, rep, DirCheckpoints(ckpt, trains_adapters(run)))
+    final = run_loop(run, engine, 0, 1, rep, DirCheckpoints(ckpt, run.lora))
     stats = rep.latest_stats
 
     def ppl(values: dict[str, Any]) -> float | None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from service import methods
 from service.early_stopping import EarlyStopping
 from service.eta import Eta
 from service.lora import adapter_dir
@@ -101,12 +102,6 @@ def write_checkpoint(
         engine.export_hf(adapter_dir(directory), variant="adapter")
     if state is not None and this_rank() == 0:
         (directory / LOOP_STATE).write_text(json.dumps(state))
-
-
-def trains_adapters(run: RunPlan) -> bool:
-    """Whether a run trains LoRA adapters (its checkpoints and export carry the adapter):
-    a job whose method trains them, or `pstar train` with an engine `lora` section."""
-    return run.lora
 
 
 def this_rank() -> int:
@@ -221,8 +216,6 @@ def memory_values(stats: dict[str, Any]) -> dict[str, Any]:
 
 def objective_for(run: RunPlan) -> Any:
     """The training method's objective (`service.objectives`)."""
-    from service import methods
-
     return methods.get(run.method).objective(run)
 
 
@@ -269,7 +262,7 @@ class RunLoop:
         self.micro_batches = run.hyperparameters.micro_batches
         self.local = self.batch // world
         self.eval_every = run.eval_every
-        self.lora = trains_adapters(run)
+        self.lora = run.lora
         self.objective = objective_for(run)
         self.eta = Eta(self.total)
         self.best_dir = Path(run.best_dir) if run.best_dir else None

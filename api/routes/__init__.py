@@ -11,8 +11,10 @@ from pydantic import BaseModel
 from api.auth import require_tenant
 from api.context import Context
 from service.errors import InvalidRequest
+from service.files import own_file as tenants_file
 from service.job_request import text_problem
 from service.store import File, Job
+from service.store.statements import View
 
 Tenant = Annotated[str, Depends(require_tenant)]
 
@@ -34,13 +36,11 @@ def own_job(fine_tuning_job_id: str, c: Ctx, tenant: Tenant) -> Job:
 OwnJob = Annotated[Job, Depends(own_job)]
 
 
-def own_file(file_id: str, c: Ctx, tenant: Tenant) -> File:
-    from service.files import own_file as owned
-
-    return owned(c.store, tenant, file_id)
+def own_file(file_id: str, c: Ctx, tenant: Tenant) -> File | View:
+    return tenants_file(c.store, tenant, file_id)
 
 
-OwnFile = Annotated[File, Depends(own_file)]
+OwnFile = Annotated[File | View, Depends(own_file)]
 
 
 def respond(model: BaseModel) -> Response:

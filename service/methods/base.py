@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from service.datasets import FORMATS
 from service.methods.sections import Hyperparameters, LoraSettings
 from service.resources import Body
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 # what a method trains on: examples (chat, completion or text files) or preference pairs
 Data = Literal["examples", "preference"]
 DATA_FORMATS: dict[Data, tuple[str, ...]] = {
-    "examples": ("chat", "completion", "text"),
+    "examples": tuple(f for f in FORMATS if f != "preference"),  # the upload's formats
     "preference": ("preference",),
 }
 DATA_WORDS: dict[Data, str] = {
@@ -25,6 +26,8 @@ DATA_WORDS: dict[Data, str] = {
 }
 
 
+# why adapters need a pretrained model, whichever method trains them
+ADAPTERS_NEED_PRETRAINED = "trains adapters on a pretrained model's frozen weights"
 # the hyperparameters OpenAI's job object echoes for every method
 ECHOED = ("batch_size", "learning_rate_multiplier", "n_epochs")
 

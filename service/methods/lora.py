@@ -3,14 +3,10 @@ pretrained model whose own weights stay frozen (`service.lora` checks the target
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from service.methods.base import Method
+from service.methods.base import ADAPTERS_NEED_PRETRAINED
 from service.methods.sections import Hyperparameters, LoraSettings
+from service.methods.supervised import SupervisedMethod
 from service.resources import Body
-
-if TYPE_CHECKING:
-    from service.run_plan import RunPlan
 
 
 class LoraSection(LoraSettings):
@@ -19,21 +15,18 @@ class LoraSection(LoraSettings):
     hyperparameters: Hyperparameters | None = None
 
 
-class LoraMethod(Method):
+class LoraMethod(SupervisedMethod):
+    """Supervised's objective, on the adapters."""
+
     name = "lora"
     summary = "low-rank adapters on a frozen model"
     section = LoraSection
-    pretrained = "trains adapters on a pretrained model's frozen weights"
+    pretrained = ADAPTERS_NEED_PRETRAINED
     adapter_settings_at = "method.lora"
 
     def adapters(self, section: Body | None) -> LoraSettings:
         assert section is None or isinstance(section, LoraSection)
         return section or LoraSection()
-
-    def objective(self, run: RunPlan) -> Any:
-        from service.objectives import Supervised
-
-        return Supervised()
 
 
 LORA = LoraMethod()

@@ -3,7 +3,7 @@ cross-entropy over the labelled tokens."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from service.methods.base import Method
 from service.methods.sections import Hyperparameters
@@ -20,7 +20,7 @@ class SupervisedSection(Body):
 class SupervisedMethod(Method):
     name = "supervised"
     summary = "every weight trains"
-    section = SupervisedSection
+    section: ClassVar[type[Body]] = SupervisedSection
 
     def objective(self, run: RunPlan) -> Any:
         from service.objectives import Supervised

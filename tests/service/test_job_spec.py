@@ -3,6 +3,7 @@ plans before it held it, and migration 0007 bringing stored plans to its shape."
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -112,7 +113,7 @@ def _at_0006_with(store: Store, plans: dict[str, dict[str, Any]]) -> dict[str, s
         with store.db.write() as s:
             s.execute(
                 text("UPDATE jobs SET plan = :p WHERE id = :i"),
-                {"p": __import__("json").dumps(plan), "i": job.id},
+                {"p": json.dumps(plan), "i": job.id},
             )
         ids[name] = job.id
     with store.db.write() as s:

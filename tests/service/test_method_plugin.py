@@ -81,7 +81,7 @@ from service.finetune import build_job_engine
 from service.job_request import JobRequest
 from service.reporting import Reporter
 from service.train_local import DirCheckpoints
-from service.worker import run_loop, trains_adapters
+from service.worker import run_loop
 from tests.api.conftest import start_api
 from tests.service.test_store import driver_attempt
 
@@ -122,7 +122,7 @@ try:
     run = prepare_run(api.settings, api.store, api.store.jobs.get(job.id), attempt)
     engine = build_job_engine(run)
     rep = Reporter({"job_id": job.id, "attempt": attempt, "run": run}, 0, api.store)
-    run_loop(run, engine, 0, 1, rep, DirCheckpoints(data / "ck", trains_adapters(run)))
+    run_loop(run, engine, 0, 1, rep, DirCheckpoints(data / "ck", run.lora))
     got = httpx.get(f"{api.base}/fine_tuning/jobs/{job.id}/metrics", headers=api.headers()).json()
     out["series"] = {k: v["values"] for k, v in got["series"].items()
                      if k in ("train_loss", "train_perplexity")}

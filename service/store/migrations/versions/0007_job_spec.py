@@ -70,8 +70,8 @@ def to_spec(plan: dict[str, Any], model: str) -> dict[str, Any]:
     return out
 
 
-def to_plan(spec: dict[str, Any]) -> dict[str, Any]:
-    """Version 1's shape back in the plan's before 0007."""
+def to_plan(spec: dict[str, Any], model: str) -> dict[str, Any]:
+    """Version 1's shape back in the plan's before 0007 (`model`: unused, as `to_spec`'s)."""
     if not spec:
         return spec
     out = copy.deepcopy(spec)
@@ -90,7 +90,7 @@ def _rewrite(how: Any) -> None:
     bind = op.get_bind()
     rows = bind.execute(sa.select(jobs.c.id, jobs.c.model, jobs.c.plan)).all()
     for job_id, model, plan in rows:
-        new = how(plan or {}, model) if how is to_spec else how(plan or {})
+        new = how(plan or {}, model)
         if new != plan:
             bind.execute(jobs.update().where(jobs.c.id == job_id).values(plan=new))
 
