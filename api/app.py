@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from api import errors, ui
 from api.context import Context, Streams
-from service.jobs import JobService
+from service.control.jobs import JobService
 from service.settings import Settings
 from service.store import Store
 
@@ -35,7 +35,7 @@ def create_app(
     from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
     from api.routes import completions, files, jobs, models, system
-    from service.serving import Serving
+    from service.serving.deployments import Serving
 
     ctx = Context(settings, store, launcher, JobService(settings, store, launcher))
     ctx.metrics = ApiMetrics(store)
@@ -57,7 +57,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if reconcile:
-            from service.reconciler import Reconciler
+            from service.control.reconciler import Reconciler
 
             ctx.reconciler = Reconciler(
                 settings,

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from service.control.jobs import JobService
 from service.errors import QuotaExceeded
-from service.jobs import JobService
 from service.settings import Limits, Settings
 from service.store import Store
 
@@ -67,5 +67,5 @@ class Context:
     metrics: Any = None
     streams: Streams | None = None
     generations: Streams | None = None  # chat and text completions in flight
-    serving: Any = None  # service.serving.Serving: which deployment answers a model
+    serving: Any = None  # service.serving.deployments.Serving: which deployment answers a model
     backend: Any = None  # api.generate's backend: where a generation's events come from

@@ -29,7 +29,7 @@ from api.completion_schemas import (
     Usage,
 )
 from service.errors import InvalidRequest, NotAvailable, Unavailable
-from service.serving import Serving, Target
+from service.serving.deployments import Serving, Target
 
 
 class RayServeBackend:

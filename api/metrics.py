@@ -7,8 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from service.status import JobStatus
 from service.store import Store
+from service.store.status import JobStatus
 
 
 class _JobsCollector:

@@ -7,14 +7,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from service.early_stopping import EarlyStopping
-from service.job_spec import JobSpec, spec_of
 from service.methods.base import ECHOED
 from service.registry import ModelRef
+from service.spec.job import JobSpec, spec_of
 from service.store import Checkpoint as CheckpointRow
 from service.store import Event as EventRow
 from service.store import File as FileRow
 from service.store import Job as JobRow
+from service.worker.early_stopping import EarlyStopping
 
 
 class ErrorBody(BaseModel):

@@ -5,7 +5,7 @@ What runs
   1 s and a `DryLauncher`: every job is validated, queued and "submitted", but no Ray job
   starts) on uvicorn, one worker, in a separate process, so the load generator does not
   share its GIL; on 127.0.0.1. The store is SQLite (a file in a temp dir) and/or a
-  throw-away PostgreSQL (`service.pg_local`, fsync off: it is thrown away).
+  throw-away PostgreSQL (`service.tools.pg_local`, fsync off: it is thrown away).
 - `clients` asyncio clients in this process, each with its own keep-alive connection
   (httpx); client i is tenant i % 5. Each request is create, get or list in the ratio
   1:2:1 (drawn at random per request): create = POST /v1/fine_tuning/jobs with
@@ -115,7 +115,7 @@ def serve_main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from api.app import create_app
-    from service.launcher import DryLauncher
+    from service.control.launcher import DryLauncher
     from service.settings import Limits, Settings
     from service.store import Store
 
@@ -162,7 +162,7 @@ class _Database:
     name: str
     url: str
     data_dir: Path
-    pg: Any = None  # service.pg_local.PgServer for postgres
+    pg: Any = None  # service.tools.pg_local.PgServer for postgres
     files: dict[str, str] = field(default_factory=dict)  # tenant -> file id
     jobs: dict[str, list[str]] = field(default_factory=dict)  # tenant -> job ids
     accepted: list[str] = field(default_factory=list)
@@ -598,7 +598,7 @@ def run(
         raise ValueError(f"db must be sqlite, postgres or both, got {db!r}")
     if seconds <= 0 or saturation_seconds < 0 or clients < 1 or rounds < 1 or rate <= 0:
         raise ValueError("need seconds > 0, saturation_seconds >= 0, clients, rounds, rate > 0")
-    from service.pg_local import PgServer, find_pg_bindir
+    from service.tools.pg_local import PgServer, find_pg_bindir
 
     names = ["sqlite", "postgres"] if db == "both" else [db]
     note = ""

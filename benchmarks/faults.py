@@ -4,7 +4,7 @@ PostgreSQL; none may be lost, run twice or end in the wrong state.
 What runs, per database
 - `pstar serve` as users start it (its own local Ray head, the reconciler at 1 s), in its
   own process; the store is SQLite in the data dir or a throw-away PostgreSQL
-  (`service.pg_local`).
+  (`service.tools.pg_local`).
 - `jobs` fine-tuning jobs created through the REST API: the zoo's `gpt-small` (5.3M
   parameters) trained from scratch on a small chat file, batches of 8 rows of 128 tokens,
   1 Ray Train worker, `steps` steps, a checkpoint every `steps // 4`, 5 attempts allowed.
@@ -123,13 +123,13 @@ def _ok(r: Any) -> None:
 
 
 def _drivers(job_id: str) -> list[Any]:
-    """The Ray job driver processes (`python -m service.driver JOB N`) of a job."""
+    """The Ray job driver processes (`python -m service.control.driver JOB N`) of a job."""
     import psutil
 
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "service.driver" in cmd and job_id in cmd and "-m" in cmd:
+        if "service.control.driver" in cmd and job_id in cmd and "-m" in cmd:
             out.append(p)
     return out
 
@@ -283,7 +283,7 @@ def _one_db(
 ) -> _Result:
     import httpx
 
-    from service.pg_local import PgServer
+    from service.tools.pg_local import PgServer
 
     root = Path(tempfile.mkdtemp(prefix=f"pstar-faults-{db}-"))
     pg = None

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from service.job_spec import FileSpec, HyperparametersSpec, JobSpec, MethodSpec, ModelSpec
 from service.registry import fine_tuned_name
+from service.spec.job import FileSpec, HyperparametersSpec, JobSpec, MethodSpec, ModelSpec
 from service.store import Checkpoint, Job, Store
 from service.store.jobs import request_hash
 from service.store.models import new_id
@@ -146,7 +146,7 @@ def greedy(model_dir: Path, messages: list[dict], max_new: int, adapter: Path | 
     on it), decoded as the API decodes: the reference the served answers must equal."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from service.datasets import ensure_chat_template
+    from service.data.datasets import ensure_chat_template
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ensure_chat_template(tok)

@@ -1,9 +1,9 @@
 """Packing benchmark: the main job's data trained packed and padded, on the same model.
 
 The main job's model (SmolLM2-135M-Instruct) and data (WordNet chat pairs), tokenized as a
-job does (`service.datasets.tokenize` with the model's chat template, `seq_len` auto), are
+job does (`service.data.datasets.tokenize` with the model's chat template, `seq_len` auto), are
 laid out twice: one example per row, right-padded (`datasets.to_rows`), and packed
-(`service.packing.pack`). One engine (the job's engine config: `dtype` auto, chunks auto)
+(`service.data.packing.pack`). One engine (the job's engine config: `dtype` auto, chunks auto)
 trains on a batch of `--batch` rows of each layout in turn, interleaved (padded, packed,
 packed, padded, ...), after one warm-up step of each; each step is timed on its own.
 
@@ -49,8 +49,8 @@ def _layouts(model_dir: Path, data: Path, seq_len: int | None):
     """(tokenizer, seq_len, {layout: Encoded}) of the data as a job lays it out."""
     from transformers import AutoTokenizer
 
-    from service.datasets import auto_seq_len, read_examples, to_rows, tokenize
-    from service.packing import pack
+    from service.data.datasets import auto_seq_len, read_examples, to_rows, tokenize
+    from service.data.packing import pack
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     fmt, examples = read_examples(data)
@@ -78,7 +78,7 @@ def loss_agreement(model_dir: Path, packed: Any, examples: int) -> dict[str, Any
     in fp32 (transformers' model, SDPA attention)."""
     from transformers import AutoModelForCausalLM
 
-    from service.datasets import IGNORE
+    from service.data.datasets import IGNORE
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     worst, seen = 0.0, 0
@@ -118,7 +118,7 @@ def run(
     json_out: bool = False,
 ) -> dict[str, Any]:
     import pstar_core
-    from service.objectives import Rows, Supervised
+    from service.methods.objectives import Rows, Supervised
 
     if steps < 1 or batch < 1:
         raise ValueError("--steps and --batch must be at least 1")

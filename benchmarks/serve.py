@@ -102,7 +102,7 @@ class Reference:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from service.datasets import ensure_chat_template
+        from service.data.datasets import ensure_chat_template
 
         self.tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
         ensure_chat_template(self.tok)
@@ -150,7 +150,7 @@ def run(
 
     from benchmarks.models_made import lora_model
     from benchmarks.serve_process import ServeProcess
-    from service.local_ray import free_port
+    from service.control.local_ray import free_port
     from service.store import Store
 
     console = Console()

@@ -70,7 +70,7 @@ class ServeProcess:
 
     def stop(self) -> None:
         """Terminate it, and stop a local Ray head a killed serve left behind."""
-        from service.local_ray import LocalRayHead
+        from service.control.local_ray import LocalRayHead
 
         self.terminate()
         LocalRayHead(self.data_dir / "ray").stop()

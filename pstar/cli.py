@@ -41,8 +41,8 @@ def train(
     cpus_per_worker: Annotated[float, typer.Option(help="CPUs per Ray worker")] = 1.0,
 ) -> None:
     """Train a model as the spec says, locally or on Ray Train workers."""
-    from service.spec import TrainSpec
-    from service.train_local import run_training
+    from service.spec.train import TrainSpec
+    from service.worker.train_local import run_training
 
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -52,7 +52,7 @@ def train(
     if steps is not None:
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
     if workers > 0:
-        from service.ray_train import run_ray
+        from service.worker.ray_train import run_ray
 
         try:
             result = run_ray(
@@ -175,7 +175,7 @@ def plan(
         return
     if model is None:
         _fail("name a model (a zoo name, or a HF config.json / model dir), or give --largest")
-    from service.planning import plan_model
+    from service.tools.planning import plan_model
 
     try:
         result = plan_model(model, dtype, chunk_size, nproc)
@@ -436,7 +436,7 @@ def plot_trace_cmd(
     out: Annotated[Path | None, typer.Option(help="PNG path (default RUN_DIR/trace.png)")] = None,
 ) -> None:
     """Plot the warm-up memory trace of a run (non-model, chunk bytes, budget per moment)."""
-    from service.plot_trace import plot_run_dir
+    from service.tools.plot_trace import plot_run_dir
 
     try:
         path = plot_run_dir(run_dir, out)

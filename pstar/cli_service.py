@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from pstar.client import DEFAULT_URL, ApiError, Client, find_token
-from service.status import TERMINAL
+from service.store.status import TERMINAL
 
 console = Console()
 files_app = typer.Typer(help="Training files on the service.")
@@ -76,7 +76,7 @@ def serve(
     import logging
 
     from pstar.server import serve as run_server
-    from service.control_plane import token_file
+    from service.control.control_plane import token_file
     from service.settings import Settings, SettingsError
 
     logging.basicConfig(
@@ -99,7 +99,7 @@ def serve(
 
     try:
         run_server(settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready)
-    except SettingsError as e:  # a deployment that would lose jobs (service.preflight)
+    except SettingsError as e:  # a deployment that would lose jobs (service.control.preflight)
         _fail(str(e))
 
 
@@ -234,7 +234,7 @@ def jobs_plot_trace(
     data_dir: DataDir = None,
 ) -> None:
     """A PNG of the job's warm-up tracer timeline: the data its dashboard page plots."""
-    from service.plot_trace import memory_stats, plot_trace
+    from service.tools.plot_trace import memory_stats, plot_trace
 
     memory = _call(_client(url, data_dir).get, f"/v1/fine_tuning/jobs/{job_id}/memory")
     if not memory.get("available"):

@@ -1,12 +1,12 @@
 """`pstar serve`: the control plane process, the API served by uvicorn over the parts
-`service.control_plane` puts together (store, Ray, the reconciler inside the app)."""
+`service.control.control_plane` puts together (store, Ray, the reconciler inside the app)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from api.app import create_app
-from service.control_plane import RaySupervisor, build, shutdown_hook
+from service.control.control_plane import RaySupervisor, build, shutdown_hook
 from service.settings import Settings
 
 GRACEFUL_SHUTDOWN_S = 10  # after SIGTERM: requests in flight get this long

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from service.job_spec import spec_of
 from service.settings import Settings
+from service.spec.job import spec_of
 from service.store import Job, Store
 
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

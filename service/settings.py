@@ -80,7 +80,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """How models are served on Ray Serve (`service.serving`). Each is set by
+    """How models are served on Ray Serve (`service.serving.deployments`). Each is set by
     `PSTAR_SERVE_<NAME upper-cased>`.
 
     A replica reserves `replica_cpus` CPUs and `replica_gpus` GPUs of the cluster: on CPU
@@ -258,7 +258,7 @@ def parse_default_resources(raw: str) -> dict:
 
     from pydantic import ValidationError
 
-    from service.resources import Resources
+    from service.spec.resources import Resources
 
     try:
         value = json.loads(raw)

@@ -140,7 +140,7 @@ def browser():
 
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
-    from service.pg_local import PgServer, find_pg_bindir
+    from service.tools.pg_local import PgServer, find_pg_bindir
 
     if find_pg_bindir() is None:
         # set-up installs them; a missing server must not turn half the store tests green

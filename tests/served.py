@@ -20,7 +20,7 @@ class Serve(ServeProcess):
     """A `pstar serve` process with the two test tenants' tokens."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
-        from service.local_ray import free_port
+        from service.control.local_ray import free_port
 
         # Ray Serve's proxy on a port of its own (models start there on first request)
         env = {"PSTAR_SERVE_PORT": str(free_port()), **(env or {})}

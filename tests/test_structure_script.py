@@ -52,7 +52,7 @@ def tree(tmp_path: Path) -> Path:
     _write(tmp_path, "service/__init__.py", "")
     _write(
         tmp_path,
-        "service/jobs.py",
+        "service/control/jobs.py",
         '"""Jobs."""\n\nimport json\n\nimport fastapi\n\nfrom pstar_core.engine import Engine\n',
     )
     _write(tmp_path, "service/models.py", "class Big:\n" + "    x = 1\n" * 399)
@@ -86,7 +86,7 @@ def test_finds_exactly_the_planted_structure(structure, tree: Path) -> None:
         }
     ]
     assert [(v["file"], v["line"], v["imports"]) for v in data["violations"]] == [
-        ("service/jobs.py", 5, "fastapi")
+        ("service/control/jobs.py", 5, "fastapi")
     ]
     assert [(c["file"], c["name"], c["lines"]) for c in data["classes_over_350"]] == [
         ("service/models.py", "Big", 400)
@@ -109,14 +109,23 @@ def test_main_prints_tables_then_the_json_line(structure, tree: Path, capsys) ->
     assert json.loads(out[-1]) == structure.analyze(tree)
     text = "\n".join(out[:-1])
     assert "pstar_core.checkpoint -> pstar_core.engine -> pstar_core.checkpoint" in text
-    assert "service/jobs.py:5: service imports fastapi (top-level)" in text
+    assert "service/control/jobs.py:5: service imports fastapi (top-level)" in text
     assert "service -> pstar_core: 1 (1 top-level, 0 in functions)" in text
 
 
-# what the worker processes run (Ray Train workers, `pstar train`): none of it may reach the
-# control plane or the HTTP request schema, even through a function-local import
-WORKER_ENTRIES = ("service.finetune", "service.ray_train", "service.train_local")
-CONTROL_PLANE = ("service.job_request", "service.jobs", "service.reconciler", "api")
+# where code runs decides what it may reach, even through a function-local import: a worker
+# or a serving replica never reaches the control plane or the HTTP request schema; what
+# every runtime reads (the spec, methods, data, the store) reaches no runtime's own code
+CONTROL = ("service.control", "service.spec.request", "api")
+RUNTIMES = ("service.control", "service.worker", "service.serving", "api")
+REACH = {
+    "service.worker": CONTROL,
+    "service.serving": CONTROL,
+    "service.spec": RUNTIMES,
+    "service.methods": (*RUNTIMES, "service.spec.request"),
+    "service.data": RUNTIMES,
+    "service.store": RUNTIMES,
+}
 
 
 def test_the_real_tree_has_no_import_cycle_and_keeps_its_layers(structure) -> None:
@@ -126,19 +135,22 @@ def test_the_real_tree_has_no_import_cycle_and_keeps_its_layers(structure) -> No
     assert data["violations"] == []
 
 
-def test_worker_modules_reach_neither_the_control_plane_nor_the_http_schema(structure) -> None:
+@pytest.mark.parametrize("folder", sorted(REACH))
+def test_each_folder_reaches_only_what_runs_beside_it(structure, folder: str) -> None:
     report = structure.load(SCRIPT.parent.parent)
     structure.collect_imports(report)
     graph = structure.module_graph(report)
-    seen: dict[str, str] = {m: m for m in WORKER_ENTRIES}
-    todo = list(WORKER_ENTRIES)
+    entries = [m for m in graph if m == folder or m.startswith(folder + ".")]
+    assert entries, f"no module in {folder}"
+    seen: dict[str, str] = {m: m for m in entries}
+    todo = list(entries)
     while todo:
         here = todo.pop()
         for there in graph.get(here, {}):
             if there not in seen:
                 seen[there] = here
                 todo.append(there)
-    reached = sorted(m for m in seen if m.startswith(CONTROL_PLANE))
+    reached = sorted(m for m in seen if m.startswith(REACH[folder]))
 
     def path(m: str) -> str:
         steps = [m]

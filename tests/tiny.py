@@ -54,7 +54,7 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from service.datasets import CHATML_TEMPLATE
+    from service.data.datasets import CHATML_TEMPLATE
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

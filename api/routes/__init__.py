@@ -10,9 +10,9 @@ from pydantic import BaseModel
 
 from api.auth import require_tenant
 from api.context import Context
+from service.control.files import own_file as tenants_file
 from service.errors import InvalidRequest
-from service.files import own_file as tenants_file
-from service.job_request import text_problem
+from service.spec.request import text_problem
 from service.store import File, Job
 from service.store.statements import View
 

@@ -15,7 +15,7 @@ from api.errors import responses
 from api.generate import chat_completion, collect, refusal, stream_chunks, text_completion
 from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Tenant, ctx, respond
 from service.errors import InvalidRequest
-from service.serving import target_of
+from service.serving.deployments import target_of
 from service.settings import Limits
 
 router = APIRouter(tags=["completions"], responses=responses(401), dependencies=V1_DEPENDENCIES)

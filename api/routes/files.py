@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse, Response
 from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Ctx, OwnFile, Tenant, respond
 from api.schemas import FileDeleted, FileList, FileObject, page_ends
-from service.files import delete_file, file_path, page_files, receive_upload
+from service.control.files import delete_file, file_path, page_files, receive_upload
 
 router = APIRouter(
     prefix="/files", tags=["files"], responses=responses(401), dependencies=V1_DEPENDENCIES

@@ -25,12 +25,12 @@ from api.schemas import (
     Series,
     page_ends,
 )
-from service import exports
+from service.control import exports
 from service.errors import InvalidRequest
-from service.job_request import JobRequest
-from service.job_spec import spec_of
 from service.registry import fine_tuned_name
-from service.status import TERMINAL
+from service.spec.job import spec_of
+from service.spec.request import JobRequest
+from service.store.status import TERMINAL
 
 router = APIRouter(
     prefix="/fine_tuning/jobs",
@@ -76,7 +76,7 @@ def jobs_create(
 def jobs_validate(req: JobRequest, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     """Dry run, nothing stored: the data report (examples, tokens, truncation) and the
     estimate (steps, chunk plan, model data per tier per rank, whether it fits)."""
-    from service.estimate import validate_job
+    from service.control.estimate import validate_job
 
     return c.jobs.heavy.run(validate_job, c.settings, c.store, c.jobs, tenant, req)
 
@@ -361,7 +361,7 @@ async def jobs_logs(
 ):
     """Driver and worker logs of each attempt (Ray's job logs, kept in the job's directory
     once an attempt ends); `follow=true` streams the current attempt until the job ends."""
-    from service.logs import attempt_logs, follow_logs
+    from service.control.logs import attempt_logs, follow_logs
 
     if attempt is not None and attempt > max(job.attempt, 0):
         raise InvalidRequest(

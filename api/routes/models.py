@@ -11,7 +11,7 @@ from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
 from api.schemas import ModelList, ModelObject
 from service.errors import NotFound
 from service.registry import list_models, resolve_model
-from service.serving import delete_model, serving_of
+from service.serving.deployments import delete_model, serving_of
 
 router = APIRouter(
     prefix="/models", tags=["models"], responses=responses(401), dependencies=V1_DEPENDENCIES

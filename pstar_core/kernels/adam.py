@@ -179,7 +179,7 @@ def _requested_backend() -> str:
 # faster one is the default, ours only if it wins by `_CLEAR_MARGIN`. The answer is kept
 # beside the build, keyed like it (source, flags, torch, CPU flags) plus torch's chosen
 # ISA, so `scripts/setup.sh` and the image build pay for it once per CPU type; a job that
-# meets a new CPU pays it before training starts, and says so (`service.finetune`).
+# meets a new CPU pays it before training starts, and says so (`service.worker.finetune`).
 _CLEAR_MARGIN = 1.05
 _MEASURE_ELEMS = 4 * 2**20  # 4M elements: ~70 MB of buffers, ~10 ms a call
 _MEASURE_REPEATS = 5

@@ -2,7 +2,7 @@
 
 A method is one module with a `service.methods.base.Method` subclass: its request
 section (`method.<name>`), the data it trains on, whether it needs a pretrained model,
-what it adds to the stored plan and its objective (`service.objectives`). Adding one:
+what it adds to the stored plan and its objective (`service.methods.objectives`). Adding one:
 
 1. write `service/methods/<name>.py` (see `supervised.py`, the smallest);
 2. add its instance to `BUILT_IN` below.
@@ -10,7 +10,7 @@ what it adds to the stored plan and its objective (`service.objectives`). Adding
 A package outside this tree adds one without changing it, through the `pstar.methods`
 entry-point group (`[project.entry-points."pstar.methods"] name = "pkg.module:INSTANCE"`),
 installed wherever the service and its workers run. The request schema
-(`service.job_request.MethodRequest`), the checks at job creation, the data preparation,
+(`service.spec.request.MethodRequest`), the checks at job creation, the data preparation,
 the worker loop and the exports then take it; nothing else names a method.
 """
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from service.datasets import FORMATS
+from service.data.datasets import FORMATS
 from service.methods.sections import Hyperparameters, LoraSettings
-from service.resources import Body
+from service.spec.resources import Body
 
 if TYPE_CHECKING:
-    from service.run_plan import RunPlan
+    from service.spec.run_plan import RunPlan
 
 # what a method trains on: examples (chat, completion or text files) or preference pairs
 Data = Literal["examples", "preference"]
@@ -36,8 +36,8 @@ class Method:
     """A training method: subclass it in one module, and add the instance to
     `service.methods.BUILT_IN` (or to the `pstar.methods` entry-point group).
 
-    Every method trains through the one worker loop (`service.worker.run_loop`); what it
-    changes is its objective (`service.objectives`: what a step does, what an evaluation
+    Every method trains through the one worker loop (`service.worker.loop.run_loop`); what it
+    changes is its objective (`service.methods.objectives`: what a step does, what an evaluation
     measures). The rest has defaults that fit a supervised method."""
 
     name: ClassVar[str]  # `method.type`, and the request's `method.<name>` section
@@ -60,7 +60,7 @@ class Method:
         return {}
 
     def objective(self, run: RunPlan) -> Any:
-        """The objective the worker loop calls (`service.objectives`), for a run."""
+        """The objective the worker loop calls (`service.methods.objectives`), for a run."""
         raise NotImplementedError(f"method '{self.name}' names no objective")
 
     def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Direct Preference Optimization (OpenAI's `dpo`) on preference pairs, against the model
 before training as the reference; with `method.dpo.lora` (ours) only low-rank adapters
-train, and the reference is the base without them. The objective is `service.dpo.DPO`."""
+train, and the reference is the base without them. The objective is
+`service.methods.dpo_objective.DPO`."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
-from service.dpo import DEFAULT_BETA, DPO
 from service.methods.base import Method
+from service.methods.dpo_objective import DEFAULT_BETA, DPO
 from service.methods.sections import Auto, Hyperparameters, LoraSettings
-from service.resources import Body
+from service.spec.resources import Body
 
 if TYPE_CHECKING:
-    from service.run_plan import RunPlan
+    from service.spec.run_plan import RunPlan
 
 
 class DpoHyperparameters(Hyperparameters):

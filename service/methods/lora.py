@@ -1,12 +1,12 @@
 """LoRA fine-tuning (ours, beside OpenAI's methods): supervised, on low-rank adapters of a
-pretrained model whose own weights stay frozen (`service.lora` checks the targets)."""
+pretrained model whose own weights stay frozen (`service.adapters` checks the targets)."""
 
 from __future__ import annotations
 
 from service.methods.base import ADAPTERS_NEED_PRETRAINED
 from service.methods.sections import Hyperparameters, LoraSettings
 from service.methods.supervised import SupervisedMethod
-from service.resources import Body
+from service.spec.resources import Body
 
 
 class LoraSection(LoraSettings):

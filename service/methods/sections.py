@@ -2,7 +2,7 @@
 (OpenAI's, plus ours) and the LoRA adapter settings. A method's own section
 (`method.<name>`) is declared in its module (`service.methods.supervised`, ...).
 
-Its own module so that the methods and the job request (`service.job_request`, which
+Its own module so that the methods and the job request (`service.spec.request`, which
 builds `method` from the registry) import it without importing each other.
 """
 
@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag
 
 from pstar_core.config import LORA_DEFAULT_TARGETS as ALL_LINEAR
 from pstar_core.config import LoraConfig
-from service.resources import WHOLE, Body
+from service.spec.resources import WHOLE, Body
 
 Auto = Literal["auto"]
 

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from service.methods.base import Method
 from service.methods.sections import Hyperparameters
-from service.resources import Body
+from service.spec.resources import Body
 
 if TYPE_CHECKING:
-    from service.run_plan import RunPlan
+    from service.spec.run_plan import RunPlan
 
 
 class SupervisedSection(Body):
@@ -23,7 +23,7 @@ class SupervisedMethod(Method):
     section: ClassVar[type[Body]] = SupervisedSection
 
     def objective(self, run: RunPlan) -> Any:
-        from service.objectives import Supervised
+        from service.methods.objectives import Supervised
 
         return Supervised()
 

@@ -12,11 +12,11 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from service.status import AttemptState, JobStatus
 from service.store.db import Resource, StaleAttempt, check_current
 from service.store.events import new_event
 from service.store.jobs import paused_values
 from service.store.models import ACTIVE, PAUSED_RAY_STATUS, TERMINAL, Attempt, Job
+from service.store.status import AttemptState, JobStatus
 
 
 class Attempts(Resource):

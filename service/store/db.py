@@ -25,9 +25,9 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import UnknownCursor
-from service.status import AttemptState
 from service.store import statements
 from service.store.models import TERMINAL, Attempt, Job
+from service.store.status import AttemptState
 
 
 class StaleAttempt(Exception):

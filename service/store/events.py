@@ -20,7 +20,7 @@ OPENAI_METRIC_NAMES = {
     "full_valid_loss": "full_valid_loss",
     "full_valid_mean_token_accuracy": "full_valid_mean_token_accuracy",
     "tokens_per_second": "tokens_per_second",
-    # DPO's (service.dpo), for training and the validation pairs
+    # DPO's (service.methods.dpo_objective), for training and the validation pairs
     **{
         f"{prefix}{name}": f"{prefix}{name}"
         for prefix in ("", "valid_", "full_valid_")
@@ -28,7 +28,7 @@ OPENAI_METRIC_NAMES = {
     },
     "valid_logp_margin": "valid_logp_margin",
     "full_valid_logp_margin": "full_valid_logp_margin",
-    # when the job is expected to end, renewed with every step (service.eta)
+    # when the job is expected to end, renewed with every step (service.worker.eta)
     "estimated_finish": "estimated_finish",
 }
 

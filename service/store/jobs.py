@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 from sqlalchemy import bindparam, case, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from service.status import AttemptState, JobStatus, sources
 from service.store import statements
 from service.store.db import Resource
 from service.store.events import new_event
@@ -30,6 +29,7 @@ from service.store.models import (
     File,
     Job,
 )
+from service.store.status import AttemptState, JobStatus, sources
 
 # a job that has had no attempt yet is paused at once (`pause`)
 _BEFORE_AN_ATTEMPT = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED)

@@ -26,11 +26,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from service.status import ACTIVE, TERMINAL, UNFINISHED, JobStatus
+from service.store.status import ACTIVE, TERMINAL, UNFINISHED, JobStatus
 
 __all__ = ["ACTIVE", "PAUSED", "PAUSED_RAY_STATUS", "TERMINAL", "UNFINISHED"]
 
-# a job's status, and which are active, unfinished, terminal: `service.status`
+# a job's status, and which are active, unfinished, terminal: `service.store.status`
 PAUSED = JobStatus.PAUSED
 PAUSED_RAY_STATUS = "PAUSED"  # an attempt's `ray_status` when a pause ended it
 
@@ -119,13 +119,13 @@ class Job(Base):
     # many attempts a pause ended (they do not count against max_attempts)
     pause_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     pauses: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # early stopping's settings and what it found (service.early_stopping), and the
+    # early stopping's settings and what it found (service.worker.early_stopping), and the
     # prepared data's report (rows, fill, examples per row, packing)
     early_stopping: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     data_report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # when the tenant deleted the fine-tuned model (DELETE /v1/models/{model})
     model_deleted_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    # the capacity planner's plan of the job on its cluster (service.estimate), written
+    # the capacity planner's plan of the job on its cluster (service.control.estimate), written
     # by the driver once the data is prepared
     memory_plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 

@@ -131,7 +131,7 @@ def insert_event(conn: Connection, event: Event) -> None:
 
 def update_job(conn: Connection, job_id: str, values: dict[str, Any]) -> bool:
     """Set `values` (by attribute name) on a job that is not terminal yet; whether it was.
-    (Not yet held to `service.status.JOB_TRANSITIONS` beyond that: tests make jobs
+    (Not yet held to `service.store.status.JOB_TRANSITIONS` beyond that: tests make jobs
     `succeeded` through it from any status.)"""
     q = (
         _JOBS.update()

@@ -50,7 +50,7 @@ def start_api(
     import uvicorn
 
     from api.app import create_app
-    from service.launcher import DryLauncher
+    from service.control.launcher import DryLauncher
     from service.settings import Settings
     from service.store import Store
     from tests.tiny import make_tiny_llama

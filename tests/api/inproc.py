@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.generation import Generator
-from service.model_server import answer
-from service.serving import Target
+from service.serving.deployments import Target
+from service.serving.generation import Generator
+from service.serving.model_server import answer
 
 
 class InProcessBackend:

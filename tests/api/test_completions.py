@@ -267,7 +267,7 @@ def test_delete_model_as_openai(api):
 
 
 def test_deleted_model_keeps_its_files_while_a_job_fine_tunes_from_it(api, full):
-    from service.serving import delete_model_files
+    from service.serving.deployments import delete_model_files
     from tests.service.test_store import add_job
 
     body = {"model": full.model, "training_file": "file-1"}

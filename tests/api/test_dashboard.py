@@ -405,7 +405,7 @@ def test_the_offline_png_draws_what_the_page_plots(serve, jobs, browser, tmp_pat
     from typer.testing import CliRunner
 
     from pstar.cli import app
-    from service.plot_trace import memory_stats
+    from service.tools.plot_trace import memory_stats
 
     done, _ = jobs
     _sign_in(browser, serve, TOKEN)

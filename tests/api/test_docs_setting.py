@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.launcher import DryLauncher
+from service.control.launcher import DryLauncher
 from service.settings import Settings
 from service.store import Store
 

@@ -228,7 +228,7 @@ def test_partial_uploads_left_by_a_crash_are_swept_and_fresh_ones_kept(api, tmp_
     import os
     import time
 
-    from service.files import sweep_partial_uploads
+    from service.control.files import sweep_partial_uploads
 
     old = api.settings.files_dir / ".file-dead.part"
     fresh = api.settings.files_dir / ".file-live.part"

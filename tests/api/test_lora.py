@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.job_spec import spec_of
+from service.spec.job import spec_of
 from tests.api.test_hostile import assert_envelope, post_json, stored_jobs
 from tests.service.test_store import driver_attempt
 from tests.tiny import chat_lines

@@ -12,7 +12,7 @@ from tests.api.conftest import start_api
 
 @pytest.fixture
 def outage_api(tmp_path):
-    from service.pg_local import PgServer
+    from service.tools.pg_local import PgServer
 
     pg = PgServer.start(tmp_path / "pg")
     server, stop = start_api(tmp_path / "data", pg.url, "postgres")

@@ -13,7 +13,7 @@ from benchmarks.dmm import choose_chunk_size, run_eviction
 from benchmarks.report import bench_dtype
 from pstar.cli import app
 from pstar_core.models import build
-from service.plot_trace import plot_run_dir, plot_trace
+from service.tools.plot_trace import plot_run_dir, plot_trace
 
 runner = CliRunner()
 

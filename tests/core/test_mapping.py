@@ -8,7 +8,7 @@ import pytest
 
 from pstar_core.mapping import SPAN_ABOVE, make_plan, pack, search_chunk_size
 from pstar_core.models import ZOO
-from service.planning import plan_model
+from service.tools.planning import plan_model
 
 
 def test_pack_keeps_init_order_and_opens_a_chunk_when_a_tensor_does_not_fit():

@@ -168,7 +168,7 @@ def test_monitoring_renders_and_its_dashboard_reads_our_metrics(tree):
     assert {d["kind"] for d in docs} == {"PodMonitor", "ServiceMonitor", "ConfigMap"}
     dashboard = json.loads(one(docs, "ConfigMap")["data"]["pstar-jobs.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    from service.reporting import GAUGES
+    from service.worker.reporting import GAUGES
 
     used = set(re.findall(r"ray_pstar_([a-z_]+)\{", exprs))
     assert used <= set(GAUGES)  # every panel reads a metric the workers really set

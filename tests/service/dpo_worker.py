@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import pstar_core
-from service.dpo import DPO
+from service.methods.dpo_objective import DPO
 from tests.service.test_dpo import (
     BATCH,
     BETA,

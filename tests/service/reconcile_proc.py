@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from service.launcher import DryLauncher
+from service.control.launcher import DryLauncher
 
 
 class FileRay(DryLauncher):
@@ -53,7 +53,7 @@ class FileRay(DryLauncher):
 
 
 def main(argv: list[str]) -> None:
-    from service.reconciler import Reconciler
+    from service.control.reconciler import Reconciler
     from service.settings import Settings
     from service.store import Store
 

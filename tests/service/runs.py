@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.run_plan import RunHyperparameters, RunPlan
+from service.spec.run_plan import RunHyperparameters, RunPlan
 
 
 def run_plan(**fields: Any) -> RunPlan:

@@ -138,7 +138,7 @@ def test_train_fine_tunes_a_hf_dir_and_exports_a_loadable_model(tmp_path, text_f
         PreTrainedTokenizerFast,
     )
 
-    from service.data import train_tokenizer
+    from service.data.text import train_tokenizer
 
     src = tmp_path / "pretrained"
     tok = train_tokenizer(text_file.read_text(), 300, tmp_path / "tok.json")

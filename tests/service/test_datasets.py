@@ -1,4 +1,4 @@
-"""service/datasets: per-line validation, and loss masks checked against hand-written rows.
+"""service/data/datasets: per-line validation, and loss masks checked against hand-written rows.
 
 Most tests use a word-level tokenizer (one token per space-separated word, so every id is
 known in advance) with a small explicit chat template; the last ones run the real Hugging
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.datasets import (
+from service.data.datasets import (
     IGNORE,
     MAX_LINE_BYTES,
     MAX_REPORTED_ERRORS,

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.datasets import IGNORE, LineValidator
-from service.dpo import DPO
-from service.objectives import Split
+from service.data.datasets import IGNORE, LineValidator
+from service.methods.dpo_objective import DPO
+from service.methods.objectives import Split
 from tests.core.helpers import torch_adamw
 
 BETA = 0.5
@@ -82,7 +82,7 @@ def test_a_bad_preference_line_is_refused_with_its_number_and_reason(obj, says):
 def test_a_pair_trains_only_on_each_answer(tmp_path):
     from transformers import AutoTokenizer
 
-    from service.preference import pair_rows, tokenize_pairs
+    from service.data.preference import pair_rows, tokenize_pairs
     from tests.tiny import make_tiny_llama
 
     tok = AutoTokenizer.from_pretrained(make_tiny_llama(tmp_path / "m"))

@@ -1,11 +1,11 @@
-"""service/driver: how an attempt's end is written to the store."""
+"""service/control/driver: how an attempt's end is written to the store."""
 
 from __future__ import annotations
 
 import pytest
 from sqlalchemy import update
 
-from service.driver import fail, finish_success, results_file_id
+from service.control.driver import fail, finish_success, results_file_id
 from service.store import Job, StaleAttempt
 from tests.service.runs import run_plan
 from tests.service.test_store import running_job
@@ -95,7 +95,7 @@ class _Down:
 
 
 def _reporter(store, job_id: str):
-    from service.reporting import Reporter
+    from service.worker.reporting import Reporter
 
     config = {
         "job_id": job_id,
@@ -142,7 +142,7 @@ def test_a_worker_stops_when_a_kept_write_turns_out_stale(world):
 
 
 def test_a_driver_waits_out_a_store_outage_to_record_its_success(world, monkeypatch):
-    from service import driver
+    from service.control import driver
 
     settings, store = world
     job = running_job(store, status="running")

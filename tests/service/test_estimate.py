@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.estimate import place_workers
+from service.control.estimate import place_workers
 
 
 def res(workers: int, cpus: float = 1.0, gpu: bool = False) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import ray.train
 
 import pstar_core
-from service.finetune import resume
+from service.worker.finetune import resume
 from tests.core.helpers import MODELS, batches, engine_config, run_engine
 from tests.service.runs import run_plan
 
@@ -70,7 +70,7 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from service.finetune import build_job_engine, checkpoint_dir_name, report_checkpoint
+    from service.worker.finetune import build_job_engine, checkpoint_dir_name, report_checkpoint
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")

@@ -1,4 +1,4 @@
-"""service/heavy: request-path heavy work is bounded in threads, queue and time."""
+"""service/control/heavy: request-path heavy work is bounded in threads, queue and time."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from service.control.heavy import HeavyWork
 from service.errors import Unavailable
-from service.heavy import HeavyWork
 
 
 def test_past_the_queue_a_request_is_refused_at_once_and_a_slow_one_times_out():

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import text
 
-from service.job_spec import JobSpec, spec_of
+from service.spec.job import JobSpec, spec_of
 from service.store import Store
 from tests.service.test_store import add_job, spec_plan
 

@@ -27,8 +27,8 @@ from pydantic import Field
 
 from service.methods.base import Method
 from service.methods.sections import Auto, Hyperparameters
-from service.objectives import Supervised
-from service.resources import Body
+from service.methods.objectives import Supervised
+from service.spec.resources import Body
 
 
 class PerplexityHyperparameters(Hyperparameters):
@@ -76,12 +76,12 @@ from pathlib import Path
 import httpx
 
 from service import methods
-from service.driver import prepare_run
-from service.finetune import build_job_engine
-from service.job_request import JobRequest
-from service.reporting import Reporter
-from service.train_local import DirCheckpoints
-from service.worker import run_loop
+from service.control.driver import prepare_run
+from service.worker.finetune import build_job_engine
+from service.spec.request import JobRequest
+from service.worker.reporting import Reporter
+from service.worker.train_local import DirCheckpoints
+from service.worker.loop import run_loop
 from tests.api.conftest import start_api
 from tests.service.test_store import driver_attempt
 

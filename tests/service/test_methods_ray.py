@@ -215,9 +215,9 @@ def exported_valid_loss(serve, job_id: str) -> float:
     prepared them, computed by transformers from the exported directory."""
     from transformers import AutoModelForCausalLM
 
-    from service.job_spec import spec_of
-    from service.objectives import Rows
-    from service.prepare import prepare
+    from service.data.prepare import prepare
+    from service.methods.objectives import Rows
+    from service.spec.job import spec_of
 
     store = store_of(serve)
     job = store.jobs.get(job_id)

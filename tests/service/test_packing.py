@@ -1,4 +1,4 @@
-"""service/packing: several examples per row, and a packed example's loss equal to the same
+"""service/data/packing: several examples per row, and a packed example's loss equal to the same
 example's loss in a row of its own (the model sees the same positions and attends to
 nothing outside it), for a Llama (rotary positions) and a GPT-2 (learned positions), with
 SDPA and eager attention, through transformers and through the engine."""
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from service.datasets import IGNORE, to_rows
-from service.packing import AUTO_PADDING_SHARE, pack, padding_share, wants_packing
+from service.data.datasets import IGNORE, to_rows
+from service.data.packing import AUTO_PADDING_SHARE, pack, padding_share, wants_packing
 
 
 class Tok:
@@ -179,7 +179,7 @@ def test_the_engine_trains_packed_rows_with_the_loss_of_the_examples_alone():
     """One step through the engine (supervised objective) on packed rows: its loss is the
     token-weighted mean of the examples' losses alone, as plain transformers gives them."""
     import pstar_core
-    from service.objectives import Rows, Supervised
+    from service.methods.objectives import Rows, Supervised
 
     ex = examples(12, seed=2, vocab=96, longest=20)
     enc = pack(Tok(), ex, 48)

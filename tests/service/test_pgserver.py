@@ -1,4 +1,5 @@
-"""service/pg_local.py: a throw-away PostgreSQL starts, serves SQLAlchemy, stops without a trace."""
+"""service/tools/pg_local.py: a throw-away PostgreSQL starts, serves SQLAlchemy, stops
+without a trace."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import sqlalchemy
 from sqlalchemy import text
 
-from service.pg_local import PgServer, find_pg_bindir, pid_alive
+from service.tools.pg_local import PgServer, find_pg_bindir, pid_alive
 
 
 def test_pgserver_serves_sqlalchemy_and_stops_by_pid(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""service/preflight: deployments that would lose jobs are refused before `pstar serve`
+"""service/control/preflight: deployments that would lose jobs are refused before `pstar serve`
 serves, saying what to set."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from service.preflight import check_cluster, check_store, is_local_address
+from service.control.preflight import check_cluster, check_store, is_local_address
 from service.settings import Settings, SettingsError
 
 

@@ -31,7 +31,7 @@ def crash_rank_1_after_step(at: int, marker: Path):
     def loop(config):
         import ray.train
 
-        import service.ray_train as rt
+        import service.worker.ray_train as rt
 
         rank = ray.train.get_context().get_world_rank()
         build = rt.build_engine
@@ -60,8 +60,8 @@ def crash_rank_1_after_step(at: int, marker: Path):
 
 
 def test_lost_worker_resumes_from_the_last_checkpoint_and_finishes(ray_local, tmp_path):
-    from service.ray_train import run_ray
-    from service.spec import TrainSpec
+    from service.spec.train import TrainSpec
+    from service.worker.ray_train import run_ray
 
     text = tmp_path / "corpus.txt"
     lines = [f"the {a} of the {b} is {c}" for a in "abcdefgh" for b in "ijklmnop" for c in "xyz"]

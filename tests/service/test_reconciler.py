@@ -1,4 +1,4 @@
-"""service/reconciler: the store brought in line with what Ray says, one tick at a time,
+"""service/control/reconciler: the store brought in line with what Ray says, one tick at a time,
 with a launcher whose Ray job states the test sets (the Ray tests run the real thing)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 import pytest
 from sqlalchemy import update
 
-from service import logs, reconciler
+from service.control import logs, reconciler
+from service.control.launcher import DryLauncher, SubmissionRefused
+from service.control.reconciler import Reconciler
 from service.errors import Unavailable
-from service.launcher import DryLauncher, SubmissionRefused
-from service.reconciler import Reconciler
 from service.store import Job
 from tests.service.test_store import add_job, events_of, make_file
 

@@ -262,7 +262,9 @@ def _followed_log_shows(serve, job_id: str, wanted: list[str], timeout: float = 
 
 def _driver_pids(job_id: str, attempt: int = 1) -> list[int]:
     out = subprocess.run(
-        ["pgrep", "-f", f"service.driver {job_id} {attempt}"], capture_output=True, text=True
+        ["pgrep", "-f", f"service.control.driver {job_id} {attempt}"],
+        capture_output=True,
+        text=True,
     ).stdout
     return [int(x) for x in out.split()]
 
@@ -360,7 +362,7 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
     """A second control plane, as in production: PostgreSQL for the store, RAY_ADDRESS for
     a cluster it did not start (the first one's head). The driver and the workers write to
     PostgreSQL; stopping this control plane leaves the cluster alone."""
-    from service.local_ray import pid_alive
+    from service.control.local_ray import pid_alive
     from service.store import Store
     from tests.conftest import fresh_database
 
@@ -565,7 +567,7 @@ class _Node:
     letters: the dashboard camel-cases resource names.)"""
 
     def __init__(self, serve, name: str) -> None:
-        from service.local_ray import HEAD_ENV, free_ports
+        from service.control.local_ray import HEAD_ENV, free_ports
 
         head = json.loads((serve.data_dir / "ray" / "head.json").read_text())
         ports = [
@@ -668,7 +670,7 @@ def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve
     wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
     head = serve.head_pid()
     serve.terminate()  # SIGTERM: the API stops, then the local head and its jobs
-    from service.local_ray import pid_alive
+    from service.control.local_ray import pid_alive
 
     assert not pid_alive(head)
     serve.start()

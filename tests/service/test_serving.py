@@ -11,8 +11,7 @@ import pytest
 
 from benchmarks.models_made import full_model, lora_model
 from service.errors import Forbidden, InvalidRequest, NotFound, Unavailable
-from service.generation import _TextStream
-from service.serving import (
+from service.serving.deployments import (
     APP_PREFIX,
     BUILDER,
     Serving,
@@ -21,6 +20,7 @@ from service.serving import (
     delete_model_files,
     target_of,
 )
+from service.serving.generation import _TextStream
 from service.settings import ServeSettings, Settings
 from service.store import Store
 from tests.service.test_store import add_job
@@ -237,7 +237,7 @@ def test_held_back_text_is_released_when_it_turns_out_not_to_stop():
 
 
 def test_model_server_refuses_an_adapter_path_outside_the_data_dir(tmp_path: Path):
-    from service.model_server import confined
+    from service.serving.model_server import confined
 
     assert confined(tmp_path, "models/a") == (tmp_path / "models" / "a").resolve()
     with pytest.raises(ValueError, match="outside"):
@@ -248,7 +248,7 @@ def test_a_replica_keeps_its_most_recently_used_adapters_and_never_drops_a_busy_
     """max_adapters=2: a third adapter pushes out the least recently used one that no row
     decodes with; the answers stay each adapter's own."""
     from benchmarks.models_made import _adapter
-    from service.generation import Generator, SamplingParams, complete
+    from service.serving.generation import Generator, SamplingParams, complete
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
@@ -280,7 +280,7 @@ def test_unloading_the_last_adapter_leaves_the_base_answering_as_before(tmp_path
     then raised a KeyError (each request a 500, once a replica's last adapter was
     deleted): the base answers as it did before, and the adapter loads again."""
     from benchmarks.models_made import _adapter
-    from service.generation import Generator, SamplingParams, complete
+    from service.serving.generation import Generator, SamplingParams, complete
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
@@ -303,7 +303,7 @@ def test_a_vanishing_top_p_or_temperature_samples_the_likeliest_token(tmp_path):
     """top_p 5e-324 is 0 in float32, and kept no token at all; a temperature of 1e-300
     overflows the division: each was a 500 (multinomial of no probability). Both sample
     the likeliest token, as greedy decoding does."""
-    from service.generation import Generator, SamplingParams, complete
+    from service.serving.generation import Generator, SamplingParams, complete
     from tests.tiny import make_tiny_llama
 
     gen = Generator(make_tiny_llama(tmp_path / "base"))

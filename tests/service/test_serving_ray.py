@@ -48,7 +48,7 @@ def chat(serve, model: str, **kw):
 
 
 def serving(serve):
-    from service.serving import Serving
+    from service.serving.deployments import Serving
     from service.settings import Settings
 
     settings = Settings.from_env(serve.env)
@@ -136,7 +136,7 @@ def test_idle_deployment_scales_to_zero_and_starts_again(serve):
     sv = serving(serve)
     chat(serve, "tiny-llama")
 
-    from service.serving import base_app
+    from service.serving.deployments import base_app
 
     name = base_app(serve.data_dir / "models" / "tiny-llama", "tiny-llama")
 

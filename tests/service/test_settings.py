@@ -67,8 +67,8 @@ def test_bad_values_name_the_variable(tmp_path, name, value, says):
 
 
 def test_default_job_resources_from_the_environment_under_what_a_request_says(tmp_path):
-    from service.job_request import JobRequest
-    from service.jobs import JobService
+    from service.control.jobs import JobService
+    from service.spec.request import JobRequest
 
     raw = (
         '{"num_workers": 4, "use_gpu": true, "cpus_per_worker": 8, "placement_strategy": "SPREAD"}'
@@ -105,8 +105,8 @@ class _Cluster:
 
 
 def test_a_gpu_job_that_names_no_cpus_gets_its_share_of_a_gpu_node(tmp_path):
-    from service.job_request import JobRequest
-    from service.jobs import JobService
+    from service.control.jobs import JobService
+    from service.spec.request import JobRequest
 
     service = JobService(Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)}), None, _Cluster())
     base = {"model": "m", "training_file": "file-1"}

@@ -8,7 +8,7 @@ import pytest
 
 from api.routes.jobs import JobStatus as FilterStatus
 from api.schemas import FineTuningJob
-from service.status import (
+from service.store.status import (
     ACTIVE,
     JOB_TRANSITIONS,
     TERMINAL,

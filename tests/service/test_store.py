@@ -55,7 +55,7 @@ def store(backend_store):
 
 
 def spec_plan(model: str = "tiny-llama", training_file: str = "file-1") -> dict[str, Any]:
-    """The smallest stored job spec (`service.job_spec.JobSpec`) a job can have."""
+    """The smallest stored job spec (`service.spec.job.JobSpec`) a job can have."""
     return {
         "version": 1,
         "base_model": model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.train import ScalingConfig
 
-from service.trainer import lean_torch_trainer
+from service.worker.trainer import lean_torch_trainer
 
 
 def _callback_names(trainer) -> set[str]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pstar_core
-from service.objectives import Rows, Supervised
-from service.runlog import RunLog
-from service.worker import flops_per_token
+from service.methods.objectives import Rows, Supervised
+from service.worker.loop import flops_per_token
+from service.worker.runlog import RunLog
 from tests.core.helpers import MODELS, SEQ, VOCAB, engine_config
 from tests.service.runs import run_plan
 

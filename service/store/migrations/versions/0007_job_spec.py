@@ -1,4 +1,4 @@
-"""jobs.plan becomes a versioned job spec (`service.job_spec.JobSpec`, version 1): every
+"""jobs.plan becomes a versioned job spec (`service.spec.job.JobSpec`, version 1): every
 setting stored once. The learning rate stays in `hyperparameters.learning_rate` (no longer
 copied into `engine.optimizer.lr`), the adapter settings in `method.lora` (not copied into
 `engine.lora`), the device follows `resources.use_gpu` (not `engine.device`); a plan

@@ -1,0 +1,492 @@
+"""Training data of a fine-tuning job: per-line validation, tokenization, loss masks.
+
+Four formats, decided by the first line of a file (every other line must match it):
+
+- `chat`: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}`;
+  the loss is on assistant messages (their content and end-of-turn token);
+- `completion`: `{"prompt": ..., "completion": ...}`; the loss is on the completion and EOS;
+- `text`: `{"text": ...}` lines, or a plain UTF-8 text file (one document per line); the
+  loss is on every token;
+- `preference`: `{"input": {"messages": [...]}, "preferred_output": [assistant message],
+  "non_preferred_output": [assistant message]}`, pairs for DPO (`service.data.preference`).
+
+Chat examples are rendered with the base model's own chat template (a ChatML template
+when the tokenizer has none); an assistant message with `"weight": 0` is shown to the
+model but not trained on, as in OpenAI's format. Which tokens count is decided on
+characters: each assistant message spans from the end of the prompt that asks for it
+(`add_generation_prompt=True`) to the end of the conversation rendered through it, and a
+token is trained on when its first character lies in such a span. (Where that rendering
+departs from the whole conversation's, as when a template puts EOS only at the very end,
+the span ends there and a token must lie wholly inside it.)
+
+Batches: one example per row, right-padded to `seq_len` (longer examples are truncated
+and counted); padded and untrained positions get label -100, which the loss ignores. With
+right padding and causal attention, real tokens never attend to pads, so no attention mask
+is needed and every batch has the same shape (the warm-up trace stays valid). Packed
+rows (`service.data.packing`) hold several examples each, with positions that restart at every
+example. Text data is instead concatenated (EOS between documents) and cut into full
+`seq_len` rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IGNORE = -100
+FORMATS = ("chat", "completion", "text", "preference")
+# a preference pair (DPO), OpenAI's format: the prompt and two answers, the first preferred
+PREFERRED, NON_PREFERRED = "preferred_output", "non_preferred_output"
+PREFERENCE_KEYS = ("input", PREFERRED, NON_PREFERRED)
+ROLES = ("system", "developer", "user", "assistant")
+MAX_LINE_BYTES = 16 << 20
+MAX_REPORTED_ERRORS = 20
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class DataError(ValueError):
+    """A training or validation file cannot be used; the message says which line and why."""
+
+
+@dataclass
+class LineError:
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+@dataclass
+class FileCheck:
+    """What validating a file found: its format, counts and the bad lines."""
+
+    format: str | None = None
+    lines: int = 0
+    examples: int = 0
+    errors: list[LineError] = field(default_factory=list)
+    error_count: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_count == 0 and self.examples > 0
+
+    def summary(self) -> str:
+        if self.examples == 0 and self.error_count == 0:
+            return "the file holds no examples"
+        shown = "; ".join(str(e) for e in self.errors)
+        more = self.error_count - len(self.errors)
+        return f"{self.error_count} bad line(s): {shown}" + (f"; and {more} more" if more else "")
+
+
+class LineValidator:
+    """Checks a JSONL (or plain text) file line by line as it streams in."""
+
+    def __init__(self) -> None:
+        self.check = FileCheck()
+        self._plain: bool | None = None  # decided by the first non-empty line, once
+
+    def feed(self, raw: bytes) -> None:
+        c = self.check
+        c.lines += 1
+        n = c.lines
+        if len(raw) > MAX_LINE_BYTES:
+            self._error(n, f"longer than {MAX_LINE_BYTES >> 20} MiB")
+            return
+        try:
+            line = decode_line(raw, first=n == 1)
+        except UnicodeDecodeError as e:
+            self._error(n, f"not UTF-8 (byte {e.start})")
+            return
+        if not line.strip():
+            return
+        if self._plain is None:
+            # a plain text file (every non-empty line a document) unless it opens with a
+            # JSON object; later lines never switch a JSONL file to plain text
+            self._plain = not line.lstrip().startswith("{")
+            if self._plain:
+                c.format = "text"
+        if self._plain:
+            c.examples += 1
+            return
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            self._error(n, f"not valid JSON ({e.msg} at column {e.colno})")
+            return
+        fmt, reason = classify(obj)
+        if reason:
+            self._error(n, reason)
+            return
+        if c.format is None:
+            c.format = fmt
+        elif fmt != c.format:
+            self._error(
+                n, f"a {fmt} example in a file of {c.format} examples (from the first line)"
+            )
+            return
+        c.examples += 1
+
+    def _error(self, line: int, reason: str) -> None:
+        self.check.error_count += 1
+        if len(self.check.errors) < MAX_REPORTED_ERRORS:
+            self.check.errors.append(LineError(line, reason))
+
+
+def classify(obj: Any) -> tuple[str | None, str | None]:
+    """(format, None) for a valid example, (None, reason) otherwise."""
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    if "messages" in obj:
+        return "chat", _check_chat(obj)
+    if PREFERRED in obj or NON_PREFERRED in obj:
+        return "preference", _check_preference(obj)
+    if "prompt" in obj or "completion" in obj:
+        return "completion", _check_completion(obj)
+    if "text" in obj:
+        extra = set(obj) - {"text"}
+        if extra:
+            return None, f"unknown key(s) {sorted(extra)} beside 'text'"
+        if not isinstance(obj["text"], str) or not obj["text"].strip():
+            return None, "'text' must be a non-empty string"
+        return "text", None
+    return None, (
+        "expected 'messages' (chat), 'prompt' and 'completion', 'text', or 'input' with "
+        "'preferred_output' and 'non_preferred_output' (preference pairs for DPO)"
+    )
+
+
+def _check_chat(obj: dict[str, Any]) -> str | None:
+    extra = set(obj) - {"messages"}
+    if extra:
+        return f"unknown key(s) {sorted(extra)} beside 'messages' (tools are not supported)"
+    msgs = obj["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        return "'messages' must be a non-empty list"
+    trained = 0
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object"
+        role = m.get("role")
+        if role not in ROLES:
+            return f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
+        if not isinstance(m.get("content"), str):
+            return f"messages[{i}].content must be a string"
+        extra = set(m) - {"role", "content", "weight", "name"}
+        if extra:
+            return f"messages[{i}] has unknown key(s) {sorted(extra)}"
+        if "weight" in m and (
+            role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)
+        ):
+            return f"messages[{i}].weight must be 0 or 1, on assistant messages only"
+        if role == "assistant" and m.get("weight", 1) == 1:
+            if not m["content"]:
+                return f"messages[{i}]: an assistant message to train on needs content"
+            trained += 1
+    if trained == 0:
+        return "no assistant message to train on (need one with weight 1)"
+    return None
+
+
+def _check_completion(obj: dict[str, Any]) -> str | None:
+    extra = set(obj) - {"prompt", "completion"}
+    if extra:
+        return f"unknown key(s) {sorted(extra)} beside 'prompt' and 'completion'"
+    if not isinstance(obj.get("prompt"), str):
+        return "'prompt' must be a string"
+    if not isinstance(obj.get("completion"), str) or not obj["completion"]:
+        return "'completion' must be a non-empty string"
+    return None
+
+
+def _check_preference(obj: dict[str, Any]) -> str | None:
+    extra = set(obj) - set(PREFERENCE_KEYS)
+    if extra:
+        keys = ", ".join(repr(k) for k in PREFERENCE_KEYS)
+        return f"unknown key(s) {sorted(extra)} beside {keys}"
+    inp = obj.get("input")
+    if not isinstance(inp, dict):
+        return "'input' must be an object with 'messages'"
+    extra = set(inp) - {"messages", "tools", "parallel_tool_calls"}
+    if extra:
+        return f"input has unknown key(s) {sorted(extra)}"
+    if inp.get("tools"):
+        return "input.tools: tools are not supported; remove them"
+    msgs = inp.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return "input.messages must be a non-empty list"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"input.messages[{i}] must be an object"
+        if m.get("role") not in ROLES:
+            return (
+                f"input.messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
+            )
+        if not isinstance(m.get("content"), str):
+            return f"input.messages[{i}].content must be a string"
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            return f"input.messages[{i}] has unknown key(s) {sorted(extra)}"
+    if msgs[-1]["role"] == "assistant":
+        return (
+            "input.messages ends with an assistant message; the answers go in "
+            "preferred_output and non_preferred_output"
+        )
+    answers = []
+    for key in (PREFERRED, NON_PREFERRED):
+        out = obj.get(key)
+        if not isinstance(out, list) or len(out) != 1 or not isinstance(out[0], dict):
+            return f"'{key}' must be a list of one assistant message"
+        m = out[0]
+        if m.get("role") != "assistant":
+            return f"{key}[0].role must be 'assistant', got {m.get('role')!r}"
+        if not isinstance(m.get("content"), str) or not m["content"]:
+            return f"{key}[0].content must be a non-empty string"
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            return f"{key}[0] has unknown key(s) {sorted(extra)}"
+        answers.append(m["content"])
+    if answers[0] == answers[1]:
+        return "preferred_output and non_preferred_output are the same answer"
+    return None
+
+
+def check_file(path: Path) -> FileCheck:
+    v = LineValidator()
+    for raw in iter_lines(path):
+        v.feed(raw)
+    return v.check
+
+
+def iter_lines(path: Path) -> Iterator[bytes]:
+    """Lines without their newline; a line longer than the limit is cut, not kept whole."""
+    with path.open("rb") as f:
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    pass
+            yield raw.rstrip(b"\r\n")
+
+
+def decode_line(raw: bytes, first: bool) -> str:
+    """A line as text; the first loses a UTF-8 byte-order mark (editors on Windows write
+    one), which would otherwise hide the `{` that tells JSONL from plain text."""
+    line = raw.decode("utf-8")
+    return line.removeprefix("\ufeff") if first else line
+
+
+def read_examples(path: Path) -> tuple[str, list[Any]]:
+    """(format, examples) of a valid file; raises `DataError` on the first bad line."""
+    check = check_file(path)
+    if not check.ok:
+        raise DataError(f"{path.name}: {check.summary()}")
+    fmt = check.format or "text"
+    out: list[Any] = []
+    plain = None
+    for i, raw in enumerate(iter_lines(path)):
+        line = decode_line(raw, first=i == 0)
+        if not line.strip():
+            continue
+        if plain is None:
+            plain = not line.lstrip().startswith("{")
+        out.append({"text": line} if plain else json.loads(line))
+    return fmt, out
+
+
+# -- tokenization --------------------------------------------------------------------------
+
+
+@dataclass
+class Encoded:
+    """Rows ready for the model, and what encoding them found."""
+
+    input_ids: torch.Tensor  # (N, seq_len) long
+    labels: torch.Tensor  # (N, seq_len) long, IGNORE where no loss
+    lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    # packed rows (`service.data.packing`): each example's positions restart at 0, which is
+    # also what keeps attention inside it; None when every row holds one example
+    position_ids: torch.Tensor | None = None
+    examples: int = 0  # examples read
+    tokens: int = 0  # real tokens in the rows (not padding)
+    loss_tokens: int = 0  # tokens the loss is taken on
+    truncated: int = 0  # examples cut at seq_len
+    dropped: int = 0  # examples with nothing left to train on after the cut
+    longest: int = 0  # tokens of the longest example before the cut
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+    def report(self) -> dict[str, Any]:
+        # (rows, seq_len), or (pairs, 2, seq_len) for preference pairs
+        rows = int(self.input_ids.shape[0])
+        seq_len = int(self.input_ids.shape[-1]) if self.input_ids.dim() >= 2 else 0
+        slots = self.input_ids.numel() if seq_len else 0
+        kept = self.examples - self.dropped
+        return {
+            "examples": self.examples,
+            "rows": rows,
+            "seq_len": seq_len,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "truncated_examples": self.truncated,
+            "dropped_examples": self.dropped,
+            "longest_example_tokens": self.longest,
+            "packed": self.packed,
+            # the share of the row slots that hold a real token (the rest is padding)
+            "fill_ratio": self.tokens / slots if slots else 0.0,
+            "examples_per_row": kept / rows if rows else 0.0,
+        }
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template the ChatML one (documented above)."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+
+def example_tokens(tokenizer: Any, fmt: str, ex: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask 0/1) of one chat or completion example, uncut."""
+    if fmt == "completion":
+        p = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+        c = tokenizer(ex["completion"], add_special_tokens=False)["input_ids"]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        return p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
+    msgs = [{"role": m["role"], "content": m["content"]} for m in ex["messages"]]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    mask = [0] * len(offsets)
+    for i, m in enumerate(ex["messages"]):
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
+            continue
+        prompt = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        # Spans are placed by length, so they hold only where the renderings agree with
+        # `text`. Some templates close a whole conversation with EOS (Phi-3): the message
+        # then ends where `through` departs from `text`, and a token that crosses that
+        # point belongs to the next turn. Others render the last turn differently
+        # (reasoning templates add an empty think block): no token of the message agrees.
+        start, end = len(prompt), _agreeing_chars(text, through)
+        departs = end < len(through)
+        inside = [
+            k for k, (a, b) in enumerate(offsets) if start <= a < end and (b <= end or not departs)
+        ]
+        if not text.startswith(prompt) or not inside:
+            raise DataError(
+                f"the chat template renders messages[{i}] differently once later turns "
+                "follow it, so its loss mask cannot be placed; train on the last assistant "
+                'message only ("weight": 0 on the earlier ones)'
+            )
+        for k in inside:
+            mask[k] = 1
+    return list(enc["input_ids"]), mask
+
+
+def _agreeing_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+def tokenize(
+    tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]]
+) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) of every chat or completion example, uncut."""
+    ensure_chat_template(tokenizer)
+    return [example_tokens(tokenizer, fmt, ex) for ex in examples]
+
+
+def cut_examples(
+    tokenized: list[tuple[list[int], list[int]]], seq_len: int
+) -> tuple[list[tuple[list[int], list[int]]], Encoded]:
+    """The examples cut to `seq_len` (those with nothing left to train on dropped), and an
+    `Encoded` with the counts (its rows still empty: `to_rows` or `packing.pack` fill them)."""
+    out = Encoded(torch.empty(0), torch.empty(0))
+    kept = []
+    for ids, mask in tokenized:
+        out.examples += 1
+        out.longest = max(out.longest, len(ids))
+        if len(ids) > seq_len:
+            out.truncated += 1
+            ids, mask = ids[:seq_len], mask[:seq_len]
+        # the first position predicts nothing (labels shift by one inside the model)
+        if not any(mask[1:]):
+            out.dropped += 1
+            continue
+        out.tokens += len(ids)
+        out.loss_tokens += sum(mask[1:])
+        kept.append((ids, mask))
+    return kept, out
+
+
+def pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return 0 if pad is None else pad
+
+
+def to_rows(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> Encoded:
+    """Right-padded rows of `seq_len` with labels, one example each; cut and dropped
+    examples counted."""
+    pad = pad_id(tokenizer)
+    kept, out = cut_examples(tokenized, seq_len)
+    rows, labels, lengths = [], [], []
+    for ids, mask in kept:
+        n_pad = seq_len - len(ids)
+        lengths.append(len(ids))
+        rows.append(ids + [pad] * n_pad)
+        labels.append(
+            [t if m else IGNORE for t, m in zip(ids, mask, strict=True)] + [IGNORE] * n_pad
+        )
+    out.input_ids = torch.tensor(rows, dtype=torch.long).view(-1, seq_len)
+    out.labels = torch.tensor(labels, dtype=torch.long).view(-1, seq_len)
+    out.lengths = torch.tensor(lengths, dtype=torch.long)
+    return out
+
+
+def encode(tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]], seq_len: int) -> Encoded:
+    """Rows of `seq_len` tokens with labels (see the module docstring for the layout)."""
+    if fmt == "text":
+        return _encode_text(tokenizer, [ex["text"] for ex in examples], seq_len)
+    return to_rows(tokenizer, tokenize(tokenizer, fmt, examples), seq_len)
+
+
+def _encode_text(tokenizer: Any, docs: list[str], seq_len: int) -> Encoded:
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids: list[int] = []
+    longest = 0
+    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.extend(eos)
+        longest = max(longest, len(enc) + len(eos))
+    n = len(ids) // seq_len
+    rows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return Encoded(
+        rows,
+        rows.clone(),
+        torch.full((n,), seq_len, dtype=torch.long),
+        examples=len(docs),
+        tokens=n * seq_len,
+        loss_tokens=n * (seq_len - 1),
+        longest=longest,
+    )
+
+
+def auto_seq_len(longest: int, max_positions: int, cap: int = 512) -> int:
+    """The shortest multiple of 16 that holds the longest example, within the model's
+    positions and `cap` (longer examples are then truncated, and the report says so)."""
+    want = max(16, -(-longest // 16) * 16)
+    return max(16, min(want, cap, max_positions))

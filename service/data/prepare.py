@@ -1,0 +1,255 @@
+"""Data preparation for a job's plan: the tokenizer, the encoded rows, the step count.
+
+Used by the dry run (`validate`) and by the Ray job driver, so both decide the same
+`seq_len` and the same number of steps. A HF base model brings its own tokenizer (and
+chat template); a zoo model gets a byte-level BPE tokenizer trained on the training file,
+with ChatML's turn markers as single tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service import methods
+from service.data.datasets import (
+    CHATML_TEMPLATE,
+    DataError,
+    Encoded,
+    auto_seq_len,
+    encode,
+    read_examples,
+    tokenize,
+)
+from service.data.packing import padding_share, rows, wants_packing
+from service.data.preference import pair_rows, tokenize_pairs
+from service.spec.job import JobSpec
+
+ZOO_VOCAB = 4096
+ZOO_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass
+class Prepared:
+    tokenizer: Any
+    train: Encoded
+    valid: Encoded | None
+    seq_len: int
+    format: str
+    steps_per_epoch: int
+    total_steps: int
+    # asked ("auto", True, False), decided, and the padding share one example per row has
+    packing: dict[str, Any] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "seq_len": self.seq_len,
+            "packing": self.packing,
+            "training_file": self.train.report(),
+            "validation_file": self.valid.report() if self.valid is not None else None,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
+        }
+
+
+def load_tokenizer(model: dict[str, Any], fmt: str, examples: list[Any], cache: Path | None):
+    """The model's tokenizer (HF dirs), or one trained on the examples (zoo models)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if model["kind"] != "zoo":
+        return AutoTokenizer.from_pretrained(model["path"])
+    if cache is not None and (cache / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(cache))
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=ZOO_VOCAB,
+        special_tokens=ZOO_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_texts(fmt, examples), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    if cache is not None:
+        fast.save_pretrained(str(cache))
+    return fast
+
+
+def _texts(fmt: str, examples: list[Any]):
+    for ex in examples:
+        if fmt == "chat":
+            yield from (m["content"] for m in ex["messages"])
+        elif fmt == "completion":
+            yield ex["prompt"]
+            yield ex["completion"]
+        elif fmt == "preference":
+            yield from (m["content"] for m in ex["input"]["messages"])
+            yield ex["preferred_output"][0]["content"]
+            yield ex["non_preferred_output"][0]["content"]
+        else:
+            yield ex["text"]
+
+
+def max_positions(model: dict[str, Any]) -> int:
+    if model["kind"] == "zoo":
+        return 1 << 15  # the zoo model is built with the chosen seq_len
+    import json
+
+    cfg = json.loads((Path(model["path"]) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+
+def prepare(
+    spec: JobSpec,
+    train_path: Path,
+    valid_path: Path | None,
+    tokenizer_cache: Path | None = None,
+) -> Prepared:
+    """Tokenize the files as the spec says, deciding `seq_len` and `packing` where it
+    leaves them "auto"; raises `DataError` for unusable data."""
+    fmt, train_ex = read_examples(train_path)
+    method = spec.training_method
+    if not method.takes(fmt):
+        raise DataError(_method_format_mismatch("training file", fmt, method))
+    model = spec.model.model_dump()
+    tok = load_tokenizer(model, fmt, train_ex, tokenizer_cache)
+    hp = spec.hyperparameters
+    seq_len = hp.seq_len
+    limit = max_positions(model)
+    tokenized = _tokenized(tok, fmt, train_ex)
+    if seq_len == "auto":
+        longest = max((_longest(fmt, t) for t in tokenized), default=16) if tokenized else 256
+        seq_len = auto_seq_len(longest, limit)
+    if seq_len > limit:
+        raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
+    asked = hp.packing  # pairs are never packed
+    examples = tokenized if fmt in ("chat", "completion") else None  # None: never packed
+    packed = examples is not None and wants_packing(asked, examples, seq_len)
+    packing: dict[str, Any] = {"requested": asked, "packed": packed}
+    if examples is not None:
+        packing["padding_share_unpacked"] = round(padding_share(examples, seq_len), 4)
+    train = _rows(tok, fmt, train_ex, tokenized, seq_len, packed)
+    if train.input_ids.shape[0] == 0 and fmt == "text":
+        # text rows are full cuts of the concatenated documents: a short text fills none
+        raise DataError(
+            f"no training rows: the text is shorter than one row of seq_len {seq_len} "
+            "tokens; lower hyperparameters.seq_len or add text"
+        )
+    if train.input_ids.shape[0] == 0:
+        raise DataError(
+            f"no training rows: {train.dropped} example(s) had nothing left to train on "
+            f"within seq_len {seq_len}; raise hyperparameters.seq_len"
+        )
+    valid = None
+    if valid_path is not None:
+        vfmt, valid_ex = read_examples(valid_path)
+        if not method.takes(vfmt):
+            raise DataError(_method_format_mismatch("validation file", vfmt, method))
+        valid = _rows(tok, vfmt, valid_ex, _tokenized(tok, vfmt, valid_ex), seq_len, packed)
+        if valid.input_ids.shape[0] == 0:
+            raise DataError("the validation file has no rows to evaluate at this seq_len")
+    per_epoch = math.ceil(train.input_ids.shape[0] / hp.batch_size)
+    total = per_epoch * hp.n_epochs
+    if hp.max_steps:
+        total = min(total, hp.max_steps)
+    return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing)
+
+
+def _method_format_mismatch(what: str, fmt: str, method: methods.Method) -> str:
+    takers = " or ".join(f"'{m.name}'" for m in methods.taking(fmt)) or "none"
+    return (
+        f"the {what} holds {fmt} examples, and method.type '{method.name}' trains on "
+        f"{method.wants} (one per line); methods that train on {fmt} examples: {takers}"
+    )
+
+
+def _tokenized(tok: Any, fmt: str, examples: list[Any]) -> list[Any] | None:
+    """(ids, mask) per example, or per pair a tuple of two; None for text (cut later)."""
+    if fmt == "text":
+        return None
+    if fmt == "preference":
+        return tokenize_pairs(tok, examples)
+    return tokenize(tok, fmt, examples)
+
+
+def _longest(fmt: str, t: Any) -> int:
+    """Tokens of an example, or of the longer side of a pair."""
+    return max(len(t[0][0]), len(t[1][0])) if fmt == "preference" else len(t[0])
+
+
+def _rows(tok: Any, fmt: str, examples: list[Any], tokenized: Any, seq_len: int, packed: bool):
+    if fmt == "text":
+        return encode(tok, fmt, examples, seq_len)
+    if fmt == "preference":
+        return pair_rows(tok, tokenized, seq_len)
+    return rows(tok, tokenized, seq_len, packed)
+
+
+def save_rows(path: Path, train: Encoded, valid: Encoded | None) -> None:
+    """The rows the worker loop trains on (`service.worker.loop.run_loop` reads them), written
+    whole or not at all."""
+    import torch
+
+    out = {
+        "train_ids": train.input_ids,
+        "train_labels": train.labels,
+        "train_lengths": train.lengths,
+    }
+    if train.position_ids is not None:
+        out["train_position_ids"] = train.position_ids
+    if valid is not None:
+        out.update(valid_ids=valid.input_ids, valid_labels=valid.labels)
+        if valid.position_ids is not None:
+            out["valid_position_ids"] = valid.position_ids
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+
+
+def zoo_hf_config(name: str, vocab: int, seq_len: int):
+    """A zoo GPT as a transformers GPT-2 config (same shape: learned positions, pre-LN,
+    tanh GELU, tied embeddings), so a from-scratch job exports like any other."""
+    from transformers import GPT2Config
+
+    from pstar_core.models import get_config
+
+    z = get_config(name)
+    return GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq_len,
+        n_embd=z.hidden_size,
+        n_layer=z.num_layers,
+        n_head=z.num_heads,
+        n_inner=z.hidden_size * z.ffn_mult,
+        activation_function="gelu_new",
+        resid_pdrop=z.dropout,
+        embd_pdrop=z.dropout,
+        attn_pdrop=z.dropout,
+        layer_norm_epsilon=z.layer_norm_eps,
+        initializer_range=z.init_std,
+        tie_word_embeddings=z.tie_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def model_fn(model: dict[str, Any], seq_len: int, vocab: int):
+    """What `pstar_core.initialize` takes for the plan's model: a HF directory, or a
+    callable building the zoo model (on the meta device, inside `initialize`)."""
+    if model["kind"] != "zoo":
+        return Path(model["path"])
+    from transformers import GPT2LMHeadModel
+
+    cfg = zoo_hf_config(model["id"], vocab, seq_len)
+    return lambda: GPT2LMHeadModel(cfg)

@@ -1,0 +1,578 @@
+"""Text generation for served models: one model in memory, many requests decoded together,
+LoRA adapters applied per row.
+
+`Generator` owns a transformers model (the base, or a full fine-tune) and a thread that
+runs the decode loop. Requests join the running batch between steps (continuous
+batching): each is prefilled alone (so a lone request computes exactly what `generate`
+computes), its KV cache left-padded to the batch's length and stacked under it; a
+finished row leaves at once, and cache columns that no row needs any more are cut.
+Rows of one batch can use different adapters: peft's mixed-adapter forward
+(`adapter_names`) applies each row's LoRA to its row only, and `"__base__"` rows see the
+base weights untouched.
+
+Greedy decoding (temperature 0) is the argmax of fp32 logits, as `generate` takes it; with
+a temperature, each choice samples from its own `torch.Generator`, seeded by the request's
+`seed` and the choice's index, so a seeded request repeats.
+
+What the thread emits to a request, through its `emit` callback (called on the thread;
+the caller hops to its own loop): `Token(index, text)` pieces of text as they become
+final (held back while they could still be the start of a stop string, or end in the
+middle of a UTF-8 character), `Finish(index, reason)` per choice, then `Done(usage)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
+
+
+def peft_name(key: str) -> str:
+    """The adapter's name inside peft (a module name: no dots or slashes, unlike a key)."""
+    import hashlib
+
+    return "a" + hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Token:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    index: int
+    reason: str  # stop | length
+    tokens: tuple[int, ...] = ()  # every token the choice generated (an end-of-turn one too)
+
+
+@dataclass(frozen=True)
+class Done:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Any], None]
+    adapter: str | None = None  # the adapter's key (its directory relative to the data dir)
+    adapter_path: Path | None = None  # where it is, to load it if it is not in memory
+    cancelled: bool = False
+    completion_tokens: int = 0
+    open_choices: int = 0
+
+
+@dataclass
+class _Row:
+    """One choice of one request in the running batch."""
+
+    req: Request
+    index: int
+    text: _TextStream
+    rng: torch.Generator | None
+    generated: int = 0
+
+
+class _TextStream:
+    """The text of one choice, released as it becomes final: decoded from all its tokens
+    so far (so multi-token characters come out whole), cut at the first stop string."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already emitted
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """(the text now final, whether a stop string was reached)."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s) + 1))
+            if at >= 0:
+                out = text[self.sent : at]
+                self.sent = at
+                return out, True
+        safe = len(text)
+        if text.endswith("\ufffd"):  # a character still arriving in later tokens
+            safe = len(text.rstrip("\ufffd"))
+        for s in self.stop:  # hold back what could still become a stop string
+            for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
+                if text[safe - k : safe] == s[:k]:
+                    safe -= k
+                    break
+        out = text[self.sent : safe]
+        self.sent = max(self.sent, safe)
+        return out, False
+
+    def rest(self) -> str:
+        """What was held back, at the end of a choice that did not stop on a stop string."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        out = text[self.sent :]
+        self.sent = len(text)
+        return out
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a turn: the generation config's (a chat model's end-of-turn
+    token, often several) and the tokenizer's EOS."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    for v in eos if isinstance(eos, list) else [eos]:
+        if v is not None:
+            ids.add(int(v))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class Generator:
+    """One model and the thread that decodes every request sent to it."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_batch: int = 32,
+        max_adapters: int = 8,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from service.data.datasets import ensure_chat_template
+
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        ensure_chat_template(self.tokenizer)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model.to(self.device).eval()
+        self.peft: Any = None  # the model wrapped by peft once an adapter is loaded
+        # loaded adapter key -> its directory, least recently used first
+        self.adapters: OrderedDict[str, Path] = OrderedDict()
+        self.max_adapters = max_adapters
+        self._unload: set[str] = set()  # adapters to drop once no row uses them
+        self.eos = eos_ids(self.model, self.tokenizer)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_batch = max_batch
+        self._mergeable = True  # KV caches of requests can be stacked (DynamicLayer only)
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [rows, cache length], 0 on left padding
+        self._last: torch.Tensor | None = None  # [rows] the token each row feeds next
+        self._pos: torch.Tensor | None = None  # [rows] that token's position
+        self._stopping = False
+        self.busy_s = 0.0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="generator", daemon=True)
+        self._thread.start()
+
+    # -- what callers use ------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A chat's prompt tokens, by the model's chat template (ChatML when it has none),
+        with the assistant's turn opened, as training renders the turns before an answer."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def submit(self, req: Request) -> None:
+        self._inbox.put(req)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the decode thread between two steps (model changes happen there)."""
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        return fut
+
+    def unload_adapter(self, key: str) -> Future:
+        return self.call(lambda: self._drop_adapter(key))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rows": len(self._rows),
+            "queued": self._inbox.qsize(),
+            "adapters": sorted(self.adapters),
+            "steps": self.steps,
+            "busy_s": round(self.busy_s, 3),
+        }
+
+    def close(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)  # type: ignore[arg-type]
+        self._thread.join(timeout=10)
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def _load_adapter(self, key: str, path: Path) -> None:
+        """Load an adapter (the decode thread, between steps), the least recently used
+        one that no row decodes with out first when `max_adapters` are in memory."""
+        self._unload.discard(key)
+        if key in self.adapters:
+            self.adapters.move_to_end(key)
+            return
+        from peft import PeftModel
+
+        busy = {r.req.adapter for r in self._rows}
+        for old in [k for k in self.adapters if k not in busy]:
+            if len(self.adapters) < self.max_adapters:
+                break
+            self._drop_adapter(old)
+
+        name = peft_name(key)
+        if self.peft is None:
+            self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+            self.peft.eval()
+        else:
+            self.peft.load_adapter(path, adapter_name=name)
+        self.adapters[key] = path
+        log.info("adapter %s loaded from %s", key, path)
+
+    def _drop_adapter(self, key: str) -> None:
+        if key not in self.adapters:
+            return
+        if any(r.req.adapter == key for r in self._rows):
+            self._unload.add(key)  # rows still decode with it: dropped when they end
+            return
+        if len(self.adapters) == 1:
+            # the last one: back to the plain model (peft would keep the deleted adapter
+            # active, and every forward after raised a KeyError)
+            self.model = self.peft.unload()
+            self.peft = None
+        else:
+            self.peft.delete_adapter(peft_name(key))
+        del self.adapters[key]
+        log.info("adapter %s unloaded", key)
+
+    # -- the decode thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._run_calls()
+            self._admit(block=not self._rows)
+            if self._stopping:
+                break
+            if self._rows:
+                t0 = time.perf_counter()
+                try:
+                    self._step()
+                except Exception as e:  # a bug or an OOM: fail the rows, keep serving
+                    log.exception("decode step failed")
+                    self._fail_all(f"generation failed: {e}")
+                self.busy_s += time.perf_counter() - t0
+        self._fail_all("the model server is shutting down")
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _admit(self, block: bool) -> None:
+        """Prefill the requests waiting, as many as the batch has room for."""
+        while len(self._rows) < self.max_batch and (self._mergeable or not self._rows):
+            try:
+                req = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                if block and self._calls.empty() and not self._stopping:
+                    continue
+                return
+            if req is None:
+                return
+            block = False
+            if req.cancelled:
+                continue
+            if req.adapter is not None:
+                try:
+                    self._load_adapter(req.adapter, req.adapter_path or Path(req.adapter))
+                except Exception as e:  # its files are gone or not an adapter
+                    log.warning("adapter %s could not load: %s", req.adapter, e)
+                    req.emit(LookupError(f"adapter {req.adapter} could not load: {e}"))
+                    continue
+            t0 = time.perf_counter()
+            try:
+                self._prefill(req)
+            except Exception as e:
+                log.exception("prefill failed")
+                req.emit(RuntimeError(f"generation failed: {e}"))
+            self.busy_s += time.perf_counter() - t0
+
+    def _forward(self, ids, mask, pos, cache, adapters: list[str | None]):
+        kw: dict[str, Any] = {}
+        model = self.model
+        if self.peft is not None:
+            model = self.peft
+            kw["adapter_names"] = [peft_name(a) if a else BASE for a in adapters]
+        with torch.inference_mode():
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **kw,
+            )
+        return out.logits[:, -1, :].float(), out.cache
+
+    def _prefill(self, req: Request) -> None:
+        from transformers import DynamicCache
+
+        p = req.params
+        n_prompt = len(req.prompt_ids)
+        ids = torch.tensor([req.prompt_ids], device=self.device)
+        mask = torch.ones_like(ids)
+        pos = torch.arange(n_prompt, device=self.device)[None]
+        logits, cache = self._forward(
+            ids, mask, pos, DynamicCache(config=self.model.config), [req.adapter]
+        )
+        rows = []
+        for i in range(p.n):
+            rng = None
+            if p.temperature > 0:
+                rng = torch.Generator(device="cpu")
+                if p.seed is not None:
+                    rng.manual_seed(p.seed * 1000003 + i)
+                else:
+                    rng.seed()
+            rows.append(_Row(req, i, _TextStream(self.tokenizer, p.stop), rng))
+        req.open_choices = p.n
+        if p.n > 1:
+            cache.batch_repeat_interleave(p.n)
+        first = torch.stack([self._sample(logits[0], r) for r in rows])
+        mask = mask.expand(p.n, -1)
+        self._join(rows, cache, mask, first, torch.full((p.n,), n_prompt, device=self.device))
+        self._emit_tokens(rows, first.tolist())
+
+    def _sample(self, logits: torch.Tensor, row: _Row) -> torch.Tensor:
+        p = row.req.params
+        if p.temperature <= 0:
+            return logits.argmax()
+        probs = torch.softmax(logits.float() / p.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return logits.argmax()  # a temperature so small the division overflows: greedy
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest set reaching top_p
+            keep[0] = True  # the likeliest token, whatever top_p (5e-324 is 0 in float32)
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return torch.multinomial(probs.cpu(), 1, generator=row.rng)[0].to(self.device)
+
+    def _join(self, rows, cache, mask, last, pos) -> None:
+        """Stack new rows (their cache, mask, next token, position) under the batch."""
+        layers = getattr(cache, "layers", None)
+        from transformers.cache_utils import DynamicLayer
+
+        self._mergeable = bool(layers) and all(type(x) is DynamicLayer for x in layers)
+        if not self._rows:
+            self._rows, self._cache, self._last, self._pos = rows, cache, last, pos
+            self._mask = mask.clone()
+            return
+        self._mask = stack_under(self._cache, self._mask, cache, mask)
+        self._rows = self._rows + rows
+        self._last = torch.cat([self._last, last])
+        self._pos = torch.cat([self._pos, pos])
+
+    def _step(self) -> None:
+        live = [i for i, r in enumerate(self._rows) if not r.req.cancelled]
+        if len(live) < len(self._rows):
+            self._keep(live)
+            if not self._rows:
+                return
+        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        logits, self._cache = self._forward(
+            self._last[:, None],
+            self._mask,
+            self._pos[:, None],
+            self._cache,
+            [r.req.adapter for r in self._rows],
+        )
+        self.steps += 1
+        nxt = torch.stack([self._sample(logits[i], r) for i, r in enumerate(self._rows)])
+        self._last = nxt
+        self._pos = self._pos + 1
+        self._emit_tokens(self._rows, nxt.tolist())
+
+    def _emit_tokens(self, rows: list[_Row], tokens: list[int]) -> None:
+        keep = []
+        for i, (row, tok) in enumerate(zip(rows, tokens, strict=True)):
+            req, p = row.req, row.req.params
+            row.generated += 1
+            req.completion_tokens += 1
+            reason = None
+            if tok in self.eos:
+                reason = "stop"
+                text = row.text.rest()
+                row.text.ids.append(tok)
+            else:
+                text, stopped = row.text.add(tok)
+                if stopped:
+                    reason = "stop"
+                elif row.generated >= p.max_tokens or self._full(row):
+                    reason = "length"
+                    text += row.text.rest()
+            if text:
+                req.emit(Token(row.index, text))
+            if reason is None:
+                keep.append(i)
+                continue
+            req.emit(Finish(row.index, reason, tuple(row.text.ids)))
+            req.open_choices -= 1
+            if req.open_choices == 0:
+                req.emit(Done(len(req.prompt_ids), req.completion_tokens))
+        if rows is self._rows:
+            if len(keep) < len(rows):
+                self._keep(keep)
+        elif len(keep) < len(rows):  # rows just admitted, now the batch's last ones
+            start = len(self._rows) - len(rows)
+            self._keep(list(range(start)) + [start + k for k in keep])
+
+    def _full(self, row: _Row) -> bool:
+        return len(row.req.prompt_ids) + row.generated >= self.context
+
+    def _keep(self, idx: list[int]) -> None:
+        """Keep only the rows at `idx`; cut cache columns that every kept row pads."""
+        if not idx:
+            self._clear()
+        else:
+            at = torch.tensor(idx, device=self.device)
+            self._cache.batch_select_indices(at)
+            self._rows = [self._rows[i] for i in idx]
+            self._mask, self._last, self._pos = self._mask[at], self._last[at], self._pos[at]
+            self._mask = cut_common_padding(self._cache, self._mask)
+        for key in list(self._unload):
+            if not any(r.req.adapter == key for r in self._rows):
+                self._unload.discard(key)
+                self._drop_adapter(key)
+
+    def _clear(self) -> None:
+        self._rows, self._cache, self._mask, self._last, self._pos = [], None, None, None, None
+
+    def _fail_all(self, message: str) -> None:
+        seen = set()
+        for r in self._rows:
+            if id(r.req) not in seen:
+                seen.add(id(r.req))
+                r.req.emit(RuntimeError(message))
+        self._clear()
+
+
+def stack_under(cache: Any, mask: torch.Tensor, more: Any, more_mask: torch.Tensor):
+    """Stack the rows of `more` (a DynamicCache and its [rows, length] mask) under those of
+    `cache`, in place, the shorter side padded on the left; the stacked mask."""
+    width = max(mask.shape[1], more_mask.shape[1])
+    for mine, theirs in zip(cache.layers, more.layers, strict=True):
+        mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+        mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+    return torch.cat([_left_pad(mask, width), _left_pad(more_mask, width)])
+
+
+def cut_common_padding(cache: Any, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the leading cache columns that every row pads (rows that needed them left);
+    the mask without them."""
+    pad = int((mask.cumsum(1) == 0).all(0).sum())
+    if pad:
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, pad:]
+            layer.values = layer.values[:, :, pad:]
+    return mask[:, pad:]
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` padded with zeros on the left of its sequence axis (2 for K/V, 1 for a mask)."""
+    axis = 2 if t.dim() == 4 else 1
+    short = width - t.shape[axis]
+    if short == 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = short
+    return torch.cat([t.new_zeros(shape), t], dim=axis)
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """fp32 on a CPU (bf16 matmuls are ~30x slower without AVX-512 BF16, and exactness
+    against `generate` is asked in fp32), bf16 on a GPU that has it."""
+    if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass
+class Collected:
+    """A whole completion (the non-streaming path and tests)."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
+    tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    usage: Done | None = None
+    error: str | None = None
+
+
+def complete(
+    gen: Generator,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    adapter: str | None = None,
+    adapter_path: Path | None = None,
+) -> Collected:
+    """Run one request to its end on `gen` and collect it (blocking)."""
+    got = Collected()
+    done = threading.Event()
+
+    def emit(ev: Any) -> None:
+        if isinstance(ev, Token):
+            got.texts[ev.index] = got.texts.get(ev.index, "") + ev.text
+        elif isinstance(ev, Finish):
+            got.reasons[ev.index] = ev.reason
+            got.tokens[ev.index] = ev.tokens
+        elif isinstance(ev, Done):
+            got.usage = ev
+            done.set()
+        else:
+            got.error = str(ev)
+            done.set()
+
+    gen.submit(Request(prompt_ids, params, emit, adapter, adapter_path))
+    done.wait()
+    return got
