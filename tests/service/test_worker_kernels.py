@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pstar_core.kernels import adam
-from service.worker.loop import loop as worker
+from service.worker import loop as worker
 
 
 class _Events:
