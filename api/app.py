@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from api import errors, ui
 from api.context import Context, Streams
+from api.gate import Gate
 from service.control.jobs import JobService
 from service.settings import Settings
 from service.store import Store
@@ -96,6 +97,9 @@ def create_app(
     app.state.ctx = ctx
     errors.install(app)
 
+    # the gate answers a request without a key, or with a body too large, before reading
+    # the body; outside it, the metrics count those answers too
+    app.add_middleware(Gate, settings=settings)
     app.add_middleware(_Observe, metrics=ctx.metrics)
 
     # routes are matched in the order they are added: the most requested first

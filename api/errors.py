@@ -51,7 +51,7 @@ DESCRIPTIONS = {
     403: "The tenant may not do this to the object",
     404: "No such object for this tenant",
     409: "The object's state does not allow this",
-    413: "Upload larger than the server's limit",
+    413: "Request body or upload larger than the server's limit",
     429: "The tenant is at one of its limits (named in the message, with the current use)",
     503: "A part the request needs (Ray, the store) cannot be reached now",
 }
@@ -114,7 +114,9 @@ def _http_error(req: Request, exc: Exception) -> JSONResponse:
             code="method_not_allowed",
             headers={"Allow": allowed},  # HTTP requires it on a 405
         )
-    return envelope(exc.status_code, str(exc.detail), headers=headers)
+    return envelope(
+        exc.status_code, str(exc.detail), code=getattr(exc, "code", None), headers=headers
+    )
 
 
 def _allowed_methods(req: Request, fallback: str) -> str:

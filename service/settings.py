@@ -54,6 +54,9 @@ class Limits:
     # tokens one request may ask for (max_tokens past it, or n times it, is a 400)
     max_concurrent_generations_per_tenant: int = 4
     max_tokens_per_request: int = 2048
+    # a request body (JSON) past this is a 413 before it is read; uploads have their own
+    # limit (PSTAR_MAX_UPLOAD_BYTES) and go to disk as they arrive
+    max_request_bytes: int = 8 << 20
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Limits:
