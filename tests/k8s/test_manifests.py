@@ -339,6 +339,130 @@ def test_the_host_tier_stays_under_every_worker_pods_memory_limit(overlay):
         assert quantity(shm["emptyDir"]["sizeLimit"]) >= store  # the object store fits
 
 
+# -- who reaches Ray ---------------------------------------------------------------------------
+
+
+def test_ray_wants_a_token_and_the_control_plane_sends_the_same_one(overlay):
+    _, docs = overlay
+    auth = one(docs, "RayCluster")["spec"]["authOptions"]
+    assert auth["mode"] == "token"
+    secret = one(docs, "Secret", auth["secretName"])
+    assert "auth_token" in secret["data"]  # the key KubeRay hands to the Ray containers
+    assert one(docs, "ConfigMap")["data"]["RAY_AUTH_MODE"] == "token"
+    api = one(docs, "Deployment", "pstar-control-plane")["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in api["containers"][0].get("env", [])}
+    ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (auth["secretName"], "auth_token")
+
+
+def test_ray_pods_run_with_the_control_planes_hardening(overlay):
+    _, docs = overlay
+    ns = one(docs, "Namespace")["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/enforce"] in ("baseline", "restricted")
+    cluster = one(docs, "RayCluster")["spec"]
+    auto = cluster["autoscalerOptions"]["securityContext"]
+    assert auto["allowPrivilegeEscalation"] is False
+    assert auto["capabilities"]["drop"] == ["ALL"]
+    for owner, spec in pod_specs(docs):
+        if not owner.startswith("RayCluster"):
+            continue
+        assert spec["securityContext"]["runAsNonRoot"] is True, owner
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", owner
+        for c in spec["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, owner
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], owner
+            # Ray's logs and staged checkpoints cannot fill the node's disk
+            assert "ephemeral-storage" in c["resources"]["limits"], owner
+        for v in spec["volumes"]:
+            if "emptyDir" in v:
+                assert "sizeLimit" in v["emptyDir"], f"{owner}: {v['name']}"
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admitted(policies: list[dict], src: dict, dst: dict, port: int) -> bool:
+    """NetworkPolicy ingress as Kubernetes decides it (the subset these manifests use): a
+    pod no policy selects admits everything; one that some policy selects admits a peer
+    that any of those policies' rules lets in on that port."""
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"].get("namespace", "pstar") == dst["ns"]
+        and _matches(p["spec"]["podSelector"], dst["labels"])
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not selecting:
+        return True
+    for p in selecting:
+        for rule in p["spec"].get("ingress", []):
+            ports = [x["port"] for x in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    ok = _matches(peer["namespaceSelector"], src["ns_labels"])
+                    if "podSelector" in peer:
+                        ok = ok and _matches(peer["podSelector"], src["labels"])
+                else:
+                    ok = src["ns"] == dst["ns"] and _matches(peer["podSelector"], src["labels"])
+                if ok:
+                    return True
+    return False
+
+
+def test_network_policies_let_only_the_control_plane_and_ray_reach_ray_and_the_store(overlay):
+    _, docs = overlay
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    ours = {"kubernetes.io/metadata.name": "pstar"}
+
+    def pod(ns: str, labels: dict, ns_labels: dict | None = None) -> dict:
+        return {"ns": ns, "labels": labels, "ns_labels": ns_labels or {}}
+
+    def template_labels(kind: str, name: str) -> dict:
+        return one(docs, kind, name)["spec"]["template"]["metadata"]["labels"]
+
+    api = pod("pstar", template_labels("Deployment", "pstar-control-plane"), ours)
+    db = pod("pstar", template_labels("StatefulSet", "pstar-postgres"), ours)
+    # KubeRay labels every pod of the cluster with ray.io/cluster
+    head = pod("pstar", {"ray.io/cluster": "pstar", "ray.io/node-type": "head"}, ours)
+    worker = pod("pstar", {"ray.io/cluster": "pstar", "ray.io/node-type": "worker"}, ours)
+    tenant = pod("tenant-a", {"app": "notebook"}, {"kubernetes.io/metadata.name": "tenant-a"})
+    stray = pod("pstar", {"app": "debug"}, ours)  # a pod someone starts in the namespace
+    ingress = pod("ingress-nginx", {"app": "ingress"}, {"pstar.io/api-access": "true"})
+    prometheus = pod("monitoring", {"app": "prometheus"}, {"pstar.io/metrics-access": "true"})
+    cases = [
+        # (from, to, port, admitted)
+        (tenant, head, 8265, False),  # the job API: code execution as the cluster
+        (tenant, head, 6379, False),
+        (tenant, head, 8000, False),  # Serve's proxy: any tenant's adapters
+        (tenant, worker, 8080, False),
+        (tenant, api, 8000, False),
+        (tenant, db, 5432, False),
+        (stray, head, 8265, False),
+        (stray, db, 5432, False),
+        (ingress, api, 8000, True),
+        (ingress, head, 8265, False),
+        (api, head, 8265, True),
+        (api, head, 8000, True),
+        (api, db, 5432, True),
+        (head, db, 5432, True),  # a job's driver writes to the store
+        (worker, db, 5432, True),  # so does rank 0
+        (worker, head, 6379, True),
+        (head, worker, 12345, True),  # object transfer, gloo, NCCL: any port between them
+        (worker, api, 8000, False),
+        (prometheus, worker, 8080, True),
+        (prometheus, head, 8265, False),
+    ]
+    wrong = [
+        (a["labels"], b["labels"], port, want)
+        for a, b, port, want in cases
+        if _admitted(policies, a, b, port) != want
+    ]
+    assert wrong == []
+
+
 # -- the image --------------------------------------------------------------------------------
 
 
