@@ -207,7 +207,9 @@ def _inject(
     return False
 
 
-def _check(db: str, url: str, ray_url: str | None, ids: list[str], steps: int) -> _Result:
+def _check(
+    db: str, url: str, ray_url: str | None, ids: list[str], steps: int, ray_token: Path
+) -> _Result:
     """Read the store and Ray directly: what was lost, run twice, or ended wrongly."""
     from service.store import Store
 
@@ -216,7 +218,10 @@ def _check(db: str, url: str, ray_url: str | None, ids: list[str], steps: int) -
     if ray_url:
         from ray.job_submission import JobSubmissionClient
 
-        for info in JobSubmissionClient(ray_url).list_jobs():
+        from service import ray_auth
+
+        auth = ray_auth.headers(ray_auth.local_env(ray_token))
+        for info in JobSubmissionClient(ray_url, headers=auth).list_jobs():
             if info.submission_id:
                 ray_jobs[info.submission_id] = info
     store = Store(url)
@@ -385,7 +390,7 @@ def _one_db(
         poller.done.set()
         poller.join(timeout=30)
         url = pg.url if pg else f"sqlite:///{data_dir / 'store.db'}"
-        res = _check(db, url, ray_url, ids, steps)
+        res = _check(db, url, ray_url, ids, steps, data_dir / "ray" / "auth_token")
         res.faults, res.ready_s = done_faults, ready_s
         res.wall_s = time.monotonic() - t0
         lat = sorted(poller.latencies_ms)

@@ -34,6 +34,21 @@ class Serve(ServeProcess):
     def head_pid(self) -> int:
         return json.loads((self.data_dir / "ray" / "head.json").read_text())["pid"]
 
+    def ray_env(self) -> dict[str, str]:
+        """What a client of this server's Ray head needs: the head's token, by its file."""
+        from service import ray_auth
+
+        return ray_auth.local_env(self.data_dir / "ray" / "auth_token")
+
+    def ray_jobs(self):
+        """Ray's job API on this server's head, with its token."""
+        from ray.job_submission import JobSubmissionClient
+
+        from service import ray_auth
+
+        head = json.loads((self.data_dir / "ray" / "head.json").read_text())
+        return JobSubmissionClient(head["dashboard_url"], headers=ray_auth.headers(self.ray_env()))
+
 
 def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
     deadline = time.time() + timeout

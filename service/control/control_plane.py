@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from service import ray_auth
 from service.settings import Settings, new_token
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class RaySupervisor:
 def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int | None = None):
     """(settings, store, launcher, local head or None) for a control plane."""
     from service.control.launcher import RayLauncher
-    from service.control.local_ray import HEAD_ENV, LocalRayHead
+    from service.control.local_ray import LocalRayHead
     from service.control.preflight import check_cluster, check_store
     from service.store import Store
 
@@ -77,7 +78,8 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
             settings.data_dir / "ray", num_cpus=ray_cpus, dashboard_port=dashboard_port
         )
         info = head.ensure()
-        os.environ.setdefault("RAY_AUTH_MODE", HEAD_ENV["RAY_AUTH_MODE"])
+        # Ray's clients in this process (the job API's) find the head's token from here
+        ray_auth.use(head.env)
         launcher = RayLauncher(info["dashboard_url"])
     return settings, store, launcher, head
 

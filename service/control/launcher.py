@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Collection
 from typing import Any
 
+from service import ray_auth
 from service.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,9 @@ class RayLauncher:
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = JobSubmissionClient(self.address)
+                    # the header Ray would add itself, given explicitly: Ray reads the
+                    # auth mode once per process, maybe before the control plane set it
+                    self._client = JobSubmissionClient(self.address, headers=ray_auth.headers())
                 except Exception as e:  # Ray raises ConnectionError/RuntimeError variants
                     raise Unavailable(f"Ray at {self.address} is not reachable: {e}") from None
             return self._client
@@ -188,7 +191,10 @@ class RayLauncher:
         if not self.dashboard_url:
             return None
         try:
-            with urllib.request.urlopen(f"{self.dashboard_url}/nodes?view=summary", timeout=5) as r:
+            req = urllib.request.Request(
+                f"{self.dashboard_url}/nodes?view=summary", headers=ray_auth.headers()
+            )
+            with urllib.request.urlopen(req, timeout=5) as r:
                 summary = json.loads(r.read())["data"]["summary"]
         except (OSError, ValueError, KeyError):
             return None

@@ -5,7 +5,10 @@ The head runs `ray start --head --block` in its own session, so it outlives a co
 plane killed with SIGKILL: the jobs keep running, and the next `pstar serve` finds the
 head again from `head.json` in the data dir and re-attaches. A clean shutdown stops it by
 PID (SIGTERM to the blocking `ray start`, which takes its processes down with it).
-Token auth is off on this loopback-only head (Ray 2.60 turns it on by default).
+
+The head wants a token (Ray's token authentication) that only this data dir's owner can
+read (`service.ray_auth`), and advertises loopback: its dashboard and job API answer no
+one without the token, and what it starts (drivers, workers) inherits the token's path.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from service import ray_auth
+
 log = logging.getLogger(__name__)
 
 HEAD_ENV = {
-    "RAY_AUTH_MODE": "disabled",
     # Ray Train's controller polls workers this often; its default 2 s delays every
     # checkpoint report and the detection of a lost worker
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
@@ -83,6 +87,8 @@ class LocalRayHead:
         self.object_store_bytes = object_store_bytes
         self.info: dict[str, Any] = {}
         self.started_here = False
+        self.token_file = state_dir / ray_auth.TOKEN_FILE
+        self.env = ray_auth.local_env(self.token_file)  # what a client of this head needs
 
     @property
     def dashboard_url(self) -> str:
@@ -96,7 +102,7 @@ class LocalRayHead:
 
     def running(self) -> bool:
         info = self._read()
-        return bool(info and pid_alive(info["pid"]) and _answers(info["dashboard_url"]))
+        return bool(info and pid_alive(info["pid"]) and self._answers(info["dashboard_url"]))
 
     def ensure(self, timeout_s: float = 120) -> dict[str, Any]:
         """The head this data dir's service uses: the one still running, or a new one."""
@@ -104,7 +110,7 @@ class LocalRayHead:
         if info and pid_alive(info["pid"]):
             deadline = time.time() + 30
             while time.time() < deadline:
-                if _answers(info["dashboard_url"]):
+                if self._answers(info["dashboard_url"]):
                     log.info("re-attached to the local Ray head (pid %d)", info["pid"])
                     self.info = info
                     return info
@@ -133,6 +139,7 @@ class LocalRayHead:
         cmd = [ray, "start", "--head", "--block", "--disable-usage-stats"]
         cmd += [f"--{k}={v}" for k, v in ports.items()]
         cmd += [
+            "--node-ip-address=127.0.0.1",
             "--dashboard-host=127.0.0.1",
             "--include-dashboard=true",
             f"--temp-dir={temp_dir}",
@@ -140,12 +147,15 @@ class LocalRayHead:
         ]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
+        ray_auth.local_token(self.state_dir)  # made once, kept across restarts of the head
         logf = (self.state_dir / "head.log").open("ab")
+        env = {**os.environ, **HEAD_ENV}
+        ray_auth.use(self.env, into=env)
         proc = subprocess.Popen(
             cmd,
             stdout=logf,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **HEAD_ENV},
+            env=env,
             start_new_session=True,  # survives a SIGKILL of the control plane
         )
         logf.close()
@@ -166,7 +176,7 @@ class LocalRayHead:
                     f"the local Ray head exited with code {proc.returncode}; see "
                     f"{self.state_dir / 'head.log'}"
                 )
-            if _answers(url):
+            if self._answers(url):
                 self.info, self.started_here = info, True
                 log.info("started a local Ray head (pid %d), dashboard %s", proc.pid, url)
                 return info
@@ -204,10 +214,10 @@ class LocalRayHead:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
 
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    def _answers(self, url: str) -> bool:
+        req = urllib.request.Request(f"{url}/api/version", headers=ray_auth.headers(self.env))
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False

@@ -22,6 +22,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
+from service import ray_auth
 from service.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ def _cluster_ray_version(launcher: Any) -> str | None:
     if not url:
         return None
     try:
-        with urllib.request.urlopen(f"{url}/api/version", timeout=10) as r:
+        req = urllib.request.Request(f"{url}/api/version", headers=ray_auth.headers())
+        with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read()).get("ray_version")
     except (OSError, ValueError):
         return None  # not reachable now: the reconciler waits for it, /readyz says so

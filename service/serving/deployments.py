@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service import ray_auth
 from service.adapters import adapter_dir
 from service.errors import Forbidden, InvalidRequest, NotFound, Unavailable
 from service.registry import ModelRef, resolve_model
@@ -203,7 +204,7 @@ class Serving:
             base.rstrip("/") + path,
             data=data,
             method=method,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **ray_auth.headers()},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:

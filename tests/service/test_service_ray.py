@@ -76,6 +76,24 @@ def checkpoint_at(serve, job_id: str, step: int):
     return any(ck.step_number >= step for ck in c.fine_tuning.jobs.checkpoints.list(job_id))
 
 
+def test_the_local_ray_head_answers_no_one_without_its_token(serve):
+    head = json.loads((serve.data_dir / "ray" / "head.json").read_text())
+    token_file = serve.data_dir / "ray" / "auth_token"
+    assert token_file.stat().st_mode & 0o777 == 0o600  # its owner's only
+    # what `/readyz` gives a tenant is an address, not a way in
+    ray_url = httpx.get(serve.url + "/readyz", headers=_auth()).json()["ray_dashboard_url"]
+    assert ray_url == head["dashboard_url"]
+    anonymous = httpx.get(ray_url + "/api/jobs/")
+    assert anonymous.status_code == 401, anonymous.text
+    wrong = httpx.get(ray_url + "/api/jobs/", headers={"Authorization": "Bearer " + "0" * 64})
+    assert wrong.status_code == 403, wrong.text
+    token = token_file.read_text().strip()
+    ok = httpx.get(ray_url + "/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    assert ok.status_code == 200, ok.text
+    # the head advertises loopback: what it starts reaches it there, and only there
+    assert head["gcs_address"].startswith("127.0.0.1:")
+
+
 def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_twice(serve, files):
     c = serve.client()
     job = create(serve, files, steps=60)
@@ -226,10 +244,7 @@ def test_cancel_stops_the_ray_job_and_its_workers(serve, files):
     assert _followed_log_shows(serve, job.id, [f"rank {r} of 2" for r in (0, 1)])
     done = c.fine_tuning.jobs.cancel(job.id)
     assert done.status == "cancelled"
-    from ray.job_submission import JobSubmissionClient
-
-    ray_url = httpx.get(serve.url + "/readyz", headers=_auth()).json()["ray_dashboard_url"]
-    ray_jobs = JobSubmissionClient(ray_url)
+    ray_jobs = serve.ray_jobs()
     wait_for(
         lambda: str(ray_jobs.get_job_info(f"{job.id}-a1").status.value) == "STOPPED",
         60,
@@ -375,9 +390,8 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
     assert password in db_url
     ray_url = httpx.get(serve.url + "/readyz", headers=_auth()).json()["ray_dashboard_url"]
     make_tiny_llama(tmp_path / "models" / "tiny-llama", hidden=128, layers=4)
-    pg = Serve(
-        tmp_path, env={"PSTAR_DB_URL": db_url, "RAY_ADDRESS": ray_url, "RAY_AUTH_MODE": "disabled"}
-    )
+    # the existing cluster wants its token, as a KubeRay cluster's comes from a Secret
+    pg = Serve(tmp_path, env={"PSTAR_DB_URL": db_url, "RAY_ADDRESS": ray_url, **serve.ray_env()})
     pg.start()
     try:
         c = pg.client()
@@ -410,7 +424,7 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
         ]
         store.close()
         assert (tmp_path / "models" / ".ft" / job.id / "config.json").is_file()
-        seen = ray_says(ray_url, f"{job.id}-a1")
+        seen = ray_says(ray_url, f"{job.id}-a1", serve.ray_env())
         assert len(seen) > 5_000  # the scan read what Ray holds of the job and its actors
         assert password not in seen
         assert "PSTAR_DB_URL_FILE" in seen  # the path, not the URL, reached the driver
@@ -422,9 +436,11 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
     assert httpx.get(serve.url + "/readyz").status_code == 200
 
 
-def ray_says(ray_url: str, submission_id: str) -> str:
+def ray_says(ray_url: str, submission_id: str, env: dict[str, str]) -> str:
     """Everything Ray's job, actor, task, worker and Train APIs return about what ran:
-    the text a reader of the Ray dashboard can see."""
+    the text a reader of the Ray dashboard (one with its token) can see."""
+    from service import ray_auth
+
     paths = [
         "/api/jobs/",
         f"/api/jobs/{submission_id}",
@@ -439,7 +455,8 @@ def ray_says(ray_url: str, submission_id: str) -> str:
     ]
     out = []
     for p in paths:
-        r = httpx.get(ray_url + p, timeout=60)
+        r = httpx.get(ray_url + p, headers=ray_auth.headers(env), timeout=60)
+        assert r.status_code not in (401, 403), p  # read as one who has the token
         out.append(f"{p} {r.status_code}\n{r.text}")
     return "\n".join(out)
 

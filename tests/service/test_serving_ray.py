@@ -23,7 +23,13 @@ IDLE_S = 12  # PSTAR_SERVE_IDLE_S: long enough to keep replicas through the test
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     s = start_serve(tmp_path_factory.mktemp("serving"), env={"PSTAR_SERVE_IDLE_S": str(IDLE_S)})
-    yield s
+    # `serving(serve)` talks to the head from this process, with its token, as the
+    # control plane does; the test process's environment is restored after the module
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RAY_AUTH_TOKEN", raising=False)
+        for k, v in s.ray_env().items():
+            env.setenv(k, v)
+        yield s
     stop_serve(s)
 
 
