@@ -90,8 +90,16 @@ def test_the_local_ray_head_answers_no_one_without_its_token(serve):
     token = token_file.read_text().strip()
     ok = httpx.get(ray_url + "/api/jobs/", headers={"Authorization": f"Bearer {token}"})
     assert ok.status_code == 200, ok.text
-    # the head advertises loopback: what it starts reaches it there, and only there
+    # the head advertises loopback; its GCS listens beyond it (Ray has no setting for
+    # that), and refuses a Ray client without the token
     assert head["gcs_address"].startswith("127.0.0.1:")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    code = f"import ray; ray.init(address={head['gcs_address']!r})"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0
+    assert "token-auth" in out.stderr, out.stderr[-2000:]
 
 
 def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_twice(serve, files):
