@@ -64,7 +64,8 @@ class Sampling(BaseModel):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
         | None
     ) = None
-    seed: int | None = None
+    # a 64-bit seed, as torch's generators take it
+    seed: Annotated[int | None, Field(ge=-(2**63), le=2**64 - 1)] = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Annotated[str | None, Field(max_length=256)] = None

@@ -19,7 +19,11 @@ from pstar.cli_bench import bench_app
 from pstar.cli_service import register as register_service_commands
 from pstar_core.config import ConfigError
 
-app = typer.Typer(help="PatrickStar Service: chunk-based training of models larger than memory.")
+app = typer.Typer(
+    # a traceback's frame locals would print settings, the store's URL and password in them
+    pretty_exceptions_show_locals=False,
+    help="PatrickStar Service: chunk-based training of models larger than memory.",
+)
 app.add_typer(bench_app, name="bench")
 console = Console()
 

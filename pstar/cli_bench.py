@@ -11,7 +11,10 @@ from rich.console import Console
 
 from pstar_core.config import ConfigError
 
-bench_app = typer.Typer(help="Measured claims; each prints a table and, last, one JSON line.")
+bench_app = typer.Typer(
+    pretty_exceptions_show_locals=False,
+    help="Measured claims; each prints a table and, last, one JSON line.",
+)
 console = Console()
 
 

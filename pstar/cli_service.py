@@ -26,8 +26,8 @@ from pstar.client import DEFAULT_URL, ApiError, Client, find_token
 from service.store.status import TERMINAL
 
 console = Console()
-files_app = typer.Typer(help="Training files on the service.")
-jobs_app = typer.Typer(help="Fine-tuning jobs on the service.")
+files_app = typer.Typer(pretty_exceptions_show_locals=False, help="Training files on the service.")
+jobs_app = typer.Typer(pretty_exceptions_show_locals=False, help="Fine-tuning jobs on the service.")
 
 Url = Annotated[str, typer.Option(envvar="PSTAR_URL", help="the service's base URL")]
 DataDir = Annotated[
@@ -77,7 +77,7 @@ def serve(
 
     from pstar.server import serve as run_server
     from service.control.control_plane import token_file
-    from service.settings import Settings, SettingsError
+    from service.settings import Settings, SettingsError, redacted
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -91,7 +91,7 @@ def serve(
 
     def ready(s, launcher, head) -> None:
         console.print(f"[bold]PatrickStar Service[/bold] on http://{host}:{port}/v1 (docs: /docs)")
-        console.print(f"data dir {s.data_dir}; store {_redact(s.db_url)}")
+        console.print(f"data dir {s.data_dir}; store {redacted(s.db_url)}")
         if not os.environ.get("PSTAR_API_TOKENS"):
             console.print(f"API token for tenant 'default' in {token_file(s)}")
         where = "local head" if head is not None else "cluster"
@@ -101,13 +101,6 @@ def serve(
         run_server(settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready)
     except SettingsError as e:  # a deployment that would lose jobs (service.control.preflight)
         _fail(str(e))
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
 
 
 # -- files ------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,11 +278,19 @@ def load_checkpoint(engine: Checkpointable, directory: Path) -> None:
         master = store.lists[ChunkType.PARAM_FP32][param.index]
         store.colocate([param, master])
         param.payload.copy_(master.payload)  # what Adam wrote there: the cast of the master
-    extra = torch.load(
-        directory / _rank_file(zero.rank, zero.nproc, ".extra.pt"),
-        weights_only=False,
-        map_location="cpu",  # written on whatever device; placed by the engine
-    )
+    extra_path = directory / _rank_file(zero.rank, zero.nproc, ".extra.pt")
+    try:
+        extra = torch.load(
+            extra_path,
+            weights_only=True,  # tensors and plain containers only: a file is data, never code
+            map_location="cpu",  # written on whatever device; placed by the engine
+        )
+    except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+        raise CheckpointError(
+            f"cannot read {extra_path}: {e}".splitlines()[0]
+            + " (a checkpoint holds tensors and plain values only; this file is damaged or "
+            "was not written by this engine)"
+        ) from None
     if frozen_saved:
         store.frozen_from_source = False
     for slot, step in zip(store.slots, extra["steps"], strict=True):

@@ -133,10 +133,18 @@ class SettingsError(ValueError):
     """The environment configures the service wrongly; the message says which variable."""
 
 
+def redacted(url: str) -> str:
+    """A store URL fit for a log line: its user and password replaced by ***."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
 @dataclass(frozen=True)
 class Settings:
     data_dir: Path
-    db_url: str
+    db_url: str = field(repr=False)  # it may hold the database's password
     tokens: dict[str, str] = field(repr=False)  # token -> tenant
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD
     ray_address: str | None = None

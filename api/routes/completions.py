@@ -43,26 +43,28 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
     c = ctx(request)
     if refused := body.refused():
         raise InvalidRequest(refused[1], param=refused[0], code="unsupported_parameter")
+    # the tokens one request may generate, all its choices together
     limit = c.settings.limits.max_tokens_per_request
     asked = body.asked_tokens()  # type: ignore[attr-defined]
-    if asked is not None and asked > limit:
+    n = body.n or 1
+    if asked is not None and asked * n > limit:
         field = (
             "max_completion_tokens"
             if getattr(body, "max_completion_tokens", None)
             else "max_tokens"
         )
+        times = f"n × {field} = {n} × {asked} = {asked * n}" if n > 1 else f"{field}: {asked}"
         raise InvalidRequest(
-            f"{field}: {asked} is over this service's limit of {limit} tokens per request "
-            f"({Limits.var('max_tokens_per_request')})",
+            f"{times} is over this service's limit of {limit} tokens per request "
+            f"({Limits.var('max_tokens_per_request')}); ask for fewer",
             param=field,
             code="invalid_value",
         )
     target = await run_in_threadpool(target_of, c.settings, c.store, tenant, body.model)
-    n = body.n or 1
     payload: dict[str, Any] = {
         **body.payload(),  # type: ignore[attr-defined]
         "max_tokens": asked,
-        "default_max_tokens": limit,
+        "default_max_tokens": limit // n,  # each choice's share when none is asked
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "n": n,

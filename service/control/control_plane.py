@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from service import ray_auth
-from service.settings import Settings, new_token
+from service.settings import Settings, SettingsError, new_token, redacted
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +62,22 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
     from service.control.launcher import RayLauncher
     from service.control.local_ray import LocalRayHead
     from service.control.preflight import check_cluster, check_store
-    from service.store import Store
+    from service.store import Store, is_outage
 
     check_store(settings)
     settings.ensure_dirs()
     settings = ensure_token(settings)
     store = Store(settings.db_url)
-    store.migrate()
+    try:
+        store.migrate()
+    except Exception as e:
+        if not is_outage(e):
+            raise
+        reason = str(getattr(e, "orig", None) or e).splitlines()[0]
+        raise SettingsError(
+            f"the store at {redacted(settings.db_url)} cannot be reached ({reason}): start "
+            "it, or fix PSTAR_DB_URL / PSTAR_DB_URL_FILE"
+        ) from None
     head = None
     if settings.ray_address:
         launcher = RayLauncher(settings.ray_address)

@@ -122,6 +122,9 @@ class LineValidator:
         except json.JSONDecodeError as e:
             self._error(n, f"not valid JSON ({e.msg} at column {e.colno})")
             return
+        except RecursionError:  # Python's parser recurses once per level of nesting
+            self._error(n, "nested too deeply (no training example is more than a few levels)")
+            return
         fmt, reason = classify(obj)
         if reason:
             self._error(n, reason)

@@ -177,6 +177,9 @@ def test_another_tenants_model_and_unknown_models_are_not_found(api, lora):
         ({"n": 50}, "n"),
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 8, "max_tokens": 600}, "max_tokens"),  # 4,800 tokens in all, past the limit
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -(2**64)}, "seed"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"logprobs": True}, "logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -490,18 +490,20 @@ def test_bad_lines_are_a_400_that_names_each_by_number(api, nothing_stored):
         b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}',  # 5: not UTF-8
         b'{"messages": [{"role": "wizard", "content": "x"}]}',  # 6: unknown role
         b'{"messages": [{"role": "user", "content": "hi"}]}',  # 7: nothing to train on
-        chat_lines(1, offset=3)[0].encode(),  # 8: good
+        b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",  # 8: past the parser's depth
+        chat_lines(1, offset=3)[0].encode(),  # 9: good
     ]
     content, ctype = multipart(
         [("file", "bad.jsonl", b"\n".join(lines) + b"\n"), ("purpose", None, b"fine-tune")]
     )
     err = assert_envelope(upload_raw(api, content, ctype), 400, param="file")
     assert err["code"] == "invalid_file_format"
-    for n in (2, 3, 4, 5, 6, 7):
+    for n in (2, 3, 4, 5, 6, 7, 8):
         assert f"line {n}:" in err["message"], err["message"]
+    assert "line 8: nested too deeply" in err["message"]
     assert "line 1:" not in err["message"]
-    assert "line 8:" not in err["message"]
-    assert "6 bad line(s)" in err["message"]
+    assert "line 9:" not in err["message"]
+    assert "7 bad line(s)" in err["message"]
 
 
 @pytest.mark.parametrize(

@@ -181,6 +181,32 @@ def test_save_load_continue_is_bitwise_uninterrupted(tmp_path):
     assert run_engine(resumed, data[4:]) == expected[4:]
 
 
+class _Planted:
+    """What a crafted checkpoint file would hold: unpickling it runs code."""
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(_Planted.marker),))
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_without_running_it(tmp_path):
+    from pstar_core.checkpoint import CheckpointError
+
+    ref = reference_model(MODELS["hf_llama"])
+    engine = make_engine(MODELS["hf_llama"], ref, dtype="bf16", lr=LR, wd=WD)
+    run_engine(engine, batches(1))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    extra = next((tmp_path / "ckpt").glob("*.extra.pt"))
+    state = torch.load(extra, weights_only=True)
+    _Planted.marker = str(tmp_path / "ran")
+    torch.save({**state, "steps": _Planted()}, extra)
+    resumed = pstar_core.initialize(MODELS["hf_llama"], engine_config("bf16", lr=LR, wd=WD))
+    with pytest.raises(CheckpointError, match="tensors and plain values only"):
+        resumed.load_checkpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "ran").exists()
+
+
 def test_state_dict_round_trips_under_the_models_own_names():
     ref = reference_model(MODELS["hf_gpt2"])
     engine = make_engine(MODELS["hf_gpt2"], ref)

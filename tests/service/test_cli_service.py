@@ -168,3 +168,28 @@ def test_chat_keeps_the_conversation_until_reset(server):
 def test_chat_with_an_unknown_model_fails_with_the_servers_message(server):
     out = pstar(server, "chat", "no-such-model", "-p", "hi", ok=False)
     assert "No model with id 'no-such-model'" in out.stdout
+
+
+def test_serve_with_an_unreachable_store_says_so_in_one_line_without_the_password(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "PSTAR_DATA_DIR": str(tmp_path),
+        "PSTAR_DB_URL": f"postgresql+psycopg://pstar:pw-do-not-print@127.0.0.1:{port}/pstar",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "pstar", "serve", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    text = " ".join((out.stdout + out.stderr).split())  # as one line: the console wraps
+    assert out.returncode == 2, text
+    assert "pw-do-not-print" not in text
+    assert f"the store at postgresql+psycopg://***@127.0.0.1:{port}/pstar cannot be reached" in text
+    assert "Traceback" not in text
