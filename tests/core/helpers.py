@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -198,12 +199,64 @@ def engine_config(dtype: str = "fp32", lr: float = 1e-3, wd: float = 0.1, **extr
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# [Note: ranks forked from a warm server] A rank is a fresh process, as torchrun's are,
+# but not a fresh interpreter: importing torch and transformers takes a new Python 3-6 s
+# on 2 cores, and the suite starts well over a hundred ranks. They are forked instead from
+# multiprocessing's forkserver, one per test process, which has imported those (and run
+# nothing of torch's: a fork after an OpenMP region would not be safe). Everything of
+# ours is imported fresh in each rank, after its environment is set, as in a new process.
+# PSTAR_TEST_FRESH_RANKS=1 starts each rank as `python -m module` instead.
+PRELOAD = [
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "safetensors.torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+]
+_FORKSERVER = None
+
+
+def _forkserver():
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _FORKSERVER = ctx
+    return _FORKSERVER
+
+
+def _run_rank(module: str, argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """A rank in a process forked from the warm server: `python -m module *argv`, with its
+    output in `log` and the environment it would have been started with."""
+    import runpy
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)
+    # the server read OMP_NUM_THREADS when it imported torch; this rank's is the one asked
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 def spawn_ranks(
     module: str, world: int, tmp: Path, *args: str, timeout: float = 300, **env: str
 ) -> list[dict]:
-    """Run `python -m module RANK WORLD TMP *args` as `world` fresh processes (one per
-    rank, gloo over a file in `tmp`); each writes `tmp/result-RANK.json`, returned in order.
-    Ranks still running after `timeout` seconds (a hang) are killed and the test fails."""
+    """Run `python -m module RANK WORLD TMP *args` as `world` new processes (one per rank,
+    gloo over a file in `tmp`; see [Note: ranks forked from a warm server]); each writes
+    `tmp/result-RANK.json`, returned in order. Ranks still running after `timeout` seconds
+    (a hang) are killed and the test fails."""
     tmp.mkdir(parents=True, exist_ok=True)
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
 
@@ -211,16 +264,50 @@ def spawn_ranks(
         ranks = {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
         return {k: str(v) for k, v in ranks.items()}
 
+    argv = [[str(r), str(world), str(tmp), *args] for r in range(world)]
+    envs = [{**environ, **torchrun(r)} for r in range(world)]
+    if os.environ.get("PSTAR_TEST_FRESH_RANKS") == "1":
+        return _fresh_ranks(module, argv, tmp, timeout, envs)
+    ctx = _forkserver()
+    logs = [tmp / f"rank-{r}.log" for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_run_rank,
+            args=(module, argv[r], envs[r], str(ROOT), str(logs[r])),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    if any(p.is_alive() for p in procs):
+        for p in procs:
+            p.kill()
+            p.join(30)
+        texts = [log.read_text(errors="replace")[-1500:] for log in logs]
+        raise AssertionError(f"ranks still running after {timeout} s (killed): {texts}")
+    for p, log in zip(procs, logs, strict=True):
+        assert p.exitcode == 0, (
+            f"exit code {p.exitcode}: " + log.read_text(errors="replace")[-3000:]
+        )
+    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+def _fresh_ranks(
+    module: str, argv: list[list[str]], tmp: Path, timeout: float, envs: list[dict[str, str]]
+) -> list[dict]:
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, str(r), str(world), str(tmp), *args],
+            [sys.executable, "-m", module, *a],
             cwd=ROOT,
-            env={**environ, **torchrun(r)},
+            env=e,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(world)
+        for a, e in zip(argv, envs, strict=True)
     ]
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -231,7 +318,7 @@ def spawn_ranks(
         raise AssertionError(f"ranks still running after {timeout} s (killed): {texts}") from None
     for p, text in zip(procs, outputs, strict=True):
         assert p.returncode == 0, text[-3000:]
-    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+    return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(len(argv))]
 
 
 def mean_over_ranks(loss: torch.Tensor, world: int) -> float:
