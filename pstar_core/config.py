@@ -126,6 +126,13 @@ class MemoryConfig(_Frozen):
         "of: the memory available when the engine starts, less max(2 GiB, 10%), shared "
         "between the ranks of this host; see `tiers.host_share`)",
     )
+    host_reserved: int | None = Field(
+        default=None,
+        ge=0,
+        description="bytes of host memory a scheduler reserved for this rank (Ray's "
+        "`memory` per worker): the host whole becomes the least of it (less the same "
+        "margin, `tiers.reserved_share`) and the rank's share of what the host has free",
+    )
     disk_budget: Budget = Field(
         default=0, description="bytes (or fraction of free space) of spill files; 0 disables"
     )

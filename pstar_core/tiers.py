@@ -450,6 +450,14 @@ def host_share(ranks: int | None = None) -> int:
     return max(0, available - margin) // (ranks or local_ranks())
 
 
+def reserved_share(reserved: int) -> int:
+    """What a rank for which a scheduler reserved `reserved` bytes plans with: the
+    reservation less the margin `host_share` keeps (the process itself, activations on a
+    CPU device, data loading). Its host budget is taken from this, so jobs sharing a host
+    stay within what each reserved."""
+    return max(0, reserved - max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * reserved)))
+
+
 def local_ranks() -> int:
     """Processes of this job on this host (torchrun and Ray set LOCAL_WORLD_SIZE)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

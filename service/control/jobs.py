@@ -36,6 +36,7 @@ from service.spec.request import (
     auto_epochs,
     check_engine_config,
     check_job_limits,
+    check_reservation,
     checked_engine,
     gpu_cpus_per_worker,
 )
@@ -201,6 +202,7 @@ class JobService:
             ),
         )
         check_engine_config(spec.engine_config())
+        check_reservation(spec.engine_config())
         return model, spec
 
     def _with_default_resources(self, req: JobRequest) -> JobRequest:

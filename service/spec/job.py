@@ -97,13 +97,19 @@ class JobSpec(Frozen):
         return bool(self.method.lora)
 
     def engine_config(self) -> dict[str, Any]:
-        """The engine's config: the client's section with the learning rate, the device
-        and the adapter settings (the driver adds the spill directory)."""
+        """The engine's config: the client's section with the learning rate, the device,
+        the host memory Ray reserves per worker and the adapter settings (the driver adds
+        the spill directory)."""
         cfg = dict(self.engine)
         optimizer = dict(cfg.get("optimizer") or {})
         optimizer["lr"] = self.hyperparameters.learning_rate
         cfg["optimizer"] = optimizer
         cfg["device"] = "cuda" if self.resources.use_gpu else "cpu"
+        if self.resources.memory_per_worker is not None:  # what Ray reserves per worker
+            cfg["memory"] = {
+                **(cfg.get("memory") or {}),
+                "host_reserved": self.resources.memory_per_worker,
+            }
         if self.method.lora:
             cfg["lora"] = dict(self.method.lora)
         return cfg

@@ -328,6 +328,27 @@ def check_engine_config(cfg: dict[str, Any]) -> None:
         ) from None
 
 
+def check_reservation(cfg: dict[str, Any]) -> None:
+    """Refuse (400) a host budget in bytes past what the worker's reservation leaves it
+    (`resources.memory_per_worker` less the process's margin)."""
+    from pstar_core.tiers import reserved_share
+
+    memory = cfg.get("memory") or {}
+    reserved, budget = memory.get("host_reserved"), memory.get("host_budget")
+    if reserved is None or not isinstance(budget, int) or isinstance(budget, bool):
+        return
+    room = reserved_share(reserved)
+    if budget > room:
+        raise InvalidRequest(
+            f"engine.memory.host_budget ({budget:,} bytes) is more than a worker may plan "
+            f"with in the {reserved:,} bytes Ray reserves for it (resources.memory_per_worker"
+            f", less max(2 GiB, 10%) for the process): {room:,}; lower the budget, give it "
+            "as a fraction of that, or reserve more",
+            param="engine.memory.host_budget",
+            code="invalid_value",
+        )
+
+
 def _over(what: str, value: Any, limit: Any, name: str, param: str) -> InvalidRequest:
     return InvalidRequest(
         f"{param}: {value} is over this service's limit of {limit} {what} "

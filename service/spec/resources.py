@@ -38,6 +38,14 @@ class Resources(Body):
         default=False, description="one GPU per worker, NCCL between them"
     )
     cpus_per_worker: Annotated[float, Field(gt=0, le=512)] = 1.0
+    memory_per_worker: Annotated[int | None, Field(strict=True, ge=3 << 30), WHOLE] = Field(
+        default=None,
+        description="bytes of host memory Ray reserves for each worker (at least 3 GiB); "
+        "the worker's host tier plans within it, less max(2 GiB, 10%) for the process "
+        "itself, so the jobs a node runs together never ask it for more than it has. "
+        "Without it nothing is reserved and a worker plans with its share of what its "
+        "node has free when it starts",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         default="PACK",
         description="how Ray places the workers on nodes: PACK (as few nodes as may be), "

@@ -66,6 +66,15 @@ def lean_torch_trainer(*args: Any, **kwargs: Any) -> Any:
     return _LeanTorchTrainer(*args, **kwargs)
 
 
+def per_worker(resources: Resources) -> dict[str, float]:
+    """What Ray reserves for each worker: its CPUs and, when the job gives it, its host
+    memory (the engine's host tier plans within that: `memory.host_reserved`)."""
+    out: dict[str, float] = {"CPU": resources.cpus_per_worker}
+    if resources.memory_per_worker is not None:
+        out["memory"] = resources.memory_per_worker
+    return out
+
+
 def fit_on_workers(
     train_loop: Any,
     config: dict[str, Any],
@@ -90,7 +99,7 @@ def fit_on_workers(
         scaling_config=ScalingConfig(
             num_workers=resources.num_workers,
             use_gpu=resources.use_gpu,
-            resources_per_worker={"CPU": resources.cpus_per_worker},
+            resources_per_worker=per_worker(resources),
             placement_strategy=resources.placement_strategy,
         ),
         run_config=RunConfig(

@@ -116,6 +116,48 @@ def test_a_job_within_the_limits_is_accepted_with_its_spill_budget(api, train_fi
     api.client().fine_tuning.jobs.cancel(job.id)
 
 
+@pytest.mark.parametrize(
+    ("resources", "memory", "param"),
+    [
+        ({"memory_per_worker": 2 << 30}, {}, "resources.memory_per_worker"),  # under 3 GiB
+        # 4 GiB reserved leaves a worker 2 GiB (less max(2 GiB, 10 %)): 3 GiB cannot be
+        ({"memory_per_worker": 4 << 30}, {"host_budget": 3 << 30}, "engine.memory.host_budget"),
+    ],
+)
+def test_a_host_budget_past_the_workers_reservation_is_refused(
+    api, train_file, resources, memory, param
+):
+    before = stored_jobs(api)
+    body = {"model": "tiny-llama", "training_file": train_file, "resources": resources}
+    r = post_json(api, "/fine_tuning/jobs", {**body, "engine": {"memory": memory}})
+    err = assert_envelope(r, 400, param)
+    assert stored_jobs(api) == before
+    if memory:
+        assert "2,147,483,648" in err["message"]  # what the reservation leaves a worker
+
+
+def test_a_reservation_goes_to_ray_and_bounds_the_workers_host_tier(api, train_file):
+    from service.spec.job import spec_of
+    from service.worker.trainer import per_worker
+
+    r = post_json(
+        api,
+        "/fine_tuning/jobs",
+        {
+            "model": "tiny-llama",
+            "training_file": train_file,
+            "resources": {"memory_per_worker": 6 << 30},
+            "engine": {"memory": {"host_budget": 0.5}},
+        },
+    )
+    assert r.status_code == 200, r.text
+    spec = spec_of(api.store.jobs.get(r.json()["id"]))
+    assert per_worker(spec.resources) == {"CPU": 1.0, "memory": 6 << 30}
+    memory = spec.engine_config()["memory"]
+    assert (memory["host_reserved"], memory["host_budget"]) == (6 << 30, 0.5)
+    api.client().fine_tuning.jobs.cancel(r.json()["id"])
+
+
 def test_a_tenant_at_its_unfinished_jobs_quota_gets_429_and_another_tenant_does_not(
     api, train_file
 ):

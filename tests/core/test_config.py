@@ -107,6 +107,29 @@ def test_the_default_host_budget_is_what_the_host_can_give_less_a_margin(monkeyp
     assert tiers.make_tiers(MemoryConfig(), cpu)["host"].budget_bytes == 0
 
 
+def test_a_reservation_bounds_the_host_whole_a_budget_is_taken_from(monkeypatch):
+    """Ray reserved `host_reserved` for this rank: its budgets come out of that (less the
+    same margin), however much more the host has free, so co-located jobs stay in theirs."""
+    from pstar_core import tiers
+
+    monkeypatch.delenv("PSTAR_HOST_BUDGET", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+
+    def host_budget(available: int, memory: dict) -> int:
+        monkeypatch.setattr(tiers, "host_memory_available", lambda: available)
+        engine = pstar_core.initialize(lambda: torch.nn.Linear(8, 8), {"memory": memory})
+        return engine.manager.residency.tiers["host"].budget_bytes
+
+    assert tiers.reserved_share(10 << 30) == 8 << 30  # less max(2 GiB, 10 %)
+    assert tiers.reserved_share(40 << 30) == 36 << 30
+    assert tiers.reserved_share(1 << 30) == 0
+    reserved = {"host_reserved": 10 << 30, "host_budget": 0.5}
+    assert host_budget(100 << 30, reserved) == 4 << 30  # half of 8 GiB, not of 90
+    assert host_budget(8 << 30, reserved) == 3 << 30  # the host has less free: half of 6
+    assert host_budget(100 << 30, {"host_reserved": 10 << 30}) == 8 << 30
+    assert host_budget(100 << 30, {}) == 90 << 30  # nothing reserved: the host's share
+
+
 def test_available_host_memory_counts_a_containers_limit_less_its_working_set(
     monkeypatch, tmp_path
 ):

@@ -319,6 +319,29 @@ def test_gpus_agree_with_the_default_job_resources(overlay):
         assert defaults["num_workers"] * defaults["cpus_per_worker"] <= cpus
 
 
+def test_a_job_asking_nothing_can_be_placed_with_its_memory_reserved(overlay):
+    """Ray packs workers of different jobs on one pod, as many as its CPUs (and GPUs) and
+    its memory take, each reserving the default memory_per_worker (the object store comes
+    out of the pod's memory first): no pod is asked for more than its limit, and the group
+    at its largest still holds a job that asks for nothing."""
+    _, docs = overlay
+    from service.settings import parse_default_resources
+
+    defaults = parse_default_resources(one(docs, "ConfigMap")["data"]["PSTAR_DEFAULT_RESOURCES"])
+    reserved = defaults["memory_per_worker"]
+    assert reserved >= 3 << 30
+    room = 0
+    for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        store = float(g["rayStartParams"]["object-store-memory"])
+        by_memory = int((quantity(limits["memory"]) - store) // reserved)
+        by_cpu = int(float(limits["cpu"]) // defaults["cpus_per_worker"])
+        by_gpu = int(limits.get("nvidia.com/gpu", 0)) if defaults["use_gpu"] else by_cpu
+        assert by_memory >= 1, g["groupName"]
+        room += min(by_memory, by_cpu, by_gpu) * g["maxReplicas"]
+    assert defaults["num_workers"] <= room
+
+
 def test_the_host_tier_stays_under_every_worker_pods_memory_limit(overlay):
     # Ray's memory monitor kills at threshold x limit, the kubelet at the limit: the host
     # tier (a share of the limit), the object store in /dev/shm and a margin for Python,

@@ -84,9 +84,9 @@ def test_default_job_resources_from_the_environment_under_what_a_request_says(tm
     service = JobService(s, store=None, launcher=None)
     base = {"model": "m", "training_file": "file-1"}
     silent = service._with_default_resources(JobRequest(**base))
-    assert silent.resources.model_dump() == s.default_resources
+    assert silent.resources.model_dump(exclude_none=True) == s.default_resources
     told = service._with_default_resources(JobRequest(**base, resources={"num_workers": 2}))
-    assert told.resources.model_dump() == {**default, "num_workers": 2}
+    assert told.resources.model_dump(exclude_none=True) == {**default, "num_workers": 2}
     plain = JobService(Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)}), None, None)
     assert plain._with_default_resources(JobRequest(**base)).resources.use_gpu is False
 
