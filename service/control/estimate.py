@@ -100,19 +100,23 @@ def validate_job(
 
 def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> dict[str, Any]:
     """Whether the Ray cluster has room for the workers as asked (each on one node with
-    `cpus_per_worker` CPUs and, with `use_gpu`, one GPU). `fits` is None when the cluster
-    did not say; a job that does not fit waits `queued` (an autoscaler may add nodes)."""
+    `cpus_per_worker` CPUs, `memory_per_worker` of its memory when given and, with
+    `use_gpu`, one GPU). `fits` is None when the cluster did not say; a job that does not
+    fit waits `queued` (an autoscaler may add nodes)."""
     want = res["num_workers"]
     out: dict[str, Any] = {"requested": res, "fits": None}
     if not nodes:
         return out
     cpu, gpu = res["cpus_per_worker"], 1 if res["use_gpu"] else 0
+    memory = res.get("memory_per_worker")
     strategy = res.get("placement_strategy", "PACK")
     per_node = []
     for n in nodes:
         k = int(n.get("CPU", 0) // cpu) if cpu else want
         if gpu:
             k = min(k, int(n.get("GPU", 0)))
+        if memory:
+            k = min(k, int(n.get("memory", 0) // memory))
         per_node.append(k)
     if strategy == "STRICT_SPREAD":  # one worker per node at most
         room = sum(1 for k in per_node if k > 0)
@@ -125,13 +129,15 @@ def place_workers(res: dict[str, Any], nodes: list[dict[str, float]] | None) -> 
             "nodes": len(nodes),
             "CPU": sum(n.get("CPU", 0) for n in nodes),
             "GPU": sum(n.get("GPU", 0) for n in nodes),
+            "memory": sum(n.get("memory", 0) for n in nodes),
         },
         placeable_workers=room,
         fits=room >= want,
     )
     if room < want:
         out["problem"] = (
-            f"{want} workers x {cpu:g} CPU{' + 1 GPU' if gpu else ''} do not fit the Ray cluster "
+            f"{want} workers x {cpu:g} CPU{' + 1 GPU' if gpu else ''}"
+            f"{f' + {memory / 2**30:.1f} GiB' if memory else ''} do not fit the Ray cluster "
             f"now ({room} can be placed {strategy} on its {len(nodes)} node(s)); the job would "
             "wait queued until resources free up or nodes are added"
         )

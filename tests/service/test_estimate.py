@@ -16,7 +16,7 @@ def test_workers_fit_when_each_node_has_room_for_its_share():
     out = place_workers(res(3, cpus=2.0), nodes)
     assert out["fits"] is True
     assert out["placeable_workers"] == 3  # 2 on the first node, 1 on the second
-    assert out["cluster"] == {"nodes": 2, "CPU": 6.0, "GPU": 0}
+    assert out["cluster"] == {"nodes": 2, "CPU": 6.0, "GPU": 0, "memory": 0}
 
 
 def test_cpus_split_over_nodes_do_not_make_a_worker():
@@ -34,6 +34,17 @@ def test_gpu_workers_need_a_gpu_each():
     out = place_workers(res(2, gpu=True), nodes)
     assert out["fits"] is False
     assert "+ 1 GPU" in out["problem"]
+
+
+def test_a_worker_needs_its_reserved_memory_on_one_node():
+    gib = 1 << 30
+    nodes = [{"CPU": 8.0, "memory": 10.0 * gib}, {"CPU": 8.0, "memory": 5.0 * gib}]
+    asked = {**res(4), "memory_per_worker": 4 * gib}
+    out = place_workers(asked, nodes)
+    # CPUs would take 16; memory 2 on the first node and 1 on the second
+    assert (out["placeable_workers"], out["fits"]) == (3, False)
+    assert "+ 4.0 GiB" in out["problem"]
+    assert place_workers({**asked, "num_workers": 3}, nodes)["fits"] is True
 
 
 @pytest.mark.parametrize("nodes", [None, []])

@@ -332,6 +332,12 @@ def test_a_job_that_cannot_get_its_resources_stays_queued(serve, files):
     assert placed["cluster"]["CPU"] == 4
     assert placed["placeable_workers"] == 1
     assert rep.json()["fits"] is False
+    # memory Ray reserves counts the same way: no node has a TiB for one worker
+    body["resources"] = {"memory_per_worker": 1 << 40}
+    rep = httpx.post(f"{serve.url}/v1/fine_tuning/jobs/validate", json=body, headers=h, timeout=60)
+    placed = rep.json()["estimate"]["resources"]
+    assert (placed["placeable_workers"], placed["fits"]) == (0, False), placed
+    assert 0 < placed["cluster"]["memory"] < 1 << 40
     job = create(serve, files, steps=10, resources={"num_workers": 2, "cpus_per_worker": 3})
     wait_for(
         lambda: c.fine_tuning.jobs.retrieve(job.id).model_extra["attempt"] == 1, 60, "submission"
@@ -411,7 +417,13 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
             file=("valid.jsonl", io.BytesIO("\n".join(chat_lines(8, 500)).encode())),
             purpose="fine-tune",
         )
-        job = create(pg, (train.id, valid.id), steps=12)
+        # with host memory reserved in Ray for each worker (its host tier plans within it)
+        job = create(
+            pg,
+            (train.id, valid.id),
+            steps=12,
+            resources={"num_workers": 2, "memory_per_worker": 3 << 30},
+        )
         done = wait_for(
             lambda: (
                 (j := c.fine_tuning.jobs.retrieve(job.id)).status
@@ -425,7 +437,10 @@ def test_a_control_plane_on_postgresql_runs_jobs_on_an_existing_ray_cluster(
         assert done.fine_tuned_model in [m.id for m in c.models.list()]
         store = Store(db_url)
         assert [p.step for p in store.events.metric_points(job.id)] == list(range(0, 13))
-        assert store.events.get_stats(job.id).trace["non_model_bytes"]  # the tracer, from rank 0
+        stats = store.events.get_stats(job.id)
+        assert stats.trace["non_model_bytes"]  # the tracer, from rank 0
+        # its host tier planned within what Ray reserved: 3 GiB less the 2 GiB margin
+        assert stats.tiers["host"]["budget"] == 1 << 30, stats.tiers
         assert [ck.step_number for ck in c.fine_tuning.jobs.checkpoints.list(job.id)] == [
             12,
             10,
