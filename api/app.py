@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api import errors, ui
+from api.auth import KeyCache
 from api.context import Context, Streams
 from api.gate import Gate
 from service.control.jobs import JobService
@@ -35,7 +36,7 @@ def create_app(
 ) -> FastAPI:
     from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
-    from api.routes import completions, files, jobs, models, system
+    from api.routes import admin, completions, files, jobs, models, system
     from service.serving.deployments import Serving
 
     ctx = Context(settings, store, launcher, JobService(settings, store, launcher))
@@ -99,7 +100,8 @@ def create_app(
 
     # the gate answers a request without a key, or with a body too large, before reading
     # the body; outside it, the metrics count those answers too
-    app.add_middleware(Gate, settings=settings)
+    ctx.keys = KeyCache(store)
+    app.add_middleware(Gate, settings=settings, keys=ctx.keys)
     app.add_middleware(_Observe, metrics=ctx.metrics)
 
     # routes are matched in the order they are added: the most requested first
@@ -107,6 +109,7 @@ def create_app(
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
     app.include_router(completions.router, prefix="/v1")
+    app.include_router(admin.router, prefix="/v1")
     app.include_router(system.router)
     ui.install(app)
     _declare_plain_text_parameters(app)

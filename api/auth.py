@@ -9,14 +9,19 @@ it found (`require_tenant`).
 from __future__ import annotations
 
 import hmac
+import time
+from collections import OrderedDict
+from typing import Any
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 
-from service.errors import Unauthorized
+from service.errors import Forbidden, Unauthorized
 from service.settings import Settings
 
 # the tenant of PSTAR_METRICS_TOKEN: it may read /metrics for every tenant, and nothing else
 OPERATOR = "~operator"
+TENANT, ADMIN = "tenant", "admin"  # the roles of a key (store.keys)
 
 
 def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
@@ -29,10 +34,10 @@ def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
 
 
 def authenticate(settings: Settings, path: str, authorization: str | None) -> str | None:
-    """The tenant whose key an `Authorization` header carries, or None."""
-    scheme, _, presented = (authorization or "").partition(" ")
-    presented = presented.strip()
-    if scheme.lower() != "bearer" or not presented:
+    """The tenant whose token (PSTAR_API_TOKENS, or the metrics token) an `Authorization`
+    header carries, or None; the keys in the store are the gate's to look up."""
+    presented = bearer_secret(authorization)
+    if presented is None:
         return None
     tenant = tenant_of(settings.tokens, presented)
     if (
@@ -45,6 +50,43 @@ def authenticate(settings: Settings, path: str, authorization: str | None) -> st
     return tenant
 
 
+def bearer_secret(authorization: str | None) -> str | None:
+    scheme, _, presented = (authorization or "").partition(" ")
+    presented = presented.strip()
+    return presented if scheme.lower() == "bearer" and presented else None
+
+
+class KeyCache:
+    """The store's keys (`store.keys`) as the gate asks for them: (tenant, role) of a live
+    key, kept `ttl_s` seconds, and unknown secrets as unknown for as long, so that a flood
+    of wrong keys costs one query each per `ttl_s`, not one per request. A key revoked
+    through this API is forgotten at once; one revoked by `pstar keys revoke` in another
+    process stops working within `ttl_s`. Entries are the secrets' hashes, not secrets."""
+
+    def __init__(self, store: Any, ttl_s: float = 5.0, size: int = 10_000) -> None:
+        self.store, self.ttl_s, self.size = store, ttl_s, size
+        self._entries: OrderedDict[str, tuple[float, tuple[str, str] | None]] = OrderedDict()
+
+    async def lookup(self, secret: str) -> tuple[str, str] | None:
+        from service.store.keys import key_hash
+
+        h = key_hash(secret)
+        now = time.monotonic()
+        hit = self._entries.get(h)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        key = await run_in_threadpool(self.store.keys.find, secret)
+        found = (key.tenant, key.role) if key is not None else None
+        self._entries[h] = (now, found)
+        self._entries.move_to_end(h)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return found
+
+    def forget(self) -> None:
+        self._entries.clear()
+
+
 def unauthorized() -> str:
     return (
         "Missing or invalid API token: send 'Authorization: Bearer <token>' with a token "
@@ -52,8 +94,9 @@ def unauthorized() -> str:
     )
 
 
-async def require_tenant(request: Request) -> str:
-    tenant = getattr(request.state, "tenant", None)  # the gate's, for a keyed path
+async def require_key(request: Request) -> str:
+    """The caller's tenant, whatever its key's role (the gate found it for a keyed path)."""
+    tenant = getattr(request.state, "tenant", None)
     if tenant is None:  # a path the gate does not key (/readyz with a token)
         tenant = authenticate(
             request.app.state.ctx.settings, request.url.path, request.headers.get("authorization")
@@ -61,4 +104,15 @@ async def require_tenant(request: Request) -> str:
     if tenant is None:
         raise Unauthorized(unauthorized(), code="invalid_api_key")
     request.state.tenant = tenant
+    return tenant
+
+
+async def require_tenant(request: Request) -> str:
+    """The caller's tenant, for a route of a tenant's (an admin key manages keys only)."""
+    tenant = await require_key(request)
+    if getattr(request.state, "role", TENANT) == ADMIN:
+        raise Forbidden(
+            "an admin key manages keys (/v1/admin/keys) and nothing else; use a tenant's key",
+            code="permission_denied",
+        )
     return tenant

@@ -69,3 +69,4 @@ class Context:
     generations: Streams | None = None  # chat and text completions in flight
     serving: Any = None  # service.serving.deployments.Serving: which deployment answers a model
     backend: Any = None  # api.generate's backend: where a generation's events come from
+    keys: Any = None  # api.auth.KeyCache: the store's API keys, as the gate asks for them

@@ -6,7 +6,10 @@ the server its 200 MB (and more, parsed) before its 401. Here, as a plain ASGI m
 
 - a request to a keyed path (`/v1/...`, `/metrics`) without a valid key gets its 401 with
   nothing of its body read; the tenant found is handed to the routes (`auth.require_tenant`
-  reads it, so a key is compared once per request);
+  reads it, so a key is compared once per request). A key is a token of
+  `PSTAR_API_TOKENS` or one of the store's keys (`auth.KeyCache`); which routes a key's
+  role reaches, the routes' dependencies say (`auth.require_tenant`, `routes.admin`), after
+  the route is matched (an unknown method is a 405 for every key);
 - a body over `PSTAR_MAX_REQUEST_BYTES` gets a 413: at once when its `Content-Length` says
   so, and as soon as that many bytes have arrived when it does not (a chunked body). An
   upload (`POST /v1/files`) is streamed to disk under its own limit
@@ -19,7 +22,7 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from api.auth import authenticate, unauthorized
+from api.auth import TENANT, KeyCache, authenticate, bearer_secret, unauthorized
 from api.errors import envelope
 from service.settings import Settings
 
@@ -46,8 +49,8 @@ def too_large(limit: int) -> str:
 
 
 class Gate:
-    def __init__(self, app: Any, settings: Settings) -> None:
-        self.app, self.settings = app, settings
+    def __init__(self, app: Any, settings: Settings, keys: KeyCache | None = None) -> None:
+        self.app, self.settings, self.keys = app, settings, keys
         self.limit = settings.limits.max_request_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -57,11 +60,15 @@ class Gate:
         path: str = scope["path"]
         headers = scope["headers"]
         if path.startswith(KEYED):
-            tenant = authenticate(self.settings, path, _header(headers, b"authorization"))
+            authorization = _header(headers, b"authorization")
+            tenant, role = authenticate(self.settings, path, authorization), TENANT
+            secret = bearer_secret(authorization)
+            if tenant is None and secret is not None and self.keys is not None:
+                tenant, role = await self.keys.lookup(secret) or (None, TENANT)
             if tenant is None:
                 await _reply(scope, receive, send, unauthorized(), 401, "invalid_api_key")
                 return
-            scope.setdefault("state", {})["tenant"] = tenant
+            scope.setdefault("state", {}).update(tenant=tenant, role=role)
         if (scope["method"], path) == UPLOAD:
             await self.app(scope, receive, send)
             return

@@ -28,6 +28,10 @@ from service.store.status import TERMINAL
 console = Console()
 files_app = typer.Typer(pretty_exceptions_show_locals=False, help="Training files on the service.")
 jobs_app = typer.Typer(pretty_exceptions_show_locals=False, help="Fine-tuning jobs on the service.")
+keys_app = typer.Typer(
+    pretty_exceptions_show_locals=False,
+    help="API keys, in the service's store (PSTAR_DB_URL / PSTAR_DATA_DIR), for the operator.",
+)
 
 Url = Annotated[str, typer.Option(envvar="PSTAR_URL", help="the service's base URL")]
 DataDir = Annotated[
@@ -441,12 +445,71 @@ def chat(
             answer(text)
 
 
+def _key_store():
+    from service.settings import Settings, SettingsError
+    from service.store import Store
+
+    try:
+        settings = Settings.from_env()
+    except SettingsError as e:
+        _fail(str(e))
+    store = Store(settings.db_url)
+    store.migrate()
+    return store
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Argument(help="the tenant the key acts as")] = "",
+    admin: Annotated[bool, typer.Option("--admin", help="a key that manages keys")] = False,
+    name: Annotated[str, typer.Option(help="a label")] = "",
+) -> None:
+    """Make a key; its secret is printed this once (the store keeps its SHA-256)."""
+    from service.settings import TENANT_RE
+
+    if not admin and not TENANT_RE.match(tenant):
+        _fail("give the tenant (letters, digits, . _ -; at most 64), or --admin")
+    store = _key_store()
+    key, secret = store.keys.create(tenant, "admin" if admin else "tenant", name)
+    store.close()
+    console.print(f"{key.id} ({key.role} of {key.tenant}); the secret, shown once:")
+    print(secret)  # plain: for a pipe into a secrets manager
+
+
+@keys_app.command("list")
+def keys_list(tenant: Annotated[str | None, typer.Option(help="one tenant's keys")] = None) -> None:
+    """Every key, revoked ones included, without secrets (the last 4 characters only)."""
+    store = _key_store()
+    t = Table()
+    t.add_column("id", no_wrap=True)
+    for header in ("tenant", "role", "name", "ends with", "created", "revoked"):
+        t.add_column(header)
+    for k in store.keys.list(tenant):
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.created_at))
+        gone = time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.revoked_at)) if k.revoked_at else ""
+        t.add_row(k.id, k.tenant, k.role, k.name, k.hint, when, gone)
+    store.close()
+    console.print(t)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key: a running control plane refuses it within 5 s."""
+    store = _key_store()
+    key = store.keys.revoke(key_id)
+    store.close()
+    if key is None:
+        _fail(f"no key {key_id}; `pstar keys list` shows them")
+    console.print(f"{key.id} ({key.role} of {key.tenant}) revoked")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(run)
     app.command()(chat)
     app.add_typer(files_app, name="files")
     app.add_typer(jobs_app, name="jobs")
+    app.add_typer(keys_app, name="keys")
 
 
 def start_server(data_dir: Path, port: int) -> subprocess.Popen:

@@ -8,7 +8,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from api.auth import require_tenant
+from api.auth import require_key, require_tenant
 from api.context import Context
 from service.control.files import own_file as tenants_file
 from service.errors import InvalidRequest
@@ -17,6 +17,7 @@ from service.store import File, Job
 from service.store.statements import View
 
 Tenant = Annotated[str, Depends(require_tenant)]
+Key = Annotated[str, Depends(require_key)]  # any key's tenant, an admin's included
 
 
 def ctx(request: Request) -> Context:
@@ -52,7 +53,7 @@ def respond(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-async def plain_text_url(request: Request, _tenant: Tenant) -> None:
+async def plain_text_url(request: Request, _key: Key) -> None:
     """Refuse a path or query parameter that is not plain text, one with a NUL character
     (checked after the token). No id, cursor or filter holds one, and PostgreSQL's text
     cannot: unchecked, it would reach the store and fail there, a 500 on PostgreSQL (and a

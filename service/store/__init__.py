@@ -9,6 +9,7 @@ routers share the app:
     store.attempts     a job's attempts, one Ray job each     (attempts.py)
     store.events       events, metric points, engine stats    (events.py)
     store.checkpoints  the checkpoints attempts record        (checkpoints.py)
+    store.keys         API keys, as hashes of their secrets    (keys.py)
 
 Each call opens a short transaction and returns detached rows; every read a client can
 cause filters on the tenant. Terminal job states never change (every status write is a
@@ -36,9 +37,11 @@ from service.store.jobs import (
     TooManyUnfinished,
     request_hash,
 )
+from service.store.keys import Keys
 from service.store.models import (
     ACTIVE,
     TERMINAL,
+    ApiKey,
     Attempt,
     Base,
     Checkpoint,
@@ -55,6 +58,7 @@ __all__ = [
     "TERMINAL",
     "ActiveAttempt",
     "ActiveJob",
+    "ApiKey",
     "Attempt",
     "Base",
     "Checkpoint",
@@ -87,6 +91,7 @@ class Store:
         self.attempts = Attempts(self.db)
         self.events = Events(self.db)
         self.checkpoints = Checkpoints(self.db)
+        self.keys = Keys(self.db)
 
     def migrate(self) -> None:
         """Bring the schema to the newest Alembic revision (idempotent)."""

@@ -67,6 +67,23 @@ class File(Base):
     storage_name: Mapped[str] = mapped_column(String(128))
 
 
+class ApiKey(Base):
+    """An API key an operator made (`pstar keys create`, or an admin key's
+    `POST /v1/admin/keys`): the SHA-256 of its secret, never the secret. A `tenant` key
+    acts as its tenant; an `admin` key manages keys and nothing else."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # key-..., shown, not secret
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(128))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    hint: Mapped[str] = mapped_column(String(8))  # the secret's last 4 characters
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
