@@ -70,3 +70,4 @@ class Context:
     serving: Any = None  # service.serving.deployments.Serving: which deployment answers a model
     backend: Any = None  # api.generate's backend: where a generation's events come from
     keys: Any = None  # api.auth.KeyCache: the store's API keys, as the gate asks for them
+    readiness: Any = None  # (when, checks) of the last /readyz that asked the store and Ray

@@ -244,7 +244,8 @@ def test_prometheus_metrics_count_requests_and_jobs(api):
 def test_readyz_is_503_naming_the_part_that_does_not_answer(api, monkeypatch, part):
     from service.errors import Unavailable
 
-    assert httpx.get(api.url + "/readyz").json()["checks"] == {"store": "ok", "ray": "ok"}
+    fresh = httpx.get(api.url + "/readyz", headers=api.headers())  # a token: asked now
+    assert fresh.json()["checks"] == {"store": "ok", "ray": "ok"}
 
     def down() -> None:
         raise Unavailable(f"{part} is down (test)")
@@ -263,6 +264,26 @@ def test_readyz_is_503_naming_the_part_that_does_not_answer(api, monkeypatch, pa
     assert anon.json()["checks"] == {part: "unavailable", other: "ok"}
     assert anon.json()["ray_dashboard_url"] is None
     assert httpx.get(api.url + "/healthz").status_code == 200  # the process still answers
+
+
+def test_anonymous_probes_are_answered_from_the_last_check_for_2_s(api, monkeypatch):
+    """A flood of probes costs the store and Ray one check per 2 s, not one each: an
+    anonymous probe gets the last check's answer; a caller with a token a fresh one."""
+    from service.errors import Unavailable
+
+    t0 = time.monotonic()
+    assert httpx.get(api.url + "/readyz", headers=api.headers()).status_code == 200
+
+    def down() -> None:
+        raise Unavailable("store is down (test)")
+
+    monkeypatch.setattr(api.store, "ping", down)
+    anon = [httpx.get(api.url + "/readyz").status_code for _ in range(10)]
+    if time.monotonic() - t0 < 2.0:  # all within the 2 s: none of them asked the store
+        assert anon == [200] * 10
+    assert httpx.get(api.url + "/readyz", headers=api.headers()).status_code == 503
+    # that fresh check is what the next probe is told
+    assert httpx.get(api.url + "/readyz").status_code == 503
 
 
 def test_validate_reports_data_and_fit_and_stores_nothing(api):
