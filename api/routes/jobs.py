@@ -297,13 +297,18 @@ def jobs_metrics(
     ] = None,
     step_from: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     step_to: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
+    max_points: Annotated[
+        int,
+        Query(ge=2, le=100_000, description="steps at most; a range with more is thinned"),
+    ] = 5000,
 ) -> Response:
     """Series by name over steps: train_loss, valid_loss, lr, tokens_per_second,
     step_time_s, tflops, model_data_bytes_<tier>, bytes_moved_<a>_to_<b>,
-    peak_non_model_bytes, comm_bytes_sent, ..."""
+    peak_non_model_bytes, comm_bytes_sent, ... A range of more than `max_points` steps
+    comes back thinned to every k-th step (the least k that fits) and its last step."""
     wanted = {n.strip() for n in names.split(",") if n.strip()} if names else None
     series: dict[str, Series] = {}
-    for p in c.jobs.metric_points(job, step_from, step_to):
+    for p in c.jobs.metric_points(job, step_from, step_to, max_points):
         for k, v in p.values.items():
             if (wanted is not None and k not in wanted) or not isinstance(v, (int, float)):
                 continue

@@ -317,8 +317,10 @@ class JobService:
             raise NotFound("checkpoint", checkpoint_id, param="checkpoint_id")
         return ck
 
-    def metric_points(self, job: Job, step_from: int | None, step_to: int | None) -> list[Any]:
-        return self.store.events.metric_points(job.id, step_from, step_to)
+    def metric_points(
+        self, job: Job, step_from: int | None, step_to: int | None, max_points: int | None = None
+    ) -> list[Any]:
+        return self.store.events.metric_points(job.id, step_from, step_to, max_points)
 
     def stats(self, job: Job) -> Any:
         """The engine's newest stats of the job (the tracer's timeline), or None."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 
 from service.store.db import Resource
 from service.store.models import Event, JobStats, MetricPoint
@@ -108,14 +108,29 @@ class Events(Resource):
             )
 
     def metric_points(
-        self, job_id: str, step_from: int | None = None, step_to: int | None = None
+        self,
+        job_id: str,
+        step_from: int | None = None,
+        step_to: int | None = None,
+        max_points: int | None = None,
     ) -> list[MetricPoint]:
-        q = select(MetricPoint).where(MetricPoint.job_id == job_id)
+        """The job's points in the step range, in step order. With `max_points`, a range
+        holding more comes back thinned in the database: every k-th step (k the least that
+        leaves at most `max_points`), and the range's last point always."""
+        where = [MetricPoint.job_id == job_id]
         if step_from is not None:
-            q = q.where(MetricPoint.step >= step_from)
+            where.append(MetricPoint.step >= step_from)
         if step_to is not None:
-            q = q.where(MetricPoint.step <= step_to)
+            where.append(MetricPoint.step <= step_to)
         with self.db.read() as s:
+            q = select(MetricPoint).where(*where)
+            if max_points is not None:
+                n, last = s.execute(
+                    select(func.count(), func.max(MetricPoint.step)).where(*where)
+                ).one()
+                if n > max_points:
+                    k = -(-n // max(1, max_points - 1))  # one place left for the last point
+                    q = q.where((MetricPoint.step % k == 0) | (MetricPoint.step == last))
             return list(s.scalars(q.order_by(MetricPoint.step)))
 
     def set_stats(

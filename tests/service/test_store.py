@@ -427,6 +427,19 @@ def test_metric_points_are_read_by_step_range(store):
     assert [p.step for p in store.events.metric_points(job.id, 2, 4)] == [2, 3, 4]
 
 
+def test_a_long_range_of_metric_points_comes_back_thinned_with_its_last_step(store):
+    job = running_job(store)
+    for step in range(0, 101):
+        store.events.record_metrics(job.id, 1, step, {"train_loss": float(step)}, f"Step {step}")
+    thin = [p.step for p in store.events.metric_points(job.id, max_points=10)]
+    assert len(thin) <= 10
+    assert thin == [0, 12, 24, 36, 48, 60, 72, 84, 96, 100]  # every 12th, and the last
+    assert [p.step for p in store.events.metric_points(job.id, 50, 60, max_points=20)] == list(
+        range(50, 61)
+    )  # fits: every point
+    assert len(store.events.metric_points(job.id, max_points=101)) == 101
+
+
 def test_add_checkpoint_keeps_the_newest_non_final_ones_and_the_final(store):
     job = running_job(store)
     for step in (10, 20, 30, 40):
