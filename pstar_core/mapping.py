@@ -166,8 +166,8 @@ def search_chunk_size(lists: Sequence[Sequence[int]], align: int = 1024, nproc: 
         # with ZeRO, a list shorter than one group per rank is not sharded at all: also
         # try sizes that split the model into at least nproc chunks
         cands |= {_round_up(max(floor, -(-total // (nproc * k))), align) for k in range(1, 9)}
-    cands = sorted(c for c in cands if c >= floor)
-    wastes = {c: sum(_waste(lst, c, nproc) for lst in lists) for c in cands}
+    sizes = sorted(c for c in cands if c >= floor)
+    wastes = {c: sum(_waste(lst, c, nproc) for lst in lists) for c in sizes}
     best = {c: total / (total + w) for c, w in wastes.items()}
     top = max(best.values())
     return min(c for c, u in best.items() if u >= top - 0.005)

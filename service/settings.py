@@ -25,6 +25,7 @@ import re
 import secrets
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_MAX_UPLOAD = 1 << 30
@@ -60,7 +61,7 @@ class Limits:
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Limits:
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             var = "PSTAR_" + f.name.upper()
             raw = env.get(var, "").strip()

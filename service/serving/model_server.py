@@ -228,4 +228,4 @@ def build(args: dict[str, Any]):
                 self.status_file.unlink()
                 self.gen.close()
 
-    return ModelServer.bind(args)
+    return ModelServer.bind(args)  # type: ignore[attr-defined]  # added by @serve.deployment
