@@ -106,7 +106,7 @@ OLD_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 def _at_0006_with(store: Store, plans: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Jobs holding `plans` in a store that says it is at revision 0006 (0007 changes no
-    table, only the rows)."""
+    table, only the rows; 0008's table is dropped, as 0006 had none)."""
     ids = {}
     for name, plan in plans.items():
         job = add_job(store)
@@ -117,6 +117,7 @@ def _at_0006_with(store: Store, plans: dict[str, dict[str, Any]]) -> dict[str, s
             )
         ids[name] = job.id
     with store.db.write() as s:
+        s.execute(text("DROP TABLE api_keys"))
         s.execute(text("UPDATE alembic_version SET version_num = '0006'"))
     return ids
 

@@ -607,6 +607,7 @@ class _Node:
     letters: the dashboard camel-cases resource names.)"""
 
     def __init__(self, serve, name: str) -> None:
+        from service import ray_auth
         from service.control.local_ray import HEAD_ENV, free_ports
 
         head = json.loads((serve.data_dir / "ray" / "head.json").read_text())
@@ -622,11 +623,14 @@ class _Node:
             *(f"--{p}={n}" for p, n in zip(ports, free_ports(len(ports)), strict=True)),
         ]  # fmt: skip
         self.name, self.ray_url = name, head["dashboard_url"]
+        # the head wants its token from a node that joins it, as from any client
+        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+        env.update(HEAD_ENV, **serve.ray_env())
+        self.auth = ray_auth.headers(serve.ray_env())
         with (serve.data_dir / f"{name}.log").open("ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **HEAD_ENV},
-                start_new_session=True,
-            )  # fmt: skip
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self.log = serve.data_dir / f"{name}.log"
         try:  # a loaded 2-core machine has taken more than 120 s to start a raylet
             wait_for(lambda: self.alive(), 300, f"node {name} to join the cluster")
@@ -634,7 +638,8 @@ class _Node:
             raise AssertionError(f"{e}; its log ends:\n{self.log.read_text()[-3000:]}") from None
 
     def alive(self) -> bool:
-        nodes = httpx.get(self.ray_url + "/nodes?view=summary", timeout=10).json()
+        nodes = httpx.get(self.ray_url + "/nodes?view=summary", headers=self.auth, timeout=10)
+        nodes = nodes.json()
         return any(
             n.get("raylet", {}).get("state") == "ALIVE"
             and self.name in n.get("raylet", {}).get("resourcesTotal", {})
