@@ -18,6 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.errors import Forbidden, Unauthorized
 from service.settings import Settings
+from service.store.keys import key_hash
 
 # the tenant of PSTAR_METRICS_TOKEN: it may read /metrics for every tenant, and nothing else
 OPERATOR = "~operator"
@@ -33,10 +34,9 @@ def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
     return found
 
 
-def authenticate(settings: Settings, path: str, authorization: str | None) -> str | None:
-    """The tenant whose token (PSTAR_API_TOKENS, or the metrics token) an `Authorization`
-    header carries, or None; the keys in the store are the gate's to look up."""
-    presented = bearer_secret(authorization)
+def authenticate(settings: Settings, path: str, presented: str | None) -> str | None:
+    """The tenant whose token (PSTAR_API_TOKENS, or the metrics token) is `presented` (a
+    bearer secret), or None; the keys in the store are the gate's to look up."""
     if presented is None:
         return None
     tenant = tenant_of(settings.tokens, presented)
@@ -68,8 +68,6 @@ class KeyCache:
         self._entries: OrderedDict[str, tuple[float, tuple[str, str] | None]] = OrderedDict()
 
     async def lookup(self, secret: str) -> tuple[str, str] | None:
-        from service.store.keys import key_hash
-
         h = key_hash(secret)
         now = time.monotonic()
         hit = self._entries.get(h)
@@ -98,9 +96,8 @@ async def require_key(request: Request) -> str:
     """The caller's tenant, whatever its key's role (the gate found it for a keyed path)."""
     tenant = getattr(request.state, "tenant", None)
     if tenant is None:  # a path the gate does not key (/readyz with a token)
-        tenant = authenticate(
-            request.app.state.ctx.settings, request.url.path, request.headers.get("authorization")
-        )
+        secret = bearer_secret(request.headers.get("authorization"))
+        tenant = authenticate(request.app.state.ctx.settings, request.url.path, secret)
     if tenant is None:
         raise Unauthorized(unauthorized(), code="invalid_api_key")
     request.state.tenant = tenant

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import HTTPException
+from starlette.datastructures import Headers
 
 from api.auth import TENANT, KeyCache, authenticate, bearer_secret, unauthorized
 from api.errors import envelope
@@ -58,11 +59,10 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        headers = scope["headers"]
+        headers = Headers(scope=scope)
         if path.startswith(KEYED):
-            authorization = _header(headers, b"authorization")
-            tenant, role = authenticate(self.settings, path, authorization), TENANT
-            secret = bearer_secret(authorization)
+            secret = bearer_secret(headers.get("authorization"))
+            tenant, role = authenticate(self.settings, path, secret), TENANT
             if tenant is None and secret is not None and self.keys is not None:
                 tenant, role = await self.keys.lookup(secret) or (None, TENANT)
             if tenant is None:
@@ -72,7 +72,7 @@ class Gate:
         if (scope["method"], path) == UPLOAD:
             await self.app(scope, receive, send)
             return
-        length = _header(headers, b"content-length")
+        length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             # a Content-Length that is not a number is h11's 400 before we see it; a
             # number past the limit is refused before one byte of the body is read
@@ -94,13 +94,6 @@ def _capped(receive: Any, limit: int) -> Any:
         return message
 
     return counting
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 async def _reply(scope: dict, receive: Any, send: Any, message: str, status: int, code: str):

@@ -38,12 +38,7 @@ from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
 from pstar_core.spans import Span, stand_in
 from pstar_core.tensors import ModelTensors
-from pstar_core.tiers import (
-    FreedMemory,
-    host_share,
-    reserved_share,
-    return_freed_host_memory,
-)
+from pstar_core.tiers import FreedMemory, host_whole, return_freed_host_memory
 from pstar_core.tracer import BatchShape, Mode
 from pstar_core.zero import ZeroGroup
 
@@ -121,9 +116,7 @@ class Engine:
         # What this host can give, read before the first collective: no rank of this host
         # has made a chunk yet, so each reads the same (one that had would leave the
         # others less: see [Note: the default host budget] in tiers.py)
-        host_whole = host_share()
-        if cfg.memory.host_reserved is not None:  # never past what the scheduler reserved
-            host_whole = min(host_whole, reserved_share(cfg.memory.host_reserved))
+        whole = host_whole(cfg.memory.host_reserved)
         self.device = resolve_device(cfg.device)
         self.global_step = 0
         host_threads()  # torchrun's one thread per rank would starve host Adam
@@ -163,7 +156,7 @@ class Engine:
         # (see [Note: communicator buffers before the budget] in zero.py)
         self.zero.warm_up(self.plan.chunk_size, self.dtype)
         self.manager = ChunkManager(
-            self.plan, self.dtype, self.device, cfg.memory, self.zero, host_whole
+            self.plan, self.dtype, self.device, cfg.memory, self.zero, whole
         )
         lazy_frozen = startup.allocate(self.manager.residency, weights is not None)
         groups, group_of = resolve_groups(

@@ -458,6 +458,13 @@ def reserved_share(reserved: int) -> int:
     return max(0, reserved - max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * reserved)))
 
 
+def host_whole(reserved: int | None = None, ranks: int | None = None) -> int:
+    """What one rank's budgets are taken from: its share of the host (`host_share`), and
+    never more than a scheduler's reservation leaves it (`reserved_share`)."""
+    whole = host_share(ranks)
+    return whole if reserved is None else min(whole, reserved_share(reserved))
+
+
 def local_ranks() -> int:
     """Processes of this job on this host (torchrun and Ray set LOCAL_WORLD_SIZE)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -39,7 +39,7 @@ from pstar_core.config import EngineConfig
 from pstar_core.mapping import BYTES_OPTIMIZER_STATES, BYTES_PARAM, make_plan
 from pstar_core.precision import planned_dtype
 from pstar_core.startup import host_disk_shortfall
-from pstar_core.tiers import host_share, reserved_share
+from pstar_core.tiers import host_whole
 from service.control.files import file_path
 from service.control.jobs import JobService
 from service.data.datasets import DataError
@@ -169,12 +169,10 @@ def estimate_memory(
     p_bytes = BYTES_PARAM[dtype]
     # the ranks of one host share it (local Ray: every worker is on this host), as the
     # workers' engines will count it when no budget is given
-    host_whole = host_share(workers)
-    if spec.resources.memory_per_worker is not None:  # as the worker will: within it
-        host_whole = min(host_whole, reserved_share(spec.resources.memory_per_worker))
+    whole = host_whole(spec.resources.memory_per_worker, workers)
     mem = cfg.memory
-    device = _resolve(mem.device_budget, None if gpu else host_whole)
-    host = _resolve(mem.host_budget, host_whole) or 0
+    device = _resolve(mem.device_budget, None if gpu else whole)
+    host = _resolve(mem.host_budget, whole) or 0
     disk = _resolve(mem.disk_budget, None) if mem.disk_budget else 0
     problems = []
     if disk is None:

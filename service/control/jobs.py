@@ -202,7 +202,7 @@ class JobService:
             ),
         )
         check_engine_config(spec.engine_config())
-        check_reservation(spec.engine_config())
+        check_reservation(spec)
         return model, spec
 
     def _with_default_resources(self, req: JobRequest) -> JobRequest:

@@ -28,6 +28,7 @@ from service import methods
 from service.errors import InvalidRequest, describe_invalid
 from service.methods.sections import Hyperparameters, LoraSettings
 from service.settings import Limits
+from service.spec.job import JobSpec
 from service.spec.resources import WHOLE, Body, Resources
 
 # pretrained weights want a small step; a from-scratch zoo model a large one
@@ -328,13 +329,13 @@ def check_engine_config(cfg: dict[str, Any]) -> None:
         ) from None
 
 
-def check_reservation(cfg: dict[str, Any]) -> None:
+def check_reservation(spec: JobSpec) -> None:
     """Refuse (400) a host budget in bytes past what the worker's reservation leaves it
     (`resources.memory_per_worker` less the process's margin)."""
     from pstar_core.tiers import reserved_share
 
-    memory = cfg.get("memory") or {}
-    reserved, budget = memory.get("host_reserved"), memory.get("host_budget")
+    reserved = spec.resources.memory_per_worker
+    budget = (spec.engine.get("memory") or {}).get("host_budget")
     if reserved is None or not isinstance(budget, int) or isinstance(budget, bool):
         return
     room = reserved_share(reserved)
