@@ -49,8 +49,9 @@ def _layouts(model_dir: Path, data: Path, seq_len: int | None):
     """(tokenizer, seq_len, {layout: Encoded}) of the data as a job lays it out."""
     from transformers import AutoTokenizer
 
-    from service.data.datasets import auto_seq_len, read_examples, to_rows, tokenize
+    from service.data.datasets import read_examples, to_rows, tokenize
     from service.data.packing import pack
+    from service.spec import auto
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     fmt, examples = read_examples(data)
@@ -58,7 +59,7 @@ def _layouts(model_dir: Path, data: Path, seq_len: int | None):
         raise ValueError(f"{data}: packing applies to chat or completion examples, not {fmt}")
     tokenized = tokenize(tok, fmt, examples)
     if seq_len is None:
-        seq_len = auto_seq_len(max(len(ids) for ids, _ in tokenized), 1 << 15)
+        seq_len = auto.seq_len(max(len(ids) for ids, _ in tokenized), 1 << 15)
     return (
         tok,
         seq_len,

@@ -33,13 +33,9 @@ from service.data.datasets import DataError
 from service.data.prepare import prepare, save_rows
 from service.registry import fine_tuned_name
 from service.settings import Settings
+from service.spec import auto
 from service.spec.job import spec_of
-from service.spec.run_plan import (
-    CHECKPOINTS_TO_KEEP,
-    RunHyperparameters,
-    RunPlan,
-    default_checkpoint_every,
-)
+from service.spec.run_plan import CHECKPOINTS_TO_KEEP, RunHyperparameters, RunPlan
 from service.store import File, Job, StaleAttempt, Store
 from service.store.models import PAUSED
 from service.store.statements import View
@@ -126,7 +122,7 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> Run
         vocab_size=meta["vocab_size"],
         total_steps=total,
         steps_per_epoch=meta["steps_per_epoch"],
-        checkpoint_every=default_checkpoint_every(spec.checkpoint_every, total, True),
+        checkpoint_every=auto.checkpoint_every(spec.checkpoint_every, total, True),
         seed=job.seed,
         data_file=str(data_file),
         # a zoo model's tokenizer was trained on the data: the export carries it

@@ -21,6 +21,7 @@ from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from service.methods.base import ADAPTERS_NEED_PRETRAINED
 from service.registry import ModelRef, resolve_model
 from service.settings import Limits, Settings
+from service.spec import auto
 from service.spec.job import (
     EarlyStoppingSpec,
     FileSpec,
@@ -30,10 +31,7 @@ from service.spec.job import (
     ModelSpec,
 )
 from service.spec.request import (
-    BASE_LR,
     JobRequest,
-    auto_batch_size,
-    auto_epochs,
     check_engine_config,
     check_job_limits,
     check_reservation,
@@ -130,7 +128,7 @@ class JobService:
         hp = req.hp
         workers = req.resources.num_workers
         batch = (
-            auto_batch_size(train.examples, workers) if hp.batch_size == "auto" else hp.batch_size
+            auto.batch_size(train.examples, workers) if hp.batch_size == "auto" else hp.batch_size
         )
         if batch % workers:
             raise InvalidRequest(
@@ -139,16 +137,12 @@ class JobService:
                 param="hyperparameters.batch_size",
                 code="invalid_value",
             )
-        epochs = auto_epochs(train.examples) if hp.n_epochs == "auto" else hp.n_epochs
+        epochs = auto.epochs(train.examples) if hp.n_epochs == "auto" else hp.n_epochs
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
         engine = checked_engine(req)  # before reading engine.optimizer.lr
-        user_lr = (engine.get("optimizer") or {}).get("lr")
-        base_lr = (
-            float(user_lr)
-            if isinstance(user_lr, (int, float)) and not isinstance(user_lr, bool) and user_lr > 0
-            else BASE_LR[model.kind]
+        base_lr, lr = auto.learning_rate(
+            model.kind, mult, (engine.get("optimizer") or {}).get("lr")
         )
-        lr = base_lr * mult
         if not (math.isfinite(lr) and lr > 0):
             raise InvalidRequest(
                 f"the learning rate engine.optimizer.lr ({base_lr:g}) times "

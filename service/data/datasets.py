@@ -486,10 +486,3 @@ def _encode_text(tokenizer: Any, docs: list[str], seq_len: int) -> Encoded:
         loss_tokens=n * (seq_len - 1),
         longest=longest,
     )
-
-
-def auto_seq_len(longest: int, max_positions: int, cap: int = 512) -> int:
-    """The shortest multiple of 16 that holds the longest example, within the model's
-    positions and `cap` (longer examples are then truncated, and the report says so)."""
-    want = max(16, -(-longest // 16) * 16)
-    return max(16, min(want, cap, max_positions))

@@ -30,21 +30,11 @@ import torch
 
 from service.data.datasets import IGNORE, Encoded, cut_examples, pad_id, to_rows
 
-AUTO_PADDING_SHARE = 1 / 3  # "auto" packs when more than this share of the slots is padding
-
 
 def padding_share(tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> float:
     """The share of the row slots that would be padding with one example per row."""
     kept, counts = cut_examples(tokenized, seq_len)
     return 1.0 - counts.tokens / (len(kept) * seq_len) if kept else 0.0
-
-
-def wants_packing(setting: bool | str, tokenized: list[Any], seq_len: int) -> bool:
-    """Whether to pack: `True`/`False` as asked; "auto" when more than a third of the
-    slots would be padding."""
-    if setting == "auto":
-        return padding_share(tokenized, seq_len) > AUTO_PADDING_SHARE
-    return bool(setting)
 
 
 def rows(tokenizer: Any, tokenized: list[Any], seq_len: int, packed: bool) -> Encoded:

@@ -19,13 +19,13 @@ from service.data.datasets import (
     CHATML_TEMPLATE,
     DataError,
     Encoded,
-    auto_seq_len,
     encode,
     read_examples,
     tokenize,
 )
-from service.data.packing import padding_share, rows, wants_packing
+from service.data.packing import padding_share, rows
 from service.data.preference import pair_rows, tokenize_pairs
+from service.spec import auto
 from service.spec.job import JobSpec
 
 ZOO_VOCAB = 4096
@@ -129,15 +129,16 @@ def prepare(
     tokenized = _tokenized(tok, fmt, train_ex)
     if seq_len == "auto":
         longest = max((_longest(fmt, t) for t in tokenized), default=16) if tokenized else 256
-        seq_len = auto_seq_len(longest, limit)
+        seq_len = auto.seq_len(longest, limit)
     if seq_len > limit:
         raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
     asked = hp.packing  # pairs are never packed
     examples = tokenized if fmt in ("chat", "completion") else None  # None: never packed
-    packed = examples is not None and wants_packing(asked, examples, seq_len)
-    packing: dict[str, Any] = {"requested": asked, "packed": packed}
+    packing: dict[str, Any] = {"requested": asked, "packed": False}
     if examples is not None:
-        packing["padding_share_unpacked"] = round(padding_share(examples, seq_len), 4)
+        share = padding_share(examples, seq_len)
+        packing.update(packed=auto.packing(asked, share), padding_share_unpacked=round(share, 4))
+    packed = packing["packed"]
     train = _rows(tok, fmt, train_ex, tokenized, seq_len, packed)
     if train.input_ids.shape[0] == 0 and fmt == "text":
         # text rows are full cuts of the concatenated documents: a short text fills none

@@ -2,9 +2,10 @@
 
 `JobService.resolve` builds it from the request with every "auto" it can decide there
 (batch size, epochs, learning rate, the method's own hyperparameters such as DPO's beta);
-two are decided by the driver once it has tokenized the data, because they depend on it:
+two are decided when the driver has tokenized the data, because they depend on it:
 `seq_len` ("auto": fits the longest example) and `packing` ("auto": packs when one
-example per row would waste a third of the rows). The driver's run plan carries those.
+example per row would waste a third of the rows). The driver's run plan and the job's
+data report carry those. Every rule is `service.spec.auto`'s.
 
 Each setting is stored once: the learning rate in `hyperparameters`, the adapter
 settings in `method.lora`, the device in `resources.use_gpu`; the client's `engine`

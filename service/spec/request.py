@@ -32,7 +32,6 @@ from service.spec.job import JobSpec
 from service.spec.resources import WHOLE, Body, Resources
 
 # pretrained weights want a small step; a from-scratch zoo model a large one
-BASE_LR = {"base": 1e-4, "fine-tuned": 1e-4, "zoo": 1e-3}
 # set by the service, never by a client: the device follows `resources.use_gpu`, spill
 # files go to the job's directory
 SERVICE_ENGINE_KEYS = {"device": "resources.use_gpu", "memory.disk_dir": "the job's directory"}
@@ -254,16 +253,6 @@ def gpu_cpus_per_worker(nodes: list[dict[str, float]] | None) -> float | None:
     if not shares:
         return None
     return float(max(1, int(min(shares))))
-
-
-def auto_batch_size(examples: int, workers: int) -> int:
-    b = max(1, min(8, examples))
-    return -(-b // workers) * workers
-
-
-def auto_epochs(examples: int) -> int:
-    """OpenAI-like: 3 passes, more for very small files (about 100 examples seen)."""
-    return max(3, min(10, math.ceil(100 / max(1, examples))))
 
 
 def check_engine(eng: Any, method: methods.Method | None = None) -> None:

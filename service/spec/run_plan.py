@@ -2,7 +2,7 @@
 whoever launched it. A fine-tuning job's driver makes it from the job's spec and its
 prepared data (`service.control.driver.prepare_run`); `pstar train` from a spec file
 (`service.worker.train_local.prepare_spec_run`), in this process or on Ray Train workers. The
-defaults every launch shares are here, once (`checkpoint_every`, `eval_every`).
+defaults every launch shares are `service.spec.auto`'s (`checkpoint_every`, `eval_every`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from service.spec import auto
 
 CHECKPOINTS_TO_KEEP = 3
 
@@ -23,7 +25,7 @@ class RunHyperparameters(BaseModel):
 
     batch_size: int
     micro_batches: int = 1
-    # steps between held-out evaluations; None: `default_eval_every`; 0: only before the
+    # steps between held-out evaluations; None: `auto.eval_every`; 0: only before the
     # first step and after the last
     eval_every: int | None = None
 
@@ -55,24 +57,9 @@ class RunPlan(BaseModel):
 
     @property
     def eval_every(self) -> int:
-        return default_eval_every(self.hyperparameters.eval_every, self.total_steps)
+        return auto.eval_every(self.hyperparameters.eval_every, self.total_steps)
 
     @property
     def ref_file(self) -> Path:
         """Beside the rows: what a method computes once for them (DPO's reference)."""
         return Path(self.data_file).with_suffix(".ref.pt")
-
-
-def default_checkpoint_every(given: int | None, total_steps: int, restartable: bool) -> int:
-    """Steps between checkpoints: as given, else every quarter of the run where something
-    restarts a lost worker (a job, or Ray Train workers) and only at the end where nothing
-    does (`pstar train` in one process: a rerun resumes from that)."""
-    if given:
-        return given
-    return max(1, -(-total_steps // 4)) if restartable else 0
-
-
-def default_eval_every(given: int | None, total_steps: int) -> int:
-    """Steps between held-out evaluations: as given (0: only before and after), else ten
-    in a run."""
-    return given if given is not None else max(1, total_steps // 10)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pstar_core.config import ConfigError
+from service.spec import auto
 from service.spec.resources import Resources
-from service.spec.run_plan import default_checkpoint_every
 from service.spec.train import TrainSpec
 from service.worker.finetune import RayCheckpoints
 from service.worker.loop import prepare_kernels, run_loop
@@ -78,7 +78,7 @@ def run_ray(
     run = run.model_copy(
         update={
             # Ray restarts a lost worker group: it resumes from the newest checkpoint
-            "checkpoint_every": default_checkpoint_every(
+            "checkpoint_every": auto.checkpoint_every(
                 spec.train.checkpoint_every, run.total_steps, True
             ),
             "storage_path": str(run_dir / "ray"),

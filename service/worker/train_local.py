@@ -28,7 +28,8 @@ from service import methods
 from service.data.datasets import Encoded, encode
 from service.data.prepare import save_rows
 from service.data.text import read_text, train_tokenizer
-from service.spec.run_plan import RunHyperparameters, RunPlan, default_checkpoint_every
+from service.spec import auto
+from service.spec.run_plan import RunHyperparameters, RunPlan
 from service.spec.train import TrainSpec
 from service.worker.loop import (
     Sink,
@@ -70,7 +71,7 @@ def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: 
         seq_len=spec.data.seq_len,
         total_steps=loop.steps,
         steps_per_epoch=math.ceil((n - n_held) / loop.batch_size),
-        checkpoint_every=default_checkpoint_every(loop.checkpoint_every, loop.steps, False),
+        checkpoint_every=auto.checkpoint_every(loop.checkpoint_every, loop.steps, False),
         seed=loop.seed,
         data_file=str(data_file),
         export_dir=str(run_dir / "hf") if spec.is_path_model else None,

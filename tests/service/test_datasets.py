@@ -20,7 +20,6 @@ from service.data.datasets import (
     DataError,
     FileCheck,
     LineValidator,
-    auto_seq_len,
     check_file,
     encode,
     read_examples,
@@ -242,27 +241,6 @@ def test_padding_falls_back_to_eos_without_a_pad_token():
     enc = encode(tok, "completion", [{"prompt": "hi", "completion": "ok"}], 5)
     assert enc.input_ids.tolist() == [ids("hi ok <eos> <eos> <eos>")]
     assert enc.labels.tolist() == [[X, V["ok"], V["<eos>"], X, X]]
-
-
-# -- auto_seq_len ---------------------------------------------------------------------------
-
-
-def test_auto_seq_len_rounds_up_to_a_multiple_of_16():
-    assert auto_seq_len(17, 2048) == 32
-    assert auto_seq_len(32, 2048) == 32
-
-
-def test_auto_seq_len_is_at_least_16():
-    assert auto_seq_len(3, 2048) == 16
-
-
-def test_auto_seq_len_is_capped():
-    assert auto_seq_len(1000, 2048) == 512
-    assert auto_seq_len(1000, 2048, cap=256) == 256
-
-
-def test_auto_seq_len_stays_within_the_models_positions():
-    assert auto_seq_len(300, 128) == 128
 
 
 # -- line validation ------------------------------------------------------------------------

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from service.data.datasets import IGNORE, to_rows
-from service.data.packing import AUTO_PADDING_SHARE, pack, padding_share, wants_packing
+from service.data.packing import pack, padding_share
+from service.spec import auto
+from service.spec.auto import AUTO_PADDING_SHARE
 
 
 class Tok:
@@ -94,10 +96,10 @@ def test_auto_packs_only_when_more_than_a_third_would_be_padding():
     full = [([5] * 30, [1] * 30)] * 4  # 30 of 32 slots used: 6% padding
     short = [([5] * 10, [1] * 10)] * 4  # 10 of 32: 69% padding
     assert padding_share(full, 32) < AUTO_PADDING_SHARE < padding_share(short, 32)
-    assert not wants_packing("auto", full, 32)
-    assert wants_packing("auto", short, 32)
-    assert wants_packing(True, full, 32)
-    assert not wants_packing(False, short, 32)
+    assert not auto.packing("auto", padding_share(full, 32))
+    assert auto.packing("auto", padding_share(short, 32))
+    assert auto.packing(True, padding_share(full, 32))
+    assert not auto.packing(False, padding_share(short, 32))
 
 
 # -- the model sees each packed example as it would alone -----------------------------------
