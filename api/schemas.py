@@ -219,7 +219,7 @@ class FineTuningJob(BaseModel):
         spec = spec_of(j)
         hp = spec.hyperparameters.model_dump()
         openai_hp = {k: hp[k] for k in ECHOED}
-        lora = spec.method.lora
+        lora = spec.method.lora.settings() if spec.method.lora is not None else None
         kind = spec.method.type
         return cls(
             id=j.id,

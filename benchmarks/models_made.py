@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 
 from service.registry import fine_tuned_name
-from service.spec.job import FileSpec, HyperparametersSpec, JobSpec, MethodSpec, ModelSpec
+from service.spec.job import (
+    AdapterSpec,
+    FileSpec,
+    HyperparametersSpec,
+    JobSpec,
+    MethodSpec,
+    ModelSpec,
+)
 from service.store import Checkpoint, Job, Store
 from service.store.jobs import request_hash
 from service.store.models import new_id
@@ -95,7 +102,7 @@ def lora_model(
     from transformers import AutoTokenizer
 
     base_dir = data_dir / "models" / base
-    adapters = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    adapters = AdapterSpec(r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
     plan = _plan(base, base_dir, MethodSpec(type="lora", lora=adapters))
     job = _job(tenant, base, plan, "lora")
     export = data_dir / "models" / ".ft" / job.id

@@ -158,7 +158,7 @@ def estimate_memory(
     workers = spec.resources.num_workers
     gpu = spec.resources.use_gpu
     dtype = planned_dtype(cfg.dtype, gpu)
-    lora = spec.method.lora
+    lora = spec.method.lora.settings() if spec.method.lora is not None else None
     model = spec.model.model_dump()
     tensors = _tensors(model, seq_len, vocab, lora)
     chunk_plan = make_plan(

@@ -23,6 +23,7 @@ from service.registry import ModelRef, resolve_model
 from service.settings import Limits, Settings
 from service.spec import auto
 from service.spec.job import (
+    AdapterSpec,
     EarlyStoppingSpec,
     FileSpec,
     HyperparametersSpec,
@@ -164,7 +165,10 @@ class JobService:
         valid = files.get("validation_file")
         spec = JobSpec(
             base_model=model.base,
-            method=MethodSpec(type=method.name, lora=adapters),
+            method=MethodSpec(
+                type=method.name,
+                lora=AdapterSpec.model_validate(adapters) if adapters is not None else None,
+            ),
             model=ModelSpec(
                 id=model.id, kind=model.kind, path=str(model.path) if model.path else None
             ),

@@ -44,9 +44,23 @@ class FileSpec(Frozen):
     examples: int
 
 
+class AdapterSpec(Frozen):
+    """LoRA adapter settings as decided (the request's `method.<name>...lora`, defaults
+    filled in): the engine's `lora` section (`pstar_core.config.LoraConfig`)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Literal["all-linear"] | list[str]
+
+    def settings(self) -> dict[str, Any]:
+        """As the engine's config, `peft` and the job object take them."""
+        return self.model_dump(mode="json")
+
+
 class MethodSpec(Frozen):
     type: str = methods.DEFAULT
-    lora: dict[str, Any] | None = None  # the adapter settings, when the method trains them
+    lora: AdapterSpec | None = None  # the adapter settings, when the method trains them
 
 
 class HyperparametersSpec(BaseModel):
@@ -95,7 +109,7 @@ class JobSpec(Frozen):
     @property
     def trains_adapters(self) -> bool:
         """Whether it trains LoRA adapters (its method holds their settings then)."""
-        return bool(self.method.lora)
+        return self.method.lora is not None
 
     def engine_config(self) -> dict[str, Any]:
         """The engine's config: the client's section with the learning rate, the device,
@@ -111,8 +125,8 @@ class JobSpec(Frozen):
                 **(cfg.get("memory") or {}),
                 "host_reserved": self.resources.memory_per_worker,
             }
-        if self.method.lora:
-            cfg["lora"] = dict(self.method.lora)
+        if self.method.lora is not None:
+            cfg["lora"] = self.method.lora.settings()
         return cfg
 
     def stored(self) -> dict[str, Any]:

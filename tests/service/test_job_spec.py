@@ -141,7 +141,7 @@ def test_migration_0007_brings_every_stored_plan_to_the_spec_with_the_same_engin
     assert old_style.hyperparameters.packing is False
     dpo = spec_of(fresh_store.jobs.get(ids["dpo"]))
     assert dpo.hyperparameters.model_extra == {"beta": 0.25}
-    assert spec_of(fresh_store.jobs.get(ids["lora on a GPU"])).method.lora == LORA
+    assert spec_of(fresh_store.jobs.get(ids["lora on a GPU"])).method.lora.settings() == LORA
 
 
 def test_migration_0007_down_gives_back_the_plans_the_old_code_read(fresh_store):
