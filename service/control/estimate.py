@@ -1,7 +1,7 @@
 """The dry run (`POST /v1/fine_tuning/jobs/validate`): what a job would do, storing nothing.
 
-It runs the same checks as create, tokenizes the files as the driver would (so `seq_len`,
-truncation and the step count are the real ones), and plans the job with the capacity
+It runs the same checks as create, tokenizes the files as the driver would, and plans the
+job with the capacity
 planner (`pstar_core.capacity`, as `pstar plan --gpus` does for hardware that is not
 here): the chunk plan on the meta device (no weight is allocated) for the requested
 number of workers; each rank's chunks per list and tier at start, placed as `initialize`
@@ -14,6 +14,12 @@ would fit (activation checkpointing, a smaller batch, more workers, LoRA). A LoR
 plan is that of the model with its adapters (built with `peft` on meta): the base in the
 frozen list at its compute dtype only, the adapters with fp32 masters and Adam state;
 `lora` sums it up.
+
+It reads a bounded sample, the first `SAMPLE_EXAMPLES` examples of each file, because it
+runs in the API process, which every tenant shares: `seq_len` ("auto"), truncation and the
+rows are the sample's, the step count is scaled to the whole file, and `data.sampled` says
+so. The job prepares the whole files in a Ray task on a worker, where it fails with the
+same messages if a later line is the problem.
 
 Budgets given in bytes are exact. A fraction or a default is resolved on the control
 plane's host (the machine the embedded local Ray runs on); a GPU's share is resolved on
@@ -50,6 +56,9 @@ from service.spec.job import JobSpec
 from service.spec.request import JobRequest
 from service.store import Store
 
+# what the dry run reads of each file: a bounded look, whatever the file's size
+SAMPLE_EXAMPLES = 2000
+
 
 def validate_job(
     settings: Settings, store: Store, jobs: JobService, tenant: str, req: JobRequest
@@ -63,6 +72,7 @@ def validate_job(
             spec,
             file_path(settings, train),
             file_path(settings, valid) if valid is not None else None,
+            sample=SAMPLE_EXAMPLES,
         )
     except DataError as e:
         raise InvalidRequest(str(e), param="training_file", code="invalid_training_data") from None

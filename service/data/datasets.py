@@ -30,6 +30,7 @@ example. Text data is instead concatenated (EOS between documents) and cut into 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -289,15 +290,25 @@ def decode_line(raw: bytes, first: bool) -> str:
     return line.removeprefix("\ufeff") if first else line
 
 
-def read_examples(path: Path) -> tuple[str, list[Any]]:
-    """(format, examples) of a valid file; raises `DataError` on the first bad line."""
-    check = check_file(path)
+def read_examples(path: Path, limit: int | None = None) -> tuple[str, list[Any]]:
+    """(format, examples) of a valid file; raises `DataError` on the first bad line. With
+    `limit`, only the first `limit` examples are read and checked (a bounded sample: the
+    dry run's), and the rest of the file is never opened."""
+    if limit is None:
+        lines: Iterator[bytes] = iter_lines(path)
+        check = check_file(path)
+    else:
+        sample = list(itertools.islice(_nonblank(iter_lines(path)), limit))
+        v = LineValidator()
+        for raw in sample:
+            v.feed(raw)
+        check, lines = v.check, iter(sample)
     if not check.ok:
         raise DataError(f"{path.name}: {check.summary()}")
     fmt = check.format or "text"
     out: list[Any] = []
     plain = None
-    for i, raw in enumerate(iter_lines(path)):
+    for i, raw in enumerate(lines):
         line = decode_line(raw, first=i == 0)
         if not line.strip():
             continue
@@ -305,6 +316,10 @@ def read_examples(path: Path) -> tuple[str, list[Any]]:
             plain = not line.lstrip().startswith("{")
         out.append({"text": line} if plain else json.loads(line))
     return fmt, out
+
+
+def _nonblank(lines: Iterator[bytes]) -> Iterator[bytes]:
+    return (raw for raw in lines if raw.strip())
 
 
 # -- tokenization --------------------------------------------------------------------------

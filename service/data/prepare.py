@@ -43,6 +43,8 @@ class Prepared:
     total_steps: int
     # asked ("auto", True, False), decided, and the padding share one example per row has
     packing: dict[str, Any] = field(default_factory=dict)
+    # a bounded sample's size against the file's (`prepare(sample=...)`); None: the whole file
+    sampled: dict[str, int] | None = None
 
     def report(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,7 @@ class Prepared:
             "validation_file": self.valid.report() if self.valid is not None else None,
             "steps_per_epoch": self.steps_per_epoch,
             "total_steps": self.total_steps,
+            **({"sampled": self.sampled} if self.sampled is not None else {}),
         }
 
 
@@ -114,10 +117,16 @@ def prepare(
     train_path: Path,
     valid_path: Path | None,
     tokenizer_cache: Path | None = None,
+    sample: int | None = None,
 ) -> Prepared:
     """Tokenize the files as the spec says, deciding `seq_len` and `packing` where it
-    leaves them "auto"; raises `DataError` for unusable data."""
-    fmt, train_ex = read_examples(train_path)
+    leaves them "auto"; raises `DataError` for unusable data.
+
+    With `sample`, only the first `sample` examples of each file are read (the dry run's
+    bounded look, in the API process): what is decided and counted is the sample's, and the
+    step count is scaled to the whole training file's examples (`sampled` says by how much).
+    The job itself prepares the whole files (`service.control.driver`)."""
+    fmt, train_ex = read_examples(train_path, limit=sample)
     method = spec.training_method
     if not method.takes(fmt):
         raise DataError(_method_format_mismatch("training file", fmt, method))
@@ -153,17 +162,23 @@ def prepare(
         )
     valid = None
     if valid_path is not None:
-        vfmt, valid_ex = read_examples(valid_path)
+        vfmt, valid_ex = read_examples(valid_path, limit=sample)
         if not method.takes(vfmt):
             raise DataError(_method_format_mismatch("validation file", vfmt, method))
         valid = _rows(tok, vfmt, valid_ex, _tokenized(tok, vfmt, valid_ex), seq_len, packed)
         if valid.input_ids.shape[0] == 0:
             raise DataError("the validation file has no rows to evaluate at this seq_len")
-    per_epoch = math.ceil(train.input_ids.shape[0] / hp.batch_size)
+    rows_ = train.input_ids.shape[0]
+    sampled = None
+    whole = spec.training_file.examples
+    if sample is not None and len(train_ex) >= sample and whole > len(train_ex):
+        sampled = {"examples": len(train_ex), "of": whole}
+        rows_ = math.ceil(rows_ * whole / len(train_ex))  # the whole file's, scaled
+    per_epoch = math.ceil(rows_ / hp.batch_size)
     total = per_epoch * hp.n_epochs
     if hp.max_steps:
         total = min(total, hp.max_steps)
-    return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing)
+    return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing, sampled)
 
 
 def _method_format_mismatch(what: str, fmt: str, method: methods.Method) -> str:

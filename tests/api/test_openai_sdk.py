@@ -327,6 +327,26 @@ def test_validate_reports_data_and_fit_and_stores_nothing(api):
     assert len(c.fine_tuning.jobs.list(limit=100).data) == before
 
 
+def test_validate_reads_a_bounded_sample_and_scales_the_steps_to_the_whole_file(api, monkeypatch):
+    """The dry run runs in the API process: it tokenizes the first examples only, says so,
+    and counts the job's steps on the whole file."""
+    from service.control import estimate
+
+    monkeypatch.setattr(estimate, "SAMPLE_EXAMPLES", 8)
+    f = upload(api.client(), chat_lines(40))
+    r = httpx.post(
+        f"{api.base}/fine_tuning/jobs/validate",
+        headers=api.headers(),
+        json={"model": "tiny-llama", "training_file": f.id},
+    )
+    assert r.status_code == 200, r.text
+    rep = r.json()
+    assert rep["data"]["sampled"] == {"examples": 8, "of": 40}
+    assert rep["data"]["training_file"]["examples"] == 8
+    # 40 rows of 8 a step (batch "auto"), 3 epochs ("auto" for 40 examples): 5 x 3, not 1 x 3
+    assert rep["estimate"]["steps"] == 15
+
+
 def test_validate_plans_each_rank_per_tier_and_names_the_smallest_change_that_fits(api):
     """The dry run carries the capacity planner's plan (the same as `pstar plan`): each
     list per tier at start and one iteration's forecast. A device budget below what an

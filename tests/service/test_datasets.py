@@ -426,6 +426,17 @@ def test_read_examples_of_a_plain_text_file_gives_text_examples(tmp_path: Path):
     assert read_examples(path) == ("text", [{"text": "first line"}, {"text": "second line"}])
 
 
+def test_read_examples_with_a_limit_reads_and_checks_only_that_many(tmp_path):
+    path = tmp_path / "t.jsonl"
+    good = json.dumps({"prompt": "p", "completion": "c"})
+    path.write_text("\n".join([good, "", good, good, "{not json"]) + "\n")
+    assert read_examples(path, limit=3) == ("completion", [json.loads(good)] * 3)
+    with pytest.raises(DataError, match="line 5"):
+        read_examples(path)
+    with pytest.raises(DataError):
+        read_examples(path, limit=4)
+
+
 # -- the real Hugging Face pathway ----------------------------------------------------------
 
 
