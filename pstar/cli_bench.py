@@ -391,6 +391,25 @@ def bench_api(
         _fail(str(e))
 
 
+@bench_app.command("prep")
+def bench_prep(
+    mb: Annotated[int, typer.Option(help="MiB of chat examples to upload and prepare")] = 1024,
+    prep_timeout: Annotated[
+        float, typer.Option(help="seconds to follow the job's data preparation, then cancel")
+    ] = 240.0,
+    seed: Annotated[int, typer.Option(help="seed of the generated examples")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """A large training file uploaded, dry-run and prepared by a job: how much the API's
+    and the Ray head's processes grow, and the preparing task."""
+    from benchmarks.prep import run
+
+    try:
+        run(mb=mb, prep_timeout_s=prep_timeout, seed=seed, json_out=json_out)
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
 @bench_app.command("faults")
 def bench_faults(
     jobs: Annotated[

@@ -9,6 +9,7 @@
 - `PSTAR_API_TOKENS`: comma-separated `tenant:token` pairs; a bare token is tenant
   `default`;
 - `PSTAR_MAX_UPLOAD_BYTES` (default 1 GiB): larger uploads get 413;
+- `PSTAR_SPILL_DIR` (default `<data dir>/spill`): the engine's disk tier, per job;
 - `RAY_ADDRESS`: a Ray cluster's dashboard URL (`http://head:8265`); without it
   `pstar serve` starts a local head;
 - the limits of `Limits` below (`PSTAR_MAX_...`), per tenant and per job, with defaults
@@ -160,6 +161,9 @@ class Settings:
     # (a tenant's token counts its own)
     metrics_token: str | None = field(default=None, repr=False)
     serve: ServeSettings = field(default_factory=ServeSettings)
+    # PSTAR_SPILL_DIR: where the engine's disk tier writes, `<it>/<job id>` on each worker's
+    # node (a node-local volume in a cluster, docs/deploy.md); None: `<data dir>/spill`
+    spill_root: Path | None = None
 
     @property
     def files_dir(self) -> Path:
@@ -175,6 +179,10 @@ class Settings:
 
     def job_dir(self, job_id: str) -> Path:
         return self.runs_dir / job_id
+
+    def spill_dir(self, job_id: str) -> Path:
+        """Where a job's ranks spill chunks (the engine's `memory.disk_dir`)."""
+        return (self.spill_root or self.data_dir / "spill") / job_id
 
     def finetuned_dir(self, job_id: str) -> Path:
         """Where a job's exported model goes (hidden from the base-model scan by the dot)."""
@@ -218,6 +226,7 @@ class Settings:
             limits=Limits.from_env(env),
             metrics_token=env.get("PSTAR_METRICS_TOKEN") or None,
             serve=ServeSettings.from_env(env),
+            spill_root=Path(env["PSTAR_SPILL_DIR"]) if env.get("PSTAR_SPILL_DIR") else None,
         )
 
 
@@ -244,6 +253,8 @@ def job_env(settings: Settings) -> dict[str, str]:
     SQLite is written to `<data dir>/secrets/db_url` (mode 0600), a path on the volume the
     workers already mount, and the job gets that path."""
     env = {"PSTAR_DATA_DIR": str(settings.data_dir)}
+    if settings.spill_root is not None:
+        env["PSTAR_SPILL_DIR"] = str(settings.spill_root)
     if settings.db_url == default_db_url(settings.data_dir):
         return env
     path = settings.data_dir / "secrets" / "db_url"

@@ -49,6 +49,25 @@ class Serve(ServeProcess):
         head = json.loads((self.data_dir / "ray" / "head.json").read_text())
         return JobSubmissionClient(head["dashboard_url"], headers=ray_auth.headers(self.ray_env()))
 
+    def ray_tasks(self, name: str) -> list[dict]:
+        """Ray's record of the tasks named `name` (its state API on this server's head)."""
+        from service import ray_auth
+
+        head = json.loads((self.data_dir / "ray" / "head.json").read_text())
+        r = httpx.get(
+            f"{head['dashboard_url']}/api/v0/tasks",
+            params={
+                "filter_keys": "name",
+                "filter_predicates": "=",
+                "filter_values": name,
+                "detail": "true",
+            },
+            headers=ray_auth.headers(self.ray_env()),
+            timeout=60,
+        )
+        r.raise_for_status()
+        return r.json()["data"]["result"]["result"]
+
 
 def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
     deadline = time.time() + timeout

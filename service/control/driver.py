@@ -25,16 +25,17 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from service.control.files import file_path
 from service.data.datasets import DataError
-from service.data.prepare import prepare, save_rows
+from service.data.prepare import prepare_files
 from service.registry import fine_tuned_name
 from service.settings import Settings
 from service.spec import auto
-from service.spec.job import spec_of
+from service.spec.job import JobSpec, spec_of
 from service.spec.run_plan import CHECKPOINTS_TO_KEEP, RunHyperparameters, RunPlan
 from service.store import File, Job, StaleAttempt, Store
 from service.store.models import PAUSED
@@ -53,8 +54,18 @@ def _data_file(settings: Settings, job: Job, train: File | View, valid: File | V
     return settings.job_dir(job.id) / "data" / f"rows-{key}.pt"
 
 
-def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> RunPlan:
-    """Tokenize (or reuse the cached rows) and decide everything the workers need."""
+PrepareFiles = Callable[[JobSpec, Path, Path | None, Path, Path], dict[str, Any]]
+
+
+def prepare_run(
+    settings: Settings,
+    store: Store,
+    job: Job,
+    attempt: int,
+    prepare_with: PrepareFiles = prepare_files,
+) -> RunPlan:
+    """Tokenize (or reuse the cached rows) and decide everything the workers need. The
+    driver prepares `on_a_worker`; by default (tests, tools) in this process."""
     job_dir = settings.job_dir(job.id)
     spec = spec_of(job)
     train = store.files.get(job.tenant, job.training_file)
@@ -65,32 +76,22 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> Run
     meta_file = data_file.with_suffix(".json")
     if not meta_file.is_file():
         store.jobs.update(job.id, attempt=attempt, status_detail="preparing data")
-        prep = prepare(
+        meta = prepare_with(
             spec,
             file_path(settings, train),
             file_path(settings, valid) if valid else None,
-            tokenizer_cache=job_dir / "tokenizer",
+            job_dir / "tokenizer",
+            data_file,
         )
-        save_rows(data_file, prep.train, prep.valid)
-        meta = {
-            **prep.report(),
-            "vocab_size": len(prep.tokenizer),
-        }
-        meta_file.write_text(json.dumps(meta))
-        tr = prep.train
-        rep = tr.report()
-        if tr.packed:
-            layout = f"packed, {rep['examples_per_row']:.1f} examples per row"
-        elif prep.format == "preference":
-            layout = "a row per answer of each pair"
-        else:
-            layout = "one example per row"
+        if "error" in meta:
+            raise DataError(meta["error"])
+        tr = meta["training_file"]
         store.events.add(
             job.id,
-            f"Data: {tr.examples} training examples -> {rep['rows']} rows of "
-            f"{prep.seq_len} tokens ({layout}, {rep['fill_ratio']:.0%} filled; "
-            f"{tr.loss_tokens} tokens trained on; {tr.truncated} truncated, "
-            f"{tr.dropped} dropped); {prep.total_steps} steps",
+            f"Data: {tr['examples']} training examples -> {tr['rows']} rows of "
+            f"{meta['seq_len']} tokens ({meta['layout']}, {tr['fill_ratio']:.0%} filled; "
+            f"{tr['loss_tokens']} tokens trained on; {tr['truncated_examples']} truncated, "
+            f"{tr['dropped_examples']} dropped); {meta['total_steps']} steps",
             data=meta,
             attempt=attempt,
         )
@@ -105,7 +106,8 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> Run
     total = meta["total_steps"]
     hp = dict(spec.hyperparameters.model_dump(), seq_len=meta["seq_len"])
     engine = spec.engine_config()
-    engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": str(job_dir / "spill")}
+    spill = str(settings.spill_dir(job.id))
+    engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": spill}
     store.jobs.update(job.id, attempt=attempt, progress_total=total)
     early = spec.early_stopping
     return RunPlan(
@@ -130,6 +132,36 @@ def prepare_run(settings: Settings, store: Store, job: Job, attempt: int) -> Run
         export_dir=str(settings.finetuned_dir(job.id)),
         storage_path=str(job_dir / "ray"),
     )
+
+
+def on_a_worker(spec: JobSpec, job_id: str) -> PrepareFiles:
+    """`prepare_files` as a Ray task shaped like one of the job's workers (its CPUs and the
+    memory Ray reserves for one), which the workers do not hold yet: the whole files are
+    read and tokenized there, never on the head (its CPUs are 0 in a cluster) or in the
+    control plane. Out of memory there, the job fails saying what to raise."""
+    import ray
+
+    res = spec.resources
+    options: dict[str, Any] = {"num_cpus": res.cpus_per_worker, "name": f"prepare {job_id}"}
+    if res.memory_per_worker:
+        options["memory"] = res.memory_per_worker
+    task = ray.remote(prepare_files).options(**options)
+
+    def run(*args: Any) -> dict[str, Any]:
+        try:
+            return ray.get(task.remote(*args))
+        except ray.exceptions.OutOfMemoryError:
+            held = (
+                f"{res.memory_per_worker / 2**30:.1f} GiB reserved"
+                if res.memory_per_worker
+                else "no memory reserved"
+            )
+            return {
+                "error": f"preparing the data ran out of memory on its worker ({held}); "
+                "give the job more with resources.memory_per_worker, or a smaller file"
+            }
+
+    return run
 
 
 def _memory_plan(
@@ -357,7 +389,8 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
     job_id = job.id
     log.info("job %s attempt %d: preparing", job_id, attempt)
     try:
-        run = through_outage(prepare_run, settings, store, job, attempt)
+        where = on_a_worker(spec_of(job), job_id)
+        run = through_outage(prepare_run, settings, store, job, attempt, where)
     except DataError as e:
         through_outage(fail, store, job_id, attempt, "invalid_training_data", str(e))
         return 1

@@ -181,6 +181,37 @@ def prepare(
     return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing, sampled)
 
 
+def prepare_files(
+    spec: JobSpec,
+    train_path: Path,
+    valid_path: Path | None,
+    tokenizer_cache: Path,
+    data_file: Path,
+) -> dict[str, Any]:
+    """A job's data preparation where it runs (a Ray task on a worker, see
+    `service.control.driver`): tokenize the whole files, write the rows to `data_file` and
+    their report beside it (`.json`), and return the report, which is small; its `error`
+    is the `DataError`'s message when the data is unusable (nothing is written then)."""
+    import json
+
+    try:
+        prep = prepare(spec, train_path, valid_path, tokenizer_cache=tokenizer_cache)
+    except DataError as e:
+        return {"error": str(e)}
+    save_rows(data_file, prep.train, prep.valid)
+    meta = {**prep.report(), "vocab_size": len(prep.tokenizer)}
+    if prep.train.packed:
+        meta["layout"] = f"packed, {meta['training_file']['examples_per_row']:.1f} examples per row"
+    elif prep.format == "preference":
+        meta["layout"] = "a row per answer of each pair"
+    else:
+        meta["layout"] = "one example per row"
+    tmp = data_file.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, data_file.with_suffix(".json"))
+    return meta
+
+
 def _method_format_mismatch(what: str, fmt: str, method: methods.Method) -> str:
     takers = " or ".join(f"'{m.name}'" for m in methods.taking(fmt)) or "none"
     return (

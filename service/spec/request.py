@@ -380,19 +380,25 @@ def check_job_limits(limits: Limits, req: JobRequest) -> None:
         )
     memory = req.engine.get("memory") if isinstance(req.engine, dict) else None
     spill = memory.get("disk_budget") if isinstance(memory, dict) else None
-    if isinstance(spill, float) and not spill.is_integer():
+    # the engine reads a float up to 1 as a share of the volume's free space (1.0: all of
+    # it), and the budget is each rank's: the job spills up to workers x budget
+    if isinstance(spill, float) and (spill <= 1 or not spill.is_integer()):
         raise InvalidRequest(
-            f"engine.memory.disk_budget: a fraction ({spill}) of the shared volume's free "
-            f"space is not allowed here; give bytes, at most {limits.max_spill_bytes_per_job} "
+            f"engine.memory.disk_budget: a fraction ({spill}) of the spill volume's free "
+            f"space is not allowed here; give bytes per worker, at most "
+            f"{limits.max_spill_bytes_per_job} for the job's workers together "
             f"({Limits.var('max_spill_bytes_per_job')})",
             param="engine.memory.disk_budget",
             code="limit_exceeded",
         )
-    if isinstance(spill, (int, float)) and spill > limits.max_spill_bytes_per_job:
-        raise _over(
-            "bytes of spill per job",
-            int(spill),
-            limits.max_spill_bytes_per_job,
-            "max_spill_bytes_per_job",
-            "engine.memory.disk_budget",
+    workers = res.num_workers
+    if isinstance(spill, (int, float)) and spill * workers > limits.max_spill_bytes_per_job:
+        cap = limits.max_spill_bytes_per_job
+        raise InvalidRequest(
+            f"engine.memory.disk_budget: {workers} worker(s) x {int(spill)} bytes is over this "
+            f"service's limit of {cap} bytes of spill per job "
+            f"({Limits.var('max_spill_bytes_per_job')}); ask for at most {cap // workers} "
+            "per worker",
+            param="engine.memory.disk_budget",
+            code="limit_exceeded",
         )

@@ -83,6 +83,17 @@ def train_file(api):
             "engine.memory.disk_budget",
             "a fraction",
         ),
+        # 1.0 is the engine's "all free space", not one byte
+        ({"engine": {"memory": {"disk_budget": 1.0}}}, "engine.memory.disk_budget", "a fraction"),
+        # the budget is each rank's: two workers at 600 MiB spill 1.2 GiB, over 1 GiB
+        (
+            {
+                "resources": {"num_workers": 2},
+                "engine": {"memory": {"disk_budget": 600 << 20}},
+            },
+            "engine.memory.disk_budget",
+            "at most 536870912 per worker",
+        ),
     ],
 )
 def test_a_job_over_a_per_job_limit_is_refused_naming_it_and_stored_nowhere(

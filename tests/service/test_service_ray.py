@@ -225,6 +225,13 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
     logs = httpx.get(f"{serve.url}/v1/fine_tuning/jobs/{job.id}/logs", headers=h, timeout=60).text
     assert f"Ray job {job.id}-a1" in logs
     assert "succeeded" in logs
+    # the data was tokenized in a Ray task shaped like one of the job's workers (its CPU),
+    # in a worker process: not in the driver, which runs on the head
+    (task,) = serve.ray_tasks(f"prepare {job.id}")
+    assert task["state"] == "FINISHED"
+    assert task["required_resources"] == {"CPU": 1.0}
+    driver = [j for j in serve.ray_jobs().list_jobs() if j.submission_id == f"{job.id}-a1"]
+    assert task["worker_pid"] != int(driver[0].driver_info.pid)
 
 
 def test_cancel_stops_the_ray_job_and_its_workers(serve, files):

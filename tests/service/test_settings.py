@@ -145,3 +145,14 @@ def test_a_ray_jobs_environment_names_where_the_url_is_never_the_url(tmp_path):
     assert Settings.from_env(env).db_url == url
     moved = Settings.from_env({"PSTAR_DATA_DIR": str(data), "PSTAR_DB_URL": url + "2"})
     assert Settings.from_env(job_env(moved)).db_url == url + "2"  # rewritten when it changes
+
+
+def test_spill_goes_to_the_spill_volume_per_job_and_ray_jobs_are_told_where(tmp_path):
+    data = tmp_path / "data"
+    default = Settings.from_env({"PSTAR_DATA_DIR": str(data)})
+    assert default.spill_dir("ftjob-1") == data / "spill" / "ftjob-1"
+    assert "PSTAR_SPILL_DIR" not in job_env(default)
+    node_local = Settings.from_env({"PSTAR_DATA_DIR": str(data), "PSTAR_SPILL_DIR": "/spill"})
+    assert node_local.spill_dir("ftjob-1") == Path("/spill/ftjob-1")
+    # the driver reads its settings from the job's environment: the same place
+    assert Settings.from_env(job_env(node_local)).spill_dir("ftjob-1") == Path("/spill/ftjob-1")
