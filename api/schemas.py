@@ -152,6 +152,11 @@ class Progress(BaseModel):
     total: int
 
 
+class JobStorage(BaseModel):
+    bytes: int
+    run_reclaimed_at: int | None = None
+
+
 class FineTuningJob(BaseModel):
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
@@ -213,6 +218,12 @@ class FineTuningJob(BaseModel):
         "activations' peak, the least device memory, device and host peaks, bytes moved), "
         "and smallest_change for a job that does not fit (as POST .../validate)",
     )
+    storage: JobStorage | None = Field(
+        default=None,
+        description="what the ended job keeps on the service's storage, counted against "
+        "the tenant's quota: bytes (its run directory and exported model, as last "
+        "measured) and run_reclaimed_at (when retention removed its checkpoints)",
+    )
 
     @classmethod
     def of(cls, j: JobRow) -> FineTuningJob:
@@ -251,6 +262,11 @@ class FineTuningJob(BaseModel):
             early_stopping=j.early_stopping or _early_stopping_settings(spec),
             data=j.data_report,
             memory_plan=j.memory_plan,
+            storage=(
+                JobStorage(bytes=j.storage_bytes, run_reclaimed_at=j.run_reclaimed_at)
+                if j.storage_bytes is not None
+                else None
+            ),
         )
 
 

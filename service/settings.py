@@ -10,6 +10,8 @@
   `default`;
 - `PSTAR_MAX_UPLOAD_BYTES` (default 1 GiB): larger uploads get 413;
 - `PSTAR_SPILL_DIR` (default `<data dir>/spill`): the engine's disk tier, per job;
+- `PSTAR_RUN_RETENTION_DAYS` (default 30; 0: forever): how long an ended job's run
+  directory (checkpoints, prepared data) is kept;
 - `RAY_ADDRESS`: a Ray cluster's dashboard URL (`http://head:8265`); without it
   `pstar serve` starts a local head;
 - the limits of `Limits` below (`PSTAR_MAX_...`), per tenant and per job, with defaults
@@ -49,6 +51,9 @@ class Limits:
     max_workers_per_job: int = 8
     max_cpus_per_worker: float = 16.0
     max_file_bytes_per_tenant: int = 20 * GiB
+    # files plus what the tenant's ended jobs keep (checkpoints, prepared data, models):
+    # a job created past it is a 429 (service.control.storage)
+    max_storage_bytes_per_tenant: int = 100 * GiB
     max_spill_bytes_per_job: int = 50 * GiB
     max_attempts: int = 5
     max_event_streams_per_tenant: int = 8
@@ -164,6 +169,9 @@ class Settings:
     # PSTAR_SPILL_DIR: where the engine's disk tier writes, `<it>/<job id>` on each worker's
     # node (a node-local volume in a cluster, docs/deploy.md); None: `<data dir>/spill`
     spill_root: Path | None = None
+    # PSTAR_RUN_RETENTION_DAYS: an ended job's run directory (checkpoints, prepared data)
+    # is reclaimed this long after it ended; its exported model stays. 0: kept forever
+    run_retention_days: float = 30.0
 
     @property
     def files_dir(self) -> Path:
@@ -227,7 +235,23 @@ class Settings:
             metrics_token=env.get("PSTAR_METRICS_TOKEN") or None,
             serve=ServeSettings.from_env(env),
             spill_root=Path(env["PSTAR_SPILL_DIR"]) if env.get("PSTAR_SPILL_DIR") else None,
+            run_retention_days=_retention_days(env.get("PSTAR_RUN_RETENTION_DAYS", "")),
         )
+
+
+def _retention_days(raw: str) -> float:
+    if not raw.strip():
+        return Settings.run_retention_days
+    try:
+        days = float(raw)
+    except ValueError:
+        days = -1.0
+    if not (days >= 0 and days != float("inf")):
+        raise SettingsError(
+            f"PSTAR_RUN_RETENTION_DAYS must be a number of days, 0 to keep runs forever, "
+            f"got {raw!r}"
+        )
+    return days
 
 
 def default_db_url(data_dir: Path) -> str:

@@ -82,7 +82,14 @@ def content_dir(settings: Settings, job: Job, ck: Checkpoint, variant: str | Non
     if found is not None:
         return found
     have = available(settings, job, ck)
-    if variant == "adapter":
+    if job.model_deleted_at is not None:
+        why = "the job's fine-tuned model was deleted, and its checkpoints with it"
+    elif job.run_reclaimed_at is not None:
+        why = (
+            "retention reclaimed the run's checkpoints after the job ended "
+            "(PSTAR_RUN_RETENTION_DAYS); its exported model stays"
+        )
+    elif variant == "adapter":
         why = "its files are no longer on the service's storage (Ray keeps the newest checkpoints)"
     elif not ck.final:
         why = f"only the final checkpoint has it, and this one is at step {ck.step}"

@@ -408,4 +408,7 @@ def delete_file(settings: Settings, store: Store, tenant: str, file_id: str) -> 
     if f is None:
         raise NotFound("file", file_id, param="file_id")
     (settings.files_dir / f.storage_name).unlink(missing_ok=True)
+    from service.control import storage
+
+    storage.erase_file_copies(settings, store, tenant, file_id)  # what jobs made of it
     return f

@@ -232,6 +232,9 @@ class JobService:
             if existing is not None:
                 return self._same(existing, h, idempotency_key), False
         _model, spec = self.resolve(tenant, req)
+        from service.control import storage
+
+        storage.check_quota(self.settings, self.store, tenant)  # its files and ended runs
         now = int(time.time())
         job = Job(
             id=new_id("ftjob"),

@@ -224,6 +224,7 @@ class Reconciler:
                 log.info("removed %d partial upload(s) left by a crash", n)
         except OSError as e:
             log.warning("could not sweep partial uploads: %s", e)
+        from service.control import storage
         from service.serving.deployments import delete_model_files
 
         try:  # deleted models a job was still fine-tuning from, now that it has ended
@@ -231,6 +232,10 @@ class Reconciler:
                 log.info("removed the files of %d deleted model(s)", len(swept))
         except Exception as e:  # the store or the volume: the next sweep tries again
             log.warning("could not remove deleted models' files: %s", e)
+        try:  # ended jobs' storage measured, and old runs reclaimed
+            storage.sweep(self.settings, self.store)
+        except Exception as e:
+            log.warning("could not measure or reclaim runs' storage: %s", e)
 
     # -- one job ------------------------------------------------------------------------
 

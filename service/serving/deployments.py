@@ -130,6 +130,8 @@ def _checkpoint_target(
     if not found:
         raise NotFound("model", model_id, param="model")
     ck = found[0]
+    if job.model_deleted_at is not None or job.run_reclaimed_at is not None:
+        raise NotFound("model", model_id, param="model")  # erased or reclaimed with its run
     from service.spec.job import spec_of
 
     if spec_of(job).trains_adapters:
@@ -145,8 +147,6 @@ def _checkpoint_target(
         return Target(
             model_id, base_app(base, job.model), base, _relative(settings, adapter), tenant
         )
-    if ck.final and job.model_deleted_at is not None:  # the final one is the deleted model
-        raise NotFound("model", model_id, param="model")
     if ck.final and (settings.finetuned_dir(job.id) / "config.json").is_file():
         return Target(
             model_id,
@@ -414,18 +414,22 @@ def serving_info(target: Target, loaded: dict[str, list[dict[str, Any]]]) -> dic
 
 
 def delete_model_files(settings: Settings, store: Store) -> list[str]:
-    """Remove the files of deleted models that no unfinished job still reads (a job
-    fine-tuning from a model deleted meanwhile keeps it until it ends); the job ids swept."""
+    """Remove the files of deleted models, their checkpoints included, that no unfinished
+    job still reads (a job fine-tuning from a model deleted meanwhile keeps it until it
+    ends); the job ids swept."""
     deleted = store.jobs.deleted_models()
     if not deleted:
         return []
     busy = store.jobs.models_in_use()
     out = []
     for job in deleted:
-        d = settings.finetuned_dir(job.id)
-        if job.fine_tuned_model in busy or not d.exists():
+        d, run = settings.finetuned_dir(job.id), settings.job_dir(job.id)
+        if job.fine_tuned_model in busy or not (d.exists() or run.exists()):
             continue
+        # the model, and its checkpoints with their run: a deleted model is erased whole
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+        store.jobs.set_storage(job.id, 0)  # it keeps nothing now
         out.append(job.id)
     return out
 

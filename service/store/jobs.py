@@ -372,6 +372,69 @@ class Jobs(Resource):
         with self.db.read() as s:
             return list(s.scalars(select(Job).where(Job.model_deleted_at.is_not(None))))
 
+    # -- storage (service.control.storage) ----------------------------------------------
+
+    def set_storage(self, job_id: str, nbytes: int, reclaimed_at: int | None = None) -> None:
+        """What an ended job keeps on the shared volume, as just measured (and, when
+        retention reclaimed its run directory, when)."""
+        values: dict[str, Any] = {"storage_bytes": nbytes}
+        if reclaimed_at is not None:
+            values["run_reclaimed_at"] = reclaimed_at
+        with self.db.write() as s:
+            s.execute(
+                update(Job).where(Job.id == job_id, Job.status.in_(TERMINAL)).values(**values)
+            )
+
+    def storage_bytes(self, tenant: str) -> int:
+        """What the tenant's ended jobs keep, as last measured."""
+        with self.db.read() as s:
+            total = s.scalar(
+                select(func.coalesce(func.sum(Job.storage_bytes), 0)).where(Job.tenant == tenant)
+            )
+            return int(total or 0)
+
+    def ended_unmeasured(self, limit: int) -> list[str]:
+        """Ended jobs whose storage was not measured yet (a driver that died before it
+        could, or jobs from before the measure), oldest first."""
+        with self.db.read() as s:
+            return list(
+                s.scalars(
+                    select(Job.id)
+                    .where(Job.status.in_(TERMINAL), Job.storage_bytes.is_(None))
+                    .order_by(Job.seq)
+                    .limit(limit)
+                )
+            )
+
+    def to_reclaim(self, ended_before: int, limit: int) -> list[str]:
+        """Ended jobs whose run directory retention should reclaim now."""
+        with self.db.read() as s:
+            return list(
+                s.scalars(
+                    select(Job.id)
+                    .where(
+                        Job.status.in_(TERMINAL),
+                        Job.finished_at < ended_before,
+                        Job.run_reclaimed_at.is_(None),
+                    )
+                    .order_by(Job.seq)
+                    .limit(limit)
+                )
+            )
+
+    def ended_reading(self, tenant: str, file_id: str) -> list[str]:
+        """The tenant's ended jobs that trained or evaluated on the file."""
+        with self.db.read() as s:
+            return list(
+                s.scalars(
+                    select(Job.id).where(
+                        Job.tenant == tenant,
+                        Job.status.in_(TERMINAL),
+                        (Job.training_file == file_id) | (Job.validation_file == file_id),
+                    )
+                )
+            )
+
     def active_with_attempts(
         self, waiting_per_tenant: int | None = None
     ) -> list[tuple[ActiveJob, ActiveAttempt | None]]:

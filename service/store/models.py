@@ -145,6 +145,11 @@ class Job(Base):
     # the capacity planner's plan of the job on its cluster (service.control.estimate), written
     # by the driver once the data is prepared
     memory_plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # what the ended job keeps on the shared volume (run directory and exported model),
+    # counted against its tenant's quota (service.control.storage); None: not measured yet
+    storage_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # when retention reclaimed its run directory (checkpoints, prepared data)
+    run_reclaimed_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Attempt(Base):

@@ -346,3 +346,17 @@ def test_event_streams_past_the_tenants_limit_get_429_and_a_closed_one_frees_its
         third.__exit__(None, None, None)
         opened[1].__exit__(None, None, None)
     c.fine_tuning.jobs.cancel(job.id)
+
+
+def test_a_tenant_whose_ended_runs_fill_its_storage_gets_429_for_a_new_job(
+    api, train_file, monkeypatch
+):
+    # what the tenant's ended jobs keep, as the sweep measured it (service.control.storage)
+    full = Limits().max_storage_bytes_per_tenant
+    monkeypatch.setattr(api.store.jobs, "storage_bytes", lambda tenant: full)
+    before = stored_jobs(api)
+    r = post_json(api, "/fine_tuning/jobs", {"model": "tiny-llama", "training_file": train_file})
+    err = assert_envelope(r, 429, None, "storage_quota_exceeded")
+    assert "PSTAR_MAX_STORAGE_BYTES_PER_TENANT" in err["message"]
+    assert "DELETE /v1/models/{model}" in err["message"]
+    assert stored_jobs(api) == before
