@@ -161,7 +161,7 @@ class JobService:
             # worker builds the engine
             assert model.path is not None  # every model but a zoo one is a HF directory
             path = str(model.path)
-            self.heavy.run(lambda: wrap_meta(build_meta(path), adapters))
+            self.heavy.run(lambda: wrap_meta(build_meta(path), adapters), tenant=tenant)
         valid = files.get("validation_file")
         spec = JobSpec(
             base_model=model.base,

@@ -52,3 +52,39 @@ def test_past_the_queue_a_request_is_refused_at_once_and_a_slow_one_times_out():
     # work that asks for heavy work from a pool thread runs there, not deadlocked
     assert heavy.run(lambda: heavy.run(lambda: 8)) == 8
     heavy.shutdown()
+
+
+def test_one_tenant_holds_at_most_its_share_and_the_others_still_get_in():
+    from service.errors import QuotaExceeded
+
+    heavy = HeavyWork(workers=2, queue=4, timeout_s=10, per_tenant=2)
+    release = threading.Event()
+    running = threading.Semaphore(0)
+
+    def slow() -> str:
+        running.release()
+        release.wait(10)
+        return "done"
+
+    out: list[object] = []
+    burst = [
+        threading.Thread(target=lambda: out.append(heavy.run(slow, tenant="acme")))
+        for _ in range(2)
+    ]
+    for t in burst:
+        t.start()
+    for _ in range(2):
+        assert running.acquire(timeout=5)
+    with pytest.raises(QuotaExceeded, match="tenant acme has 2") as e:
+        heavy.run(lambda: "third", tenant="acme")
+    assert e.value.code == "too_many_requests"
+    # the pool has room: another tenant's request waits its turn instead of a refusal
+    rival = threading.Thread(target=lambda: out.append(heavy.run(lambda: "rival", tenant="rival")))
+    rival.start()
+    release.set()
+    for t in (*burst, rival):
+        t.join()
+    assert sorted(map(str, out)) == ["done", "done", "rival"]
+    assert heavy._held == {}  # every place given back
+    assert heavy.run(lambda: "again", tenant="acme") == "again"
+    heavy.shutdown()
