@@ -503,6 +503,20 @@ def keys_revoke(key_id: str) -> None:
     console.print(f"{key.id} ({key.role} of {key.tenant}) revoked")
 
 
+@keys_app.command("hash")
+def keys_hash() -> None:
+    """Read a token on standard input and print `sha256:<hex>`, the form PSTAR_API_TOKENS
+    takes (`tenant:sha256:<hex>`) so the environment holds no secret."""
+    import sys
+
+    from service.store.keys import key_hash
+
+    secret = sys.stdin.readline().strip()
+    if len(secret) < 8:
+        _fail("give the token on standard input (at least 8 characters)")
+    print(f"sha256:{key_hash(secret)}")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(run)

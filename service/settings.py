@@ -320,12 +320,22 @@ def parse_default_resources(raw: str) -> dict:
 
 
 def parse_tokens(raw: str) -> dict[str, str]:
-    """`tenant:token,token2` -> {token: tenant}; a bare token belongs to tenant `default`."""
+    """`tenant:token,token2` -> {token: tenant}; a bare token belongs to tenant `default`.
+    A token given as `sha256:<64 hex digits>` is the SHA-256 of the secret, so the
+    environment need not hold the secret itself (`pstar keys hash` prints one)."""
     out: dict[str, str] = {}
     for i, item in enumerate(x.strip() for x in raw.split(",")):
         if not item:
             continue
         tenant, sep, token = item.rpartition(":")
+        if tenant == "sha256" or tenant.endswith(":sha256"):
+            tenant, token = tenant.removesuffix("sha256").removesuffix(":"), "sha256:" + token
+            sep = ":" if tenant else ""
+            if not re.fullmatch(r"[0-9a-f]{64}", token[7:]):
+                raise SettingsError(
+                    f"PSTAR_API_TOKENS entry {i + 1}: a sha256: token must be 64 lower-case "
+                    "hex digits (the secret's SHA-256)"
+                )
         tenant = tenant if sep else "default"
         if not TENANT_RE.match(tenant):
             raise SettingsError(

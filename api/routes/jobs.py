@@ -78,9 +78,7 @@ def jobs_validate(req: JobRequest, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     estimate (steps, chunk plan, model data per tier per rank, whether it fits)."""
     from service.control.estimate import validate_job
 
-    return c.jobs.heavy.run(
-        validate_job, c.settings, c.store, c.jobs, tenant, req, tenant=tenant
-    )
+    return c.jobs.heavy.run(validate_job, c.settings, c.store, c.jobs, tenant, req, tenant=tenant)
 
 
 @router.get("", response_model=JobList, responses=responses(400, 404))

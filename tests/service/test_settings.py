@@ -156,3 +156,29 @@ def test_spill_goes_to_the_spill_volume_per_job_and_ray_jobs_are_told_where(tmp_
     assert node_local.spill_dir("ftjob-1") == Path("/spill/ftjob-1")
     # the driver reads its settings from the job's environment: the same place
     assert Settings.from_env(job_env(node_local)).spill_dir("ftjob-1") == Path("/spill/ftjob-1")
+
+
+def test_a_token_may_be_given_as_its_sha256_and_only_the_secret_gets_in():
+    from api.auth import tenant_of
+    from service.store.keys import key_hash
+
+    secret = "pstar-the-secret-itself"
+    tokens = parse_tokens(f"acme:sha256:{key_hash(secret)},rival:plain-token-1")
+    assert tokens == {f"sha256:{key_hash(secret)}": "acme", "plain-token-1": "rival"}
+    assert tenant_of(tokens, secret) == "acme"
+    assert tenant_of(tokens, f"sha256:{key_hash(secret)}") is None  # the hash is no key
+    assert tenant_of(tokens, "plain-token-1") == "rival"
+    assert parse_tokens(f"sha256:{key_hash(secret)}") == {f"sha256:{key_hash(secret)}": "default"}
+    with pytest.raises(SettingsError, match="64 lower-case hex"):
+        parse_tokens("acme:sha256:abc")
+
+
+def test_pstar_keys_hash_prints_the_form_the_tokens_variable_takes():
+    from typer.testing import CliRunner
+
+    from pstar.cli import app
+    from service.store.keys import key_hash
+
+    out = CliRunner().invoke(app, ["keys", "hash"], input="pstar-the-secret-itself\n")
+    assert out.exit_code == 0, out.output
+    assert out.output.strip() == f"sha256:{key_hash('pstar-the-secret-itself')}"
