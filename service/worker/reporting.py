@@ -1,7 +1,8 @@
 """What the workers of a job tell the world while it runs.
 
 Rank 0 writes to the store (status and phase, a metrics point and an OpenAI-style metrics
-event per step, the tracer timeline, checkpoints); every rank sets Ray metrics gauges
+event per step, or per k-th step of a run longer than `MAX_RECORDED_STEPS`, the tracer
+timeline, checkpoints); every rank sets Ray metrics gauges
 (`ray_pstar_<name>` on the node's metrics port, tagged job id, attempt and rank) for
 Prometheus. A store that cannot be written is logged and training goes on: metrics are
 worth less than the run; the writes wait in order and go in once the store answers again.
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 
 PENDING_WRITES = 10_000  # writes kept through a store outage: ~2 per step, hours of them
 PAUSE_POLL_S = 1.0  # how often rank 0 asks the store whether a pause was asked for
+# a job records the metrics of at most about this many steps: past it, every k-th step
+# (`recorded`), each evaluation, checkpoint, pause and the last; gauges see every step
+MAX_RECORDED_STEPS = 10_000
 
 GAUGES = (
     "train_loss",
@@ -55,6 +59,17 @@ def metrics_message(step: int, total: int | None, v: dict[str, Any]) -> str:
     return f"{where}: " + ", ".join(parts)
 
 
+def recorded(step: int, total: int | None, values: dict[str, Any]) -> bool:
+    """Whether the store gets this step's metrics point, event and progress: every step of
+    a run up to `MAX_RECORDED_STEPS` steps; of a longer one every k-th, so that it has
+    about that many, and every step that evaluated."""
+    if not total or total <= MAX_RECORDED_STEPS:
+        return True
+    stride = -(-total // MAX_RECORDED_STEPS)
+    evaluated = "valid_loss" in values or "full_valid_loss" in values
+    return step % stride == 0 or step >= total or evaluated
+
+
 class Reporter:
     def __init__(self, config: dict[str, Any], rank: int, store: Any = None) -> None:
         self.job_id, self.attempt, self.rank = config["job_id"], config["attempt"], rank
@@ -64,6 +79,9 @@ class Reporter:
         # writes the store refused (not as stale): (what, fn, args, kwargs), oldest first
         self._pending: list[tuple[str, Any, tuple, dict]] = []
         self._last: dict[str, Any] = {}
+        # the last step `recorded` left out: written after all if a checkpoint, a pause or
+        # the end lands on it (a resumed attempt reads its numbers)
+        self._left_out: tuple[int, dict[str, Any], int | None] | None = None
         self._gauges: dict[str, Any] = {}
         self._pause, self._pause_read_at = False, float("-inf")
         try:
@@ -200,6 +218,19 @@ class Reporter:
         if self.store is None:
             return
         self._last = dict(values)
+        if not recorded(step, total, values):
+            self._left_out = (step, dict(values), total)
+            return
+        self._left_out = None
+        self._record(step, values, note, total)
+
+    def _record_left_out(self, step: int) -> None:
+        if self._left_out is not None and self._left_out[0] == step:
+            left, self._left_out = self._left_out, None
+            self._record(left[0], left[1], "", left[2])
+
+    def _record(self, step: int, values: dict[str, Any], note: str, total: int | None) -> None:
+        assert self.store is not None
         msg = metrics_message(step, total, values) + (f" ({note})" if note else "")
         self._write(
             "metrics",
@@ -253,6 +284,7 @@ class Reporter:
         """Record the checkpoint Ray Train wrote to `<storage>/<job id>/<dir_name>`."""
         if self.store is None:
             return
+        self._record_left_out(step)
         assert self.run.storage_path is not None  # a job's run is on Ray's storage
         self._write(
             "a checkpoint",
@@ -291,6 +323,8 @@ class Reporter:
     def paused(self, step: int) -> None:
         """The pause's checkpoint is written: the job is paused (the attempt ends with its
         driver, which reads the pause in the run's last report)."""
+        if self.store is not None:
+            self._record_left_out(step)
         self._write(
             "the pause", self.store and self.store.jobs.paused, self.job_id, self.attempt, step
         )

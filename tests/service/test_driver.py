@@ -127,6 +127,32 @@ def test_a_worker_keeps_its_writes_through_a_store_outage_and_writes_them_in_ord
     assert rep.flush(timeout_s=0)
 
 
+def test_a_long_run_records_every_kth_step_each_evaluation_and_each_checkpoint(world, monkeypatch):
+    from service.worker import reporting
+
+    monkeypatch.setattr(reporting, "MAX_RECORDED_STEPS", 10)
+    _, store = world
+    job = running_job(store, status="running")
+    rep = _reporter(store, job.id)
+    total = 40  # 4x the cap: every 4th step
+    for step in range(1, total + 1):
+        values = {"train_loss": 5.0 - step / 10}
+        if step == 6:
+            values["valid_loss"] = 4.5  # an evaluation is always kept
+        rep.metrics(step, values, total=total)
+        if step == 9:  # a checkpoint on a step left out: its numbers go in after all
+            rep.checkpoint(9, values, False, "checkpoint_000001")
+    steps = [p.step for p in store.events.metric_points(job.id)]
+    assert steps == [4, 6, 8, 9, 12, 16, 20, 24, 28, 32, 36, 40]
+    events = store.events.page(job.id, None, 100, type="metrics")[0]
+    assert sorted(e.data["step"] for e in events) == steps
+    assert store.jobs.get(job.id).progress_step == 40
+    # a resumed attempt reads the checkpoint step's numbers
+    assert rep.values_at(9)["train_loss"] == pytest.approx(4.1)
+    # a run within the cap records every step
+    assert all(reporting.recorded(s, 10, {}) for s in range(1, 11))
+
+
 def test_a_worker_stops_when_a_kept_write_turns_out_stale(world):
     _, store = world
     job = running_job(store, status="running")
