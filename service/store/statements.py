@@ -23,6 +23,7 @@ import orjson
 from sqlalchemy import bindparam, func, inspect, select, text
 from sqlalchemy.engine import Connection, Result
 
+from service.store import status
 from service.store.models import TERMINAL, UNFINISHED, Event, File, Job
 
 _JOBS = Job.__table__
@@ -131,13 +132,12 @@ def insert_event(conn: Connection, event: Event) -> None:
 
 def update_job(conn: Connection, job_id: str, values: dict[str, Any]) -> bool:
     """Set `values` (by attribute name) on a job that is not terminal yet; whether it was.
-    (Not yet held to `service.store.status.JOB_TRANSITIONS` beyond that: tests make jobs
-    `succeeded` through it from any status.)"""
-    q = (
-        _JOBS.update()
-        .where(_JOBS.c.id == job_id, _JOBS.c.status.not_in(TERMINAL))
-        .values({_COLUMNS[Job][k]: v for k, v in values.items()})
-    )
+    A new `status` is held to `service.store.status.JOB_TRANSITIONS`: the row changes only
+    if the job's status now is one the table lets it come from (or is that status)."""
+    q = _JOBS.update().where(_JOBS.c.id == job_id, _JOBS.c.status.not_in(TERMINAL))
+    if (new := values.get("status")) is not None:
+        q = q.where(_JOBS.c.status.in_([*status.sources(new), status.JobStatus(new)]))
+    q = q.values({_COLUMNS[Job][k]: v for k, v in values.items()})
     return conn.execute(q).rowcount == 1
 
 

@@ -1,10 +1,11 @@
 """A job's status and an attempt's state: the values, and which changes are legal.
 
 As `pstar_core/chunk.py` does for tensors, one table says which status a job may move to
-from which (`JOB_TRANSITIONS`). A store write that holds a job to it is a conditional
-update whose `WHERE` names the statuses the change may come from (`sources`; so far
-`mark_running`, while generic `update()` writes only refuse terminal jobs), so a change
-the table forbids changes no row, whatever another process did to the job in between.
+from which (`JOB_TRANSITIONS`). Every store write of a status holds a job to it: it is a
+conditional update whose `WHERE` names the statuses the change may come from (`sources`;
+the generic `jobs.update` as well as `mark_running` and `pause`; `finish` is fenced to
+the current attempt instead), so a change the table forbids changes no row, whatever
+another process did to the job in between.
 The values are `StrEnum`s: they are the strings the API and the database carry.
 
     validating_files -> queued -> running -> succeeded   (queued -> succeeded too)

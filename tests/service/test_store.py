@@ -662,3 +662,19 @@ def test_of_a_long_queue_only_each_tenants_oldest_waiting_jobs_are_read(store):
     # unbounded: every unfinished job, in the order they came
     everything = [j.id for j, _ in store.jobs.active_with_attempts()]
     assert everything == [started.id, *(j.id for j in waiting), validating.id]
+
+
+def test_a_status_write_the_table_forbids_changes_nothing(store):
+    from service.store.status import JOB_TRANSITIONS, JobStatus
+
+    job = add_job(store, status="validating_files")
+    # validating_files -> succeeded is not in the table: no row changes, nothing else set
+    assert JobStatus.SUCCEEDED not in JOB_TRANSITIONS[JobStatus.VALIDATING_FILES]
+    assert not store.jobs.update(job.id, status="succeeded", fine_tuned_model="ft:x")
+    got = store.jobs.get(job.id)
+    assert (got.status, got.fine_tuned_model) == ("validating_files", None)
+    # the legal path, and a write that keeps the status
+    assert store.jobs.update(job.id, status="queued")
+    assert store.jobs.update(job.id, status="queued", status_detail="waiting")
+    assert store.jobs.update(job.id, status="succeeded")
+    assert not store.jobs.update(job.id, status="failed")  # terminal: never again
