@@ -47,7 +47,7 @@ class RayServeBackend:
         return self._client
 
     async def open(self, target: Target, payload: dict[str, Any]) -> AsyncIterator[dict]:
-        url = await run_in_threadpool(self.serving.endpoint, target)
+        url = await self.serving.endpoint_async(target)
         client = self.client()
         req = client.build_request("POST", url, json={**payload, "adapter": target.adapter})
         try:

@@ -108,6 +108,9 @@ class ServeSettings:
     replica_cpus: float = 0.0
     replica_gpus: float | None = None  # None: auto
     start_timeout_s: float = 180.0  # a model not answering by then is a 503
+    # a tenant's own models (full fine-tunes: an application each) in memory at once; past
+    # it, loading another is a 429 (adapters share their base's application, LRU-bounded)
+    max_models_per_tenant: int = 2
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> ServeSettings:

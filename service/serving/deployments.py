@@ -35,7 +35,7 @@ from typing import Any
 
 from service import ray_auth
 from service.adapters import adapter_dir
-from service.errors import Forbidden, InvalidRequest, NotFound, Unavailable
+from service.errors import Forbidden, InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from service.registry import ModelRef, resolve_model
 from service.settings import Settings
 from service.store import Store
@@ -55,6 +55,14 @@ class Target:
     model_dir: Path  # what the application loads
     adapter: str | None = None  # the adapter's directory relative to the data dir
     owned_by: str = "system"
+
+
+def owner(target: Target) -> str | None:
+    """The tenant whose own application the target's is (a full fine-tune, or its final
+    checkpoint); None for a base model's, which every tenant's adapters share."""
+    if target.adapter is None and target.owned_by != "system":
+        return target.owned_by
+    return None
 
 
 def _slug(text: str) -> str:
@@ -244,6 +252,9 @@ class Serving:
                 "data_dir": str(self.settings.data_dir),
                 "max_adapters": c.max_adapters,
                 "max_batch": c.max_batch,
+                # the tenant whose own model it is (a full fine-tune's application), counted
+                # against its share of Serve; None for a base (adapters share it)
+                "owner": owner(target),
             },
             "deployments": [
                 {
@@ -273,9 +284,35 @@ class Serving:
     # -- what the API uses -------------------------------------------------------------------
 
     def endpoint(self, target: Target) -> str:
-        """The proxy URL that answers `target`, its application deployed and running."""
+        """The proxy URL that answers `target`, its application deployed and running
+        (waiting here, on this thread, for it to start)."""
+        deadline = self.deploy(target)
+        while deadline is not None and not self.started(target, deadline):
+            time.sleep(0.5)
+        return self.url(target)
+
+    async def endpoint_async(self, target: Target) -> str:
+        """As `endpoint`, for the API's event loop: a cold start (up to `start_timeout_s`)
+        waits between short checks on the loop, not holding a server thread for its whole
+        length."""
+        import asyncio
+
+        from starlette.concurrency import run_in_threadpool
+
+        deadline = await run_in_threadpool(self.deploy, target)
+        while deadline is not None and not await run_in_threadpool(self.started, target, deadline):
+            await asyncio.sleep(0.5)
+        return self.url(target)
+
+    def url(self, target: Target) -> str:
+        return f"{self.cfg.proxy_url}/{target.app}"
+
+    def deploy(self, target: Target) -> float | None:
+        """Deploy the target's application unless Serve has it: None when it was seen
+        running moments ago, else the time by which it must be running. A tenant's own
+        models in memory are bounded (`max_models_per_tenant`): past it, a 429."""
         if time.monotonic() - self._running.get(target.app, -1e9) < 5.0:
-            return f"{self.cfg.proxy_url}/{target.app}"
+            return None
         reserves = self.cfg.replica_cpus > 0 or self.gpus() > 0
         with self._lock:
             apps = self.applications()
@@ -289,28 +326,42 @@ class Serving:
                 configs = [
                     a["deployed_app_config"] for a in apps.values() if a.get("deployed_app_config")
                 ]
+                if (tenant := owner(target)) is not None:
+                    self._check_share(tenant, target, configs)
                 self._put([*configs, self.app_config(target)])
                 log.info("deploying %s for %s", target.app, target.model)
-        self._wait_running(target)
-        self._running[target.app] = time.monotonic()
-        return f"{self.cfg.proxy_url}/{target.app}"
+        return time.monotonic() + self.cfg.start_timeout_s
 
-    def _wait_running(self, target: Target) -> None:
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        while True:
-            app = self.applications().get(target.app) or {}
-            status = app.get("status")
-            if status == "RUNNING":
-                return
-            if status in ("DEPLOY_FAILED", "UNHEALTHY"):
-                raise Unavailable(f"model {target.model} could not start on Ray Serve: {why(app)}")
-            if time.monotonic() > deadline:
-                raise Unavailable(
-                    f"model {target.model} did not start within "
-                    f"{self.cfg.start_timeout_s:.0f} s: {self.placement()}"
-                    + (f"; Serve says: {why(app)}" if why(app) else f" (Serve: {status})")
-                )
-            time.sleep(0.5)
+    def _check_share(self, tenant: str, target: Target, configs: list[dict[str, Any]]) -> None:
+        mine = [c["name"] for c in configs if (c.get("args") or {}).get("owner") == tenant]
+        cap = self.cfg.max_models_per_tenant
+        if len(mine) >= cap:
+            raise QuotaExceeded(
+                f"tenant {tenant} has {len(mine)} of its own fine-tuned models in memory, as "
+                f"many as one tenant may (PSTAR_SERVE_MAX_MODELS_PER_TENANT={cap}); a model "
+                f"leaves after {self.cfg.idle_s:.0f} s without requests: retry then, or "
+                f"delete one it no longer needs, to load {target.model}",
+                param="model",
+                code="too_many_models",
+            )
+
+    def started(self, target: Target, deadline: float) -> bool:
+        """Whether the target's application runs now; raises when it failed to start or
+        `deadline` passed."""
+        app = self.applications().get(target.app) or {}
+        status = app.get("status")
+        if status == "RUNNING":
+            self._running[target.app] = time.monotonic()
+            return True
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise Unavailable(f"model {target.model} could not start on Ray Serve: {why(app)}")
+        if time.monotonic() > deadline:
+            raise Unavailable(
+                f"model {target.model} did not start within "
+                f"{self.cfg.start_timeout_s:.0f} s: {self.placement()}"
+                + (f"; Serve says: {why(app)}" if why(app) else f" (Serve: {status})")
+            )
+        return False
 
     def gpus(self) -> float:
         """The GPUs a replica reserves: as set, or (auto) one if the cluster has GPUs."""

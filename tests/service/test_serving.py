@@ -183,6 +183,34 @@ def test_remove_takes_the_application_off_and_keeps_the_rest(env):
     assert not sv.remove("zzz")
 
 
+def test_a_tenants_own_models_in_memory_are_bounded_and_a_cold_start_waits_on_the_loop(env):
+    import asyncio
+
+    from service.errors import QuotaExceeded
+
+    settings, store = env
+    dash = FakeDashboard()
+    sv = serving(settings, dash, max_models_per_tenant=2)
+    mine = [full_model(store, settings.data_dir) for _ in range(3)]
+    theirs = full_model(store, settings.data_dir, tenant="rival")
+    lora = lora_model(store, settings.data_dir)
+    for made in mine[:2]:  # through the event loop's path, as the API calls it
+        t = target_of(settings, store, "acme", made.model)
+        assert asyncio.run(sv.endpoint_async(t)) == sv.url(t)
+    with pytest.raises(QuotaExceeded, match="tenant acme has 2 of its own") as e:
+        sv.endpoint(target_of(settings, store, "acme", mine[2].model))
+    assert e.value.code == "too_many_models"
+    # another tenant's share is its own; adapters go on their base's shared application
+    sv.endpoint(target_of(settings, store, "rival", theirs.model))
+    sv.endpoint(target_of(settings, store, "acme", lora.model))
+    owners = [a["args"]["owner"] for a in dash.puts[-1]["applications"]]
+    assert owners == ["acme", "acme", "rival", None]
+    # one of acme's leaves memory (idle): the third loads
+    dash.apps.pop(next(iter(dash.apps)))
+    sv._running.clear()
+    sv.endpoint(target_of(settings, store, "acme", mine[2].model))
+
+
 def test_deleting_refuses_base_checkpoint_and_other_tenants_models(env):
     settings, store = env
     made = lora_model(store, settings.data_dir)
