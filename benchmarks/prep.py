@@ -8,13 +8,16 @@ memory of three groups of processes is sampled every 0.2 s:
 
 - `api`: the `pstar serve` process (the control plane every tenant shares);
 - `head`: Ray's own processes on the head (GCS, raylet, dashboard and its agents, the job
-  supervisor) and the job's Ray driver;
+  supervisor);
+- `driver`: the job's Ray driver, on the head (it starts in the job's phase: its growth
+  is its whole size, mostly the libraries it imports);
 - `task`: the Ray worker that runs the job's data preparation (`prepare <job id>`).
 
-The API's and the head's growth over each phase should stay within a few tens of MB
-whatever the file's size: the file goes to disk as it arrives, the dry run reads a
-bounded sample, and the job tokenizes in a task on a worker, which reserves the memory
-it needs (`resources.memory_per_worker`).
+What grows with the file's size should be the task alone: the file goes to disk as it
+arrives, the dry run reads a bounded sample, and the job tokenizes in a task on a worker,
+which reserves the memory it needs (`resources.memory_per_worker`). The first dry run
+also loads the tokenizer and the planner's libraries into the API process; the second
+shows what a dry run costs once they are there.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ TOKEN = "bench-prep-token"
 MODEL = "gpt-tiny"  # a zoo model: no model directory needed
 MB = 1 << 20
 HEAD_MARKS = ("gcs_server", "raylet", "dashboard", "log_monitor", "JobSupervisor", "monitor.py")
+GROUPS = ("api", "head", "driver", "task")
 WORDS = ("apple", "river", "stone", "light", "music", "garden", "winter", "paper", "cloud")
 
 
@@ -60,14 +64,18 @@ def write_chat_file(path: Path, size: int, seed: int = 0) -> int:
     return lines
 
 
-def _group(proc: Any, api_pid: int) -> str | None:
+def _group(proc: Any, api_pid: int) -> tuple[str, str] | None:
+    """(group, the process's part in it) of a process the benchmark follows."""
     if proc.pid == api_pid:
-        return "api"
+        return "api", "api"
     cmd = " ".join(proc.info.get("cmdline") or [])
     if "prepare" in cmd and "ray::" in cmd:
-        return "task"
-    if "service.control.driver" in cmd or any(m in cmd for m in HEAD_MARKS):
-        return "head"
+        return "task", "task"
+    if "service.control.driver" in cmd:
+        return "driver", "driver"
+    for mark in HEAD_MARKS:
+        if mark in cmd:
+            return "head", mark
     return None
 
 
@@ -83,12 +91,15 @@ class Sampler:
     def now(self) -> dict[str, int]:
         import psutil
 
-        out = {"api": 0, "head": 0, "task": 0}
+        out = dict.fromkeys(GROUPS, 0)
         for p in psutil.process_iter(["cmdline"]):
             try:
                 g = _group(p, self.api_pid)
                 if g is not None:
-                    out[g] += p.memory_info().rss
+                    rss = p.memory_info().rss
+                    out[g[0]] += rss
+                    if g[0] == "head":  # which of Ray's processes, summed by kind
+                        out[f"head:{g[1]}"] = out.get(f"head:{g[1]}", 0) + rss
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return out
@@ -97,6 +108,7 @@ class Sampler:
         while not self._stop.wait(self.every):
             for g, v in self.now().items():
                 self.peak[g] = max(self.peak.get(g, 0), v)
+                self.base.setdefault(g, 0)  # a process that started during the phase
 
     def __enter__(self) -> Sampler:
         self.base = self.now()
@@ -110,7 +122,7 @@ class Sampler:
 
     def growth(self) -> dict[str, float]:
         """MiB each group grew by at its peak, over its resident memory when it began."""
-        return {g: round((self.peak[g] - self.base[g]) / MB, 1) for g in self.base}
+        return {g: round((self.peak.get(g, 0) - self.base[g]) / MB, 1) for g in self.base}
 
 
 def run(
@@ -167,7 +179,8 @@ def run(
                 r.raise_for_status()
                 return r.json()
 
-            report = phase("validate", validate)
+            phase("validate", validate)
+            report = phase("validate again", validate)
 
             def job() -> str:
                 r = http.post("/v1/fine_tuning/jobs", json=body)
@@ -191,10 +204,12 @@ def run(
             serve.stop()
         shutil.rmtree(root, ignore_errors=True)
     table = Table(title=f"Where a {mb} MiB training file's memory goes ({lines} lines)")
-    for col in ("phase", "s", "api +MiB", "head +MiB", "task +MiB"):
-        table.add_column(col)
+    table.add_column("phase")
+    table.add_column("s")
+    for g in GROUPS:
+        table.add_column(f"{g} +MiB")
     for p in phases:
-        table.add_row(p["phase"], str(p["s"]), str(p["api"]), str(p["head"]), str(p["task"]))
+        table.add_row(p["phase"], str(p["s"]), *(str(p[g]) for g in GROUPS))
     console.print(table)
     console.print(f"the job: {ended}; the dry run read {report['data'].get('sampled')}")
     out = {
@@ -206,6 +221,7 @@ def run(
         "validate_sampled": report["data"].get("sampled"),
         "api_growth_mb": max(p["api"] for p in phases),
         "head_growth_mb": max(p["head"] for p in phases),
+        "driver_peak_mb": max(p["driver"] for p in phases),
         "task_growth_mb": max(p["task"] for p in phases),
         **machine("fp32"),
         "load_before": load_before,
