@@ -17,6 +17,7 @@ import random
 import time
 from typing import Any, TypeVar
 
+from service.control import storage
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from service.methods.base import ADAPTERS_NEED_PRETRAINED
 from service.registry import ModelRef, resolve_model
@@ -65,6 +66,7 @@ class JobService:
 
         self.settings, self.store, self.launcher = settings, store, launcher
         self.heavy = HeavyWork()
+        self.usage = storage.Usage(store)  # each tenant's stored bytes, for the quota
 
     def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, JobSpec]:
         """Check everything a client can get wrong; the spec the driver will run."""
@@ -232,9 +234,7 @@ class JobService:
             if existing is not None:
                 return self._same(existing, h, idempotency_key), False
         _model, spec = self.resolve(tenant, req)
-        from service.control import storage
-
-        storage.check_quota(self.settings, self.store, tenant)  # its files and ended runs
+        storage.check_quota(self.settings, self.store, tenant, self.usage)  # files, ended runs
         now = int(time.time())
         job = Job(
             id=new_id("ftjob"),

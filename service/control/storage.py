@@ -59,10 +59,30 @@ def used_bytes(store: Store, tenant: str) -> tuple[int, int]:
     return store.files.total_bytes(tenant), store.jobs.storage_bytes(tenant)
 
 
-def check_quota(settings: Settings, store: Store, tenant: str) -> None:
+class Usage:
+    """`used_bytes` per tenant, asked of the store at most once per `ttl_s`: a job create
+    reads it, and what ended jobs keep is itself measured only every sweep (a minute)."""
+
+    def __init__(self, store: Store, ttl_s: float = 10.0) -> None:
+        self.store, self.ttl_s = store, ttl_s
+        self._seen: dict[str, tuple[float, tuple[int, int]]] = {}
+
+    def of(self, tenant: str) -> tuple[int, int]:
+        now = time.monotonic()
+        hit = self._seen.get(tenant)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        used = used_bytes(self.store, tenant)
+        if len(self._seen) > 10_000:  # tenants come and go: forget them all at once
+            self._seen.clear()
+        self._seen[tenant] = (now, used)
+        return used
+
+
+def check_quota(settings: Settings, store: Store, tenant: str, usage: Usage | None = None) -> None:
     """A 429 when the tenant's files and jobs already fill its storage quota."""
     quota = settings.limits.max_storage_bytes_per_tenant
-    files, runs = used_bytes(store, tenant)
+    files, runs = usage.of(tenant) if usage is not None else used_bytes(store, tenant)
     if files + runs < quota:
         return
     raise QuotaExceeded(

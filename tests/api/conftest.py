@@ -25,6 +25,7 @@ class ApiServer:
     launcher: object
     backend: str
     models: object = None  # the in-process model backend, when the API has one
+    ctx: object = None  # the app's services (`app.state.ctx`)
 
     @property
     def base(self) -> str:
@@ -91,7 +92,9 @@ def start_api(
         if time.time() > deadline:
             raise RuntimeError("the API server did not start")
         time.sleep(0.02)
-    api = ApiServer(f"http://127.0.0.1:{port}", settings, store, launcher, backend, model_backend)
+    api = ApiServer(
+        f"http://127.0.0.1:{port}", settings, store, launcher, backend, model_backend, app.state.ctx
+    )
 
     def stop() -> None:
         server.should_exit = True

@@ -351,9 +351,11 @@ def test_event_streams_past_the_tenants_limit_get_429_and_a_closed_one_frees_its
 def test_a_tenant_whose_ended_runs_fill_its_storage_gets_429_for_a_new_job(
     api, train_file, monkeypatch
 ):
-    # what the tenant's ended jobs keep, as the sweep measured it (service.control.storage)
+    # what the tenant's ended jobs keep, as the sweep measured it (service.control.storage),
+    # asked of the store now (the service keeps a tenant's use for 10 s)
     full = Limits().max_storage_bytes_per_tenant
     monkeypatch.setattr(api.store.jobs, "storage_bytes", lambda tenant: full)
+    monkeypatch.setattr(api.ctx.jobs.usage, "ttl_s", 0.0)
     before = stored_jobs(api)
     r = post_json(api, "/fine_tuning/jobs", {"model": "tiny-llama", "training_file": train_file})
     err = assert_envelope(r, 429, None, "storage_quota_exceeded")

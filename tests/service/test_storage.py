@@ -154,3 +154,22 @@ def test_retention_days_come_from_the_environment(tmp_path):
     for bad in ("-1", "soon", "inf"):
         with pytest.raises(SettingsError, match="PSTAR_RUN_RETENTION_DAYS"):
             Settings.from_env({**env, "PSTAR_RUN_RETENTION_DAYS": bad})
+
+
+def test_a_tenants_use_is_asked_of_the_store_once_per_ttl(env):
+    _, store = env
+    asked: list[str] = []
+    real = store.jobs.storage_bytes
+
+    def counted(tenant: str) -> int:
+        asked.append(tenant)
+        return real(tenant)
+
+    store.jobs.storage_bytes = counted  # type: ignore[method-assign]
+    usage = storage.Usage(store, ttl_s=0.2)
+    assert usage.of("acme") == usage.of("acme") == (0, 0)
+    assert usage.of("rival") == (0, 0)
+    assert asked == ["acme", "rival"]
+    time.sleep(0.25)
+    usage.of("acme")
+    assert asked == ["acme", "rival", "acme"]
