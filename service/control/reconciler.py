@@ -354,8 +354,13 @@ class Reconciler:
                 },
             )
             return
+        # only from validating_files: a job paused meanwhile stays paused (paused -> queued
+        # is a resume's change, legal in the table, and not this write's to make)
         self.store.jobs.update(
-            job.id, event="Files validated; the job is queued", status=JobStatus.QUEUED
+            job.id,
+            event="Files validated; the job is queued",
+            status=JobStatus.QUEUED,
+            only_from=JobStatus.VALIDATING_FILES,
         )
         self.wake()  # its first attempt is submitted by the next tick
 

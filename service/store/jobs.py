@@ -180,16 +180,23 @@ class Jobs(Resource):
             return dict(s.execute(q).all())
 
     def update(
-        self, job_id: str, event: str | None = None, *, attempt: int | None = None, **values: Any
+        self,
+        job_id: str,
+        event: str | None = None,
+        *,
+        attempt: int | None = None,
+        only_from: JobStatus | None = None,
+        **values: Any,
     ) -> bool:
         """Set fields of a job that is not terminal yet (a `status` among them may make it
         terminal); False when it already was. `event` is logged in the same transaction.
-        With `attempt` the write is that attempt's, fenced (`StaleAttempt`)."""
+        With `attempt` the write is that attempt's, fenced (`StaleAttempt`); with
+        `only_from`, it changes the job only while that is its status."""
         if values.get("status") in TERMINAL:
             values.setdefault("finished_at", int(time.time()))
         with self.db.write_as(job_id, attempt) as s:
             conn = s.connection()
-            changed = statements.update_job(conn, job_id, values)
+            changed = statements.update_job(conn, job_id, values, only_from)
             if changed and event:
                 level = "error" if values.get("status") == JobStatus.FAILED else "info"
                 statements.insert_event(conn, new_event(job_id, event, level=level))

@@ -130,11 +130,15 @@ def insert_event(conn: Connection, event: Event) -> None:
     conn.execute(_EVENTS.insert(), _values(event))
 
 
-def update_job(conn: Connection, job_id: str, values: dict[str, Any]) -> bool:
+def update_job(
+    conn: Connection, job_id: str, values: dict[str, Any], only_from: str | None = None
+) -> bool:
     """Set `values` (by attribute name) on a job that is not terminal yet; whether it was.
     A new `status` is held to `service.store.status.JOB_TRANSITIONS`: the row changes only
     if the job's status now is one the table lets it come from (or is that status)."""
     q = _JOBS.update().where(_JOBS.c.id == job_id, _JOBS.c.status.not_in(TERMINAL))
+    if only_from is not None:
+        q = q.where(_JOBS.c.status == only_from)
     if (new := values.get("status")) is not None:
         q = q.where(_JOBS.c.status.in_([*status.sources(new), status.JobStatus(new)]))
     q = q.values({_COLUMNS[Job][k]: v for k, v in values.items()})

@@ -473,3 +473,25 @@ def test_a_checked_job_is_submitted_without_waiting_out_the_interval(local_servi
         rec.stop()
     assert ray.submits == [f"{job.id}-a1"]
     assert rec.ticks <= 4
+
+
+def test_a_job_paused_while_its_files_are_checked_stays_paused(local_service):
+    import hashlib
+
+    settings, store = local_service
+    data = b'{"text": "hello"}\n'
+    f = make_file("acme", "good")
+    f.bytes, f.sha256 = len(data), hashlib.sha256(data).hexdigest()
+    store.files.add(f)
+    (settings.files_dir / "good").write_bytes(data)
+    job = add_job(store, status="validating_files", body=None)
+    with store.db.write() as s:
+        s.execute(update(Job).where(Job.id == job.id).values(training_file=f.id))
+    rec = Reconciler(settings, store, ScriptedLauncher(), interval_s=60)
+    [(seen, _)] = store.jobs.active_with_attempts()  # a tick's view: validating_files
+    rec._validate_files(seen)  # the check starts on its thread
+    assert rec._checking[job.id].result(timeout=10) is None  # the files are good
+    assert store.jobs.pause(job.id, "acme") == "paused"  # the owner pauses meanwhile
+    rec._validate_files(seen)  # the verdict, acted on from the earlier view
+    assert store.jobs.get(job.id).status == "paused"  # not queued behind the owner's back
+    rec._checks.shutdown()
