@@ -34,7 +34,8 @@ needs an accelerator says 'skip'):
 - adam: the engine's device Adam (bf16 gradients in the param slot, fp32 states) against
   the same work done with torch ops as a user would (gradients to fp32, torch's fused
   AdamW, the cast back), both counted at the bytes that work moves (40 per element), at
-  a size that is bandwidth-bound, not launch-bound: within 0.8x;
+  a size that is bandwidth-bound, not launch-bound: within 0.8x on CUDA (elsewhere the
+  numbers only: on the fake device both sides are the CPU's);
 - nccl: (2+ CUDA GPUs) two NCCL ranks equal one rank with the global batch, run as two
   processes (each told the host has 2 local ranks) that are killed if they pass their
   time limit.
@@ -452,6 +453,10 @@ def check_adam(device: str) -> Check:
     }
     if not accel:
         return Check("adam", "skip (CPU: the host kernel runs; numbers for reference)", numbers)
+    if dev.type != "cuda":
+        # the 0.8 bar is a GPU's memory bandwidth; on the test suite's fake device both
+        # sides run on the CPU, and their ratio is its load's (it failed a loaded CI run)
+        return Check("adam", "skip (not CUDA: the bar is a GPU's; numbers for reference)", numbers)
     return Check("adam", "pass" if ratio >= 0.8 else "fail", numbers)
 
 

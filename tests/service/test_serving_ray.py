@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 
 from benchmarks.models_made import full_model, greedy, lora_model
@@ -135,7 +136,9 @@ def test_deleted_adapter_leaves_the_replicas_memory(serve, made):
         return bool(sv.loaded()) and key not in holding()
 
     wait_for(dropped, 20, "the replica to drop the deleted adapter")
-    assert chat(serve, lora.checkpoint).choices  # the checkpoint's adapter still serves
+    # its checkpoints went with it: a deleted model is erased whole (issue 34)
+    with pytest.raises(openai.NotFoundError):
+        chat(serve, lora.checkpoint)
 
 
 def test_idle_deployment_scales_to_zero_and_starts_again(serve):
