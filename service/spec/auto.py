@@ -34,10 +34,9 @@ def learning_rate(kind: str, multiplier: float, engine_lr: object = None) -> tup
     """(the base rate, the rate): the engine section's `optimizer.lr` when it gives a
     positive number, else the kind's `BASE_LR`; times the multiplier. The caller checks the
     product is a positive finite number (it names the request's fields when not)."""
-    given = (
-        isinstance(engine_lr, (int, float)) and not isinstance(engine_lr, bool) and engine_lr > 0
-    )
-    base = float(engine_lr) if given else BASE_LR[kind]  # type: ignore[arg-type]
+    base = BASE_LR[kind]
+    if isinstance(engine_lr, (int, float)) and not isinstance(engine_lr, bool) and engine_lr > 0:
+        base = float(engine_lr)
     return base, base * multiplier
 
 

@@ -20,6 +20,17 @@ def local_service(tmp_path):
 
 
 @pytest.fixture
+def env(local_service):
+    """`local_service` with the tiny Llama as base model `tiny-llama` (the serving and
+    storage tests make fine-tuned models of it)."""
+    from tests.tiny import make_tiny_llama
+
+    settings, _ = local_service
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    return local_service
+
+
+@pytest.fixture
 def fresh_store(db_url):
     """A store migrated now, on each backend (`db_url`)."""
     s = Store(db_url)

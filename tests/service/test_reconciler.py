@@ -449,7 +449,9 @@ def test_a_job_paused_before_its_first_attempt_gets_none_until_resumed(world):
     assert store.jobs.pause(job.id, "rival") is None  # another tenant's: not found as such
 
 
-def test_a_checked_job_is_submitted_without_waiting_out_the_interval(local_service):
+def _validating_with_a_good_file(local_service) -> Job:
+    """A job whose training file is on disk with its stored size and checksum, waiting in
+    `validating_files` for the reconciler to check it."""
     import hashlib
 
     settings, store = local_service
@@ -461,6 +463,12 @@ def test_a_checked_job_is_submitted_without_waiting_out_the_interval(local_servi
     job = add_job(store, status="validating_files", body=None)
     with store.db.write() as s:
         s.execute(update(Job).where(Job.id == job.id).values(training_file=f.id))
+    return job
+
+
+def test_a_checked_job_is_submitted_without_waiting_out_the_interval(local_service):
+    settings, store = local_service
+    job = _validating_with_a_good_file(local_service)
     ray = ScriptedLauncher()
     # three steps (check, queued, submitted), each of which used to wait an interval
     rec = Reconciler(settings, store, ray, interval_s=60)
@@ -476,17 +484,8 @@ def test_a_checked_job_is_submitted_without_waiting_out_the_interval(local_servi
 
 
 def test_a_job_paused_while_its_files_are_checked_stays_paused(local_service):
-    import hashlib
-
     settings, store = local_service
-    data = b'{"text": "hello"}\n'
-    f = make_file("acme", "good")
-    f.bytes, f.sha256 = len(data), hashlib.sha256(data).hexdigest()
-    store.files.add(f)
-    (settings.files_dir / "good").write_bytes(data)
-    job = add_job(store, status="validating_files", body=None)
-    with store.db.write() as s:
-        s.execute(update(Job).where(Job.id == job.id).values(training_file=f.id))
+    job = _validating_with_a_good_file(local_service)
     rec = Reconciler(settings, store, ScriptedLauncher(), interval_s=60)
     [(seen, _)] = store.jobs.active_with_attempts()  # a tick's view: validating_files
     rec._validate_files(seen)  # the check starts on its thread

@@ -21,22 +21,8 @@ from service.serving.deployments import (
     target_of,
 )
 from service.serving.generation import _TextStream
-from service.settings import ServeSettings, Settings
-from service.store import Store
+from service.settings import ServeSettings
 from tests.service.test_store import add_job
-
-
-@pytest.fixture
-def env(tmp_path):
-    from tests.tiny import make_tiny_llama
-
-    settings = Settings(data_dir=tmp_path, db_url=f"sqlite:///{tmp_path / 's.db'}", tokens={})
-    settings.ensure_dirs()
-    make_tiny_llama(settings.models_dir / "tiny-llama")
-    store = Store(settings.db_url)
-    store.migrate()
-    yield settings, store
-    store.close()
 
 
 class FakeDashboard:

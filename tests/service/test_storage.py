@@ -19,19 +19,6 @@ from service.store import Store
 from tests.service.test_store import add_job
 
 
-@pytest.fixture
-def env(tmp_path):
-    from tests.tiny import make_tiny_llama
-
-    settings = Settings(data_dir=tmp_path, db_url=f"sqlite:///{tmp_path / 's.db'}", tokens={})
-    settings.ensure_dirs()
-    make_tiny_llama(settings.models_dir / "tiny-llama")
-    store = Store(settings.db_url)
-    store.migrate()
-    yield settings, store
-    store.close()
-
-
 def _ended_long_ago(store: Store, job_id: str, days: float) -> None:
     from sqlalchemy import update
 
