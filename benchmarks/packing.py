@@ -49,8 +49,10 @@ def _layouts(model_dir: Path, data: Path, seq_len: int | None):
     """(tokenizer, seq_len, {layout: Encoded}) of the data as a job lays it out."""
     from transformers import AutoTokenizer
 
-    from service.data.datasets import read_examples, to_rows, tokenize
+    from service.data.datasets import read_examples
     from service.data.packing import pack
+    from service.data.rows import to_rows
+    from service.data.tokens import tokenize
     from service.spec import auto
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -59,7 +61,7 @@ def _layouts(model_dir: Path, data: Path, seq_len: int | None):
         raise ValueError(f"{data}: packing applies to chat or completion examples, not {fmt}")
     tokenized = tokenize(tok, fmt, examples)
     if seq_len is None:
-        seq_len = auto.seq_len(max(len(ids) for ids, _ in tokenized), 1 << 15)
+        seq_len = auto.seq_len(tokenized.longest, 1 << 15)
     return (
         tok,
         seq_len,
@@ -90,16 +92,17 @@ def loss_agreement(model_dir: Path, packed: Any, examples: int) -> dict[str, Any
             n = int(packed.lengths[r])
             pos = packed.position_ids[r, :n].tolist()
             starts = [i for i, p in enumerate(pos) if p == 0] + [n]
-            row = {k: getattr(packed, k)[r : r + 1] for k in ("input_ids", "position_ids")}
+            # rows are stored int32 (`service.data.rows`); the model takes int64
+            row = {k: getattr(packed, k)[r : r + 1].long() for k in ("input_ids", "position_ids")}
             logits = model(**row, use_cache=False).logits[0]
             for a, b in itertools.pairwise(starts):
                 if seen >= examples:
                     break
-                tg = packed.labels[r, a + 1 : b]
+                tg = packed.labels[r, a + 1 : b].long()
                 keep = tg != IGNORE
                 if not keep.any():
                     continue
-                alone = model(input_ids=packed.input_ids[r : r + 1, a:b]).logits[0, :-1]
+                alone = model(input_ids=packed.input_ids[r : r + 1, a:b].long()).logits[0, :-1]
                 ce = torch.nn.functional.cross_entropy
                 got = ce(logits[a : b - 1][keep].double(), tg[keep]).item()
                 want = ce(alone[keep].double(), tg[keep]).item()
@@ -141,8 +144,8 @@ def run(
             order = [PADDED, PACKED] if i % 2 == 0 else [PACKED, PADDED]
             for name in order:
                 enc, idx = layouts[name], batches[name][i]
-                pos = enc.position_ids[idx] if enc.position_ids is not None else None
-                rows = Rows(enc.input_ids[idx], enc.labels[idx], pos)
+                pos = enc.position_ids[idx].long() if enc.position_ids is not None else None
+                rows = Rows(enc.input_ids[idx].long(), enc.labels[idx].long(), pos)
                 gc.collect()
                 t0 = time.perf_counter()
                 sums = objective.train_step(engine, rows, micro_batches=1)

@@ -79,6 +79,16 @@ def _group(proc: Any, api_pid: int) -> tuple[str, str] | None:
     return None
 
 
+def _anon(pid: int) -> int:
+    """A process's anonymous resident memory (its heap), in bytes: what resident memory
+    counts beside the pages of files it maps, which the kernel can drop and read again."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class Sampler:
     """The resident memory of each group, summed, every `every` seconds."""
 
@@ -100,6 +110,8 @@ class Sampler:
                     out[g[0]] += rss
                     if g[0] == "head":  # which of Ray's processes, summed by kind
                         out[f"head:{g[1]}"] = out.get(f"head:{g[1]}", 0) + rss
+                    if g[0] == "task":  # its own memory, without the files it maps
+                        out["task:anon"] = out.get("task:anon", 0) + _anon(p.pid)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return out
@@ -208,8 +220,10 @@ def run(
     table.add_column("s")
     for g in GROUPS:
         table.add_column(f"{g} +MiB")
+    table.add_column("task heap +MiB")
     for p in phases:
-        table.add_row(p["phase"], str(p["s"]), *(str(p[g]) for g in GROUPS))
+        heap = str(p.get("task:anon", ""))
+        table.add_row(p["phase"], str(p["s"]), *(str(p[g]) for g in GROUPS), heap)
     console.print(table)
     console.print(f"the job: {ended}; the dry run read {report['data'].get('sampled')}")
     out = {
@@ -223,6 +237,7 @@ def run(
         "head_growth_mb": max(p["head"] for p in phases),
         "driver_peak_mb": max(p["driver"] for p in phases),
         "task_growth_mb": max(p["task"] for p in phases),
+        "task_heap_growth_mb": max(p.get("task:anon", 0.0) for p in phases),
         **machine("fp32"),
         "load_before": load_before,
     }

@@ -45,13 +45,15 @@ from service.store.status import JobStatus
 log = logging.getLogger("pstar.driver")
 
 
+ROWS_LAYOUT = "npy-int32"  # `service.data.rows`: rows written by older code are made again
+
+
 def _data_file(settings: Settings, job: Job, train: File | View, valid: File | View | None) -> Path:
-    key = hashlib.sha256(
-        json.dumps(
-            [train.sha256, valid.sha256 if valid else None, job.plan], sort_keys=True
-        ).encode()
-    ).hexdigest()[:16]
-    return settings.job_dir(job.id) / "data" / f"rows-{key}.pt"
+    """The directory of the job's rows: named by what they are made from, so a new
+    attempt reuses them."""
+    made_of = [train.sha256, valid.sha256 if valid else None, job.plan, ROWS_LAYOUT]
+    key = hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
+    return settings.job_dir(job.id) / "data" / f"rows-{key}"
 
 
 PrepareFiles = Callable[[JobSpec, Path, Path | None, Path, Path], dict[str, Any]]

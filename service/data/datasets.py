@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,35 +290,49 @@ def decode_line(raw: bytes, first: bool) -> str:
     return line.removeprefix("\ufeff") if first else line
 
 
-def read_examples(path: Path, limit: int | None = None) -> tuple[str, list[Any]]:
-    """(format, examples) of a valid file; raises `DataError` on the first bad line. With
-    `limit`, only the first `limit` examples are read and checked (a bounded sample: the
-    dry run's), and the rest of the file is never opened."""
+def check_examples(path: Path, limit: int | None = None) -> str:
+    """The format of a valid file; raises `DataError` on its bad lines. With `limit`, only
+    the first `limit` examples are checked (a bounded sample: the dry run's), and the rest
+    of the file is never read. Reads line by line: nothing of the file is kept."""
     if limit is None:
-        lines: Iterator[bytes] = iter_lines(path)
         check = check_file(path)
     else:
-        sample = list(itertools.islice(_nonblank(iter_lines(path)), limit))
         v = LineValidator()
-        for raw in sample:
+        for raw in itertools.islice(_nonblank(iter_lines(path)), limit):
             v.feed(raw)
-        check, lines = v.check, iter(sample)
+        check = v.check
     if not check.ok:
         raise DataError(f"{path.name}: {check.summary()}")
-    fmt = check.format or "text"
-    out: list[Any] = []
+    return check.format or "text"
+
+
+def iter_examples(path: Path, limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """The examples of a file `check_examples` passed, parsed one line at a time as they
+    are read (a plain text line is `{"text": line}`); with `limit`, the first `limit`."""
     plain = None
-    for i, raw in enumerate(lines):
+    left = limit
+    for i, raw in enumerate(iter_lines(path)):
         line = decode_line(raw, first=i == 0)
         if not line.strip():
             continue
+        if left is not None:
+            if left == 0:
+                return
+            left -= 1
         if plain is None:
             plain = not line.lstrip().startswith("{")
-        out.append({"text": line} if plain else json.loads(line))
-    return fmt, out
+        yield {"text": line} if plain else json.loads(line)
+
+
+def read_examples(path: Path, limit: int | None = None) -> tuple[str, list[Any]]:
+    """(format, examples) of a valid file, all in memory (small files: tests, benchmarks);
+    data preparation streams them instead (`iter_examples`)."""
+    fmt = check_examples(path, limit)
+    return fmt, list(iter_examples(path, limit))
 
 
 def _nonblank(lines: Iterator[bytes]) -> Iterator[bytes]:
+    """Lines with something on them (a line of spaces is blank: it holds no example)."""
     return (raw for raw in lines if raw.strip())
 
 
@@ -420,84 +434,23 @@ def _agreeing_chars(a: str, b: str) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-def tokenize(
-    tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]]
-) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) of every chat or completion example, uncut."""
-    ensure_chat_template(tokenizer)
-    return [example_tokens(tokenizer, fmt, ex) for ex in examples]
-
-
-def cut_examples(
-    tokenized: list[tuple[list[int], list[int]]], seq_len: int
-) -> tuple[list[tuple[list[int], list[int]]], Encoded]:
-    """The examples cut to `seq_len` (those with nothing left to train on dropped), and an
-    `Encoded` with the counts (its rows still empty: `to_rows` or `packing.pack` fill them)."""
-    out = Encoded(torch.empty(0), torch.empty(0))
-    kept = []
-    for ids, mask in tokenized:
-        out.examples += 1
-        out.longest = max(out.longest, len(ids))
-        if len(ids) > seq_len:
-            out.truncated += 1
-            ids, mask = ids[:seq_len], mask[:seq_len]
-        # the first position predicts nothing (labels shift by one inside the model)
-        if not any(mask[1:]):
-            out.dropped += 1
-            continue
-        out.tokens += len(ids)
-        out.loss_tokens += sum(mask[1:])
-        kept.append((ids, mask))
-    return kept, out
-
-
-def pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return 0 if pad is None else pad
-
-
-def to_rows(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> Encoded:
-    """Right-padded rows of `seq_len` with labels, one example each; cut and dropped
-    examples counted."""
-    pad = pad_id(tokenizer)
-    kept, out = cut_examples(tokenized, seq_len)
-    rows, labels, lengths = [], [], []
-    for ids, mask in kept:
-        n_pad = seq_len - len(ids)
-        lengths.append(len(ids))
-        rows.append(ids + [pad] * n_pad)
-        labels.append(
-            [t if m else IGNORE for t, m in zip(ids, mask, strict=True)] + [IGNORE] * n_pad
+def pair_tokens(tokenizer: Any, ex: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """A preference pair's two answers, each after the prompt as a chat example that trains
+    on the answer only (earlier assistant turns of the prompt are context): the preferred
+    answer's (ids, loss mask), then the other's."""
+    prompt = [
+        {
+            "role": m["role"],
+            "content": m["content"],
+            **({"weight": 0} if m["role"] == "assistant" else {}),
+        }
+        for m in ex["input"]["messages"]
+    ]
+    return [
+        example_tokens(
+            tokenizer,
+            "chat",
+            {"messages": [*prompt, {"role": "assistant", "content": ex[k][0]["content"]}]},
         )
-    out.input_ids = torch.tensor(rows, dtype=torch.long).view(-1, seq_len)
-    out.labels = torch.tensor(labels, dtype=torch.long).view(-1, seq_len)
-    out.lengths = torch.tensor(lengths, dtype=torch.long)
-    return out
-
-
-def encode(tokenizer: Any, fmt: str, examples: Iterable[dict[str, Any]], seq_len: int) -> Encoded:
-    """Rows of `seq_len` tokens with labels (see the module docstring for the layout)."""
-    if fmt == "text":
-        return _encode_text(tokenizer, [ex["text"] for ex in examples], seq_len)
-    return to_rows(tokenizer, tokenize(tokenizer, fmt, examples), seq_len)
-
-
-def _encode_text(tokenizer: Any, docs: list[str], seq_len: int) -> Encoded:
-    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    ids: list[int] = []
-    longest = 0
-    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.extend(eos)
-        longest = max(longest, len(enc) + len(eos))
-    n = len(ids) // seq_len
-    rows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-    return Encoded(
-        rows,
-        rows.clone(),
-        torch.full((n,), seq_len, dtype=torch.long),
-        examples=len(docs),
-        tokens=n * seq_len,
-        loss_tokens=n * (seq_len - 1),
-        longest=longest,
-    )
+        for k in (PREFERRED, NON_PREFERRED)
+    ]

@@ -24,72 +24,89 @@ labels). So a packed batch's loss per example equals that of the same examples u
 from __future__ import annotations
 
 import bisect
+from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from service.data.datasets import IGNORE, Encoded, cut_examples, pad_id, to_rows
+from service.data.datasets import IGNORE
+from service.data.rows import ROW, RowWriter, counts, pad_id, pieces, place, to_rows
+from service.data.tokens import as_tokens
 
 
-def padding_share(tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> float:
+def padding_share(tokens: Any, seq_len: int) -> float:
     """The share of the row slots that would be padding with one example per row."""
-    kept, counts = cut_examples(tokenized, seq_len)
-    return 1.0 - counts.tokens / (len(kept) * seq_len) if kept else 0.0
+    t = as_tokens(tokens)
+    kept = t.kept(seq_len)
+    n = int(kept.sum())
+    return 1.0 - int(t.cut(seq_len)[kept].sum()) / (n * seq_len) if n else 0.0
 
 
-def rows(tokenizer: Any, tokenized: list[Any], seq_len: int, packed: bool) -> Encoded:
-    """The examples as rows: packed (`pack`) or one per row (`datasets.to_rows`)."""
-    return pack(tokenizer, tokenized, seq_len) if packed else to_rows(tokenizer, tokenized, seq_len)
+def rows(
+    tokenizer: Any, tokens: Any, seq_len: int, packed: bool, out: Path | None = None, split="train"
+):
+    """The examples as rows: packed (`pack`) or one per row (`rows.to_rows`)."""
+    make = pack if packed else to_rows
+    return make(tokenizer, tokens, seq_len, out, split)
 
 
-def pack(tokenizer: Any, tokenized: list[tuple[list[int], list[int]]], seq_len: int) -> Encoded:
+def pack(tokenizer: Any, tokens: Any, seq_len: int, out: Path | None = None, split="train"):
     """Rows of `seq_len` holding several examples each (best-fit decreasing, deterministic:
     ties keep the file's order), with `position_ids` restarting at every example and at the
     padding."""
-    pad = pad_id(tokenizer)
-    kept, out = cut_examples(tokenized, seq_len)
-    bins = _best_fit_decreasing([len(ids) for ids, _ in kept], seq_len)
-    ids_rows, label_rows, pos_rows, lengths = [], [], [], []
-    for members in bins:
-        ids_row: list[int] = []
-        labels: list[int] = []
-        pos: list[int] = []
-        for i in members:
-            ids, mask = kept[i]
-            ids_row += ids
-            # the first token is never a target: it would be predicted from the example
-            # before it in the row
-            targets = zip(ids[1:], mask[1:], strict=True)
-            labels += [IGNORE] + [t if m else IGNORE for t, m in targets]
-            pos += range(len(ids))
-        n = len(ids_row)
-        lengths.append(n)
-        ids_rows.append(ids_row + [pad] * (seq_len - n))
-        label_rows.append(labels + [IGNORE] * (seq_len - n))
-        pos_rows.append(pos + list(range(seq_len - n)))
-    out.input_ids = torch.tensor(ids_rows, dtype=torch.long).view(-1, seq_len)
-    out.labels = torch.tensor(label_rows, dtype=torch.long).view(-1, seq_len)
-    out.position_ids = torch.tensor(pos_rows, dtype=torch.long).view(-1, seq_len)
-    out.lengths = torch.tensor(lengths, dtype=torch.long)
-    return out
+    t = as_tokens(tokens)
+    enc, cut = counts(t, seq_len), t.cut(seq_len)
+    kept = np.flatnonzero(t.kept(seq_len))
+    members, bounds = _best_fit_decreasing(cut[kept], seq_len)
+    members = kept[members]  # as examples of the file
+    n_bins = len(bounds) - 1
+    out_rows = RowWriter(out, split, n_bins, (seq_len,), positions=True)
+    pad, counting = pad_id(tokenizer), np.arange(seq_len, dtype=ROW)
+    for piece in pieces(np.arange(n_bins)):
+        ids = np.full((len(piece), seq_len), pad, ROW)
+        labels = np.full((len(piece), seq_len), IGNORE, ROW)
+        pos = np.empty((len(piece), seq_len), ROW)
+        lengths = np.empty(len(piece), ROW)
+        for r, b in enumerate(piece.tolist()):
+            at = 0
+            for k in members[bounds[b] : bounds[b + 1]].tolist():
+                n = int(cut[k])
+                # the first token is never a target: it would be predicted from the example
+                # before it in the row
+                end = at + n
+                enc.loss_tokens += place(t, k, n, ids[r, at:end], labels[r, at:end], first=False)
+                pos[r, at:end] = counting[:n]
+                at = end
+            lengths[r] = at
+            pos[r, at:] = counting[: seq_len - at]
+        out_rows.write(ids=ids, labels=labels, position_ids=pos, lengths=lengths)
+    return out_rows.finish(enc)
 
 
-def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
-    """Indices of `sizes` in bins of `capacity`: longest first, each into the bin it fills
-    most tightly (a new bin when none has room). O(n log n) with the bins' free space kept
-    sorted."""
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free slots, bin index), sorted
-    for i in order:
-        k = bisect.bisect_left(free, (sizes[i], -1))
+def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bins of `capacity` for `sizes`: longest first, each into the bin it fills most
+    tightly (a new bin when none has room). Returns the indices grouped by bin, each bin's
+    in the order they went in, and where each bin starts among them (`n_bins + 1`).
+    O(n log n) with the bins' free space kept sorted, as one int per bin
+    (`free << 32 | bin`), so ties go to the earliest bin."""
+    n = len(sizes)
+    order = np.lexsort((np.arange(n), -sizes.astype(np.int64)))
+    bin_of = np.empty(n, np.int64)
+    size = sizes.tolist()
+    free: list[int] = []  # sorted
+    n_bins = 0
+    for i in order.tolist():
+        k = bisect.bisect_left(free, size[i] << 32)
         if k == len(free):
-            bins.append([i])
-            left, b = capacity - sizes[i], len(bins) - 1
+            b, left = n_bins, capacity - size[i]
+            n_bins += 1
         else:
-            left, b = free.pop(k)
-            bins[b].append(i)
-            left -= sizes[i]
+            key = free.pop(k)
+            b, left = key & 0xFFFFFFFF, (key >> 32) - size[i]
+        bin_of[i] = b
         if left > 0:
-            bisect.insort(free, (left, b))
-    return bins
+            bisect.insort(free, left << 32 | b)
+    grouped = order[np.argsort(bin_of[order], kind="stable")]
+    bounds = np.zeros(n_bins + 1, np.int64)
+    np.cumsum(np.bincount(bin_of, minlength=n_bins), out=bounds[1:])
+    return grouped, bounds

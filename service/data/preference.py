@@ -5,10 +5,10 @@
      "non_preferred_output": [{"role": "assistant", "content": "..."}]}
 
 validated line by line at upload (`service.data.datasets`, format "preference") and tokenized
-into two rows per pair: the prompt followed by the preferred answer, and the prompt
-followed by the other, each rendered with the model's chat template as a chat example
-whose only trained message is the answer (earlier assistant turns of the prompt are
-context, `"weight": 0`). The DPO loss (`service.methods.dpo_objective`) takes the
+into two rows per pair (`datasets.pair_tokens`): the prompt followed by the preferred
+answer, and the prompt followed by the other, each rendered with the model's chat template
+as a chat example whose only trained message is the answer (earlier assistant turns of the
+prompt are context, `"weight": 0`). The DPO loss (`service.methods.dpo_objective`) takes the
 log-probability of each answer's tokens, the labelled ones here.
 
 Rows: `input_ids` and `labels` of shape (pairs, 2, seq_len), the preferred answer at
@@ -17,60 +17,39 @@ index 0; a pair whose prompt leaves either answer nothing within `seq_len` is dr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from service.data.datasets import (
-    NON_PREFERRED,
-    PREFERRED,
-    Encoded,
-    cut_examples,
-    ensure_chat_template,
-    example_tokens,
-    to_rows,
-)
+from service.data.datasets import IGNORE
+from service.data.rows import ROW, RowWriter, counts, pad_id, pieces, place
+from service.data.tokens import Tokens
 
 
-def as_chat(ex: dict[str, Any], key: str) -> dict[str, Any]:
-    """The prompt and one answer as a chat example that trains on the answer only."""
-    msgs = [
-        {
-            "role": m["role"],
-            "content": m["content"],
-            **({"weight": 0} if m["role"] == "assistant" else {}),
-        }
-        for m in ex["input"]["messages"]
-    ]
-    return {"messages": [*msgs, {"role": "assistant", "content": ex[key][0]["content"]}]}
-
-
-def tokenize_pairs(tokenizer: Any, examples: list[dict[str, Any]]):
-    """[(preferred (ids, mask), non-preferred (ids, mask))] of every pair, uncut."""
-    ensure_chat_template(tokenizer)
-    return [
-        tuple(example_tokens(tokenizer, "chat", as_chat(ex, k)) for k in (PREFERRED, NON_PREFERRED))
-        for ex in examples
-    ]
-
-
-def pair_rows(tokenizer: Any, pairs: list[tuple[Any, Any]], seq_len: int) -> Encoded:
-    """Rows of shape (pairs, 2, seq_len): both answers of a pair cut to `seq_len`; a pair
-    with nothing left to train on in either is dropped (and counted)."""
-    kept_pairs, out = [], Encoded(torch.empty(0), torch.empty(0))
-    for chosen, rejected in pairs:
-        kept, counts = cut_examples([chosen, rejected], seq_len)
-        out.examples += 1
-        out.longest = max(out.longest, counts.longest)
-        out.truncated += counts.truncated > 0
-        if len(kept) < 2:
-            out.dropped += 1
-            continue
-        out.tokens += counts.tokens
-        out.loss_tokens += counts.loss_tokens
-        kept_pairs.append(kept)
-    sides = [to_rows(tokenizer, [p[i] for p in kept_pairs], seq_len) for i in (0, 1)]
-    out.input_ids = torch.stack([s.input_ids for s in sides], dim=1)
-    out.labels = torch.stack([s.labels for s in sides], dim=1)
-    out.lengths = sides[0].lengths + sides[1].lengths
-    return out
+def pair_rows(tokenizer: Any, tokens: Tokens, seq_len: int, out: Path | None = None, split="train"):
+    """Rows of shape (pairs, 2, seq_len) from `tokens` (two entries a pair:
+    `service.data.tokens.tokenize`): both answers of a pair cut to `seq_len`; a pair with
+    nothing left to train on in either is dropped (and counted)."""
+    cut, kept = tokens.cut(seq_len), tokens.kept(seq_len)
+    both = kept[0::2] & kept[1::2]
+    pairs = np.flatnonzero(both)
+    enc = counts(tokens, seq_len)
+    enc.examples = len(tokens) // 2
+    enc.truncated = int(
+        ((cut[0::2] < tokens.lengths[0::2]) | (cut[1::2] < tokens.lengths[1::2])).sum()
+    )
+    enc.dropped = enc.examples - len(pairs)
+    enc.tokens = int((cut[0::2] + cut[1::2])[both].sum())
+    rows = RowWriter(out, split, len(pairs), (2, seq_len))
+    pad = pad_id(tokenizer)
+    for piece in pieces(pairs):
+        ids = np.full((len(piece), 2, seq_len), pad, ROW)
+        labels = np.full((len(piece), 2, seq_len), IGNORE, ROW)
+        for r, p in enumerate(piece.tolist()):
+            for side in (0, 1):
+                k = 2 * p + side
+                n = int(cut[k])
+                enc.loss_tokens += place(tokens, k, n, ids[r, side], labels[r, side], first=True)
+        rows.write(ids=ids, labels=labels, lengths=cut[2 * piece] + cut[2 * piece + 1])
+    return rows.finish(enc)

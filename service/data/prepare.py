@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,13 @@ from service.data.datasets import (
     CHATML_TEMPLATE,
     DataError,
     Encoded,
-    encode,
-    read_examples,
-    tokenize,
+    check_examples,
+    iter_examples,
 )
 from service.data.packing import padding_share, rows
-from service.data.preference import pair_rows, tokenize_pairs
+from service.data.preference import pair_rows
+from service.data.rows import fresh, publish, text_rows
+from service.data.tokens import Tokens, tokenize
 from service.spec import auto
 from service.spec.job import JobSpec
 
@@ -59,8 +62,9 @@ class Prepared:
         }
 
 
-def load_tokenizer(model: dict[str, Any], fmt: str, examples: list[Any], cache: Path | None):
-    """The model's tokenizer (HF dirs), or one trained on the examples (zoo models)."""
+def load_tokenizer(model: dict[str, Any], fmt: str, examples: Iterable[Any], cache: Path | None):
+    """The model's tokenizer (HF dirs), or one trained on the examples (zoo models; read
+    as they stream by)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if model["kind"] != "zoo":
@@ -88,7 +92,7 @@ def load_tokenizer(model: dict[str, Any], fmt: str, examples: list[Any], cache: 
     return fast
 
 
-def _texts(fmt: str, examples: list[Any]):
+def _texts(fmt: str, examples: Iterable[Any]):
     for ex in examples:
         if fmt == "chat":
             yield from (m["content"] for m in ex["messages"])
@@ -118,67 +122,96 @@ def prepare(
     valid_path: Path | None,
     tokenizer_cache: Path | None = None,
     sample: int | None = None,
+    out: Path | None = None,
 ) -> Prepared:
     """Tokenize the files as the spec says, deciding `seq_len` and `packing` where it
     leaves them "auto"; raises `DataError` for unusable data.
+
+    The files stream: each line is parsed and tokenized as it is read, the tokens go to
+    flat int32 buffers (`service.data.tokens`), and the rows are made in pieces
+    (`service.data.rows`), into `.npy` files under `out` when it is given (a job's
+    preparation: memory holds a few bytes per example, the tokens wait on disk beside
+    `out`) or into memory.
 
     With `sample`, only the first `sample` examples of each file are read (the dry run's
     bounded look, in the API process): what is decided and counted is the sample's, and the
     step count is scaled to the whole training file's examples (`sampled` says by how much).
     The job itself prepares the whole files (`service.control.driver`)."""
-    fmt, train_ex = read_examples(train_path, limit=sample)
+    fmt = check_examples(train_path, limit=sample)
     method = spec.training_method
     if not method.takes(fmt):
         raise DataError(_method_format_mismatch("training file", fmt, method))
+    vfmt = check_examples(valid_path, limit=sample) if valid_path is not None else None
+    if vfmt is not None and not method.takes(vfmt):
+        raise DataError(_method_format_mismatch("validation file", vfmt, method))
     model = spec.model.model_dump()
-    tok = load_tokenizer(model, fmt, train_ex, tokenizer_cache)
+    tok = load_tokenizer(model, fmt, iter_examples(train_path, sample), tokenizer_cache)
     hp = spec.hyperparameters
-    seq_len = hp.seq_len
-    limit = max_positions(model)
-    tokenized = _tokenized(tok, fmt, train_ex)
-    if seq_len == "auto":
-        longest = max((_longest(fmt, t) for t in tokenized), default=16) if tokenized else 256
-        seq_len = auto.seq_len(longest, limit)
-    if seq_len > limit:
-        raise DataError(f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions")
-    asked = hp.packing  # pairs are never packed
-    examples = tokenized if fmt in ("chat", "completion") else None  # None: never packed
-    packing: dict[str, Any] = {"requested": asked, "packed": False}
-    if examples is not None:
-        share = padding_share(examples, seq_len)
-        packing.update(packed=auto.packing(asked, share), padding_share_unpacked=round(share, 4))
-    packed = packing["packed"]
-    train = _rows(tok, fmt, train_ex, tokenized, seq_len, packed)
-    if train.input_ids.shape[0] == 0 and fmt == "text":
-        # text rows are full cuts of the concatenated documents: a short text fills none
-        raise DataError(
-            f"no training rows: the text is shorter than one row of seq_len {seq_len} "
-            "tokens; lower hyperparameters.seq_len or add text"
-        )
-    if train.input_ids.shape[0] == 0:
-        raise DataError(
-            f"no training rows: {train.dropped} example(s) had nothing left to train on "
-            f"within seq_len {seq_len}; raise hyperparameters.seq_len"
-        )
-    valid = None
-    if valid_path is not None:
-        vfmt, valid_ex = read_examples(valid_path, limit=sample)
-        if not method.takes(vfmt):
-            raise DataError(_method_format_mismatch("validation file", vfmt, method))
-        valid = _rows(tok, vfmt, valid_ex, _tokenized(tok, vfmt, valid_ex), seq_len, packed)
-        if valid.input_ids.shape[0] == 0:
-            raise DataError("the validation file has no rows to evaluate at this seq_len")
+    work = None
+    if out is not None:  # the tokens wait beside the rows (a lost attempt's are cleared)
+        out.mkdir(parents=True, exist_ok=True)
+        work = out.with_name(out.name + ".tokens")
+        shutil.rmtree(work, ignore_errors=True)
+    try:
+        tokens = tokenize(tok, fmt, iter_examples(train_path, sample), _under(work, "train"))
+        seq_len = hp.seq_len
+        limit = max_positions(model)
+        if seq_len == "auto":
+            # text is cut into full rows, so its documents' lengths do not bound a row
+            longest = tokens.longest if fmt != "text" and len(tokens) else 256
+            seq_len = auto.seq_len(longest, limit)
+        if seq_len > limit:
+            raise DataError(
+                f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions"
+            )
+        packing: dict[str, Any] = {"requested": hp.packing, "packed": False}
+        if fmt in ("chat", "completion"):  # text is cut, pairs are never packed
+            share = padding_share(tokens, seq_len)
+            packing.update(
+                packed=auto.packing(hp.packing, share), padding_share_unpacked=round(share, 4)
+            )
+        packed = packing["packed"]
+        train = build_rows(tok, fmt, tokens, seq_len, packed, out, "train")
+        _check_train_rows(train, fmt, seq_len)
+        valid = None
+        if valid_path is not None and vfmt is not None:
+            vtokens = tokenize(tok, vfmt, iter_examples(valid_path, sample), _under(work, "valid"))
+            valid = build_rows(tok, vfmt, vtokens, seq_len, packed, out, "valid")
+            if valid.input_ids.shape[0] == 0:
+                raise DataError("the validation file has no rows to evaluate at this seq_len")
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     rows_ = train.input_ids.shape[0]
     sampled = None
     whole = spec.training_file.examples
-    if sample is not None and len(train_ex) >= sample and whole > len(train_ex):
-        sampled = {"examples": len(train_ex), "of": whole}
-        rows_ = math.ceil(rows_ * whole / len(train_ex))  # the whole file's, scaled
+    if sample is not None and train.examples >= sample and whole > train.examples:
+        sampled = {"examples": train.examples, "of": whole}
+        rows_ = math.ceil(rows_ * whole / train.examples)  # the whole file's, scaled
     per_epoch = math.ceil(rows_ / hp.batch_size)
     total = per_epoch * hp.n_epochs
     if hp.max_steps:
         total = min(total, hp.max_steps)
     return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing, sampled)
+
+
+def _under(work: Path | None, name: str) -> Path | None:
+    return work / name if work is not None else None
+
+
+def _check_train_rows(train: Encoded, fmt: str, seq_len: int) -> None:
+    if train.input_ids.shape[0] > 0:
+        return
+    if fmt == "text":
+        # text rows are full cuts of the concatenated documents: a short text fills none
+        raise DataError(
+            f"no training rows: the text is shorter than one row of seq_len {seq_len} "
+            "tokens; lower hyperparameters.seq_len or add text"
+        )
+    raise DataError(
+        f"no training rows: {train.dropped} example(s) had nothing left to train on "
+        f"within seq_len {seq_len}; raise hyperparameters.seq_len"
+    )
 
 
 def prepare_files(
@@ -189,16 +222,19 @@ def prepare_files(
     data_file: Path,
 ) -> dict[str, Any]:
     """A job's data preparation where it runs (a Ray task on a worker, see
-    `service.control.driver`): tokenize the whole files, write the rows to `data_file` and
-    their report beside it (`.json`), and return the report, which is small; its `error`
-    is the `DataError`'s message when the data is unusable (nothing is written then)."""
+    `service.control.driver`): tokenize the whole files as they stream, write the rows
+    under `data_file` (a directory, `service.data.rows.load_rows` reads it) and their
+    report beside it (`.json`), and return the report, which is small; its `error` is the
+    `DataError`'s message when the data is unusable (nothing is written then)."""
     import json
 
+    tmp = fresh(data_file)
     try:
-        prep = prepare(spec, train_path, valid_path, tokenizer_cache=tokenizer_cache)
+        prep = prepare(spec, train_path, valid_path, tokenizer_cache=tokenizer_cache, out=tmp)
     except DataError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
         return {"error": str(e)}
-    save_rows(data_file, prep.train, prep.valid)
+    publish(tmp, data_file)
     meta = {**prep.report(), "vocab_size": len(prep.tokenizer)}
     if prep.train.packed:
         meta["layout"] = f"packed, {meta['training_file']['examples_per_row']:.1f} examples per row"
@@ -206,9 +242,9 @@ def prepare_files(
         meta["layout"] = "a row per answer of each pair"
     else:
         meta["layout"] = "one example per row"
-    tmp = data_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, data_file.with_suffix(".json"))
+    tmp_meta = data_file.with_suffix(".json.tmp")
+    tmp_meta.write_text(json.dumps(meta))
+    os.replace(tmp_meta, data_file.with_suffix(".json"))
     return meta
 
 
@@ -220,48 +256,26 @@ def _method_format_mismatch(what: str, fmt: str, method: methods.Method) -> str:
     )
 
 
-def _tokenized(tok: Any, fmt: str, examples: list[Any]) -> list[Any] | None:
-    """(ids, mask) per example, or per pair a tuple of two; None for text (cut later)."""
+def build_rows(
+    tok: Any,
+    fmt: str,
+    tokens: Tokens,
+    seq_len: int,
+    packed: bool,
+    out: Path | None = None,
+    split: str = "train",
+) -> Encoded:
+    """A split's rows as its format lays them out (under `out` when given)."""
     if fmt == "text":
-        return None
+        return text_rows(tokens, seq_len, out, split)
     if fmt == "preference":
-        return tokenize_pairs(tok, examples)
-    return tokenize(tok, fmt, examples)
+        return pair_rows(tok, tokens, seq_len, out, split)
+    return rows(tok, tokens, seq_len, packed, out, split)
 
 
-def _longest(fmt: str, t: Any) -> int:
-    """Tokens of an example, or of the longer side of a pair."""
-    return max(len(t[0][0]), len(t[1][0])) if fmt == "preference" else len(t[0])
-
-
-def _rows(tok: Any, fmt: str, examples: list[Any], tokenized: Any, seq_len: int, packed: bool):
-    if fmt == "text":
-        return encode(tok, fmt, examples, seq_len)
-    if fmt == "preference":
-        return pair_rows(tok, tokenized, seq_len)
-    return rows(tok, tokenized, seq_len, packed)
-
-
-def save_rows(path: Path, train: Encoded, valid: Encoded | None) -> None:
-    """The rows the worker loop trains on (`service.worker.loop.run_loop` reads them), written
-    whole or not at all."""
-    import torch
-
-    out = {
-        "train_ids": train.input_ids,
-        "train_labels": train.labels,
-        "train_lengths": train.lengths,
-    }
-    if train.position_ids is not None:
-        out["train_position_ids"] = train.position_ids
-    if valid is not None:
-        out.update(valid_ids=valid.input_ids, valid_labels=valid.labels)
-        if valid.position_ids is not None:
-            out["valid_position_ids"] = valid.position_ids
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(out, tmp)
-    os.replace(tmp, path)
+def encode(tok: Any, fmt: str, examples: Iterable[dict[str, Any]], seq_len: int) -> Encoded:
+    """Examples in memory as rows of `seq_len`, one example per row (tests, `pstar train`)."""
+    return build_rows(tok, fmt, tokenize(tok, fmt, examples), seq_len, packed=False)
 
 
 def zoo_hf_config(name: str, vocab: int, seq_len: int):

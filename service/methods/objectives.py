@@ -10,7 +10,7 @@ this rank's rows (`train_step`) and what a held-out evaluation measures (`evalua
 - `service.methods.dpo_objective.DPO` (preference pairs): the sigmoid DPO loss against a
   reference policy.
 
-Rows come from the prepared data file (`service.data.prepare.save_rows`) as a `Split`; a batch
+Rows come from the prepared data (`service.data.rows.load_rows`) as a `Split`; a batch
 is `Rows`: token ids, labels and, for packed rows, the position ids that restart at each
 example (the model is then called with them and without a cache, see `service.data.packing`).
 """
@@ -80,7 +80,10 @@ class Split:
 
     def rows(self, idx: torch.Tensor, device: torch.device) -> Rows:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t[idx].to(device) if t is not None else None
+            if t is None:
+                return None
+            got = t[idx]  # token ids and labels are stored int32: the model takes int64
+            return got.to(device, dtype=None if got.is_floating_point() else torch.long)
 
         return Rows(*(pick(t) for t in (self.ids, self.labels, self.position_ids, self.reference)))
 

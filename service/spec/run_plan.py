@@ -47,7 +47,7 @@ class RunPlan(BaseModel):
     checkpoint_every: int  # 0: at the end only
     checkpoints_to_keep: int = CHECKPOINTS_TO_KEEP
     seed: int = 0
-    data_file: str  # the prepared rows (`service.data.prepare.save_rows`)
+    data_file: str  # the prepared rows (`service.data.rows`)
     export_dir: str | None = None  # where the trained model goes (Hugging Face files)
     tokenizer_dir: str | None = None  # a tokenizer the export carries (a zoo model's)
     resume_from: str | None = None  # the newest checkpoint an earlier attempt reported

@@ -4,7 +4,7 @@ A service job (`service.worker.finetune.train_func` on N Ray Train workers) and 
 (one process, or N Ray Train workers: `service.worker.train_local`,
 `service.worker.ray_train`) differ
 only in what they hand it: where the rows come from (`run.data_file`, written by
-`service.data.prepare.save_rows`), whom it tells (a `Sink`: the store's `Reporter`, or
+`service.data.rows`, mapped), whom it tells (a `Sink`: the store's `Reporter`, or
 `service.worker.runlog.RunLog` for files and the CLI) and where checkpoints go (a `Checkpoints`:
 Ray Train's registry, or a directory). The data path, the metrics (names and meanings),
 the FLOPs formula, evaluation, checkpoint contents and resume are this module's, once.
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from service import methods
 from service.adapters import adapter_dir
+from service.data.rows import load_rows
 from service.methods.objectives import Split, all_sum
 from service.spec.run_plan import RunPlan
 from service.worker.early_stopping import EarlyStopping
@@ -257,7 +258,7 @@ class RunLoop:
     ) -> None:
         self.run_, self.engine, self.rank, self.world = run, engine, rank, world
         self.rep, self.checkpoints, self.name = rep, checkpoints, name
-        data = torch.load(run.data_file, weights_only=True)
+        data = load_rows(run.data_file)
         self.train, self.valid = Split.of(data, "train"), Split.of(data, "valid")
         self.batch, self.total = run.hyperparameters.batch_size, run.total_steps
         self.micro_batches = run.hyperparameters.micro_batches

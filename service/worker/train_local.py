@@ -25,8 +25,9 @@ from pstar_core.checkpoint import META
 from pstar_core.config import ConfigError
 from pstar_core.models import GPT, get_config
 from service import methods
-from service.data.datasets import Encoded, encode
-from service.data.prepare import save_rows
+from service.data.datasets import Encoded
+from service.data.prepare import encode
+from service.data.rows import save_rows
 from service.data.text import read_text, train_tokenizer
 from service.spec import auto
 from service.spec.run_plan import RunHyperparameters, RunPlan
@@ -56,7 +57,7 @@ def prepare_spec_run(spec: TrainSpec, phase: Callable[[str], None] = lambda _m: 
     loop = spec.train
     train = _cut(rows, 0, n - n_held)
     valid = _cut(rows, n - n_held, min(n, n - n_held + loop.eval_batches * loop.batch_size))
-    data_file = run_dir / "data" / "rows.pt"
+    data_file = run_dir / "data" / "rows"
     save_rows(data_file, train, valid)
     run = RunPlan(
         model={"spec": spec.model, "vocab_size": len(tok)},

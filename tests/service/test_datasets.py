@@ -21,9 +21,9 @@ from service.data.datasets import (
     FileCheck,
     LineValidator,
     check_file,
-    encode,
     read_examples,
 )
+from service.data.prepare import encode
 
 X = IGNORE
 VOCAB = [
@@ -505,28 +505,23 @@ def test_hf_chat_labels_match_the_hand_rendered_conversation(tiny_llama):
 def test_hf_model_loss_is_the_cross_entropy_of_the_unmasked_positions_only(tiny_llama):
     tok, model = tiny_llama
     enc = encode(tok, "chat", [ex for ex, _ in HF_CHATS], HF_SEQ_LEN)
+    ids, labels = enc.input_ids.long(), enc.labels.long()  # rows are stored int32
     with torch.no_grad():
-        out = model(input_ids=enc.input_ids, labels=enc.labels)
+        out = model(input_ids=ids, labels=labels)
     logits = out.logits.float()
 
     # position p is predicted by the logits at p - 1
     _, want_labels = hand_rows(tok)
     trained = [(b, p) for b, row in enumerate(want_labels) for p, t in enumerate(row) if t != X]
     by_hand = torch.stack(
-        [
-            torch.nn.functional.cross_entropy(logits[b, p - 1], enc.input_ids[b, p])
-            for b, p in trained
-        ]
+        [torch.nn.functional.cross_entropy(logits[b, p - 1], ids[b, p]) for b, p in trained]
     ).mean()
     assert torch.allclose(out.loss, by_hand, rtol=1e-5, atol=1e-6)
 
     # the masked tokens really would change the loss: this test notices if they leak in
     every_real = [(b, p) for b, n in enumerate(enc.lengths.tolist()) for p in range(1, n)]
     leaked = torch.stack(
-        [
-            torch.nn.functional.cross_entropy(logits[b, p - 1], enc.input_ids[b, p])
-            for b, p in every_real
-        ]
+        [torch.nn.functional.cross_entropy(logits[b, p - 1], ids[b, p]) for b, p in every_real]
     ).mean()
     assert abs(leaked.item() - out.loss.item()) > 1e-2
     assert enc.loss_tokens == len(trained)

@@ -82,12 +82,13 @@ def test_a_bad_preference_line_is_refused_with_its_number_and_reason(obj, says):
 def test_a_pair_trains_only_on_each_answer(tmp_path):
     from transformers import AutoTokenizer
 
-    from service.data.preference import pair_rows, tokenize_pairs
+    from service.data.preference import pair_rows
+    from service.data.tokens import tokenize
     from tests.tiny import make_tiny_llama
 
     tok = AutoTokenizer.from_pretrained(make_tiny_llama(tmp_path / "m"))
     ex = pair("What does apple mean?", "apple is a word", "a river")
-    enc = pair_rows(tok, tokenize_pairs(tok, [ex]), 48)
+    enc = pair_rows(tok, tokenize(tok, "preference", [ex]), 48)
     assert enc.input_ids.shape == (1, 2, 48)
     for side, answer in ((0, "apple is a word"), (1, "a river")):
         labels = enc.labels[0, side]

@@ -228,7 +228,8 @@ def exported_valid_loss(serve, job_id: str) -> float:
     model = AutoModelForCausalLM.from_pretrained(
         serve.data_dir / "models" / ".ft" / job_id, dtype=torch.float32
     ).eval()
-    rows = Rows(v.input_ids, v.labels, v.position_ids)
+    pos = v.position_ids.long() if v.position_ids is not None else None
+    rows = Rows(v.input_ids.long(), v.labels.long(), pos)  # stored int32
     with torch.no_grad():
         out = model(**rows.model_inputs())
     return float(out.loss)

@@ -11,8 +11,9 @@ import random
 import pytest
 import torch
 
-from service.data.datasets import IGNORE, to_rows
+from service.data.datasets import IGNORE
 from service.data.packing import pack, padding_share
+from service.data.rows import to_rows
 from service.spec import auto
 from service.spec.auto import AUTO_PADDING_SHARE
 
@@ -123,7 +124,7 @@ def per_example_losses(logits: torch.Tensor, labels: torch.Tensor, starts) -> li
     (row, first position, end) of each example in the batch."""
     out = []
     for r, a, b in starts:
-        lg, tg = logits[r, a : b - 1], labels[r, a + 1 : b]
+        lg, tg = logits[r, a : b - 1], labels[r, a + 1 : b].long()  # rows are int32
         keep = tg != IGNORE
         out.append(torch.nn.functional.cross_entropy(lg[keep].double(), tg[keep]).item())
     return out
@@ -181,7 +182,7 @@ def test_the_engine_trains_packed_rows_with_the_loss_of_the_examples_alone():
     """One step through the engine (supervised objective) on packed rows: its loss is the
     token-weighted mean of the examples' losses alone, as plain transformers gives them."""
     import pstar_core
-    from service.methods.objectives import Rows, Supervised
+    from service.methods.objectives import Split, Supervised
 
     ex = examples(12, seed=2, vocab=96, longest=20)
     enc = pack(Tok(), ex, 48)
@@ -191,7 +192,7 @@ def test_the_engine_trains_packed_rows_with_the_loss_of_the_examples_alone():
         for r, a, b in spans(enc):
             ids = example_of(enc, r, a, b)
             logits = model(input_ids=torch.tensor([ids])).logits
-            tg = enc.labels[r, a + 1 : b]
+            tg = enc.labels[r, a + 1 : b].long()
             keep = tg != IGNORE
             want_sum += torch.nn.functional.cross_entropy(
                 logits[0, :-1][keep].double(), tg[keep], reduction="sum"
@@ -199,10 +200,11 @@ def test_the_engine_trains_packed_rows_with_the_loss_of_the_examples_alone():
             want_count += int(keep.sum())
     cfg = {"dtype": "fp32", "chunk_size": 4096, "optimizer": {"lr": 1e-3}}
     # the engine takes the model's own weights into its chunks
+    # the worker's path: a `Split`'s rows, widened to int64 (`Split.rows`)
+    split = Split(enc.input_ids, enc.labels, enc.lengths, enc.position_ids)
     with pstar_core.initialize(lambda: model.train(), cfg) as engine:
-        sums = Supervised().train_step(
-            engine, Rows(enc.input_ids, enc.labels, enc.position_ids), micro_batches=1
-        )
+        rows = split.rows(torch.arange(len(split)), engine.device)
+        sums = Supervised().train_step(engine, rows, micro_batches=1)
     assert sums["count"] == want_count
     # as above: the same fp32 terms along another attention path, a few ulp each
     assert sums["loss_sum"] / sums["count"] == pytest.approx(want_sum / want_count, rel=1e-5)
