@@ -8,6 +8,7 @@ from __future__ import annotations
 from pstar_core.chunk import ChunkType, IllegalTransition, TensorState
 from pstar_core.config import ConfigError, EngineConfig
 from pstar_core.engine import Engine, initialize
+from pstar_core.optim import StepHyper
 
 __all__ = [
     "ChunkType",
@@ -15,6 +16,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "IllegalTransition",
+    "StepHyper",
     "TensorState",
     "initialize",
 ]

@@ -34,7 +34,7 @@ from pstar_core.hooks import install_hooks, operator_slots, saved_tensor_hooks
 from pstar_core.manager import ChunkManager, TrainingPhase
 from pstar_core.mapping import Plan, make_plan
 from pstar_core.materialize import WeightSource, materialize
-from pstar_core.optim import ChunkAdamW, LossScaler, lr_factor, resolve_groups
+from pstar_core.optim import ChunkAdamW, LossScaler, StepHyper, lr_factor, resolve_groups
 from pstar_core.precision import resolve as resolve_precision
 from pstar_core.spans import Span, stand_in
 from pstar_core.tensors import ModelTensors
@@ -238,14 +238,16 @@ class Engine:
             self.manager.release_all(TensorState.HOLD)
             self.manager.finish_backward()
 
-    def step(self) -> bool:
-        """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow."""
+    def step(self, hyper: StepHyper | None = None) -> bool:
+        """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow.
+        `hyper` gives this step's learning rate, betas, eps and weight decay instead of the
+        config and its schedule (a loop that sets them per step, as Tinker's `optim_step`)."""
         self._check_open()
         with self._guard.on_error():
             self.manager.phase = TrainingPhase.STEP
-            return self._step()
+            return self._step(hyper)
 
-    def _step(self) -> bool:
+    def _step(self, hyper: StepHyper | None = None) -> bool:
         opt = self.optimizer
         opt.fold_grads()
         if self.zero.enabled:
@@ -270,8 +272,8 @@ class Engine:
             if clip is not None:
                 norm = math.sqrt(norm_sq) * inv_scale
                 coef = min(1.0, clip / (norm + 1e-6))
-        opt.step(inv_scale * coef)
-        self.excluded.step(inv_scale * coef, opt.lr_scale)
+        opt.step(inv_scale * coef, hyper)
+        self.excluded.step(inv_scale * coef, opt.lr_scale, hyper)
         self.scaler.update(overflow=False)
         self.global_step += 1
         opt.lr_scale = lr_factor(self.config.scheduler, self.global_step)

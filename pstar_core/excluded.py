@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pstar_core.config import EngineConfig
-from pstar_core.optim import GroupHyper
+from pstar_core.optim import GroupHyper, StepHyper
 
 
 class ExcludedParams:
@@ -76,7 +76,7 @@ class ExcludedParams:
                 foreach=False,
             )
             for group, g in zip(self.optimizer.param_groups, by_group, strict=True):
-                group["base_lr"] = self.groups[g].lr
+                group["hyper"] = self.groups[g]
 
     def grad_norm_sq(self) -> float:
         return sum(float(p.grad.double().square().sum()) for p in self.params if p.grad is not None)
@@ -93,15 +93,21 @@ class ExcludedParams:
         for p in self.params:
             p.grad = None
 
-    def step(self, grad_scale: float, lr_scale: float) -> None:
+    def step(self, grad_scale: float, lr_scale: float, hyper: StepHyper | None = None) -> None:
+        """torch's AdamW on the fp32 masters, with the chunks' settings for this step
+        (`ChunkAdamW.step`: the config's under its schedule, or `hyper`'s)."""
         if self.optimizer is None:
             return
         for p in self.params:
             master = self.masters.get(id(p))
             if master is not None:
                 master.grad = None if p.grad is None else p.grad.float() * grad_scale
+        opt = hyper or self.cfg.optimizer
         for group in self.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * lr_scale
+            group["lr"], group["weight_decay"] = group["hyper"].at(
+                self.cfg.optimizer.lr, hyper, lr_scale
+            )
+            group["betas"], group["eps"] = tuple(opt.betas), opt.eps
         self.optimizer.step()
         with torch.no_grad():
             for p in self.params:

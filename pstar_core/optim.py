@@ -26,6 +26,33 @@ class GroupHyper:
 
     lr: float
     weight_decay: float
+    decays: bool = True  # False where a no-decay rule holds (a `StepHyper`'s decay skips it)
+
+    def at(self, base_lr: float, hyper: StepHyper | None, lr_scale: float) -> tuple[float, float]:
+        """(lr, weight decay) for a step: the config's under its schedule, or `hyper`'s,
+        this group keeping its ratio to the base learning rate `base_lr`."""
+        if hyper is None:
+            return self.lr * lr_scale, self.weight_decay
+        return hyper.lr * self.lr / base_lr, hyper.weight_decay if self.decays else 0.0
+
+
+@dataclass(frozen=True)
+class StepHyper:
+    """One step's AdamW settings given by the caller, in place of the config's and its
+    schedule's: a user's own loop that sets them per step (Tinker's `optim_step` with its
+    `AdamParams`). `lr` is the base group's (others keep their ratio to it); the weight
+    decay applies where the config's no-decay rules do not exclude it."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0):
+            raise ValueError(f"AdamW settings out of range: {self}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"AdamW betas must each be in [0, 1), got {self.betas}")
 
 
 def resolve_groups(
@@ -39,15 +66,16 @@ def resolve_groups(
     overrides = [(re.compile(g.pattern), g) for g in opt.param_groups]
     assignment = []
     for name, ndim in zip(names, ndims, strict=True):
-        lr, wd = opt.lr, opt.weight_decay
+        lr, wd, decays = opt.lr, opt.weight_decay, True
         if (opt.no_decay_1d and ndim < 2) or any(p.search(name) for p in no_decay):
-            wd = 0.0
+            wd, decays = 0.0, False
         for pat, g in overrides:
             if pat.search(name):
                 lr = g.lr if g.lr is not None else lr
-                wd = g.weight_decay if g.weight_decay is not None else wd
+                if g.weight_decay is not None:
+                    wd, decays = g.weight_decay, g.weight_decay > 0
                 break
-        h = GroupHyper(lr, wd)
+        h = GroupHyper(lr, wd, decays)
         if h not in index:
             index[h] = len(groups)
             groups.append(h)
@@ -149,28 +177,35 @@ class ChunkAdamW:
             total += float(on_device.item())
         return total
 
-    def step(self, grad_scale: float) -> None:
-        """Update every slot that has a gradient; `grad_scale` multiplies each gradient."""
+    def step(self, grad_scale: float, hyper: StepHyper | None = None) -> None:
+        """Update every slot that has a gradient; `grad_scale` multiplies each gradient;
+        `hyper` replaces the config's settings for this step."""
+        base_lr = self.cfg.optimizer.lr
         for chunk in self.manager.own_chunks([ChunkType.PARAM]):
             segs = []
             for s in chunk.slots:
                 if self._has_grad(s):
                     s.step += 1
-                    g = self.groups[s.group]
-                    segs.append(
-                        AdamSegment(s.offset, s.numel, s.step, g.lr * self.lr_scale, g.weight_decay)
-                    )
+                    lr, wd = self.groups[s.group].at(base_lr, hyper, self.lr_scale)
+                    segs.append(AdamSegment(s.offset, s.numel, s.step, lr, wd))
             if not segs:
                 continue
             i = chunk.index
             self.manager.prepare_adam(i)
             with profiled("pstar::adam"):
-                self._adam(i, chunk, segs, grad_scale)
+                self._adam(i, chunk, segs, grad_scale, hyper)
             self.manager.adam_done(i)
         self.end_step()
 
-    def _adam(self, i: int, chunk: Chunk, segs: list[AdamSegment], grad_scale: float) -> None:
-        opt, lists = self.cfg.optimizer, self.manager.lists
+    def _adam(
+        self,
+        i: int,
+        chunk: Chunk,
+        segs: list[AdamSegment],
+        grad_scale: float,
+        hyper: StepHyper | None = None,
+    ) -> None:
+        opt, lists = hyper or self.cfg.optimizer, self.manager.lists
         adamw_(
             lists[ChunkType.PARAM_FP32][i].payload,
             lists[ChunkType.MOMENTUM][i].payload,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -344,3 +346,56 @@ def test_the_engine_imports_nothing_of_the_service():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# a loop that sets AdamW's settings per step (Tinker's optim_step): they change every step
+STEP_HYPERS = [
+    pstar_core.StepHyper(lr=1e-3 * (1 + i % 3), betas=(0.9, 0.95), eps=1e-12, weight_decay=wd)
+    for i, wd in enumerate([0.0, 0.1, 0.0, 0.05, 0.1, 0.0])
+]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_per_step_adamw_settings_match_torch_adamw_given_the_same(name):
+    ref = reference_model(MODELS[name])
+    data = batches(len(STEP_HYPERS))
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "decays": True},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "decays": False},
+        ],
+        foreach=False,
+    )
+    expected = []
+    for x, h in zip(data, STEP_HYPERS, strict=True):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        for g in opt.param_groups:
+            g.update(lr=h.lr, betas=h.betas, eps=h.eps)
+            g["weight_decay"] = h.weight_decay if g["decays"] else 0.0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected.append(loss.item())
+    # the config's own settings (lr, betas, decay) must not leak into these steps
+    engine = make_engine(MODELS[name], ref, lr=0.5, wd=0.3)
+    got = []
+    for x, h in zip(data, STEP_HYPERS, strict=True):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step(h)
+        got.append(loss.item())
+    # and the last step's update, seen through one more forward (the parameters are not
+    # compared one by one: with eps 1e-12, a key bias, which gets no gradient from softmax
+    # attention, moves by rounding noise on both sides, and the loss never sees it)
+    with torch.no_grad():
+        expected.append(model(input_ids=data[0], labels=data[0]).loss.item())
+        got.append(engine(input_ids=data[0], labels=data[0]).loss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_step_settings_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="betas"):
+        pstar_core.StepHyper(lr=1e-3, betas=(0.9, 1.0), eps=1e-8)
+    with pytest.raises(ValueError, match="out of range"):
+        pstar_core.StepHyper(lr=1e-3, betas=(0.9, 0.95), eps=0.0)
