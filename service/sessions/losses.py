@@ -1,0 +1,142 @@
+"""The training primitives' losses: Tinker's `forward` and `forward_backward` on the engine.
+
+A datum is one sequence: its `tokens` (the model's input, N of them) and per-position
+inputs of the loss (`loss_fn_inputs`, each N long), with Tinker's alignment: position i
+of the input predicts `target_tokens[i]` (the caller has shifted the sequence). A call
+takes a list of them, runs them as one right-padded batch (causal attention never looks
+right, so padding changes nothing; no attention mask needed) and returns, per datum, the
+log-probability of each target token under the current weights (`logprobs`), and the
+summed loss (`loss:sum`). The losses are sums over tokens, never means, as Tinker's:
+
+- `cross_entropy`: `-(weights * logprobs).sum()` (inputs `target_tokens`, `weights`);
+- `importance_sampling`: `-(exp(logprobs - sampling_logprobs) * advantages).sum()`
+  (inputs `target_tokens`, `logprobs` (the sampler's), `advantages`);
+- `ppo`: the clipped surrogate, token by token:
+  `-min(ratio * advantages, clamp(ratio, low, high) * advantages).sum()`, the thresholds
+  from `loss_fn_config` (`clip_low_threshold` 0.8 and `clip_high_threshold` 1.2 unless
+  given).
+
+Anything else (another loss, a custom one, images) is refused by name before the engine
+runs (`Unsupported`), and malformed inputs with what was wrong (`BadInput`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+CLIP_LOW, CLIP_HIGH = 0.8, 1.2
+NEEDS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+}
+CONFIG_KEYS = {"ppo": ("clip_low_threshold", "clip_high_threshold")}
+
+
+class Unsupported(ValueError):
+    """A request for something the engine does not do; the message names it and what is."""
+
+
+class BadInput(ValueError):
+    """A malformed datum or loss input; the message says which and how."""
+
+
+@dataclass
+class Datum:
+    tokens: Sequence[int]
+    inputs: Mapping[str, Sequence[float]] = field(default_factory=dict)
+
+
+@dataclass
+class Output:
+    logprobs: list[list[float]]  # per datum, per position: log p(target_tokens[i])
+    metrics: dict[str, float]
+
+
+def check(data: Sequence[Datum], loss_fn: str, config: Mapping[str, Any] | None) -> None:
+    """Refuse what cannot run, before anything runs."""
+    if loss_fn not in NEEDS:
+        raise Unsupported(
+            f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(NEEDS)} "
+            "(custom losses run client-side through forward and cross_entropy weights)"
+        )
+    unknown = set(config or {}) - set(CONFIG_KEYS.get(loss_fn, ()))
+    if unknown:
+        takes = ", ".join(CONFIG_KEYS.get(loss_fn, ())) or "none"
+        raise BadInput(f"loss_fn_config keys {sorted(unknown)} are not used by {loss_fn}: {takes}")
+    if not data:
+        raise BadInput("no data: pass at least one datum")
+    for k, d in enumerate(data):
+        n = len(d.tokens)
+        if n == 0:
+            raise BadInput(f"data[{k}]: model_input has no tokens")
+        missing = [name for name in NEEDS[loss_fn] if name not in d.inputs]
+        if missing:
+            raise BadInput(f"data[{k}]: {loss_fn} needs loss_fn_inputs {missing}")
+        for name, values in d.inputs.items():
+            if len(values) != n:
+                raise BadInput(
+                    f"data[{k}]: loss_fn_inputs[{name!r}] has {len(values)} entries for "
+                    f"{n} input tokens (position i of the input predicts target i)"
+                )
+
+
+def run(
+    engine: Any,
+    data: Sequence[Datum],
+    loss_fn: str,
+    config: Mapping[str, Any] | None = None,
+    backward: bool = True,
+) -> Output:
+    """`forward_backward` (`backward=True`: gradients add up until the next optimizer
+    step) or `forward` over `data` (see the module docstring)."""
+    check(data, loss_fn, config)
+    lengths = [len(d.tokens) for d in data]
+    width = max(lengths)
+    device = engine.device
+
+    def padded(name: str | None, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(len(data), width, dtype=dtype)
+        for k, d in enumerate(data):
+            values = d.tokens if name is None else d.inputs[name]
+            out[k, : lengths[k]] = torch.as_tensor(values, dtype=dtype)
+        return out.to(device)
+
+    ids, targets = padded(None, torch.long), padded("target_tokens", torch.long)
+    real = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
+    vocab = getattr(getattr(engine.module, "config", None), "vocab_size", None)
+    if vocab is not None and int(torch.cat([ids, targets]).max()) >= vocab:
+        raise BadInput(f"a token id is past the model's vocabulary of {vocab}")
+    with torch.set_grad_enabled(backward):
+        logits = engine(input_ids=ids, use_cache=False).logits
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+        del logits
+        per_token = _loss(loss_fn, logp, padded, config or {}) * real
+        loss = per_token.sum()
+        if backward:
+            engine.backward(loss)
+    kept = logp.detach().cpu()
+    return Output(
+        [kept[k, :n].tolist() for k, n in enumerate(lengths)], {"loss:sum": float(loss.detach())}
+    )
+
+
+def _loss(name: str, logp: torch.Tensor, padded: Any, config: Mapping[str, Any]) -> torch.Tensor:
+    """The per-token loss of `name` (summed by the caller over the real tokens)."""
+    f32 = torch.float32
+    if name == "cross_entropy":
+        return -padded("weights", f32) * logp
+    ratio = torch.exp(logp - padded("logprobs", f32))
+    advantages = padded("advantages", f32)
+    if name == "importance_sampling":
+        return -ratio * advantages
+    low = float(config.get("clip_low_threshold", CLIP_LOW))
+    high = float(config.get("clip_high_threshold", CLIP_HIGH))
+    if not 0 < low <= 1 <= high:
+        raise BadInput(f"ppo clip thresholds must satisfy 0 < low <= 1 <= high, got {low}, {high}")
+    clipped = torch.clamp(ratio, low, high)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
