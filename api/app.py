@@ -36,8 +36,9 @@ def create_app(
 ) -> FastAPI:
     from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
-    from api.routes import admin, completions, files, jobs, models, system
+    from api.routes import admin, completions, files, jobs, models, system, tinker
     from service.serving.deployments import Serving
+    from service.sessions.runtime import Sessions
 
     ctx = Context(settings, store, launcher, JobService(settings, store, launcher))
     ctx.metrics = ApiMetrics(store)
@@ -55,6 +56,7 @@ def create_app(
         training_waiting=lambda: store.jobs.count_by_status().get("queued", 0),
     )
     ctx.backend = backend or RayServeBackend(ctx.serving)
+    ctx.sessions = Sessions(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -110,6 +112,7 @@ def create_app(
     app.include_router(models.router, prefix="/v1")
     app.include_router(completions.router, prefix="/v1")
     app.include_router(admin.router, prefix="/v1")
+    app.include_router(tinker.router)
     app.include_router(system.router)
     ui.install(app)
     _declare_plain_text_parameters(app)

@@ -71,3 +71,4 @@ class Context:
     backend: Any = None  # api.generate's backend: where a generation's events come from
     keys: Any = None  # api.auth.KeyCache: the store's API keys, as the gate asks for them
     readiness: Any = None  # (when, checks) of the last /readyz that asked the store and Ray
+    sessions: Any = None  # service.sessions.runtime.Sessions: Tinker's training sessions

@@ -27,7 +27,7 @@ from api.auth import TENANT, KeyCache, authenticate, bearer_secret, unauthorized
 from api.errors import envelope
 from service.settings import Settings
 
-KEYED = ("/v1/", "/metrics")
+KEYED = ("/v1/", "/metrics", "/api/v1/")  # the last: Tinker's routes (its SDK's X-API-Key)
 UPLOAD = ("POST", "/v1/files")
 
 
@@ -62,6 +62,8 @@ class Gate:
         headers = Headers(scope=scope)
         if path.startswith(KEYED):
             secret = bearer_secret(headers.get("authorization"))
+            if secret is None and path.startswith("/api/v1/"):
+                secret = headers.get("x-api-key") or None
             tenant, role = authenticate(self.settings, path, secret), TENANT
             if tenant is None and secret is not None and self.keys is not None:
                 tenant, role = await self.keys.lookup(secret) or (None, TENANT)

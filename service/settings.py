@@ -64,6 +64,10 @@ class Limits:
     # a request body (JSON) past this is a 413 before it is read; uploads have their own
     # limit (PSTAR_MAX_UPLOAD_BYTES) and go to disk as they arrive
     max_request_bytes: int = 8 << 20
+    # training sessions (Tinker's API): models a tenant holds at once (a 429 past it), and
+    # how long a session lives without a heartbeat or request before its models are freed
+    max_session_models_per_tenant: int = 2
+    session_idle_s: float = 600.0
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Limits:

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import fresh_database
 
 TOKENS = {"acme": "tok-acme-0123456789", "rival": "tok-rival-0123456789"}
+# the `tinker` SDK takes only keys that start with "tml-"
+TINKER_TOKENS = {"acme": "tml-acme-0123456789", "rival": "tml-rival-0123456789"}
 
 
 @dataclass
@@ -59,7 +61,7 @@ def start_api(
     settings = Settings(
         data_dir=data_dir,
         db_url=db_url,
-        tokens={tok: tenant for tenant, tok in TOKENS.items()},
+        tokens={tok: tenant for t in (TOKENS, TINKER_TOKENS) for tenant, tok in t.items()},
         max_upload_bytes=max_upload,
         **settings,
     )

@@ -1,0 +1,197 @@
+"""Tinker's training API under `/api/v1`, for the unmodified `tinker` SDK
+(`ServiceClient(base_url=<this server>, api_key=<a tenant's tml- key>)`): client config,
+sessions, capabilities, LoRA or full training models, `forward`/`forward_backward`,
+`optim_step`, and the futures their results come through (docs/sessions.md). The key
+comes in `X-API-Key` (the gate checks it before the body is read); every session, model
+and request belongs to its tenant, and another tenant's is a 404."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import responses
+from api.routes import V1_DEPENDENCIES, Ctx, Tenant
+from api.tinker_wire import forward_backward_result, read_forward_backward
+from service.errors import InvalidRequest
+from service.sessions.losses import BadInput, Unsupported
+from service.sessions.runtime import Sessions, TrainingModel, error_of
+
+router = APIRouter(
+    prefix="/api/v1",
+    tags=["training sessions (Tinker)"],
+    responses=responses(400, 401, 404),
+    dependencies=V1_DEPENDENCIES,
+)
+
+LONG_POLL_S = 25.0  # under the SDK's 45 s read timeout; it polls again at once on try_again
+PROTOBUF = "application/x-protobuf"
+# keep the SDK on plain httpx, uncompressed bodies, one poll per future, training
+# requests sent in order (docs/sessions.md)
+CLIENT_CONFIG = {
+    "use_pyqwest_transport": False,
+    "pjwt_auth_enabled": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "parallel_fwdbwd_chunks": False,
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SessionBody(_Body):
+    session_id: str
+
+
+class LoraBody(_Body):
+    rank: int = Field(32, ge=0, le=4096, description="0: every weight (full fine-tuning)")
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+class CreateModel(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraBody | None = None
+
+
+class ModelBody(_Body):
+    model_id: str
+
+
+class AdamBody(_Body):
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0)
+
+
+class OptimStep(_Body):
+    model_id: str
+    seq_id: int = Field(ge=0)
+    adam_params: AdamBody = AdamBody()
+
+
+class RetrieveFuture(_Body):
+    request_id: str
+
+
+def sessions(c: Any) -> Sessions:
+    return c.sessions  # type: ignore[no-any-return]
+
+
+def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+    return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+
+
+@router.post("/client/config")
+def client_config(_tenant: Tenant) -> dict[str, Any]:
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+def dynamic_config(_tenant: Tenant) -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.get("/get_server_capabilities")
+def capabilities(c: Ctx, _tenant: Tenant) -> dict[str, Any]:
+    return {"supported_models": sessions(c).capabilities()}
+
+
+@router.post("/telemetry")
+def telemetry(_tenant: Tenant) -> dict[str, str]:
+    return {"status": "accepted"}  # the SDK's own usage events: not kept
+
+
+@router.post("/create_session")
+def create_session(c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return {"type": "create_session", "session_id": sessions(c).create_session(tenant)}
+
+
+@router.post("/session_heartbeat")
+def heartbeat(body: SessionBody, c: Ctx, tenant: Tenant) -> dict[str, str]:
+    sessions(c).session(tenant, body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish(session_id: str, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    sessions(c).finish(tenant, session_id)
+    return {}
+
+
+@router.post("/create_model", responses=responses(429))
+def create_model(body: CreateModel, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    rid = sessions(c).create_model(
+        tenant,
+        body.session_id,
+        body.model_seq_id,
+        body.base_model,
+        body.lora_config.model_dump() if body.lora_config else None,
+    )
+    return _future(rid, f"{body.session_id}:train:{body.model_seq_id}")
+
+
+@router.post("/get_info")
+def get_info(body: ModelBody, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return sessions(c).model(tenant, body.model_id).info()
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    try:
+        call = read_forward_backward(await request.body())
+    except (BadInput, Unsupported) as e:
+        raise InvalidRequest(str(e)) from e
+    s = sessions(c)
+
+    def step(m: TrainingModel) -> bytes:
+        out = m.forward_backward(call.data, call.loss_fn, call.config, not call.forward_only)
+        return forward_backward_result(out)
+
+    kind = "forward" if call.forward_only else "forward_backward"
+    return _future(s.submit(tenant, call.model_id, call.seq_id, kind, step), call.model_id)
+
+
+@router.post("/optim_step")
+def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    rid = sessions(c).submit(
+        tenant,
+        body.model_id,
+        body.seq_id,
+        "optim_step",
+        lambda m: m.optim_step(body.adam_params.model_dump()),
+    )
+    return _future(rid, body.model_id)
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: RetrieveFuture, c: Ctx, tenant: Tenant) -> Response:
+    pending = sessions(c).future(tenant, body.request_id)
+    try:
+        result = await asyncio.wait_for(
+            asyncio.shield(asyncio.wrap_future(pending.future)), LONG_POLL_S
+        )
+    except TimeoutError:
+        return JSONResponse(
+            {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        )
+    except Exception as e:  # the request's own failure: the SDK raises it to the caller
+        sessions(c).retrieved(body.request_id)
+        return JSONResponse(error_of(e))
+    sessions(c).retrieved(body.request_id)
+    if isinstance(result, bytes):
+        return Response(result, media_type=PROTOBUF)
+    return JSONResponse(result)

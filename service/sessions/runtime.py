@@ -1,0 +1,350 @@
+"""Sessions, their training models and the futures of their requests (docs/sessions.md).
+
+A session belongs to a tenant and holds training models. A model is an engine on one of
+the base models (`service.registry.base_models`): LoRA adapters of the asked rank on the
+attention and MLP projections (and the output head with `train_unembed`), or every
+weight (rank 0: full fine-tuning, on the chunk engine's tiers). A model runs its
+requests one at a time, on its own thread, in the order of their `seq_id` (`Ordered`):
+the SDK numbers them and may submit the next before it reads the last one's result, and
+a request it sends again (its retries) gets the first one's future.
+
+Each request answers with a future id at once; its result (a JSON object, or the
+protobuf bytes of `forward_backward`) is fetched later (`Sessions.result`). Errors the
+caller can fix (`losses.BadInput`, `losses.Unsupported`) are the future's "user" errors.
+
+Here the engines live in the API process; issue 35 moves each model into a Ray actor
+group sized from the tenant's quota (see docs/sessions.md, "Not yet").
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.errors import InvalidRequest, NotFound, QuotaExceeded
+from service.registry import ModelRef, base_models
+from service.sessions.losses import BadInput, Datum, Output, Unsupported, run
+from service.settings import Limits, Settings
+
+log = logging.getLogger("pstar.sessions")
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+LORA_ALPHA = 32.0
+KEEP_READ_S = 120.0
+
+
+class Ordered:
+    """Runs callables one at a time on a thread of its own, in the order of their sequence
+    numbers from `first` on, whatever order they arrive in; a number submitted twice gets
+    the first submission's future."""
+
+    def __init__(self, name: str, first: int = 0) -> None:
+        self.next = first
+        self.futures: dict[int, Future] = {}
+        self._pending: dict[int, Callable[[], Any]] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: int, fn: Callable[[], Any]) -> Future:
+        with self._cond:
+            if seq in self.futures:
+                return self.futures[seq]
+            if seq < self.next:
+                raise InvalidRequest(f"seq_id {seq} comes before this model's next ({self.next})")
+            fut: Future = Future()
+            self.futures[seq] = fut
+            self._pending[seq] = fn
+            self._cond.notify_all()
+            return fut
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self.next not in self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                seq = self.next
+                fn = self._pending.pop(seq)
+                fut = self.futures[seq]
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to whoever asks for the result
+                fut.set_exception(e)
+            with self._cond:
+                self.next = seq + 1
+
+
+@dataclass
+class TrainingModel:
+    id: str
+    tenant: str
+    base: ModelRef
+    rank: int  # 0: full fine-tuning
+    targets: tuple[str, ...]
+    engine_config: dict[str, Any]
+    runner: Ordered
+    engine: Any = None
+    steps: int = 0
+    tokens: int = 0
+    last_loss: float | None = None
+
+    def build(self) -> dict[str, Any]:
+        import pstar_core
+
+        cfg = dict(self.engine_config)
+        if self.rank:
+            cfg["lora"] = {"r": self.rank, "alpha": LORA_ALPHA, "target_modules": self.targets}
+        if self.base.path is None:  # base_models() are HF directories; zoo models are not
+            raise InvalidRequest(f"{self.base.id} has no weights to start a session from")
+        self.engine = pstar_core.initialize(self.base.path, cfg)
+        return {"model_id": self.id, "type": "create_model"}
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, config: dict, backward: bool):
+        out: Output = run(self.engine, data, loss_fn, config, backward=backward)
+        self.tokens += sum(len(d.tokens) for d in data)
+        self.last_loss = out.metrics["loss:sum"]
+        return out
+
+    def optim_step(self, adam: dict[str, Any]) -> dict[str, Any]:
+        import pstar_core
+
+        if float(adam.get("grad_clip_norm") or 0.0) > 0:
+            raise Unsupported(
+                "adam_params.grad_clip_norm: clipping per step is not supported yet; set "
+                "it to 0 (the default)"
+            )
+        hyper = pstar_core.StepHyper(
+            lr=float(adam.get("learning_rate", 1e-4)),
+            betas=(float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
+            eps=float(adam.get("eps", 1e-12)),
+            weight_decay=float(adam.get("weight_decay", 0.0)),
+        )
+        self.engine.step(hyper)
+        self.steps += 1
+        return {"metrics": {}}
+
+    def info(self) -> dict[str, Any]:
+        arch = "unknown"
+        if self.engine is not None:
+            arch = getattr(getattr(self.engine.module, "config", None), "model_type", arch)
+        return {
+            "type": "get_info",
+            "model_id": self.id,
+            "model_data": {"arch": arch, "model_name": self.base.id, "tokenizer_id": self.base.id},
+            "is_lora": self.rank > 0,
+            "lora_rank": self.rank or None,
+            "model_name": self.base.id,
+        }
+
+
+@dataclass
+class Session:
+    id: str
+    tenant: str
+    created: float
+    last_seen: float
+    models: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Pending:
+    tenant: str
+    future: Future
+    kind: str
+    forget: Callable[[], None]  # drops the model's own reference to the result
+    retrieved_at: float | None = None
+
+
+class Sessions:
+    """Every session of this control plane, their models and their requests' futures."""
+
+    def __init__(self, settings: Settings, engine: dict[str, Any] | None = None) -> None:
+        self.settings = settings
+        self.engine_defaults: dict[str, Any] = dict(engine or {"dtype": "auto"})
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.pending: dict[str, Pending] = {}
+        self._request_ids: dict[Future, str] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def create_session(self, tenant: str) -> str:
+        self.end_idle()
+        sid = f"sess-{uuid.uuid4().hex[:16]}"
+        now = time.time()
+        with self._lock:
+            self.sessions[sid] = Session(sid, tenant, now, now)
+        return sid
+
+    def end_idle(self, now: float | None = None) -> list[str]:
+        """End the sessions not heard from in `session_idle_s` (a heartbeat or a request),
+        freeing their models; the ids of those ended."""
+        cutoff = (now or time.time()) - self.settings.limits.session_idle_s
+        idle = [s for s in list(self.sessions.values()) if s.last_seen < cutoff]
+        for s in idle:
+            log.info("session %s of %s idle since %.0f: ended", s.id, s.tenant, s.last_seen)
+            self.finish(s.tenant, s.id)
+        return [s.id for s in idle]
+
+    def session(self, tenant: str, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None or s.tenant != tenant:
+            raise NotFound("session", sid, param="session_id")
+        s.last_seen = time.time()
+        return s
+
+    def finish(self, tenant: str, sid: str) -> None:
+        s = self.sessions.get(sid)
+        if s is None or s.tenant != tenant:
+            raise NotFound("session", sid, param="session_id")
+        with self._lock:
+            self.sessions.pop(sid, None)
+            for mid in s.models:
+                m = self.models.pop(mid, None)
+                if m is not None:
+                    m.runner.close()
+                    if m.engine is not None:
+                        m.engine.close()
+
+    # -- models -----------------------------------------------------------------------
+
+    def capabilities(self) -> list[dict[str, Any]]:
+        return [
+            {"model_name": m.id, "trainable": True, "sampleable": False}
+            for m in base_models(self.settings)
+        ]
+
+    def create_model(
+        self,
+        tenant: str,
+        sid: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: dict[str, Any] | None,
+    ) -> str:
+        self.end_idle()
+        s = self.session(tenant, sid)
+        held = sum(1 for m in self.models.values() if m.tenant == tenant)
+        limit = self.settings.limits.max_session_models_per_tenant
+        if held >= limit:
+            raise QuotaExceeded(
+                f"tenant {tenant} holds {held} training models, its limit "
+                f"({Limits.var('max_session_models_per_tenant')}={limit}); end a session "
+                "(ServiceClient.close(), or stop its heartbeats) to free one",
+                code="too_many_session_models",
+            )
+        base = next((m for m in base_models(self.settings) if m.id == base_model), None)
+        if base is None:
+            known = ", ".join(m.id for m in base_models(self.settings)) or "none"
+            raise InvalidRequest(
+                f"base_model {base_model!r} is not a base model here; base models: {known}",
+                param="base_model",
+                code="model_not_found",
+            )
+        lora = lora or {}
+        rank = int(lora.get("rank", 32))
+        targets = (
+            (ATTENTION if lora.get("train_attn", True) else ())
+            + (MLP if lora.get("train_mlp", True) else ())
+            + (UNEMBED if lora.get("train_unembed", True) else ())
+        )
+        if rank < 0 or (rank and not targets):
+            raise InvalidRequest(
+                "lora_config: rank must be >= 0 (0: every weight) with something to train"
+            )
+        mid = f"{sid}:train:{model_seq_id}"
+        with self._lock:
+            if mid in self.models:
+                return self._future_of(mid, 0)
+            runner = Ordered(f"session-model-{mid}")
+            model = TrainingModel(mid, tenant, base, rank, targets, self.engine_defaults, runner)
+            self.models[mid] = model
+            s.models.append(mid)
+        return self._track(tenant, runner.submit(0, model.build), "create_model", runner, 0)
+
+    def model(self, tenant: str, mid: str) -> TrainingModel:
+        m = self.models.get(mid)
+        if m is None or m.tenant != tenant:
+            raise NotFound("model", mid, param="model_id")
+        owner = self.sessions.get(mid.split(":", 1)[0])
+        if owner is not None:
+            owner.last_seen = time.time()  # a request keeps its session alive
+        return m
+
+    def submit(
+        self, tenant: str, mid: str, seq: int, kind: str, fn: Callable[[TrainingModel], Any]
+    ) -> str:
+        m = self.model(tenant, mid)
+        existing = m.runner.futures.get(seq)
+        if existing is not None:  # the SDK sent it again (its retries): the same future
+            return self._request_ids[existing]
+        return self._track(tenant, m.runner.submit(seq, lambda: fn(m)), kind, m.runner, seq)
+
+    # -- futures ----------------------------------------------------------------------
+
+    def _track(self, tenant: str, fut: Future, kind: str, runner: Ordered, seq: int) -> str:
+        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+        def forget() -> None:
+            runner.futures.pop(seq, None)
+            self._request_ids.pop(fut, None)
+
+        with self._lock:
+            self._sweep()
+            self.pending[rid] = Pending(tenant, fut, kind, forget)
+            self._request_ids[fut] = rid
+        return rid
+
+    def _sweep(self) -> None:
+        """Drop results read more than `KEEP_READ_S` ago (the SDK polls a future again
+        only on its retries, within seconds); holding them all would keep every
+        forward_backward's log-probabilities for the session's life."""
+        cutoff = time.time() - KEEP_READ_S
+        for rid in [r for r, p in self.pending.items() if (p.retrieved_at or 1e18) < cutoff]:
+            self.pending.pop(rid).forget()
+
+    def _future_of(self, mid: str, seq: int) -> str:
+        return self._request_ids[self.models[mid].runner.futures[seq]]
+
+    def future(self, tenant: str, rid: str) -> Pending:
+        p = self.pending.get(rid)
+        if p is None or p.tenant != tenant:
+            raise NotFound("request", rid, param="request_id")
+        return p
+
+    def retrieved(self, rid: str) -> None:
+        """The result of `rid` was handed out: it is kept `KEEP_READ_S` more."""
+        p = self.pending.get(rid)
+        if p is not None and p.retrieved_at is None:
+            p.retrieved_at = time.time()
+
+
+def error_of(e: BaseException) -> dict[str, Any]:
+    """A failed request's result in the SDK's shape: the caller's mistake ("user") with
+    what to change, or ours ("server")."""
+    if isinstance(e, BadInput | Unsupported | InvalidRequest):
+        return {"error": str(e), "category": "user"}
+    log.error("a session request failed", exc_info=e)
+    return {
+        "error": f"internal error ({type(e).__name__}); see the server's log",
+        "category": "server",
+    }

@@ -1,0 +1,180 @@
+"""Training sessions through the unmodified `tinker` SDK (0.38.0) at our base_url: the
+server's capabilities, a LoRA training client on the tiny Llama (its step-0 logprobs
+against transformers'), forward_backward and optim_step in the SDK's order; tenants
+apart; what is refused. (The losses and AdamW against plain PyTorch:
+tests/service/test_session_losses.py and tests/core/test_engine.py.)"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is a dependency (pyproject)")
+
+from tests.api.conftest import TINKER_TOKENS, start_api  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, monkeypatch_module):
+    data_dir = tmp_path_factory.mktemp("tinker")
+    from service.settings import Limits
+
+    # the tests here hold a few models at once (the limit itself: test_session_runtime)
+    limits = Limits(max_session_models_per_tenant=8)
+    api, stop = start_api(data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", limits=limits)
+    api.ctx.sessions.engine_defaults["dtype"] = "fp32"  # compared with transformers in fp32
+    yield api
+    stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    yield mp
+    mp.undo()
+
+
+def client(server, tenant: str = "acme"):
+    return tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS[tenant])
+
+
+def base_model(server):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        server.settings.models_dir / "tiny-llama", dtype=torch.float32
+    ).eval()
+
+
+def datum(seq: list[int], weights: list[float] | None = None):
+    weights = weights if weights is not None else [1.0] * (len(seq) - 1)
+    return tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": weights},
+    )
+
+
+def logprobs_of(model, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq[:-1]])).logits[0].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+SEQS = [[3, 17, 29, 41, 8, 12, 5], [9, 22, 14, 30, 2]]
+
+
+def test_the_sdk_lists_our_base_models(server):
+    caps = client(server).create_rest_client().get_server_capabilities().result()
+    names = [m.model_name for m in caps.supported_models]
+    assert "tiny-llama" in names
+
+
+def test_a_lora_client_starts_at_the_base_and_its_nll_falls_step_by_step(server):
+    sc = client(server)
+    tc = sc.create_lora_training_client(
+        base_model="tiny-llama", rank=4, train_unembed=False
+    ).result()
+    assert tc.get_info().model_data.model_name == "tiny-llama"
+    data = [datum(s) for s in SEQS]
+    base = base_model(server)
+    # step 0: the adapters start at zero, so the log-probabilities are the base's
+    out = tc.forward(data, "cross_entropy").result()
+    for got, seq in zip(out.loss_fn_outputs, SEQS, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(got["logprobs"].tolist()), logprobs_of(base, seq), rtol=1e-5, atol=1e-5
+        )
+    want0 = -sum(float(logprobs_of(base, s).sum()) for s in SEQS)
+    assert out.metrics["loss:sum"] == pytest.approx(want0, rel=1e-5)
+    adam = tinker.types.AdamParams(learning_rate=2e-3)
+    losses = []
+    for _ in range(5):
+        fb = tc.forward_backward(data, "cross_entropy")
+        step = tc.optim_step(adam)  # submitted before the first result is read
+        losses.append(fb.result().metrics["loss:sum"])
+        step.result()
+    assert losses[0] == pytest.approx(want0, rel=1e-5)
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses  # NLL falls
+
+
+def test_requests_the_engine_cannot_run_fail_with_what_is_missing(server):
+    tc = (
+        client(server)
+        .create_lora_training_client(base_model="tiny-llama", rank=2, train_unembed=False)
+        .result()
+    )
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn 'dro' is not supported"):
+        tc.forward_backward([datum(SEQS[0])], "dro").result()
+    with pytest.raises(tinker.RequestFailedError, match="grad_clip_norm"):
+        tc.optim_step(tinker.types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
+    with pytest.raises(tinker.BadRequestError, match="not a base model here"):
+        client(server).create_lora_training_client(base_model="no-such-model", rank=2).result()
+
+
+def test_another_tenant_never_reaches_a_model_or_its_results(server):
+    import httpx
+
+    tc = (
+        client(server, "acme")
+        .create_lora_training_client(base_model="tiny-llama", rank=2, train_unembed=False)
+        .result()
+    )
+    model_id = tc.model_id
+    them = {"X-API-Key": TINKER_TOKENS["rival"]}
+    r = httpx.post(f"{server.url}/api/v1/get_info", json={"model_id": model_id}, headers=them)
+    assert r.status_code == 404
+    r = httpx.post(
+        f"{server.url}/api/v1/optim_step",
+        json={"model_id": model_id, "seq_id": 99, "adam_params": {}},
+        headers=them,
+    )
+    assert r.status_code == 404
+    # and without a key, nothing at all
+    assert httpx.post(f"{server.url}/api/v1/create_session", json={}).status_code == 401
+
+
+def test_malformed_bodies_are_400s_that_say_what_was_wrong(server):
+    import httpx
+
+    key = {"X-API-Key": TINKER_TOKENS["acme"]}
+    sid = httpx.post(f"{server.url}/api/v1/create_session", json={}, headers=key).json()[
+        "session_id"
+    ]
+    bad_rank = {
+        "session_id": sid,
+        "model_seq_id": 0,
+        "base_model": "tiny-llama",
+        "lora_config": {"rank": "many"},
+    }
+    r = httpx.post(f"{server.url}/api/v1/create_model", json=bad_rank, headers=key)
+    assert r.status_code == 400
+    assert "rank" in r.text
+    r = httpx.post(
+        f"{server.url}/api/v1/forward_backward",
+        content=b"\xff\x00 not protobuf",
+        headers={**key, "Content-Type": "application/x-protobuf"},
+    )
+    assert r.status_code == 400
+    assert "not a ForwardBackwardRequest" in r.text
+    r = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": "nope"}, headers=key)
+    assert r.status_code == 404
+
+
+def test_rank_0_trains_every_weight_of_the_model(server):
+    tc = client(server).create_lora_training_client(base_model="tiny-llama", rank=0).result()
+    info = tc.get_info()
+    assert info.is_lora is False
+    data = [datum(s) for s in SEQS]
+    adam = tinker.types.AdamParams(learning_rate=2e-3)
+    losses = []
+    for _ in range(3):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(adam).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    base = base_model(server)
+    assert losses[0] == pytest.approx(
+        -sum(float(logprobs_of(base, s).sum()) for s in SEQS), rel=1e-5
+    )
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses

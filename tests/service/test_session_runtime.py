@@ -1,0 +1,82 @@
+"""service/sessions/runtime: a model's requests run in the order of their seq_id whatever
+order they arrive in, one at a time; a request sent again gets the first one's future."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from service.errors import InvalidRequest, NotFound
+from service.sessions.runtime import Ordered
+
+
+def test_requests_run_in_seq_order_whatever_order_they_arrive_in():
+    runner = Ordered("t", first=1)
+    ran: list[int] = []
+    gate = threading.Event()
+
+    def job(n):
+        def fn():
+            gate.wait(5)
+            ran.append(n)
+            return n * 10
+
+        return fn
+
+    futures = {n: runner.submit(n, job(n)) for n in (3, 1, 4, 2)}
+    again = runner.submit(3, job(99))  # a retry of seq 3: the same future, not a new run
+    assert again is futures[3]
+    gate.set()
+    assert [futures[n].result(timeout=5) for n in (1, 2, 3, 4)] == [10, 20, 30, 40]
+    assert ran == [1, 2, 3, 4]
+    with pytest.raises(InvalidRequest, match="comes before this model's next"):
+        runner.submit(0, job(0))
+    runner.close()
+
+
+def test_a_failing_request_fails_its_future_and_the_next_still_runs():
+    runner = Ordered("t", first=0)
+
+    def boom():
+        raise ValueError("bad")
+
+    first, second = runner.submit(0, boom), runner.submit(1, lambda: "ok")
+    with pytest.raises(ValueError, match="bad"):
+        first.result(timeout=5)
+    assert second.result(timeout=5) == "ok"
+    runner.close()
+
+
+def test_a_tenant_holds_at_most_its_models_and_an_idle_session_frees_them(tmp_path):
+    import time
+
+    from service.errors import QuotaExceeded
+    from service.sessions.runtime import Sessions
+    from service.settings import Limits, Settings
+    from tests.tiny import make_tiny_llama
+
+    limits = Limits(max_session_models_per_tenant=1, session_idle_s=60)
+    settings = Settings(data_dir=tmp_path, db_url="sqlite://", tokens={}, limits=limits)
+    settings.ensure_dirs()
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    s = Sessions(settings, engine={"dtype": "fp32"})
+    first = s.create_session("acme")
+    rid = s.create_model("acme", first, 0, "tiny-llama", {"rank": 2})
+    assert s.future("acme", rid).future.result(timeout=60) == {
+        "model_id": f"{first}:train:0",
+        "type": "create_model",
+    }
+    with pytest.raises(QuotaExceeded, match=r"holds 1 training models.*=1"):
+        s.create_model("acme", first, 1, "tiny-llama", {"rank": 2})
+    other = s.create_session("rival")  # another tenant has its own count
+    s.create_model("rival", other, 0, "tiny-llama", {"rank": 2})
+    # an hour without a heartbeat: the idle sessions end and their models are freed
+    assert sorted(s.end_idle(now=time.time() + 3600)) == sorted([first, other])
+    assert s.models == {}
+    again = s.create_session("acme")
+    s.create_model("acme", again, 0, "tiny-llama", {"rank": 2})
+    with pytest.raises(NotFound):
+        s.session("acme", first)
+    with pytest.raises(NotFound):  # and another tenant's session is not found either
+        s.session("rival", again)
