@@ -182,7 +182,7 @@ class Sessions:
         self.models: dict[str, TrainingModel] = {}
         self.pending: dict[str, Pending] = {}
         self._request_ids: dict[Future, str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # create_model answers a repeat under it
         self._ids = itertools.count()
 
     # -- sessions ---------------------------------------------------------------------
@@ -323,7 +323,15 @@ class Sessions:
             self.pending.pop(rid).forget()
 
     def _future_of(self, mid: str, seq: int) -> str:
-        return self._request_ids[self.models[mid].runner.futures[seq]]
+        """The request id of a model's `seq`, or, once its result was read and dropped, a
+        new one already done (a create sent again long after)."""
+        m = self.models[mid]
+        fut = m.runner.futures.get(seq)
+        if fut is not None:
+            return self._request_ids[fut]
+        done: Future = Future()
+        done.set_result({"model_id": mid, "type": "create_model"})
+        return self._track(m.tenant, done, "create_model", m.runner, seq)
 
     def future(self, tenant: str, rid: str) -> Pending:
         p = self.pending.get(rid)

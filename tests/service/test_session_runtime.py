@@ -80,3 +80,26 @@ def test_a_tenant_holds_at_most_its_models_and_an_idle_session_frees_them(tmp_pa
         s.session("acme", first)
     with pytest.raises(NotFound):  # and another tenant's session is not found either
         s.session("rival", again)
+
+
+def test_a_create_sent_again_gets_the_same_model_even_after_its_result_was_dropped(tmp_path):
+    from service.sessions import runtime
+    from service.sessions.runtime import Sessions
+    from service.settings import Settings
+    from tests.tiny import make_tiny_llama
+
+    settings = Settings(data_dir=tmp_path, db_url="sqlite://", tokens={})
+    settings.ensure_dirs()
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    s = Sessions(settings, engine={"dtype": "fp32"})
+    sid = s.create_session("acme")
+    rid = s.create_model("acme", sid, 0, "tiny-llama", {"rank": 2})
+    assert s.create_model("acme", sid, 0, "tiny-llama", {"rank": 2}) == rid
+    s.future("acme", rid).future.result(timeout=60)
+    s.retrieved(rid)
+    s.pending[rid].retrieved_at -= runtime.KEEP_READ_S + 1
+    s._sweep()
+    assert rid not in s.pending
+    again = s.create_model("acme", sid, 0, "tiny-llama", {"rank": 2})
+    assert s.future("acme", again).future.result(timeout=5)["model_id"] == f"{sid}:train:0"
+    assert len(s.models) == 1
