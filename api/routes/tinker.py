@@ -83,6 +83,19 @@ class OptimStep(_Body):
     adam_params: AdamBody = AdamBody()
 
 
+class SaveWeights(_Body):
+    model_id: str
+    seq_id: int = Field(ge=0)
+    path: str
+
+
+class LoadWeights(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    path: str
+    optimizer: bool = False
+
+
 class RetrieveFuture(_Body):
     request_id: str
 
@@ -175,6 +188,27 @@ def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
         lambda m: m.optim_step(body.adam_params.model_dump()),
     )
     return _future(rid, body.model_id)
+
+
+@router.post("/save_weights")
+def save_weights(body: SaveWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    s = sessions(c)
+    root = s.states(tenant)
+    rid = s.submit(
+        tenant, body.model_id, body.seq_id, "save_weights", lambda m: m.save(root, body.path)
+    )
+    return _future(rid, body.model_id)
+
+
+@router.post("/load_weights", responses=responses(429))
+def load_weights(body: LoadWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    try:
+        rid = sessions(c).load_model(
+            tenant, body.session_id, body.model_seq_id, body.path, body.optimizer
+        )
+    except Unsupported as e:
+        raise InvalidRequest(str(e), param="optimizer") from e
+    return _future(rid, f"{body.session_id}:train:{body.model_seq_id}")
 
 
 @router.post("/retrieve_future")

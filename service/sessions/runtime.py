@@ -19,13 +19,16 @@ group sized from the tenant's quota (see docs/sessions.md, "Not yet").
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from service.errors import InvalidRequest, NotFound, QuotaExceeded
@@ -39,6 +42,10 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
 LORA_ALPHA = 32.0
+STATE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+PATH_RE = re.compile(
+    r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/weights/(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
+)
 KEEP_READ_S = 120.0
 
 
@@ -140,6 +147,24 @@ class TrainingModel:
         self.steps += 1
         return {"metrics": {}}
 
+    def save(self, root: Path, name: str) -> dict[str, Any]:
+        """The whole training state (weights, Adam's moments, the step), for `load_weights`
+        to continue from bitwise: `tinker://<model id>/weights/<name>`."""
+        if not STATE_NAME_RE.match(name):
+            raise InvalidRequest(
+                f"save_state name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)"
+            )
+        where = root / self.id / "weights" / name
+        self.engine.save_checkpoint(where / "engine")
+        meta = {"base_model": self.base.id, "rank": self.rank, "targets": list(self.targets)}
+        (where / "session.json").write_text(json.dumps(meta))
+        return {"path": f"tinker://{self.id}/weights/{name}", "type": "save_weights"}
+
+    def load(self, where: Path) -> dict[str, Any]:
+        self.build()
+        self.engine.load_checkpoint(where / "engine")
+        return {"model_id": self.id, "type": "load_weights"}
+
     def info(self) -> dict[str, Any]:
         arch = "unknown"
         if self.engine is not None:
@@ -240,7 +265,10 @@ class Sessions:
         model_seq_id: int,
         base_model: str,
         lora: dict[str, Any] | None,
+        start: Callable[[TrainingModel], dict[str, Any]] | None = None,
     ) -> str:
+        """A new training model (its engine built as the future's work; `start` builds it
+        another way: from a saved state)."""
         self.end_idle()
         s = self.session(tenant, sid)
         held = sum(1 for m in self.models.values() if m.tenant == tenant)
@@ -279,7 +307,40 @@ class Sessions:
             model = TrainingModel(mid, tenant, base, rank, targets, self.engine_defaults, runner)
             self.models[mid] = model
             s.models.append(mid)
-        return self._track(tenant, runner.submit(0, model.build), "create_model", runner, 0)
+        first = (lambda: start(model)) if start is not None else model.build
+        return self._track(tenant, runner.submit(0, first), "create_model", runner, 0)
+
+    def states(self, tenant: str) -> Path:
+        """Where a tenant's saved states are (its own root: a path names no other's)."""
+        return self.settings.data_dir / "sessions" / tenant
+
+    def load_model(
+        self, tenant: str, sid: str, model_seq_id: int, path: str, optimizer: bool
+    ) -> str:
+        """A new training model of session `sid` continuing from a saved state (`save`):
+        its weights and, with `optimizer`, Adam's moments and step, bitwise."""
+        m = PATH_RE.match(path)
+        where = self.states(tenant) / m["run"] / "weights" / m["name"] if m else None
+        if where is None or not (where / "session.json").is_file():
+            # save_state gives tinker://<model id>/weights/<name>, under the caller's root
+            raise NotFound("saved state", path, param="path")
+        if not optimizer:
+            raise Unsupported(
+                "loading the weights without the optimizer state is not supported yet; use "
+                "create_training_client_from_state_with_optimizer"
+            )
+        meta = json.loads((where / "session.json").read_text())
+        lora = {"rank": meta["rank"]} | {
+            k: any(t in meta["targets"] for t in names)
+            for k, names in (
+                ("train_attn", ATTENTION),
+                ("train_mlp", MLP),
+                ("train_unembed", UNEMBED),
+            )
+        }
+        return self.create_model(
+            tenant, sid, model_seq_id, meta["base_model"], lora, start=lambda m: m.load(where)
+        )
 
     def model(self, tenant: str, mid: str) -> TrainingModel:
         m = self.models.get(mid)

@@ -22,7 +22,7 @@ def server(tmp_path_factory, monkeypatch_module):
     from service.settings import Limits
 
     # the tests here hold a few models at once (the limit itself: test_session_runtime)
-    limits = Limits(max_session_models_per_tenant=8)
+    limits = Limits(max_session_models_per_tenant=32)
     api, stop = start_api(data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", limits=limits)
     api.ctx.sessions.engine_defaults["dtype"] = "fp32"  # compared with transformers in fp32
     yield api
@@ -178,3 +178,34 @@ def test_rank_0_trains_every_weight_of_the_model(server):
         -sum(float(logprobs_of(base, s).sum()) for s in SEQS), rel=1e-5
     )
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
+
+
+def test_a_saved_state_resumes_bitwise_in_a_new_training_client(server):
+    sc = client(server)
+    tc = sc.create_lora_training_client(
+        base_model="tiny-llama", rank=4, train_unembed=False
+    ).result()
+    data = [datum(s) for s in SEQS]
+    adam = tinker.types.AdamParams(learning_rate=2e-3)
+
+    def steps(c, n):
+        out = []
+        for _ in range(n):
+            fb = c.forward_backward(data, "cross_entropy")
+            c.optim_step(adam).result()
+            out.append(fb.result().metrics["loss:sum"])
+        return out
+
+    steps(tc, 2)
+    path = tc.save_state("mid").result().path
+    assert path == f"tinker://{tc.model_id}/weights/mid"
+    went_on = steps(tc, 3)
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert steps(resumed, 3) == went_on  # the same floats: weights, moments and step restored
+    with pytest.raises(tinker.BadRequestError, match="without the optimizer state"):
+        sc.create_training_client_from_state(path).result()
+    # another tenant's client cannot load it: the path names nothing of theirs
+    with pytest.raises(tinker.NotFoundError, match="No saved state"):
+        client(server, "rival").create_training_client_from_state_with_optimizer(path).result()
+    with pytest.raises(tinker.NotFoundError, match="No saved state"):
+        sc.create_training_client_from_state_with_optimizer("tinker://../weights/mid").result()
