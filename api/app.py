@@ -76,6 +76,7 @@ def create_app(
         finally:
             ctx.streams.closing = ctx.generations.closing = True
             await ctx.backend.aclose()
+            ctx.sessions.close()
             if ctx.reconciler is not None:
                 ctx.reconciler.stop()
             if on_shutdown is not None:

@@ -250,6 +250,11 @@ class Sessions:
                     if m.engine is not None:
                         m.engine.close()
 
+    def close(self) -> None:
+        """End every session (the control plane is stopping): their engines are closed."""
+        for session in list(self.sessions.values()):
+            self.finish(session.tenant, session.id)
+
     # -- models -----------------------------------------------------------------------
 
     def capabilities(self) -> list[dict[str, Any]]:

@@ -26,7 +26,10 @@ def server(tmp_path_factory, monkeypatch_module):
     api, stop = start_api(data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", limits=limits)
     api.ctx.sessions.engine_defaults["dtype"] = "fp32"  # compared with transformers in fp32
     yield api
+    sessions = api.ctx.sessions
     stop()
+    assert sessions.sessions == {}  # the app's shutdown ended them
+    assert sessions.models == {}
 
 
 @pytest.fixture(scope="module")
