@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant
 from api.tinker_wire import forward_backward_result, read_forward_backward
+from pstar_core import StepHyper
 from service.errors import InvalidRequest
 from service.sessions.losses import BadInput, Unsupported
 from service.sessions.runtime import Sessions, TrainingModel, error_of
@@ -174,18 +175,15 @@ async def forward_backward(request: Request, c: Ctx, tenant: Tenant) -> dict[str
         out = m.forward_backward(call.data, call.loss_fn, call.config, not call.forward_only)
         return forward_backward_result(out)
 
-    kind = "forward" if call.forward_only else "forward_backward"
-    return _future(s.submit(tenant, call.model_id, call.seq_id, kind, step), call.model_id)
+    return _future(s.submit(tenant, call.model_id, call.seq_id, step), call.model_id)
 
 
 @router.post("/optim_step")
 def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    a = body.adam_params
+    hyper = StepHyper(a.learning_rate, (a.beta1, a.beta2), a.eps, a.weight_decay)
     rid = sessions(c).submit(
-        tenant,
-        body.model_id,
-        body.seq_id,
-        "optim_step",
-        lambda m: m.optim_step(body.adam_params.model_dump()),
+        tenant, body.model_id, body.seq_id, lambda m: m.optim_step(hyper, a.grad_clip_norm)
     )
     return _future(rid, body.model_id)
 
@@ -194,9 +192,7 @@ def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
 def save_weights(body: SaveWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     s = sessions(c)
     root = s.states(tenant)
-    rid = s.submit(
-        tenant, body.model_id, body.seq_id, "save_weights", lambda m: m.save(root, body.path)
-    )
+    rid = s.submit(tenant, body.model_id, body.seq_id, lambda m: m.save(root, body.path))
     return _future(rid, body.model_id)
 
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pstar_core.optim import StepHyper
 from service.errors import InvalidRequest, NotFound, QuotaExceeded
 from service.registry import ModelRef, base_models
-from service.sessions.losses import BadInput, Datum, Output, Unsupported, run
+from service.sessions.losses import BadInput, Datum, Unsupported, run
 from service.settings import Limits, Settings
 
 log = logging.getLogger("pstar.sessions")
@@ -108,9 +109,6 @@ class TrainingModel:
     engine_config: dict[str, Any]
     runner: Ordered
     engine: Any = None
-    steps: int = 0
-    tokens: int = 0
-    last_loss: float | None = None
 
     def build(self) -> dict[str, Any]:
         import pstar_core
@@ -124,27 +122,15 @@ class TrainingModel:
         return {"model_id": self.id, "type": "create_model"}
 
     def forward_backward(self, data: list[Datum], loss_fn: str, config: dict, backward: bool):
-        out: Output = run(self.engine, data, loss_fn, config, backward=backward)
-        self.tokens += sum(len(d.tokens) for d in data)
-        self.last_loss = out.metrics["loss:sum"]
-        return out
+        return run(self.engine, data, loss_fn, config, backward=backward)
 
-    def optim_step(self, adam: dict[str, Any]) -> dict[str, Any]:
-        import pstar_core
-
-        if float(adam.get("grad_clip_norm") or 0.0) > 0:
+    def optim_step(self, hyper: StepHyper, grad_clip_norm: float = 0.0) -> dict[str, Any]:
+        if grad_clip_norm > 0:
             raise Unsupported(
                 "adam_params.grad_clip_norm: clipping per step is not supported yet; set "
                 "it to 0 (the default)"
             )
-        hyper = pstar_core.StepHyper(
-            lr=float(adam.get("learning_rate", 1e-4)),
-            betas=(float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
-            eps=float(adam.get("eps", 1e-12)),
-            weight_decay=float(adam.get("weight_decay", 0.0)),
-        )
         self.engine.step(hyper)
-        self.steps += 1
         return {"metrics": {}}
 
     def save(self, root: Path, name: str) -> dict[str, Any]:
@@ -192,7 +178,6 @@ class Session:
 class Pending:
     tenant: str
     future: Future
-    kind: str
     forget: Callable[[], None]  # drops the model's own reference to the result
     retrieved_at: float | None = None
 
@@ -313,7 +298,7 @@ class Sessions:
             self.models[mid] = model
             s.models.append(mid)
         first = (lambda: start(model)) if start is not None else model.build
-        return self._track(tenant, runner.submit(0, first), "create_model", runner, 0)
+        return self._track(tenant, runner.submit(0, first), runner, 0)
 
     def states(self, tenant: str) -> Path:
         """Where a tenant's saved states are (its own root: a path names no other's)."""
@@ -356,18 +341,16 @@ class Sessions:
             owner.last_seen = time.time()  # a request keeps its session alive
         return m
 
-    def submit(
-        self, tenant: str, mid: str, seq: int, kind: str, fn: Callable[[TrainingModel], Any]
-    ) -> str:
+    def submit(self, tenant: str, mid: str, seq: int, fn: Callable[[TrainingModel], Any]) -> str:
         m = self.model(tenant, mid)
         existing = m.runner.futures.get(seq)
         if existing is not None:  # the SDK sent it again (its retries): the same future
             return self._request_ids[existing]
-        return self._track(tenant, m.runner.submit(seq, lambda: fn(m)), kind, m.runner, seq)
+        return self._track(tenant, m.runner.submit(seq, lambda: fn(m)), m.runner, seq)
 
     # -- futures ----------------------------------------------------------------------
 
-    def _track(self, tenant: str, fut: Future, kind: str, runner: Ordered, seq: int) -> str:
+    def _track(self, tenant: str, fut: Future, runner: Ordered, seq: int) -> str:
         rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
         def forget() -> None:
@@ -376,7 +359,7 @@ class Sessions:
 
         with self._lock:
             self._sweep()
-            self.pending[rid] = Pending(tenant, fut, kind, forget)
+            self.pending[rid] = Pending(tenant, fut, forget)
             self._request_ids[fut] = rid
         return rid
 
@@ -397,7 +380,7 @@ class Sessions:
             return self._request_ids[fut]
         done: Future = Future()
         done.set_result({"model_id": mid, "type": "create_model"})
-        return self._track(m.tenant, done, "create_model", m.runner, seq)
+        return self._track(m.tenant, done, m.runner, seq)
 
     def future(self, tenant: str, rid: str) -> Pending:
         p = self.pending.get(rid)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import tinker
 import torch
 
-tinker = pytest.importorskip("tinker", reason="the tinker SDK is a dependency (pyproject)")
-
-from tests.api.conftest import TINKER_TOKENS, start_api  # noqa: E402
+from tests.api.conftest import TINKER_TOKENS, start_api
 
 
 @pytest.fixture(scope="module")
