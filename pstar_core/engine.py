@@ -401,11 +401,17 @@ class Engine:
         self._require_no_pending_grads("export_hf")
         return hf.export_hf(self.tensors, Path(directory), dtype, max_shard_bytes, variant)
 
-    def _require_no_pending_grads(self, what: str) -> None:
-        if (
+    @property
+    def pending_grads(self) -> bool:
+        """Whether a backward's gradients wait for `step()` (saving or exporting now would
+        leave them out)."""
+        return bool(
             any(s.state is not TensorState.HOLD for s in self.slots.values())
             or self.manager.grad_accum
-        ):
+        )
+
+    def _require_no_pending_grads(self, what: str) -> None:
+        if self.pending_grads:
             raise RuntimeError(
                 f"{what}: there are gradients not yet applied; call step() first "
                 "(or load before the first backward)"

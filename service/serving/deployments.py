@@ -65,13 +65,13 @@ def owner(target: Target) -> str | None:
     return None
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:40] or "model"
 
 
 def base_app(model_dir: Path, name: str) -> str:
     digest = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:8]
-    return f"{APP_PREFIX}{_slug(name)}-{digest}"
+    return f"{APP_PREFIX}{slug(name)}-{digest}"
 
 
 def target_of(settings: Settings, store: Store, tenant: str, model_id: str) -> Target:
@@ -112,11 +112,11 @@ def _fine_tuned_target(settings: Settings, store: Store, tenant: str, ref: Model
                 ref.id,
                 base_app(base, ref.adapter_base),
                 base,
-                _relative(settings, adapter),
+                data_relative(settings, adapter),
                 tenant,
             )
     job_id = ref.id.rsplit(":", 1)[-1]
-    return Target(ref.id, f"{APP_PREFIX}ft-{_slug(job_id)}", ref.path, None, tenant)
+    return Target(ref.id, f"{APP_PREFIX}ft-{slug(job_id)}", ref.path, None, tenant)
 
 
 def _base_dir(settings: Settings, store: Store, tenant: str, model_id: str) -> Path | None:
@@ -153,12 +153,12 @@ def _checkpoint_target(
                 code="model_not_servable",
             )
         return Target(
-            model_id, base_app(base, job.model), base, _relative(settings, adapter), tenant
+            model_id, base_app(base, job.model), base, data_relative(settings, adapter), tenant
         )
     if ck.final and (settings.finetuned_dir(job.id) / "config.json").is_file():
         return Target(
             model_id,
-            f"{APP_PREFIX}ft-{_slug(job.id)}",
+            f"{APP_PREFIX}ft-{slug(job.id)}",
             settings.finetuned_dir(job.id),
             None,
             tenant,
@@ -172,7 +172,7 @@ def _checkpoint_target(
     )
 
 
-def _relative(settings: Settings, path: Path) -> str:
+def data_relative(settings: Settings, path: Path) -> str:
     p = path.resolve()
     root = settings.data_dir.resolve()
     if not p.is_relative_to(root):
@@ -514,7 +514,7 @@ def delete_model(
         raise NotFound("model", model_id, param="model")
     if serving is not None:
         try:
-            serving.remove(f"{APP_PREFIX}ft-{_slug(job_id)}")
+            serving.remove(f"{APP_PREFIX}ft-{slug(job_id)}")
         except Unavailable as e:  # the files go anyway; a replica without them cannot load
             log.warning("could not take %s's deployment off Serve: %s", model_id, e)
     delete_model_files(settings, store)

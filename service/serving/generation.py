@@ -10,9 +10,17 @@ Rows of one batch can use different adapters: peft's mixed-adapter forward
 (`adapter_names`) applies each row's LoRA to its row only, and `"__base__"` rows see the
 base weights untouched.
 
+Requests waiting together are prefilled together: one forward over their prompts, left-
+padded to the longest (a lone request is exactly `generate`'s prefill), so the time to a
+first token does not grow with every request queued before it. A request's `n` choices
+share its prompt's KV cache (its rows are copies of the one prefilled row).
+
 Greedy decoding (temperature 0) is the argmax of fp32 logits, as `generate` takes it; with
 a temperature, each choice samples from its own `torch.Generator`, seeded by the request's
-`seed` and the choice's index, so a seeded request repeats.
+`seed` and the choice's index, so a seeded request repeats; `top_k`, then `top_p`, narrow
+the choice. A sampled token's log-probability (`logprobs`) is under the distribution it was
+drawn from before that narrowing: softmax(logits / temperature), or the model's own
+softmax when greedy.
 
 What the thread emits to a request, through its `emit` callback (called on the thread;
 the caller hops to its own loop): `Token(index, text)` pieces of text as they become
@@ -55,6 +63,11 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0: no limit
+    stop_tokens: tuple[int, ...] = ()  # ids that end a choice (kept as its last token)
+    ignore_eos: bool = False  # the end-of-turn tokens do not end a choice
+    logprobs: bool = False  # each sampled token's log-probability, in its Finish
+    prompt_logprobs: bool = False  # each prompt token's, in a PromptLogprobs event first
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,15 @@ class Finish:
     index: int
     reason: str  # stop | length
     tokens: tuple[int, ...] = ()  # every token the choice generated (an end-of-turn one too)
+    logprobs: tuple[float, ...] = ()  # theirs, when the request asked (`logprobs`)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Each prompt token's log-probability given the tokens before it (the first has none:
+    NaN), sent before any token when the request asked (`prompt_logprobs`)."""
+
+    values: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -97,6 +119,7 @@ class _Row:
     text: _TextStream
     rng: torch.Generator | None
     generated: int = 0
+    logprobs: list[float] = field(default_factory=list)
 
 
 class _TextStream:
@@ -195,6 +218,7 @@ class Generator:
         self._stopping = False
         self.busy_s = 0.0
         self.steps = 0
+        self.prefills = 0  # forwards over prompts (several requests' at once when queued)
         self._thread = threading.Thread(target=self._run, name="generator", daemon=True)
         self._thread.start()
 
@@ -229,6 +253,7 @@ class Generator:
             "queued": self._inbox.qsize(),
             "adapters": sorted(self.adapters),
             "steps": self.steps,
+            "prefills": self.prefills,
             "busy_s": round(self.busy_s, 3),
         }
 
@@ -309,16 +334,18 @@ class Generator:
                 fut.set_exception(e)
 
     def _admit(self, block: bool) -> None:
-        """Prefill the requests waiting, as many as the batch has room for."""
-        while len(self._rows) < self.max_batch and (self._mergeable or not self._rows):
+        """Prefill the requests waiting, as many as the batch has room for, together."""
+        group: list[Request] = []
+        room = self.max_batch - len(self._rows)
+        while room > 0 and (self._mergeable or not self._rows):
             try:
                 req = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             except queue.Empty:
-                if block and self._calls.empty() and not self._stopping:
+                if block and not group and self._calls.empty() and not self._stopping:
                     continue
-                return
+                break
             if req is None:
-                return
+                break
             block = False
             if req.cancelled:
                 continue
@@ -329,15 +356,25 @@ class Generator:
                     log.warning("adapter %s could not load: %s", req.adapter, e)
                     req.emit(LookupError(f"adapter {req.adapter} could not load: {e}"))
                     continue
-            t0 = time.perf_counter()
-            try:
-                self._prefill(req)
-            except Exception as e:
-                log.exception("prefill failed")
-                req.emit(RuntimeError(f"generation failed: {e}"))
-            self.busy_s += time.perf_counter() - t0
+            group.append(req)
+            room -= req.params.n
+        if group:
+            self._timed_prefill(group)
 
-    def _forward(self, ids, mask, pos, cache, adapters: list[str | None]):
+    def _timed_prefill(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._prefill(reqs)
+        except Exception as e:
+            log.exception("prefill failed")
+            for req in reqs:
+                req.emit(RuntimeError(f"generation failed: {e}"))
+        self.busy_s += time.perf_counter() - t0
+        self.prefills += 1
+
+    def _forward(self, ids, mask, pos, cache, adapters: list[str | None], every: bool = False):
+        """The last position's fp32 logits ([rows, vocab]; with `every`, every position's:
+        [rows, length, vocab]) and the cache."""
         kw: dict[str, Any] = {}
         model = self.model
         if self.peft is not None:
@@ -350,39 +387,71 @@ class Generator:
                 position_ids=pos,
                 cache=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if every else 1,
                 **kw,
             )
+        if every:
+            return out.logits.float(), out.cache
         return out.logits[:, -1, :].float(), out.cache
 
-    def _prefill(self, req: Request) -> None:
+    def _prefill(self, reqs: list[Request]) -> None:
+        """One forward over the prompts of `reqs` (left-padded to the longest), then each
+        request's `n` rows from its one prefilled row, joined to the batch."""
         from transformers import DynamicCache
 
-        p = req.params
-        n_prompt = len(req.prompt_ids)
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        mask = torch.ones_like(ids)
-        pos = torch.arange(n_prompt, device=self.device)[None]
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.zeros((len(reqs), width), dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for k, r in enumerate(reqs):
+            ids[k, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[k, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        every = any(r.params.prompt_logprobs for r in reqs)
         logits, cache = self._forward(
-            ids, mask, pos, DynamicCache(config=self.model.config), [req.adapter]
+            ids, mask, pos, DynamicCache(config=self.model.config), [r.adapter for r in reqs], every
         )
-        rows = []
-        for i in range(p.n):
-            rng = None
-            if p.temperature > 0:
-                rng = torch.Generator(device="cpu")
-                if p.seed is not None:
-                    rng.manual_seed(p.seed * 1000003 + i)
-                else:
-                    rng.seed()
-            rows.append(_Row(req, i, _TextStream(self.tokenizer, p.stop), rng))
-        req.open_choices = p.n
-        if p.n > 1:
-            cache.batch_repeat_interleave(p.n)
-        first = torch.stack([self._sample(logits[0], r) for r in rows])
-        mask = mask.expand(p.n, -1)
-        self._join(rows, cache, mask, first, torch.full((p.n,), n_prompt, device=self.device))
+        if every:
+            for k, req in enumerate(reqs):
+                if req.params.prompt_logprobs:  # its own positions, past the padding
+                    at = width - len(req.prompt_ids)
+                    lp = torch.log_softmax(logits[k, at:-1], -1)
+                    lp = lp.gather(-1, ids[k, at + 1 :, None])[:, 0]
+                    req.emit(PromptLogprobs((float("nan"), *lp.tolist())))
+            logits = logits[:, -1]
+        rows: list[_Row] = []
+        of: list[int] = []  # the prefilled row each new row copies
+        for k, req in enumerate(reqs):
+            p = req.params
+            for i in range(p.n):
+                rng = None
+                if p.temperature > 0:
+                    rng = torch.Generator(device="cpu")
+                    if p.seed is not None:
+                        rng.manual_seed(p.seed * 1000003 + i)
+                    else:
+                        rng.seed()
+                rows.append(_Row(req, i, _TextStream(self.tokenizer, p.stop), rng))
+                of.append(k)
+            req.open_choices = p.n
+        if of != list(range(len(reqs))):  # choices share their prompt's cache row
+            cache.batch_select_indices(torch.tensor(of, device=self.device))
+        first = torch.stack([self._choose(logits[k], r) for k, r in zip(of, rows, strict=True)])
+        lengths = torch.tensor([len(reqs[k].prompt_ids) for k in of], device=self.device)
+        self._join(rows, cache, mask[of], first, lengths)
         self._emit_tokens(rows, first.tolist())
+
+    def _choose(self, logits: torch.Tensor, row: _Row) -> torch.Tensor:
+        """The row's next token, its log-probability kept when the request asked."""
+        tok = self._sample(logits, row)
+        p = row.req.params
+        if p.logprobs:
+            scaled = logits / p.temperature if p.temperature > 0 else logits
+            lp = torch.log_softmax(scaled, -1)[tok]
+            if not bool(torch.isfinite(lp)):  # a temperature that overflows: greedy's
+                lp = torch.log_softmax(logits, -1)[tok]
+            row.logprobs.append(float(lp))
+        return tok
 
     def _sample(self, logits: torch.Tensor, row: _Row) -> torch.Tensor:
         p = row.req.params
@@ -391,6 +460,9 @@ class Generator:
         probs = torch.softmax(logits.float() / p.temperature, dim=-1)
         if not bool(torch.isfinite(probs).all()):
             return logits.argmax()  # a temperature so small the division overflows: greedy
+        if 0 < p.top_k < probs.numel():
+            top, at = probs.topk(p.top_k)
+            probs = torch.zeros_like(probs).scatter(0, at, top / top.sum())
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest set reaching top_p
@@ -429,7 +501,7 @@ class Generator:
             [r.req.adapter for r in self._rows],
         )
         self.steps += 1
-        nxt = torch.stack([self._sample(logits[i], r) for i, r in enumerate(self._rows)])
+        nxt = torch.stack([self._choose(logits[i], r) for i, r in enumerate(self._rows)])
         self._last = nxt
         self._pos = self._pos + 1
         self._emit_tokens(self._rows, nxt.tolist())
@@ -441,7 +513,7 @@ class Generator:
             row.generated += 1
             req.completion_tokens += 1
             reason = None
-            if tok in self.eos:
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_tokens:
                 reason = "stop"
                 text = row.text.rest()
                 row.text.ids.append(tok)
@@ -457,7 +529,7 @@ class Generator:
             if reason is None:
                 keep.append(i)
                 continue
-            req.emit(Finish(row.index, reason, tuple(row.text.ids)))
+            req.emit(Finish(row.index, reason, tuple(row.text.ids), tuple(row.logprobs)))
             req.open_choices -= 1
             if req.open_choices == 0:
                 req.emit(Done(len(req.prompt_ids), req.completion_tokens))
@@ -545,6 +617,8 @@ class Collected:
     texts: dict[int, str] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
     tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    logprobs: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    prompt_logprobs: tuple[float, ...] | None = None
     usage: Done | None = None
     error: str | None = None
 
@@ -566,6 +640,9 @@ def complete(
         elif isinstance(ev, Finish):
             got.reasons[ev.index] = ev.reason
             got.tokens[ev.index] = ev.tokens
+            got.logprobs[ev.index] = ev.logprobs
+        elif isinstance(ev, PromptLogprobs):
+            got.prompt_logprobs = ev.values
         elif isinstance(ev, Done):
             got.usage = ev
             done.set()

@@ -13,8 +13,11 @@ first token on a single replica. Without it, several replicas each keep their ow
 The request is JSON (`prompt_ids` or `messages` or `prompt`, and the sampling fields) and
 the answer streams as JSON lines: first `{"prompt_tokens": n}` (or `{"error": ...}`, a
 request the model cannot take, such as one past its context), then
-`{"i": choice, "text": piece}`, `{"i": choice, "finish": reason}`, and last
-`{"usage": {...}}`. A client that goes away cancels its rows at the next step.
+`{"i": choice, "text": piece}`, `{"i": choice, "finish": reason, "tokens": [...]}`, and
+last `{"usage": {...}}`. Training sessions' samplers (service.sessions.sampling) also send
+`top_k`, `stop_token_ids`, `ignore_eos`, `token_logprobs` (each finish then carries its
+tokens' `logprobs`) and `prompt_logprobs` (a `{"prompt_logprobs": [null, ...]}` line
+before the first piece). A client that goes away cancels its rows at the next step.
 
 Each replica writes what it holds to `<data>/serving/<app>/<replica>.json` every
 second (the control plane's `/v1/models` and dashboard read them): the adapters it has
@@ -34,7 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.serving.generation import Done, Finish, Generator, Request, SamplingParams, Token
+from service.serving.generation import (
+    Done,
+    Finish,
+    Generator,
+    PromptLogprobs,
+    Request,
+    SamplingParams,
+    Token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +73,11 @@ def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> Sampling
         n=int(body.get("n", 1)),
         seed=body.get("seed"),
         stop=tuple(body.get("stop") or ()),
+        top_k=int(body.get("top_k") or 0),
+        stop_tokens=tuple(int(t) for t in body.get("stop_token_ids") or ()),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        logprobs=bool(body.get("token_logprobs", False)),
+        prompt_logprobs=bool(body.get("prompt_logprobs", False)),
     )
 
 
@@ -129,7 +145,16 @@ async def answer(
             if isinstance(ev, Token):
                 yield {"i": ev.index, "text": ev.text}
             elif isinstance(ev, Finish):
-                yield {"i": ev.index, "finish": ev.reason, "tokens": list(ev.tokens)}
+                fin: dict[str, Any] = {
+                    "i": ev.index,
+                    "finish": ev.reason,
+                    "tokens": list(ev.tokens),
+                }
+                if params.logprobs:
+                    fin["logprobs"] = list(ev.logprobs)
+                yield fin
+            elif isinstance(ev, PromptLogprobs):  # NaN, not JSON: the first is null
+                yield {"prompt_logprobs": [None, *ev.values[1:]]}
             elif isinstance(ev, Done):
                 usage = {
                     "prompt_tokens": ev.prompt_tokens,

@@ -5,6 +5,7 @@ match), and deleted models' files kept while a job reads them."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -330,5 +331,52 @@ def test_a_vanishing_top_p_or_temperature_samples_the_likeliest_token(tmp_path):
         ):
             got = complete(gen, ids, params, None, None)
             assert got.tokens[0] == greedy.tokens[0], params
+    finally:
+        gen.close()
+
+
+def test_requests_queued_together_are_prefilled_together_and_answer_as_alone(tmp_path):
+    """Three prompts of different lengths waiting at once: one prefill (left-padded), and
+    each one's tokens, their log-probabilities and its prompt's are what it gets alone;
+    `n` choices copy their prompt's cache row; top_k=1 samples the greedy tokens."""
+    import threading
+    import time
+
+    from service.serving.generation import Generator, SamplingParams, complete
+    from tests.tiny import make_tiny_llama
+
+    gen = Generator(make_tiny_llama(tmp_path / "base"))
+    try:
+        prompts = [
+            gen.render([{"role": "user", "content": f"What does {w} mean?"}])
+            for w in ("apple", "thunder meadow harbor silver", "the ocean")
+        ]
+        assert len({len(p) for p in prompts}) == 3
+        greedy = SamplingParams(
+            max_tokens=6, temperature=0, n=2, logprobs=True, prompt_logprobs=True
+        )
+        alone = [complete(gen, p, greedy) for p in prompts]
+        before = gen.prefills
+        gen.call(lambda: time.sleep(0.5))  # the decode thread busy while all three arrive
+        together: list = [None] * 3
+
+        def ask(i: int) -> None:
+            together[i] = complete(gen, prompts[i], greedy)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert gen.prefills == before + 1
+        for a, b in zip(alone, together, strict=True):
+            assert b.tokens == a.tokens
+            assert b.tokens[0] == b.tokens[1]  # two greedy choices of one prompt
+            for i in (0, 1):
+                assert b.logprobs[i] == pytest.approx(a.logprobs[i], abs=1e-5)
+            assert math.isnan(b.prompt_logprobs[0])
+            assert b.prompt_logprobs[1:] == pytest.approx(a.prompt_logprobs[1:], abs=1e-5)
+        top1 = SamplingParams(max_tokens=6, temperature=1.0, top_k=1, seed=5)
+        assert complete(gen, prompts[0], top1).tokens[0] == alone[0].tokens[0]
     finally:
         gen.close()
