@@ -8,6 +8,7 @@ and request belongs to its tenant, and another tenant's is a 404."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,11 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant
-from api.tinker_wire import forward_backward_result, read_forward_backward
+from api.tinker_wire import Sampled, forward_backward_result, read_forward_backward, sample_result
 from pstar_core import StepHyper
 from service.errors import InvalidRequest
 from service.sessions.losses import BadInput, Unsupported
 from service.sessions.runtime import Sessions, TrainingModel, error_of
+from service.sessions.sampling import SampleCall, check_unsupported, collect, stops
 
 router = APIRouter(
     prefix="/api/v1",
@@ -99,6 +101,55 @@ class LoadWeights(_Body):
 
 class RetrieveFuture(_Body):
     request_id: str
+
+
+class SaveForSampler(_Body):
+    model_id: str
+    seq_id: int = Field(ge=0)
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+
+
+class CreateSampler(_Body):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class Chunk(_Body):
+    type: str = "encoded_text"
+    tokens: list[int] = []
+
+
+class Prompt(_Body):
+    chunks: list[Chunk]
+
+
+class SamplingBody(_Body):
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = -1
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class SampleBody(_Body):
+    num_samples: int = Field(1, ge=1, le=1024)
+    prompt: Prompt
+    sampling_params: SamplingBody
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = Field(None, ge=1)
+    record_stability_info: bool | None = None
 
 
 def sessions(c: Any) -> Sessions:
@@ -225,3 +276,91 @@ async def retrieve_future(body: RetrieveFuture, c: Ctx, tenant: Tenant) -> Respo
     if isinstance(result, bytes):
         return Response(result, media_type=PROTOBUF)
     return JSONResponse(result)
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(body: SaveForSampler, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    if body.path is None and body.sampling_session_seq_id is None:
+        raise InvalidRequest("give path (a name) or sampling_session_seq_id", param="path")
+    rid = sessions(c).save_for_sampler(
+        tenant, body.model_id, body.seq_id, body.path, body.sampling_session_seq_id
+    )
+    return _future(rid, body.model_id)
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: CreateSampler, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    sampler = sessions(c).create_sampler(
+        tenant, body.session_id, body.sampling_session_seq_id, body.base_model, body.model_path
+    )
+    return {"type": "create_sampling_session", "sampling_session_id": sampler.id}
+
+
+@router.get("/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return sessions(c).sampler(tenant, sampler_id).info()
+
+
+@router.post("/asample")
+async def asample(body: SampleBody, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """Samples from a sampler (or a model path or base model given directly): a future
+    whose result is a `SampleResponse` (protobuf), with one sequence id per sample."""
+    s = sessions(c)
+    try:
+        call = _sample_call(body)
+    except (BadInput, Unsupported) as e:
+        raise InvalidRequest(str(e)) from e
+    if body.sampling_session_id:
+        target = s.sampler(tenant, body.sampling_session_id).target
+    elif body.model_path:
+        target = s.samplers.resolve(tenant, body.model_path)[1]
+    else:
+        target = s.samplers.base_target(body.base_model or "")
+    backend = c.backend
+    done: Future = Future()
+
+    async def run() -> None:
+        try:
+            got = await collect(await backend.open(target, call.payload()), call)
+            seqs = [Sampled(t, lp, reason) for t, lp, reason in got.sequences]
+            done.set_result(sample_result(seqs, got.prompt_logprobs))
+        except BaseException as e:  # handed to whoever polls the future
+            done.set_exception(e)
+
+    rid = s.track(tenant, done)
+    task = asyncio.get_running_loop().create_task(run())
+    _SAMPLES.add(task)
+    task.add_done_callback(_SAMPLES.discard)
+    ids = [f"{rid}:{i}" for i in range(call.num_samples)]
+    return {"request_id": rid, "sample_sequence_ids": ids}
+
+
+_SAMPLES: set[asyncio.Task] = set()  # running samples (the loop keeps weak references only)
+
+
+def _sample_call(body: SampleBody) -> SampleCall:
+    check_unsupported(body)
+    prompt: list[int] = []
+    for k, chunk in enumerate(body.prompt.chunks):
+        if chunk.type != "encoded_text":
+            raise Unsupported(
+                f"prompt.chunks[{k}] is {chunk.type!r}; the samplers here take text tokens only"
+            )
+        prompt += chunk.tokens
+    if not prompt:
+        raise BadInput("prompt: no tokens")
+    if body.prompt_logprobs_last_n is not None and not body.prompt_logprobs:
+        raise BadInput("prompt_logprobs_last_n needs prompt_logprobs")
+    p = body.sampling_params
+    return SampleCall(
+        prompt=prompt,
+        num_samples=body.num_samples,
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=max(p.top_k, 0),
+        seed=p.seed,
+        prompt_logprobs=bool(body.prompt_logprobs),
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+        **stops(p.stop),
+    )

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from pstar_core.optim import StepHyper
 from service.errors import InvalidRequest, NotFound, QuotaExceeded
 from service.registry import ModelRef, base_models
 from service.sessions.losses import BadInput, Datum, Unsupported, run
+from service.sessions.sampling import Sampler, Samplers
 from service.settings import Limits, Settings
 
 log = logging.getLogger("pstar.sessions")
@@ -136,15 +138,29 @@ class TrainingModel:
     def save(self, root: Path, name: str) -> dict[str, Any]:
         """The whole training state (weights, Adam's moments, the step), for `load_weights`
         to continue from bitwise: `tinker://<model id>/weights/<name>`."""
-        if not STATE_NAME_RE.match(name):
-            raise InvalidRequest(
-                f"save_state name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)"
-            )
+        check_name(name)
         where = root / self.id / "weights" / name
+        pending_grads(self.engine, "save_state")
         self.engine.save_checkpoint(where / "engine")
         meta = {"base_model": self.base.id, "rank": self.rank, "targets": list(self.targets)}
         (where / "session.json").write_text(json.dumps(meta))
         return {"path": f"tinker://{self.id}/weights/{name}", "type": "save_weights"}
+
+    def save_for_sampler(self, root: Path, name: str) -> Path:
+        """The weights a sampler needs, `tinker://<model id>/sampler_weights/<name>`: a
+        LoRA's adapter (peft), or the whole model (transformers, with the tokenizer)."""
+        from service.sessions.sampling import ADAPTER, MODEL
+
+        check_name(name)
+        where = root / self.id / "sampler_weights" / name
+        pending_grads(self.engine, "save_weights_for_sampler")
+        if self.rank:
+            self.engine.export_hf(where / ADAPTER, variant="adapter")
+        else:
+            self.engine.export_hf(where / MODEL)
+        meta = {"base_model": self.base.id, "rank": self.rank, "created": time.time()}
+        (where / "session.json").write_text(json.dumps(meta))
+        return where
 
     def load(self, where: Path) -> dict[str, Any]:
         self.build()
@@ -163,6 +179,22 @@ class TrainingModel:
             "lora_rank": self.rank or None,
             "model_name": self.base.id,
         }
+
+
+def check_name(name: str) -> None:
+    if not STATE_NAME_RE.match(name):
+        raise InvalidRequest(
+            f"name {name!r}: use letters, digits, '.', '_' or '-' (at most 128), starting "
+            "with a letter or digit"
+        )
+
+
+def pending_grads(engine: Any, what: str) -> None:
+    """Saving between a forward_backward and its optim_step is the caller's to fix."""
+    if engine.pending_grads:
+        raise BadInput(
+            f"{what}: gradients of a forward_backward are not applied yet; call optim_step first"
+        )
 
 
 @dataclass
@@ -194,6 +226,7 @@ class Sessions:
         self._request_ids: dict[Future, str] = {}
         self._lock = threading.RLock()  # create_model answers a repeat under it
         self._ids = itertools.count()
+        self.samplers = Samplers(settings, self.states)
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -228,7 +261,10 @@ class Sessions:
             raise NotFound("session", sid, param="session_id")
         with self._lock:
             self.sessions.pop(sid, None)
+            self.samplers.end_session(sid)
             for mid in s.models:
+                for d in (self.states(tenant) / mid / "sampler_weights").glob("ephemeral-*"):
+                    shutil.rmtree(d, ignore_errors=True)  # save_weights_and_get_sampling_client's
                 m = self.models.pop(mid, None)
                 if m is not None:
                     m.runner.close()
@@ -244,7 +280,7 @@ class Sessions:
 
     def capabilities(self) -> list[dict[str, Any]]:
         return [
-            {"model_name": m.id, "trainable": True, "sampleable": False}
+            {"model_name": m.id, "trainable": True, "sampleable": True}
             for m in base_models(self.settings)
         ]
 
@@ -298,7 +334,7 @@ class Sessions:
             self.models[mid] = model
             s.models.append(mid)
         first = (lambda: start(model)) if start is not None else model.build
-        return self._track(tenant, runner.submit(0, first), runner, 0)
+        return self._track(tenant, runner.submit(0, first), self._forget(runner, 0))
 
     def states(self, tenant: str) -> Path:
         """Where a tenant's saved states are (its own root: a path names no other's)."""
@@ -346,22 +382,67 @@ class Sessions:
         existing = m.runner.futures.get(seq)
         if existing is not None:  # the SDK sent it again (its retries): the same future
             return self._request_ids[existing]
-        return self._track(tenant, m.runner.submit(seq, lambda: fn(m)), m.runner, seq)
+        return self._track(tenant, m.runner.submit(seq, lambda: fn(m)), self._forget(m.runner, seq))
 
     # -- futures ----------------------------------------------------------------------
 
-    def _track(self, tenant: str, fut: Future, runner: Ordered, seq: int) -> str:
-        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-
+    def _forget(self, runner: Ordered, seq: int) -> Callable[[], None]:
         def forget() -> None:
-            runner.futures.pop(seq, None)
-            self._request_ids.pop(fut, None)
+            fut = runner.futures.pop(seq, None)
+            if fut is not None:
+                self._request_ids.pop(fut, None)
 
+        return forget
+
+    def _track(self, tenant: str, fut: Future, forget: Callable[[], None] = lambda: None) -> str:
+        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
             self._sweep()
             self.pending[rid] = Pending(tenant, fut, forget)
             self._request_ids[fut] = rid
         return rid
+
+    def track(self, tenant: str, fut: Future) -> str:
+        """A request id for a future not run by a model (a sample)."""
+
+        def forget() -> None:
+            self._request_ids.pop(fut, None)
+
+        return self._track(tenant, fut, forget)
+
+    # -- samplers ---------------------------------------------------------------------
+
+    def create_sampler(
+        self, tenant: str, sid: str, seq: int, base_model: str | None, path: str | None
+    ) -> Sampler:
+        self.session(tenant, sid)
+        return self.samplers.create(tenant, sid, seq, base_model, path)
+
+    def sampler(self, tenant: str, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(tenant, sampler_id)
+        owner = self.sessions.get(sampler.session_id)
+        if owner is not None:
+            owner.last_seen = time.time()  # a sample keeps its session alive
+        return sampler
+
+    def save_for_sampler(
+        self, tenant: str, mid: str, seq: int, name: str | None, sampler_seq: int | None
+    ) -> str:
+        """Save a model's weights for sampling (`name`), or for a new sampler of its
+        session (`sampler_seq`, no name: save_weights_and_get_sampling_client)."""
+        root = self.states(tenant)
+        sid = mid.split(":", 1)[0]
+
+        def save(m: TrainingModel) -> dict[str, Any]:
+            label = name or f"ephemeral-{seq}"
+            m.save_for_sampler(root, label)
+            path = f"tinker://{m.id}/sampler_weights/{label}"
+            if name is not None:
+                return {"path": path, "type": "save_weights_for_sampler"}
+            sampler = self.samplers.create(tenant, sid, sampler_seq or 0, None, path)
+            return {"sampling_session_id": sampler.id, "type": "save_weights_for_sampler"}
+
+        return self.submit(tenant, mid, seq, save)
 
     def _sweep(self) -> None:
         """Drop results read more than `KEEP_READ_S` ago (the SDK polls a future again
@@ -380,7 +461,7 @@ class Sessions:
             return self._request_ids[fut]
         done: Future = Future()
         done.set_result({"model_id": mid, "type": "create_model"})
-        return self._track(m.tenant, done, m.runner, seq)
+        return self._track(m.tenant, done, self._forget(m.runner, seq))
 
     def future(self, tenant: str, rid: str) -> Pending:
         p = self.pending.get(rid)

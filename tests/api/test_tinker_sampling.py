@@ -1,0 +1,193 @@
+"""Sampling through the unmodified `tinker` SDK: a base model's sampler against
+transformers (greedy tokens, their log-probabilities, the prompt's), a LoRA's and a full
+model's saved weights sampled after training (they reproduce what they were trained on),
+stop tokens and `[]`, many samples of one prompt whose log-probabilities are the training
+forward's, and samplers kept to their tenant. The model servers here are in-process
+generators (tests/api/inproc.py), the same `Generator` Ray Serve replicas run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import tinker
+import torch
+
+from tests.api.conftest import TINKER_TOKENS, start_api
+from tests.api.test_tinker_sdk import datum, logprobs_of
+
+T = tinker.types
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    data_dir = tmp_path_factory.mktemp("tinker-sampling")
+    from service.settings import Limits
+
+    limits = Limits(max_session_models_per_tenant=8)
+    api, stop = start_api(
+        data_dir,
+        f"sqlite:///{data_dir / 'store.db'}",
+        "sqlite",
+        limits=limits,
+        models_in_process=True,
+    )
+    api.ctx.sessions.engine_defaults["dtype"] = "fp32"
+    yield api
+    stop()
+    mp.undo()
+
+
+def client(server, tenant: str = "acme"):
+    return tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS[tenant])
+
+
+def base(server):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        server.settings.models_dir / "tiny-llama", dtype=torch.float32
+    ).eval()
+
+
+PROMPT = [1, 57, 23, 88, 140, 9]
+
+
+def test_a_base_sampler_answers_as_transformers_greedy_with_logprobs(server):
+    sc = client(server)
+    sampler = sc.create_sampling_client(base_model="tiny-llama").result()
+    assert sampler.get_base_model() == "tiny-llama"
+    greedy = T.SamplingParams(max_tokens=7, temperature=0.0, stop=[])
+    out = sampler.sample(T.ModelInput.from_ints(PROMPT), 1, greedy).result()
+    (seq,) = out.sequences
+    model = base(server)
+    with torch.no_grad():
+        want = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=7, do_sample=False, min_new_tokens=7
+        )[0, len(PROMPT) :].tolist()
+    assert seq.tokens == want
+    assert seq.stop_reason == "length"
+    torch.testing.assert_close(
+        torch.tensor(seq.logprobs), logprobs_of(model, PROMPT + want)[len(PROMPT) - 1 :],
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    # the prompt's log-probabilities (compute_logprobs): None first, then transformers'
+    got = sampler.compute_logprobs(T.ModelInput.from_ints(PROMPT)).result()
+    assert got[0] is None
+    torch.testing.assert_close(
+        torch.tensor(got[1:]), logprobs_of(model, PROMPT), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_stop_tokens_end_a_sample_and_the_stop_token_is_its_last(server):
+    sampler = client(server).create_sampling_client(base_model="tiny-llama").result()
+    prompt = T.ModelInput.from_ints(PROMPT)
+    free = sampler.sample(prompt, 1, T.SamplingParams(max_tokens=6, temperature=0.0, stop=[]))
+    free_tokens = free.result().sequences[0].tokens
+    stop_at = free_tokens[2]
+    cut = sampler.sample(
+        prompt, 1, T.SamplingParams(max_tokens=6, temperature=0.0, stop=[stop_at])
+    ).result()
+    first = free_tokens.index(stop_at)
+    assert cut.sequences[0].tokens == free_tokens[: first + 1]
+    assert cut.sequences[0].stop_reason == "stop"
+
+
+def test_many_samples_share_a_prompt_and_their_logprobs_are_the_training_forwards(server):
+    """The RL property: at step 0, a sampled token's log-probability (temperature 1) is
+    the one forward_backward computes for it, so importance ratios start at 1."""
+    sc = client(server)
+    tc = sc.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = T.SamplingParams(max_tokens=5, temperature=1.0, seed=11, stop=[])
+    out = sampler.sample(T.ModelInput.from_ints(PROMPT), 6, params).result()
+    assert len(out.sequences) == 6
+    assert len({tuple(s.tokens) for s in out.sequences}) > 1  # six draws, not one copied
+    again = sampler.sample(T.ModelInput.from_ints(PROMPT), 6, params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in out.sequences]  # seeded
+    data = [datum(PROMPT + s.tokens) for s in out.sequences]
+    fwd = tc.forward(data, "cross_entropy").result()
+    for s, got in zip(out.sequences, fwd.loss_fn_outputs, strict=True):
+        trained = got["logprobs"].tolist()[len(PROMPT) - 1 :]
+        assert s.logprobs == pytest.approx(trained, abs=1e-4)
+
+
+@pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
+def test_trained_weights_sampled_greedy_reproduce_what_they_learned(server, rank):
+    sc = client(server)
+    tc = sc.create_lora_training_client(base_model="tiny-llama", rank=rank).result()
+    target = [200, 17, 301, 44, 5]
+    seq = PROMPT + target
+    weights = [0.0] * (len(PROMPT) - 1) + [1.0] * len(target)
+    # (Tinker's default beta2 0.95 and eps 1e-12 make the tiny LoRA's loss spike)
+    adam = (
+        T.AdamParams(learning_rate=5e-3, beta2=0.999, eps=1e-8)
+        if rank
+        else T.AdamParams(learning_rate=1e-2)
+    )
+    for _ in range(32):
+        tc.forward_backward([datum(seq, weights)], "cross_entropy")
+        tc.optim_step(adam).result()
+    greedy = T.SamplingParams(max_tokens=len(target), temperature=0.0, stop=[])
+    before = (
+        sc.create_sampling_client(base_model="tiny-llama")
+        .result()
+        .sample(T.ModelInput.from_ints(PROMPT), 1, greedy)
+    )
+    assert before.result().sequences[0].tokens != target
+    path = tc.save_weights_for_sampler("learned").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/learned"
+    sampler = sc.create_sampling_client(model_path=path).result()
+    assert sampler.get_base_model() == "tiny-llama"
+    got = sampler.sample(T.ModelInput.from_ints(PROMPT), 1, greedy).result()
+    assert got.sequences[0].tokens == target
+    # the weights it samples are those trained: logprobs as the training forward's
+    fwd = tc.forward([datum(seq)], "cross_entropy").result()
+    trained = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(PROMPT) - 1 :]
+    assert got.sequences[0].logprobs == pytest.approx(trained, abs=1e-4)
+    # a newer save is sampled as it is, without restarting anything
+    tc.forward_backward([datum([*PROMPT, 3, 3, 3, 3, 3], weights)], "cross_entropy")
+    tc.optim_step(T.AdamParams(learning_rate=0.5)).result()
+    newer = tc.save_weights_and_get_sampling_client().result()
+    changed = newer.sample(T.ModelInput.from_ints(PROMPT), 1, greedy).result()
+    assert changed.sequences[0].tokens != target
+    assert (
+        sampler.sample(T.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens
+        == target
+    )  # the named save still answers as it did
+
+
+def test_samplers_and_sampler_weights_stay_with_their_tenant(server):
+    import httpx
+
+    sc = client(server)
+    tc = sc.create_lora_training_client(base_model="tiny-llama", rank=2).result()
+    path = tc.save_weights_for_sampler("mine").result().path
+    sampler = sc.create_sampling_client(model_path=path).result()
+    theirs = {"X-API-Key": TINKER_TOKENS["rival"]}
+    mine = {"X-API-Key": TINKER_TOKENS["acme"]}
+    url = f"{server.url}/api/v1/samplers/{sampler._sampling_session_id}"
+    assert httpx.get(url, headers=mine).json()["model_path"] == path
+    assert httpx.get(url, headers=theirs).status_code == 404
+    with pytest.raises(tinker.NotFoundError, match="No sampler weights"):
+        client(server, "rival").create_sampling_client(model_path=path).result()
+    state = tc.save_state("s").result().path
+    with pytest.raises(tinker.BadRequestError, match="training state"):
+        sc.create_sampling_client(model_path=state).result()
+
+
+def test_what_the_sampler_cannot_do_is_refused_by_name(server):
+    sampler = client(server).create_sampling_client(base_model="tiny-llama").result()
+    prompt = T.ModelInput.from_ints(PROMPT)
+    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
+        sampler.sample(
+            prompt, 1, T.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+            topk_prompt_logprobs=3,
+        ).result()  # fmt: skip
+    with pytest.raises(tinker.RequestFailedError, match="not in the model's vocabulary"):
+        sampler.sample(T.ModelInput.from_ints([10**6]), 1, T.SamplingParams(max_tokens=1)).result()
+    assert math.isfinite(
+        sampler.sample(prompt, 1, T.SamplingParams(max_tokens=1)).result().sequences[0].logprobs[0]
+    )
