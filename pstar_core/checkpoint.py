@@ -89,6 +89,10 @@ class Checkpointable(Protocol):
     def load_training_state(self, state: TrainingState) -> None:
         """Continue from `state` (the chunks are loaded already)."""
 
+    def load_excluded_weights(self, excluded: dict[str, Any]) -> None:
+        """The weights kept out of chunks, from a state's `excluded`, without their
+        optimizer state."""
+
 
 def _rank_file(rank: int, world: int, suffix: str) -> str:
     return f"rank{rank}-of-{world}{suffix}"
@@ -244,8 +248,9 @@ def _replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(engine: Checkpointable, directory: Path) -> None:
-    """Load the chunks into the engine's store, then hand it the training state."""
+def load_checkpoint(engine: Checkpointable, directory: Path, optimizer: bool = True) -> None:
+    """Load the chunks into the engine's store, then hand it the training state (without
+    `optimizer`: the weights alone, the fp32 masters and the frozen chunks)."""
     store = engine.tensors
     meta_path = directory / META
     if not meta_path.is_file():
@@ -269,6 +274,8 @@ def load_checkpoint(engine: Checkpointable, directory: Path) -> None:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for c in _saved_chunks(store, frozen_saved):
+                if not optimizer and c.kind in (ChunkType.MOMENTUM, ChunkType.VARIANCE):
+                    continue
                 key = f"{c.kind.value}.{c.index}"
                 # copy_ casts: frozen chunks saved in another compute dtype
                 store.in_memory(c).payload.copy_(f.get_tensor(key))
@@ -293,6 +300,9 @@ def load_checkpoint(engine: Checkpointable, directory: Path) -> None:
         ) from None
     if frozen_saved:
         store.frozen_from_source = False
+    if not optimizer:
+        engine.load_excluded_weights(extra["excluded"])
+        return
     for slot, step in zip(store.slots, extra["steps"], strict=True):
         slot.step = int(step)
     engine.load_training_state(

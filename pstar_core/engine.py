@@ -253,7 +253,7 @@ class Engine:
         if self.zero.enabled:
             self.excluded.average_grads(self.zero)
         inv_scale = 1.0 / self.scaler.scale
-        clip = self.config.gradient_clipping
+        clip = self.config.gradient_clipping if hyper is None else hyper.max_grad_norm
         coef = 1.0
         if self.scaler.enabled or clip is not None:
             norm_sq = opt.grad_norm_sq()
@@ -426,10 +426,13 @@ class Engine:
         self._require_no_pending_grads("save_checkpoint")
         return checkpoint.save_checkpoint(self, Path(directory), shared)
 
-    def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore a checkpoint written by `save_checkpoint` for the same model and config."""
+    def load_checkpoint(self, directory: str | Path, optimizer: bool = True) -> None:
+        """Restore a checkpoint written by `save_checkpoint` for the same model and config.
+        Without `optimizer`, only the weights: Adam's moments, the step count, the learning
+        rate's schedule and the RNG stay as they are (a fresh engine's: training starts
+        again from these weights)."""
         self._require_no_pending_grads("load_checkpoint")
-        checkpoint.load_checkpoint(self, Path(directory))
+        checkpoint.load_checkpoint(self, Path(directory), optimizer)
 
     def training_state(self) -> TrainingState:
         """What a checkpoint keeps beside the chunks (see `pstar_core.checkpoint`)."""
@@ -441,6 +444,9 @@ class Engine:
             excluded=self.excluded.state_dict(),
             placement=self.manager.placement_state(),
         )
+
+    def load_excluded_weights(self, excluded: dict[str, Any]) -> None:
+        self.excluded.load_masters(excluded)
 
     def load_training_state(self, state: TrainingState) -> None:
         """Continue from a checkpoint's training state (its chunks are loaded already)."""

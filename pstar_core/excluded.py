@@ -148,7 +148,8 @@ class ExcludedParams:
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
         }
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_masters(self, sd: dict[str, Any]) -> None:
+        """The weights of a `state_dict`, without its optimizer state."""
         masters = [self.masters[id(p)] for p in self.params if id(p) in self.masters]
         with torch.no_grad():
             for dst, src in zip(masters, sd["masters"], strict=True):
@@ -156,5 +157,8 @@ class ExcludedParams:
             for p in self.params:
                 if id(p) in self.masters:
                     p.data.copy_(self.masters[id(p)])
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.load_masters(sd)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(sd["optimizer"])

@@ -41,14 +41,18 @@ class StepHyper:
     """One step's AdamW settings given by the caller, in place of the config's and its
     schedule's: a user's own loop that sets them per step (Tinker's `optim_step` with its
     `AdamParams`). `lr` is the base group's (others keep their ratio to it); the weight
-    decay applies where the config's no-decay rules do not exclude it."""
+    decay applies where the config's no-decay rules do not exclude it; `max_grad_norm`
+    clips this step's global gradient norm (None: no clipping, whatever the config says)."""
 
     lr: float
     betas: tuple[float, float]
     eps: float
     weight_decay: float = 0.0
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 (None: no clipping), got {self}")
         if not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0):
             raise ValueError(f"AdamW settings out of range: {self}")
         if not all(0 <= b < 1 for b in self.betas):

@@ -183,6 +183,28 @@ def test_save_load_continue_is_bitwise_uninterrupted(tmp_path):
     assert run_engine(resumed, data[4:]) == expected[4:]
 
 
+def test_loading_the_weights_alone_starts_adam_again_from_them(tmp_path):
+    """optimizer=False: the trained weights (chunked and excluded alike), a fresh Adam
+    (step 0, zero moments): the next steps are a new AdamW run from those weights."""
+    ref = reference_model(MODELS["hf_llama"])
+    data = batches(6)
+    trained = make_engine(MODELS["hf_llama"], ref, lr=LR, wd=WD)
+    run_engine(trained, data[:3])
+    trained.save_checkpoint(tmp_path / "ckpt")
+    weights = trained.state_dict()
+    loaded = pstar_core.initialize(MODELS["hf_llama"], engine_config(lr=LR, wd=WD))
+    loaded.load_checkpoint(tmp_path / "ckpt", optimizer=False)
+    assert loaded.global_step == 0
+    for k, v in weights.items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    # a new engine given the same weights by state_dict trains the same from here
+    fresh = pstar_core.initialize(MODELS["hf_llama"], engine_config(lr=LR, wd=WD))
+    fresh.load_state_dict(weights)
+    want = run_engine(fresh, data[3:])
+    assert run_engine(loaded, data[3:]) == want
+    assert want != run_engine(trained, data[3:])  # which the optimizer state would change
+
+
 class _Planted:
     """What a crafted checkpoint file would hold: unpickling it runs code."""
 
@@ -349,9 +371,14 @@ def test_the_engine_imports_nothing_of_the_service():
 
 
 # a loop that sets AdamW's settings per step (Tinker's optim_step): they change every step
+# (and clip the gradient's norm on some: 0.05 is below every step's norm here)
 STEP_HYPERS = [
-    pstar_core.StepHyper(lr=1e-3 * (1 + i % 3), betas=(0.9, 0.95), eps=1e-12, weight_decay=wd)
-    for i, wd in enumerate([0.0, 0.1, 0.0, 0.05, 0.1, 0.0])
+    pstar_core.StepHyper(
+        lr=1e-3 * (1 + i % 3), betas=(0.9, 0.95), eps=1e-12, weight_decay=wd, max_grad_norm=clip
+    )
+    for i, (wd, clip) in enumerate(
+        [(0.0, None), (0.1, 0.05), (0.0, None), (0.05, 0.05), (0.1, None), (0.0, 0.05)]
+    )
 ]
 
 
@@ -371,14 +398,17 @@ def test_per_step_adamw_settings_match_torch_adamw_given_the_same(name):
     for x, h in zip(data, STEP_HYPERS, strict=True):
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        if h.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), h.max_grad_norm)
+            assert norm > h.max_grad_norm  # the clipping is real
         for g in opt.param_groups:
             g.update(lr=h.lr, betas=h.betas, eps=h.eps)
             g["weight_decay"] = h.weight_decay if g["decays"] else 0.0
         opt.step()
         opt.zero_grad(set_to_none=True)
         expected.append(loss.item())
-    # the config's own settings (lr, betas, decay) must not leak into these steps
-    engine = make_engine(MODELS[name], ref, lr=0.5, wd=0.3)
+    # the config's own settings (lr, betas, decay, clipping) must not leak into these steps
+    engine = make_engine(MODELS[name], ref, lr=0.5, wd=0.3, gradient_clipping=1e-4)
     got = []
     for x, h in zip(data, STEP_HYPERS, strict=True):
         loss = engine(input_ids=x, labels=x).loss
