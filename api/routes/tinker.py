@@ -232,10 +232,9 @@ async def forward_backward(request: Request, c: Ctx, tenant: Tenant) -> dict[str
 @router.post("/optim_step")
 def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     a = body.adam_params
-    hyper = StepHyper(a.learning_rate, (a.beta1, a.beta2), a.eps, a.weight_decay)
-    rid = sessions(c).submit(
-        tenant, body.model_id, body.seq_id, lambda m: m.optim_step(hyper, a.grad_clip_norm)
-    )
+    clip = a.grad_clip_norm or None  # 0: no clipping
+    hyper = StepHyper(a.learning_rate, (a.beta1, a.beta2), a.eps, a.weight_decay, clip)
+    rid = sessions(c).submit(tenant, body.model_id, body.seq_id, lambda m: m.optim_step(hyper))
     return _future(rid, body.model_id)
 
 
@@ -249,12 +248,9 @@ def save_weights(body: SaveWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
 
 @router.post("/load_weights", responses=responses(429))
 def load_weights(body: LoadWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
-    try:
-        rid = sessions(c).load_model(
-            tenant, body.session_id, body.model_seq_id, body.path, body.optimizer
-        )
-    except Unsupported as e:
-        raise InvalidRequest(str(e), param="optimizer") from e
+    rid = sessions(c).load_model(
+        tenant, body.session_id, body.model_seq_id, body.path, body.optimizer
+    )
     return _future(rid, f"{body.session_id}:train:{body.model_seq_id}")
 
 

@@ -126,12 +126,7 @@ class TrainingModel:
     def forward_backward(self, data: list[Datum], loss_fn: str, config: dict, backward: bool):
         return run(self.engine, data, loss_fn, config, backward=backward)
 
-    def optim_step(self, hyper: StepHyper, grad_clip_norm: float = 0.0) -> dict[str, Any]:
-        if grad_clip_norm > 0:
-            raise Unsupported(
-                "adam_params.grad_clip_norm: clipping per step is not supported yet; set "
-                "it to 0 (the default)"
-            )
+    def optim_step(self, hyper: StepHyper) -> dict[str, Any]:
         self.engine.step(hyper)
         return {"metrics": {}}
 
@@ -162,9 +157,9 @@ class TrainingModel:
         (where / "session.json").write_text(json.dumps(meta))
         return where
 
-    def load(self, where: Path) -> dict[str, Any]:
+    def load(self, where: Path, optimizer: bool = True) -> dict[str, Any]:
         self.build()
-        self.engine.load_checkpoint(where / "engine")
+        self.engine.load_checkpoint(where / "engine", optimizer)
         return {"model_id": self.id, "type": "load_weights"}
 
     def info(self) -> dict[str, Any]:
@@ -344,17 +339,13 @@ class Sessions:
         self, tenant: str, sid: str, model_seq_id: int, path: str, optimizer: bool
     ) -> str:
         """A new training model of session `sid` continuing from a saved state (`save`):
-        its weights and, with `optimizer`, Adam's moments and step, bitwise."""
+        its weights and, with `optimizer`, Adam's moments and step, bitwise (without:
+        Adam starts again from the weights)."""
         m = PATH_RE.match(path)
         where = self.states(tenant) / m["run"] / "weights" / m["name"] if m else None
         if where is None or not (where / "session.json").is_file():
             # save_state gives tinker://<model id>/weights/<name>, under the caller's root
             raise NotFound("saved state", path, param="path")
-        if not optimizer:
-            raise Unsupported(
-                "loading the weights without the optimizer state is not supported yet; use "
-                "create_training_client_from_state_with_optimizer"
-            )
         meta = json.loads((where / "session.json").read_text())
         lora = {"rank": meta["rank"]} | {
             k: any(t in meta["targets"] for t in names)
@@ -365,7 +356,12 @@ class Sessions:
             )
         }
         return self.create_model(
-            tenant, sid, model_seq_id, meta["base_model"], lora, start=lambda m: m.load(where)
+            tenant,
+            sid,
+            model_seq_id,
+            meta["base_model"],
+            lora,
+            start=lambda m: m.load(where, optimizer),
         )
 
     def model(self, tenant: str, mid: str) -> TrainingModel:
