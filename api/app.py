@@ -37,6 +37,7 @@ def create_app(
     from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
     from api.routes import admin, completions, files, jobs, models, system, tinker
+    from service.control import storage
     from service.serving.deployments import Serving
     from service.sessions.runtime import Sessions
 
@@ -56,7 +57,10 @@ def create_app(
         training_waiting=lambda: store.jobs.count_by_status().get("queued", 0),
     )
     ctx.backend = backend or RayServeBackend(ctx.serving)
-    ctx.sessions = Sessions(settings)
+    ctx.sessions = Sessions(
+        settings,
+        check_quota=lambda tenant: storage.check_quota(settings, store, tenant, ctx.jobs.usage),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

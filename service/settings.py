@@ -199,6 +199,10 @@ class Settings:
         """Where a job's ranks spill chunks (the engine's `memory.disk_dir`)."""
         return (self.spill_root or self.data_dir / "spill") / job_id
 
+    def sessions_dir(self, tenant: str) -> Path:
+        """Where a tenant's training sessions keep their checkpoints (service.sessions)."""
+        return self.data_dir / "sessions" / tenant
+
     def finetuned_dir(self, job_id: str) -> Path:
         """Where a job's exported model goes (hidden from the base-model scan by the dot)."""
         return self.models_dir / ".ft" / job_id

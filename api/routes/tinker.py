@@ -11,7 +11,7 @@ import asyncio
 from concurrent.futures import Future
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,7 +21,7 @@ from api.tinker_wire import Sampled, forward_backward_result, read_forward_backw
 from pstar_core import StepHyper
 from service.errors import InvalidRequest
 from service.sessions.losses import BadInput, Unsupported
-from service.sessions.runtime import Sessions, TrainingModel, error_of
+from service.sessions.runtime import SaveOptions, Sessions, TrainingModel, error_of
 from service.sessions.sampling import SampleCall, check_unsupported, collect, stops
 
 router = APIRouter(
@@ -90,6 +90,9 @@ class SaveWeights(_Body):
     model_id: str
     seq_id: int = Field(ge=0)
     path: str
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
 
 
 class LoadWeights(_Body):
@@ -108,6 +111,8 @@ class SaveForSampler(_Body):
     seq_id: int = Field(ge=0)
     path: str | None = None
     sampling_session_seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 class CreateSampler(_Body):
@@ -240,9 +245,8 @@ def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
-    s = sessions(c)
-    root = s.states(tenant)
-    rid = s.submit(tenant, body.model_id, body.seq_id, lambda m: m.save(root, body.path))
+    opts = SaveOptions(body.ttl_seconds, body.user_metadata, body.overwrite)
+    rid = sessions(c).save_state(tenant, body.model_id, body.seq_id, body.path, opts)
     return _future(rid, body.model_id)
 
 
@@ -278,8 +282,9 @@ async def retrieve_future(body: RetrieveFuture, c: Ctx, tenant: Tenant) -> Respo
 def save_weights_for_sampler(body: SaveForSampler, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     if body.path is None and body.sampling_session_seq_id is None:
         raise InvalidRequest("give path (a name) or sampling_session_seq_id", param="path")
+    opts = SaveOptions(body.ttl_seconds, body.user_metadata)
     rid = sessions(c).save_for_sampler(
-        tenant, body.model_id, body.seq_id, body.path, body.sampling_session_seq_id
+        tenant, body.model_id, body.seq_id, body.path, body.sampling_session_seq_id, opts
     )
     return _future(rid, body.model_id)
 
@@ -360,3 +365,48 @@ def _sample_call(body: SampleBody) -> SampleCall:
         prompt_logprobs_last_n=body.prompt_logprobs_last_n,
         **stops(p.stop),
     )
+
+
+def _page(items: list[dict[str, Any]], limit: int, offset: int) -> dict[str, Any]:
+    return {"offset": offset, "limit": limit, "total_count": len(items)}
+
+
+@router.get("/training_runs")
+def training_runs(
+    c: Ctx,
+    tenant: Tenant,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> dict[str, Any]:
+    """The tenant's training runs (its training models, live or ended, with saves)."""
+    runs = sessions(c).runs(tenant)
+    runs.sort(key=lambda r: r["last_request_time"], reverse=True)
+    return {"training_runs": runs[offset : offset + limit], "cursor": _page(runs, limit, offset)}
+
+
+@router.get("/training_runs/{training_run_id}")
+def training_run(training_run_id: str, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return sessions(c).run(tenant, training_run_id)
+
+
+@router.get("/training_runs/{training_run_id}/checkpoints")
+def run_checkpoints(training_run_id: str, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return {"checkpoints": sessions(c).checkpoints(tenant, training_run_id), "cursor": None}
+
+
+@router.delete("/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}")
+def delete_checkpoint(training_run_id: str, checkpoint_id: str, c: Ctx, tenant: Tenant) -> Response:
+    sessions(c).delete_checkpoint(tenant, training_run_id, checkpoint_id)
+    return Response(status_code=204)
+
+
+@router.get("/checkpoints")
+def user_checkpoints(
+    c: Ctx,
+    tenant: Tenant,
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> dict[str, Any]:
+    """Every checkpoint of the tenant's runs, newest first."""
+    found = sessions(c).checkpoints(tenant)
+    return {"checkpoints": found[offset : offset + limit], "cursor": _page(found, limit, offset)}

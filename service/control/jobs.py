@@ -66,7 +66,7 @@ class JobService:
 
         self.settings, self.store, self.launcher = settings, store, launcher
         self.heavy = HeavyWork()
-        self.usage = storage.Usage(store)  # each tenant's stored bytes, for the quota
+        self.usage = storage.Usage(settings, store)  # each tenant's stored bytes, for the quota
 
     def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, JobSpec]:
         """Check everything a client can get wrong; the spec the driver will run."""

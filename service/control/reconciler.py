@@ -236,6 +236,13 @@ class Reconciler:
             storage.sweep(self.settings, self.store)
         except Exception as e:
             log.warning("could not measure or reclaim runs' storage: %s", e)
+        try:  # sessions' checkpoints past their ttl_seconds
+            from service.sessions.checkpoints import expire
+
+            if gone := expire(self.settings.data_dir / "sessions"):
+                log.info("removed %d expired session checkpoint(s)", len(gone))
+        except Exception as e:
+            log.warning("could not remove expired session checkpoints: %s", e)
 
     # -- one job ------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ with the engine (unlinked files).
 
 - **Counted**: the reconciler's sweep measures each ended job once (`storage_bytes`), and
   again whenever this module changes what it keeps. A tenant's use is its files plus what
-  its jobs keep.
+  its jobs keep plus its training sessions' checkpoints (`sessions/<tenant>`, measured
+  when asked).
 - **Bounded**: a job created while the tenant's use is at `PSTAR_MAX_STORAGE_BYTES_PER_TENANT`
   is a 429 that gives the numbers and what to delete.
 - **Reclaimed**: `PSTAR_RUN_RETENTION_DAYS` after a job ended, the sweep removes its run
@@ -54,17 +55,19 @@ def kept_bytes(settings: Settings, job_id: str) -> int:
     return du(settings.job_dir(job_id)) + du(settings.finetuned_dir(job_id))
 
 
-def used_bytes(store: Store, tenant: str) -> tuple[int, int]:
-    """(bytes of the tenant's files, bytes its ended jobs keep)."""
-    return store.files.total_bytes(tenant), store.jobs.storage_bytes(tenant)
+def used_bytes(settings: Settings, store: Store, tenant: str) -> tuple[int, int]:
+    """(bytes of the tenant's files, bytes its ended jobs and its sessions' checkpoints
+    keep)."""
+    kept = store.jobs.storage_bytes(tenant) + du(settings.sessions_dir(tenant))
+    return store.files.total_bytes(tenant), kept
 
 
 class Usage:
     """`used_bytes` per tenant, asked of the store at most once per `ttl_s`: a job create
     reads it, and what ended jobs keep is itself measured only every sweep (a minute)."""
 
-    def __init__(self, store: Store, ttl_s: float = 10.0) -> None:
-        self.store, self.ttl_s = store, ttl_s
+    def __init__(self, settings: Settings, store: Store, ttl_s: float = 10.0) -> None:
+        self.settings, self.store, self.ttl_s = settings, store, ttl_s
         self._seen: dict[str, tuple[float, tuple[int, int]]] = {}
 
     def of(self, tenant: str) -> tuple[int, int]:
@@ -72,7 +75,7 @@ class Usage:
         hit = self._seen.get(tenant)
         if hit is not None and now - hit[0] < self.ttl_s:
             return hit[1]
-        used = used_bytes(self.store, tenant)
+        used = used_bytes(self.settings, self.store, tenant)
         if len(self._seen) > 10_000:  # tenants come and go: forget them all at once
             self._seen.clear()
         self._seen[tenant] = (now, used)
@@ -82,15 +85,15 @@ class Usage:
 def check_quota(settings: Settings, store: Store, tenant: str, usage: Usage | None = None) -> None:
     """A 429 when the tenant's files and jobs already fill its storage quota."""
     quota = settings.limits.max_storage_bytes_per_tenant
-    files, runs = usage.of(tenant) if usage is not None else used_bytes(store, tenant)
+    files, runs = usage.of(tenant) if usage is not None else used_bytes(settings, store, tenant)
     if files + runs < quota:
         return
     raise QuotaExceeded(
         f"tenant {tenant} stores {files + runs:,} bytes ({files:,} in files, {runs:,} in "
-        f"ended jobs' checkpoints and models) and may store {quota:,} "
-        f"({Limits.var('max_storage_bytes_per_tenant')}); delete fine-tuned models "
-        "(DELETE /v1/models/{model}) or files it no longer needs, or wait for retention "
-        "to reclaim old runs",
+        f"ended jobs' checkpoints and models and its sessions' checkpoints) and may store "
+        f"{quota:,} ({Limits.var('max_storage_bytes_per_tenant')}); delete fine-tuned "
+        "models (DELETE /v1/models/{model}), checkpoints (RestClient.delete_checkpoint) or "
+        "files it no longer needs, or wait for retention to reclaim old runs",
         code="storage_quota_exceeded",
     )
 

@@ -35,6 +35,7 @@ from typing import Any
 from pstar_core.optim import StepHyper
 from service.errors import InvalidRequest, NotFound, QuotaExceeded
 from service.registry import ModelRef, base_models
+from service.sessions import checkpoints
 from service.sessions.losses import BadInput, Datum, Unsupported, run
 from service.sessions.sampling import Sampler, Samplers
 from service.settings import Limits, Settings
@@ -101,6 +102,16 @@ class Ordered:
                 self.next = seq + 1
 
 
+@dataclass(frozen=True)
+class SaveOptions:
+    """What a save asks beside its name: when the checkpoint expires (None: kept until
+    deleted), the caller's metadata, whether an existing name is replaced."""
+
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+    overwrite: bool = False
+
+
 @dataclass
 class TrainingModel:
     id: str
@@ -130,32 +141,45 @@ class TrainingModel:
         self.engine.step(hyper)
         return {"metrics": {}}
 
-    def save(self, root: Path, name: str) -> dict[str, Any]:
+    def save(self, root: Path, name: str, opts: SaveOptions) -> dict[str, Any]:
         """The whole training state (weights, Adam's moments, the step), for `load_weights`
         to continue from bitwise: `tinker://<model id>/weights/<name>`."""
-        check_name(name)
-        where = root / self.id / "weights" / name
+        where = self._place(root, "weights", name, opts.overwrite)
         pending_grads(self.engine, "save_state")
         self.engine.save_checkpoint(where / "engine")
-        meta = {"base_model": self.base.id, "rank": self.rank, "targets": list(self.targets)}
-        (where / "session.json").write_text(json.dumps(meta))
+        self._describe(where, opts)
         return {"path": f"tinker://{self.id}/weights/{name}", "type": "save_weights"}
 
-    def save_for_sampler(self, root: Path, name: str) -> Path:
+    def save_for_sampler(self, root: Path, name: str, opts: SaveOptions) -> Path:
         """The weights a sampler needs, `tinker://<model id>/sampler_weights/<name>`: a
-        LoRA's adapter (peft), or the whole model (transformers, with the tokenizer)."""
+        LoRA's adapter (peft), or the whole model (transformers, with the tokenizer). A
+        name is written once (a sampler may hold its adapter in memory by that name)."""
         from service.sessions.sampling import ADAPTER, MODEL
 
-        check_name(name)
-        where = root / self.id / "sampler_weights" / name
+        where = self._place(root, "sampler_weights", name, overwrite=False)
         pending_grads(self.engine, "save_weights_for_sampler")
         if self.rank:
             self.engine.export_hf(where / ADAPTER, variant="adapter")
         else:
             self.engine.export_hf(where / MODEL)
-        meta = {"base_model": self.base.id, "rank": self.rank, "created": time.time()}
-        (where / "session.json").write_text(json.dumps(meta))
+        self._describe(where, opts)
         return where
+
+    def _place(self, root: Path, kind: str, name: str, overwrite: bool) -> Path:
+        check_name(name)
+        where = root / self.id / kind / name
+        if (where / checkpoints.META).exists() and not overwrite:
+            raise BadInput(
+                f"a checkpoint named {name!r} exists (tinker://{self.id}/{kind}/{name}); "
+                "choose another name" + (" or pass overwrite=True" if kind == "weights" else "")
+            )
+        return where
+
+    def _describe(self, where: Path, opts: SaveOptions) -> None:
+        meta = checkpoints.meta_for(
+            self.base.id, self.rank, list(self.targets), opts.ttl_seconds, opts.user_metadata
+        )
+        (where / checkpoints.META).write_text(json.dumps(meta))
 
     def load(self, where: Path, optimizer: bool = True) -> dict[str, Any]:
         self.build()
@@ -212,8 +236,14 @@ class Pending:
 class Sessions:
     """Every session of this control plane, their models and their requests' futures."""
 
-    def __init__(self, settings: Settings, engine: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: dict[str, Any] | None = None,
+        check_quota: Callable[[str], None] = lambda tenant: None,
+    ) -> None:
         self.settings = settings
+        self.check_quota = check_quota  # a 429 when the tenant's storage is full
         self.engine_defaults: dict[str, Any] = dict(engine or {"dtype": "auto"})
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
@@ -328,12 +358,38 @@ class Sessions:
             model = TrainingModel(mid, tenant, base, rank, targets, self.engine_defaults, runner)
             self.models[mid] = model
             s.models.append(mid)
+        checkpoints.write_run(self.states(tenant), mid, base.id, rank)  # listed from now on
         first = (lambda: start(model)) if start is not None else model.build
         return self._track(tenant, runner.submit(0, first), self._forget(runner, 0))
 
     def states(self, tenant: str) -> Path:
         """Where a tenant's saved states are (its own root: a path names no other's)."""
-        return self.settings.data_dir / "sessions" / tenant
+        return self.settings.sessions_dir(tenant)
+
+    # -- runs and checkpoints (service.sessions.checkpoints) ---------------------------
+
+    def runs(self, tenant: str) -> list[dict[str, Any]]:
+        root = self.states(tenant)
+        return [self.run(tenant, r) for r in checkpoints.run_ids(root)]
+
+    def run(self, tenant: str, run: str) -> dict[str, Any]:
+        live = self.sessions.get(run.split(":", 1)[0])
+        seen = live.last_seen if live is not None and live.tenant == tenant else None
+        return checkpoints.training_run(self.states(tenant), tenant, run, seen)
+
+    def checkpoints(self, tenant: str, run: str | None = None) -> list[dict[str, Any]]:
+        """A run's checkpoints (or all the tenant's), newest first."""
+        root = self.states(tenant)
+        if run is not None:
+            self.run(tenant, run)  # a 404 for a run that is not the tenant's
+            found = checkpoints.checkpoints(root, run)
+        else:
+            found = [c for r in checkpoints.run_ids(root) for c in checkpoints.checkpoints(root, r)]
+            found.sort(key=lambda c: -c["_created"])
+        return [checkpoints.public(c) for c in found]
+
+    def delete_checkpoint(self, tenant: str, run: str, checkpoint_id: str) -> None:
+        checkpoints.delete(self.states(tenant), run, checkpoint_id)
 
     def load_model(
         self, tenant: str, sid: str, model_seq_id: int, path: str, optimizer: bool
@@ -421,8 +477,25 @@ class Sessions:
             owner.last_seen = time.time()  # a sample keeps its session alive
         return sampler
 
+    def save_state(self, tenant: str, mid: str, seq: int, name: str, opts: SaveOptions) -> str:
+        """Save a model's training state (save_state), within the tenant's storage (a full
+        one is the future's user error: the SDK would retry a 429 for minutes)."""
+        root = self.states(tenant)
+
+        def save(m: TrainingModel) -> dict[str, Any]:
+            self.check_quota(tenant)
+            return m.save(root, name, opts)
+
+        return self.submit(tenant, mid, seq, save)
+
     def save_for_sampler(
-        self, tenant: str, mid: str, seq: int, name: str | None, sampler_seq: int | None
+        self,
+        tenant: str,
+        mid: str,
+        seq: int,
+        name: str | None,
+        sampler_seq: int | None,
+        opts: SaveOptions,
     ) -> str:
         """Save a model's weights for sampling (`name`), or for a new sampler of its
         session (`sampler_seq`, no name: save_weights_and_get_sampling_client)."""
@@ -430,8 +503,9 @@ class Sessions:
         sid = mid.split(":", 1)[0]
 
         def save(m: TrainingModel) -> dict[str, Any]:
+            self.check_quota(tenant)
             label = name or f"ephemeral-{seq}"
-            m.save_for_sampler(root, label)
+            m.save_for_sampler(root, label, opts)
             path = f"tinker://{m.id}/sampler_weights/{label}"
             if name is not None:
                 return {"path": path, "type": "save_weights_for_sampler"}
@@ -475,7 +549,7 @@ class Sessions:
 def error_of(e: BaseException) -> dict[str, Any]:
     """A failed request's result in the SDK's shape: the caller's mistake ("user") with
     what to change, or ours ("server")."""
-    if isinstance(e, BadInput | Unsupported | InvalidRequest):
+    if isinstance(e, BadInput | Unsupported | InvalidRequest | QuotaExceeded):
         return {"error": str(e), "category": "user"}
     log.error("a session request failed", exc_info=e)
     return {

@@ -213,3 +213,76 @@ def test_a_saved_state_resumes_bitwise_in_a_new_training_client(server):
         client(server, "rival").create_training_client_from_state_with_optimizer(path).result()
     with pytest.raises(tinker.NotFoundError, match="No saved state"):
         sc.create_training_client_from_state_with_optimizer("tinker://../weights/mid").result()
+
+
+def test_checkpoints_are_listed_kept_to_their_tenant_deleted_and_expire(server):
+    import time
+
+    import httpx
+
+    from service.errors import QuotaExceeded
+    from service.sessions.checkpoints import expire
+
+    sc = client(server)
+    tc = sc.create_lora_training_client(
+        base_model="tiny-llama", rank=2, train_unembed=False
+    ).result()
+    tc.save_state("a", user_metadata={"note": "first"}).result()
+    tc.save_weights_for_sampler("b", ttl_seconds=3600).result()
+    rest = sc.create_rest_client()
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [c.checkpoint_id for c in listed] == ["sampler_weights/b", "weights/a"]  # newest first
+    b, a = listed
+    assert (a.checkpoint_type, b.checkpoint_type) == ("training", "sampler")
+    assert a.tinker_path == f"tinker://{tc.model_id}/weights/a"
+    assert a.user_metadata == {"note": "first"}
+    assert a.expires_at is None
+    assert b.expires_at is not None
+    assert a.size_bytes > b.size_bytes > 0
+    run = rest.get_training_run(tc.model_id).result()
+    assert (run.base_model, run.is_lora, run.lora_rank) == ("tiny-llama", True, 2)
+    assert run.last_checkpoint.checkpoint_id == "weights/a"
+    assert run.last_sampler_checkpoint.checkpoint_id == "sampler_weights/b"
+    assert tc.model_id in [
+        r.training_run_id for r in rest.list_training_runs().result().training_runs
+    ]
+    mine = {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+    assert {a.tinker_path, b.tinker_path} <= mine
+    # a name is not written twice unless asked
+    with pytest.raises(tinker.RequestFailedError, match="exists"):
+        tc.save_state("a").result()
+    tc.save_state("a", overwrite=True).result()
+    # another tenant sees none of it
+    rival = client(server, "rival").create_rest_client()
+    with pytest.raises(tinker.NotFoundError):
+        rival.list_checkpoints(tc.model_id).result()
+    assert a.tinker_path not in {
+        c.tinker_path for c in rival.list_user_checkpoints().result().checkpoints
+    }
+    # deleted: gone from the list and from what loads
+    rest.delete_checkpoint(tc.model_id, "weights/a").result()
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [
+        "sampler_weights/b"
+    ]
+    with pytest.raises(tinker.NotFoundError):
+        sc.create_training_client_from_state_with_optimizer(a.tinker_path).result()
+    # the run outlives its session; its ttl'd checkpoint is removed by the sweep once due
+    key = {"X-API-Key": TINKER_TOKENS["acme"]}
+    sid = tc.model_id.split(":", 1)[0]
+    assert httpx.post(f"{server.url}/api/v1/sessions/{sid}/finish", headers=key).status_code == 200
+    assert rest.get_training_run(tc.model_id).result().training_run_id == tc.model_id
+    assert expire(server.settings.data_dir / "sessions", now=time.time() + 60) == []
+    assert len(expire(server.settings.data_dir / "sessions", now=time.time() + 3700)) >= 1
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+    # a full storage quota: the save fails with the numbers, at once (not retried)
+    tc2 = client(server).create_lora_training_client(base_model="tiny-llama", rank=2).result()
+
+    def full(tenant):
+        raise QuotaExceeded(f"tenant {tenant} stores 9 bytes and may store 8")
+
+    server.ctx.sessions.check_quota = full
+    try:
+        with pytest.raises(tinker.RequestFailedError, match="may store 8"):
+            tc2.save_state("c").result()
+    finally:
+        server.ctx.sessions.check_quota = lambda tenant: None

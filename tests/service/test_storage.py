@@ -144,7 +144,7 @@ def test_retention_days_come_from_the_environment(tmp_path):
 
 
 def test_a_tenants_use_is_asked_of_the_store_once_per_ttl(env):
-    _, store = env
+    settings, store = env
     asked: list[str] = []
     real = store.jobs.storage_bytes
 
@@ -153,10 +153,19 @@ def test_a_tenants_use_is_asked_of_the_store_once_per_ttl(env):
         return real(tenant)
 
     store.jobs.storage_bytes = counted  # type: ignore[method-assign]
-    usage = storage.Usage(store, ttl_s=0.2)
+    usage = storage.Usage(settings, store, ttl_s=0.2)
     assert usage.of("acme") == usage.of("acme") == (0, 0)
     assert usage.of("rival") == (0, 0)
     assert asked == ["acme", "rival"]
     time.sleep(0.25)
     usage.of("acme")
     assert asked == ["acme", "rival", "acme"]
+
+
+def test_a_tenants_session_checkpoints_count_in_its_storage(env):
+    settings, store = env
+    ckpt = settings.sessions_dir("acme") / "sess-1:train:0" / "weights" / "a"
+    ckpt.mkdir(parents=True)
+    (ckpt / "engine.bin").write_bytes(b"x" * 1000)
+    assert storage.used_bytes(settings, store, "acme") == (0, 1000)
+    assert storage.used_bytes(settings, store, "rival") == (0, 0)
