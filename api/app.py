@@ -60,6 +60,7 @@ def create_app(
     ctx.sessions = Sessions(
         settings,
         check_quota=lambda tenant: storage.check_quota(settings, store, tenant, ctx.jobs.usage),
+        observe=ctx.metrics.session_op,
     )
 
     @contextlib.asynccontextmanager
@@ -118,6 +119,7 @@ def create_app(
     app.include_router(completions.router, prefix="/v1")
     app.include_router(admin.router, prefix="/v1")
     app.include_router(tinker.router)
+    app.include_router(tinker.overview_router, prefix="/v1")
     app.include_router(system.router)
     ui.install(app)
     _declare_plain_text_parameters(app)

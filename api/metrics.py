@@ -1,6 +1,8 @@
 """The control plane's own Prometheus metrics (`GET /metrics`): requests by route and
-status, their latency, and jobs by status read from the store at scrape time. Training
-metrics come from the workers through Ray's metrics (`ray_pstar_*`), tagged by job."""
+status, their latency, jobs by status read from the store at scrape time, and training
+sessions' operations (Tinker's API): each one's latency and tokens by operation, so
+tokens/s is `rate(pstar_session_tokens_total[1m])`. Training metrics of jobs come from
+the workers through Ray's metrics (`ray_pstar_*`), tagged by job."""
 
 from __future__ import annotations
 
@@ -42,7 +44,27 @@ class ApiMetrics:
             buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
             registry=self.registry,
         )
+        self.session_ops = Histogram(
+            "pstar_session_operation_seconds",
+            "training sessions' operations (forward_backward, optim_step, sample, ...): "
+            "time from start to result",
+            ["op"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
+        self.session_tokens = Counter(
+            "pstar_session_tokens",
+            "tokens through training sessions' operations (prompt and target tokens of "
+            "forward/forward_backward, sampled tokens of sample)",
+            ["op"],
+            registry=self.registry,
+        )
         self.store = store
+
+    def session_op(self, op: str, seconds: float, tokens: int) -> None:
+        self.session_ops.labels(op).observe(seconds)
+        if tokens:
+            self.session_tokens.labels(op).inc(tokens)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()

@@ -8,6 +8,7 @@ and request belongs to its tenant, and another tenant's is a 404."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -19,7 +20,7 @@ from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant
 from api.tinker_wire import Sampled, forward_backward_result, read_forward_backward, sample_result
 from pstar_core import StepHyper
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, NotFound
 from service.sessions.losses import BadInput, Unsupported
 from service.sessions.runtime import SaveOptions, Sessions, TrainingModel, error_of
 from service.sessions.sampling import SampleCall, check_unsupported, collect, stops
@@ -231,7 +232,8 @@ async def forward_backward(request: Request, c: Ctx, tenant: Tenant) -> dict[str
         out = m.forward_backward(call.data, call.loss_fn, call.config, not call.forward_only)
         return forward_backward_result(out)
 
-    return _future(s.submit(tenant, call.model_id, call.seq_id, step), call.model_id)
+    op = "forward" if call.forward_only else "forward_backward"
+    return _future(s.submit(tenant, call.model_id, call.seq_id, op, step), call.model_id)
 
 
 @router.post("/optim_step")
@@ -239,7 +241,9 @@ def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     a = body.adam_params
     clip = a.grad_clip_norm or None  # 0: no clipping
     hyper = StepHyper(a.learning_rate, (a.beta1, a.beta2), a.eps, a.weight_decay, clip)
-    rid = sessions(c).submit(tenant, body.model_id, body.seq_id, lambda m: m.optim_step(hyper))
+    rid = sessions(c).submit(
+        tenant, body.model_id, body.seq_id, "optim_step", lambda m: m.optim_step(hyper)
+    )
     return _future(rid, body.model_id)
 
 
@@ -321,10 +325,12 @@ async def asample(body: SampleBody, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     done: Future = Future()
 
     async def run() -> None:
+        t0 = time.perf_counter()
         try:
             got = await collect(await backend.open(target, call.payload()), call)
             seqs = [Sampled(t, lp, reason) for t, lp, reason in got.sequences]
             done.set_result(sample_result(seqs, got.prompt_logprobs))
+            s.observe("sample", time.perf_counter() - t0, sum(len(q.tokens) for q in seqs))
         except BaseException as e:  # handed to whoever polls the future
             done.set_exception(e)
 
@@ -410,3 +416,36 @@ def user_checkpoints(
     """Every checkpoint of the tenant's runs, newest first."""
     found = sessions(c).checkpoints(tenant)
     return {"checkpoints": found[offset : offset + limit], "cursor": _page(found, limit, offset)}
+
+
+@router.get("/sessions")
+def list_sessions(
+    c: Ctx,
+    tenant: Tenant,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> dict[str, Any]:
+    """The tenant's live sessions, newest first (RestClient.list_sessions)."""
+    ids = [s["id"] for s in sessions(c).overview(tenant)]
+    return {"sessions": ids[offset : offset + limit]}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    s = next((x for x in sessions(c).overview(tenant) if x["id"] == session_id), None)
+    if s is None:
+        raise NotFound("session", session_id, param="session_id")
+    return {
+        "training_run_ids": [m["id"] for m in s["models"]],
+        "sampler_ids": [x["sampler_id"] for x in s["samplers"]],
+    }
+
+
+overview_router = APIRouter(tags=["training sessions (Tinker)"], responses=responses(401))
+
+
+@overview_router.get("/training_sessions")
+def training_sessions(c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """The caller's live training sessions with their models' progress (steps, tokens,
+    last loss, last operation) and samplers: what the dashboard lists."""
+    return {"object": "list", "data": sessions(c).overview(tenant)}

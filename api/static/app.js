@@ -157,6 +157,29 @@ async function renderServed() {
   $("#served-empty").hidden = served.length > 0;
 }
 
+// the live training sessions (Tinker's API): each training model's progress
+async function renderSessions() {
+  const page = await api("/training_sessions");
+  const body = $("#sessions tbody");
+  if (!body) return;
+  const rows = [];
+  for (const s of page.data) {
+    const models = s.models.length ? s.models : [null];
+    models.forEach((m, i) => rows.push(el("tr", { "data-session": s.id },
+      el("td", {}, i === 0 ? `${s.id} (${s.samplers.length} sampler${s.samplers.length === 1 ? "" : "s"})` : ""),
+      el("td", {}, m ? m.id : "no training model yet"),
+      el("td", {}, m ? m.base_model : ""),
+      el("td", {}, m ? m.kind : ""),
+      el("td", {}, m ? String(m.steps) : ""),
+      el("td", {}, m ? m.tokens.toLocaleString() : ""),
+      el("td", {}, m && m.last_loss !== null ? fmtNum(m.last_loss) : ""),
+      el("td", {}, m ? `${m.last_op}, ${age(m.last_op_at)} ago` : ""),
+      el("td", {}, m ? m.where : ""))));
+  }
+  body.replaceChildren(...rows);
+  $("#sessions-empty").hidden = page.data.length > 0;
+}
+
 async function renderList() {
   const view = state.view;
   mount("list");
@@ -176,6 +199,7 @@ async function renderList() {
     }));
     $("#jobs-empty").hidden = page.data.length > 0;
     await renderServed();
+    await renderSessions();
   };
   await refresh().catch(showError);
   if (view !== state.view) return; // another page was opened meanwhile: no timer of ours

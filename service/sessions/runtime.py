@@ -122,6 +122,28 @@ class TrainingModel:
     engine_config: dict[str, Any]
     runner: Ordered
     engine: Any = None
+    created: float = field(default_factory=time.time)
+    steps: int = 0  # optim_steps taken
+    tokens: int = 0  # tokens through forward and forward_backward
+    last_loss: float | None = None  # the last forward(_backward)'s loss:sum
+    last_op: str = "create_model"
+    last_op_at: float = field(default_factory=time.time)
+
+    def overview(self) -> dict[str, Any]:
+        """What the dashboard shows of it."""
+        return {
+            "id": self.id,
+            "base_model": self.base.id,
+            "lora_rank": self.rank or None,
+            "kind": f"LoRA r={self.rank}" if self.rank else "full",
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "last_loss": self.last_loss,
+            "last_op": self.last_op,
+            "last_op_at": self.last_op_at,
+            "created": self.created,
+            "where": "the control plane's process",
+        }
 
     def build(self) -> dict[str, Any]:
         import pstar_core
@@ -135,10 +157,14 @@ class TrainingModel:
         return {"model_id": self.id, "type": "create_model"}
 
     def forward_backward(self, data: list[Datum], loss_fn: str, config: dict, backward: bool):
-        return run(self.engine, data, loss_fn, config, backward=backward)
+        out = run(self.engine, data, loss_fn, config, backward=backward)
+        self.tokens += sum(len(d.tokens) for d in data)
+        self.last_loss = out.metrics.get("loss:sum")
+        return out
 
     def optim_step(self, hyper: StepHyper) -> dict[str, Any]:
         self.engine.step(hyper)
+        self.steps += 1
         return {"metrics": {}}
 
     def save(self, root: Path, name: str, opts: SaveOptions) -> dict[str, Any]:
@@ -241,9 +267,11 @@ class Sessions:
         settings: Settings,
         engine: dict[str, Any] | None = None,
         check_quota: Callable[[str], None] = lambda tenant: None,
+        observe: Callable[[str, float, int], None] = lambda op, seconds, tokens: None,
     ) -> None:
         self.settings = settings
         self.check_quota = check_quota  # a 429 when the tenant's storage is full
+        self.observe = observe  # each operation: its name, seconds, tokens (the metrics)
         self.engine_defaults: dict[str, Any] = dict(engine or {"dtype": "auto"})
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
@@ -429,12 +457,44 @@ class Sessions:
             owner.last_seen = time.time()  # a request keeps its session alive
         return m
 
-    def submit(self, tenant: str, mid: str, seq: int, fn: Callable[[TrainingModel], Any]) -> str:
+    def submit(
+        self, tenant: str, mid: str, seq: int, op: str, fn: Callable[[TrainingModel], Any]
+    ) -> str:
+        """Run `fn` on the model in its `seq_id` order; `op` names it in the model's stats
+        and the metrics (`observe`)."""
         m = self.model(tenant, mid)
         existing = m.runner.futures.get(seq)
         if existing is not None:  # the SDK sent it again (its retries): the same future
             return self._request_ids[existing]
-        return self._track(tenant, m.runner.submit(seq, lambda: fn(m)), self._forget(m.runner, seq))
+
+        def timed() -> Any:
+            t0, tokens = time.perf_counter(), m.tokens
+            try:
+                return fn(m)
+            finally:
+                m.last_op, m.last_op_at = op, time.time()
+                self.observe(op, time.perf_counter() - t0, m.tokens - tokens)
+
+        return self._track(tenant, m.runner.submit(seq, timed), self._forget(m.runner, seq))
+
+    def overview(self, tenant: str) -> list[dict[str, Any]]:
+        """The tenant's live sessions, their models and samplers (the dashboard)."""
+        out = []
+        for s in sorted(self.sessions.values(), key=lambda s: -s.created):
+            if s.tenant != tenant:
+                continue
+            models = [self.models[m].overview() for m in s.models if m in self.models]
+            samplers = [x.info() for x in self.samplers.samplers.values() if x.session_id == s.id]
+            out.append(
+                {
+                    "id": s.id,
+                    "created": s.created,
+                    "last_seen": s.last_seen,
+                    "models": models,
+                    "samplers": samplers,
+                }
+            )
+        return out
 
     # -- futures ----------------------------------------------------------------------
 
@@ -486,7 +546,7 @@ class Sessions:
             self.check_quota(tenant)
             return m.save(root, name, opts)
 
-        return self.submit(tenant, mid, seq, save)
+        return self.submit(tenant, mid, seq, "save_weights", save)
 
     def save_for_sampler(
         self,
@@ -512,7 +572,7 @@ class Sessions:
             sampler = self.samplers.create(tenant, sid, sampler_seq or 0, None, path)
             return {"sampling_session_id": sampler.id, "type": "save_weights_for_sampler"}
 
-        return self.submit(tenant, mid, seq, save)
+        return self.submit(tenant, mid, seq, "save_weights_for_sampler", save)
 
     def _sweep(self) -> None:
         """Drop results read more than `KEEP_READ_S` ago (the SDK polls a future again

@@ -60,6 +60,10 @@ SEMANTIC_400 = {
     # a model that exists, max_tokens within a setting and the model's context
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    # Tinker's: a name or a sampler to save for; tokens to sample from and a sampler,
+    # weights or base model to sample with
+    "POST /api/v1/save_weights_for_sampler",
+    "POST /api/v1/asample",
 }
 
 

@@ -240,3 +240,62 @@ def test_an_rl_loop_through_the_sdk_raises_its_reward(server, loss_fn):
         assert math.isfinite(fb.result().metrics["loss:sum"])
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > max(3 * first, 0.5), rewards
+
+
+def test_sessions_are_listed_with_their_progress_and_measured_for_prometheus(server, browser):
+    """The SDK's RestClient lists the session and its run; /v1/training_sessions and the
+    dashboard show the model's steps, tokens and last loss; /metrics has each operation's
+    latency and tokens; another tenant sees none of it."""
+    import re
+
+    import httpx
+
+    from tests.api.conftest import TOKENS
+    from tests.browser import shot, sign_in, wait_page
+
+    sc = client(server)
+    tc = sc.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    seq = [*PROMPT, 7, 8]
+    for _ in range(2):
+        fb = tc.forward_backward([datum(seq)], "cross_entropy")
+        tc.optim_step(T.AdamParams(learning_rate=1e-3)).result()
+    last_loss = fb.result().metrics["loss:sum"]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    sampler.sample(T.ModelInput.from_ints(PROMPT), 2, T.SamplingParams(max_tokens=3)).result()
+    sid = tc.model_id.split(":", 1)[0]
+    rest = sc.create_rest_client()
+    assert sid in rest.list_sessions().result().sessions
+    got = rest.get_session(sid).result()
+    assert got.training_run_ids == [tc.model_id]
+    assert got.sampler_ids == [sampler._sampling_session_id]
+    mine = {"Authorization": f"Bearer {TOKENS['acme']}"}
+    listed = httpx.get(f"{server.url}/v1/training_sessions", headers=mine).json()["data"]
+    (model,) = next(s for s in listed if s["id"] == sid)["models"]
+    assert (model["steps"], model["tokens"]) == (2, 2 * (len(seq) - 1))
+    assert model["last_loss"] == pytest.approx(last_loss)
+    assert model["kind"] == "LoRA r=4"
+    theirs = {"Authorization": f"Bearer {TOKENS['rival']}"}
+    rival = httpx.get(f"{server.url}/v1/training_sessions", headers=theirs).json()["data"]
+    assert sid not in {s["id"] for s in rival}
+    text = httpx.get(f"{server.url}/metrics", headers=mine).text
+
+    def value(name: str, op: str) -> float:
+        m = re.search(rf'^{name}{{op="{op}"}} (\S+)$', text, re.M)
+        assert m, (name, op)
+        return float(m[1])
+
+    assert value("pstar_session_operation_seconds_count", "optim_step") >= 2
+    assert value("pstar_session_tokens_total", "forward_backward") >= 2 * (len(seq) - 1)
+    assert value("pstar_session_tokens_total", "sample") >= 2
+    # the dashboard's list page: the session's row with the model's progress
+    sign_in(browser, server, TOKENS["acme"])
+    wait_page(
+        browser,
+        f"return document.querySelector('#sessions tbody tr[data-session=\"{sid}\"]')",
+        "the session's row",
+    )
+    row = browser.find_element("css selector", f'#sessions tbody tr[data-session="{sid}"]').text
+    assert tc.model_id in row
+    assert "LoRA r=4" in row
+    assert f" 2 {2 * (len(seq) - 1)} " in f" {row} "
+    shot(browser, "training-sessions")
