@@ -15,6 +15,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +31,32 @@ from api.completion_schemas import (
 )
 from service.errors import InvalidRequest, NotAvailable, Unavailable
 from service.serving.deployments import Serving, Target
+from service.serving.generation import Generator
+from service.serving.model_server import answer
+
+
+class LocalBackend:
+    """Events of a generation from generators in this process, one per model directory
+    (its adapters load as their requests join the batch), each answering through the
+    replicas' own `answer`: what a single process without Ray Serve uses (the API tests,
+    `pstar bench primitives`). Serve's deploying, routing and scaling are left out."""
+
+    def __init__(self, data_dir: Path, max_batch: int = 32) -> None:
+        self.data_dir = data_dir
+        self.max_batch = max_batch
+        self.gens: dict[Path, Generator] = {}
+
+    async def open(self, target: Target, payload: dict[str, Any]) -> AsyncIterator[dict]:
+        gen = self.gens.get(target.model_dir)
+        if gen is None:
+            gen = await run_in_threadpool(Generator, target.model_dir, max_batch=self.max_batch)
+            gen = self.gens.setdefault(target.model_dir, gen)
+        path = self.data_dir / target.adapter if target.adapter else None
+        return answer(gen, payload, target.adapter, path)
+
+    async def aclose(self) -> None:
+        for g in self.gens.values():
+            g.close()
 
 
 class RayServeBackend:

@@ -72,9 +72,9 @@ def start_api(
     launcher = DryLauncher()
     model_backend = None
     if models_in_process:
-        from tests.api.inproc import InProcessBackend
+        from api.generate import LocalBackend
 
-        model_backend = InProcessBackend(data_dir)
+        model_backend = LocalBackend(data_dir, max_batch=8)
     app = create_app(
         settings,
         store,

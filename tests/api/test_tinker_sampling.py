@@ -3,7 +3,7 @@ transformers (greedy tokens, their log-probabilities, the prompt's), a LoRA's an
 model's saved weights sampled after training (they reproduce what they were trained on),
 stop tokens and `[]`, many samples of one prompt whose log-probabilities are the training
 forward's, and samplers kept to their tenant. The model servers here are in-process
-generators (tests/api/inproc.py), the same `Generator` Ray Serve replicas run."""
+generators (api.generate.LocalBackend), the same `Generator` Ray Serve replicas run."""
 
 from __future__ import annotations
 
