@@ -391,6 +391,35 @@ def bench_api(
         _fail(str(e))
 
 
+@bench_app.command("primitives")
+def bench_primitives(
+    model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    batch: Annotated[int, typer.Option(help="sequences per forward_backward")] = 8,
+    seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    rank: Annotated[int, typer.Option(help="the LoRA's rank (Tinker's default: 32)")] = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds of every case")] = 3,
+    prompts: Annotated[int, typer.Option(help="concurrent sample requests")] = 16,
+    samples: Annotated[int, typer.Option(help="samples per request")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="tokens per sample")] = 32,
+    dtype: Annotated[str, typer.Option(help="the engine's compute dtype")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Tinker's primitives through the unmodified SDK at our API: a training step against
+    the engine called directly, save-to-sample latency, sampled tokens/s against generate,
+    time to first token at 1 and N concurrent requests."""
+    from benchmarks.primitives import run
+
+    _need_hf_dir(model_dir)
+    if min(batch, seq, rank, rounds, prompts, samples, max_tokens) < 1:
+        _fail("--batch, --seq, --rank, --rounds, --prompts, --samples, --max-tokens: >= 1")
+    run(
+        model_dir, batch=batch, seq=seq, rank=rank, rounds=rounds, prompts=prompts,
+        samples=samples, max_tokens=max_tokens, dtype=dtype, json_out=json_out,
+    )  # fmt: skip
+
+
 @bench_app.command("prep")
 def bench_prep(
     mb: Annotated[int, typer.Option(help="MiB of chat examples to upload and prepare")] = 1024,

@@ -357,7 +357,9 @@ def test_requests_queued_together_are_prefilled_together_and_answer_as_alone(tmp
         )
         alone = [complete(gen, p, greedy) for p in prompts]
         before = gen.prefills
-        gen.call(lambda: time.sleep(0.5))  # the decode thread busy while all three arrive
+        busy = threading.Event()
+        gen.call(lambda: (busy.set(), time.sleep(0.5)))  # busy while all three arrive
+        busy.wait(10)
         together: list = [None] * 3
 
         def ask(i: int) -> None:
