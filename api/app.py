@@ -23,6 +23,15 @@ from service.settings import Settings
 from service.store import Store
 
 
+def session_hosts(settings: Settings):
+    """Where training sessions' engines run (PSTAR_SESSION_ENGINES)."""
+    from service.sessions.hosts import local_hosts, ray_hosts
+
+    if settings.session_engines == "ray":
+        return ray_hosts(settings.session_ray_address, {"num_cpus": 1})
+    return local_hosts
+
+
 def create_app(
     settings: Settings,
     store: Store,
@@ -61,6 +70,7 @@ def create_app(
         settings,
         check_quota=lambda tenant: storage.check_quota(settings, store, tenant, ctx.jobs.usage),
         observe=ctx.metrics.session_op,
+        hosts=session_hosts(settings),
     )
 
     @contextlib.asynccontextmanager

@@ -112,9 +112,10 @@ def run(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import pstar_core
+    from service.sessions.hosts import LORA_ALPHA
     from service.sessions.losses import Datum
     from service.sessions.losses import run as run_loss
-    from service.sessions.runtime import ATTENTION, LORA_ALPHA, MLP, UNEMBED
+    from service.sessions.runtime import ATTENTION, MLP, UNEMBED
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     console = Console()

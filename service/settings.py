@@ -179,6 +179,12 @@ class Settings:
     # PSTAR_RUN_RETENTION_DAYS: an ended job's run directory (checkpoints, prepared data)
     # is reclaimed this long after it ended; its exported model stays. 0: kept forever
     run_retention_days: float = 30.0
+    # PSTAR_SESSION_ENGINES: where training sessions' engines run: "local" (the control
+    # plane's own process) or "ray" (a Ray actor per training model, which the control
+    # plane reaches as a Ray driver at PSTAR_SESSION_RAY_ADDRESS, the cluster's GCS
+    # address; the embedded head's when it is the one running)
+    session_engines: str = "local"
+    session_ray_address: str | None = None
 
     @property
     def files_dir(self) -> Path:
@@ -247,7 +253,19 @@ class Settings:
             serve=ServeSettings.from_env(env),
             spill_root=Path(env["PSTAR_SPILL_DIR"]) if env.get("PSTAR_SPILL_DIR") else None,
             run_retention_days=_retention_days(env.get("PSTAR_RUN_RETENTION_DAYS", "")),
+            session_engines=_session_engines(env.get("PSTAR_SESSION_ENGINES", "")),
+            session_ray_address=env.get("PSTAR_SESSION_RAY_ADDRESS") or None,
         )
+
+
+def _session_engines(raw: str) -> str:
+    value = raw.strip().lower() or Settings.session_engines
+    if value not in ("local", "ray"):
+        raise SettingsError(
+            f"PSTAR_SESSION_ENGINES must be 'local' (the control plane's process) or 'ray' "
+            f"(a Ray actor per training model), got {raw!r}"
+        )
+    return value
 
 
 def _retention_days(raw: str) -> float:

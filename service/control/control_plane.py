@@ -90,6 +90,8 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
         # Ray's clients in this process (the job API's) find the head's token from here
         ray_auth.use(head.env)
         launcher = RayLauncher(info["dashboard_url"])
+        if settings.session_engines == "ray" and not settings.session_ray_address:
+            settings = replace(settings, session_ray_address=info["gcs_address"])
     return settings, store, launcher, head
 
 

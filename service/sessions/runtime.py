@@ -36,7 +36,8 @@ from pstar_core.optim import StepHyper
 from service.errors import InvalidRequest, NotFound, QuotaExceeded
 from service.registry import ModelRef, base_models
 from service.sessions import checkpoints
-from service.sessions.losses import BadInput, Datum, Unsupported, run
+from service.sessions.hosts import Host, ModelSpec, local_hosts
+from service.sessions.losses import BadInput, Datum, Unsupported
 from service.sessions.sampling import Sampler, Samplers
 from service.settings import Limits, Settings
 
@@ -45,7 +46,6 @@ log = logging.getLogger("pstar.sessions")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
-LORA_ALPHA = 32.0
 STATE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PATH_RE = re.compile(
     r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/weights/(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
@@ -114,20 +114,25 @@ class SaveOptions:
 
 @dataclass
 class TrainingModel:
+    """A training model as the control plane keeps it: its engine's host (this process or
+    a Ray actor, `service.sessions.hosts`), the thread that runs its requests in order,
+    and what the dashboard shows of it."""
+
     id: str
     tenant: str
     base: ModelRef
     rank: int  # 0: full fine-tuning
     targets: tuple[str, ...]
-    engine_config: dict[str, Any]
+    host: Host
     runner: Ordered
-    engine: Any = None
+    where: str = "the control plane's process"
     created: float = field(default_factory=time.time)
     steps: int = 0  # optim_steps taken
     tokens: int = 0  # tokens through forward and forward_backward
     last_loss: float | None = None  # the last forward(_backward)'s loss:sum
     last_op: str = "create_model"
     last_op_at: float = field(default_factory=time.time)
+    built: bool = False
 
     def overview(self) -> dict[str, Any]:
         """What the dashboard shows of it."""
@@ -142,28 +147,22 @@ class TrainingModel:
             "last_op": self.last_op,
             "last_op_at": self.last_op_at,
             "created": self.created,
-            "where": "the control plane's process",
+            "where": self.where,
         }
 
     def build(self) -> dict[str, Any]:
-        import pstar_core
-
-        cfg = dict(self.engine_config)
-        if self.rank:
-            cfg["lora"] = {"r": self.rank, "alpha": LORA_ALPHA, "target_modules": self.targets}
-        if self.base.path is None:  # base_models() are HF directories; zoo models are not
-            raise InvalidRequest(f"{self.base.id} has no weights to start a session from")
-        self.engine = pstar_core.initialize(self.base.path, cfg)
+        self.host.build()
+        self.built = True
         return {"model_id": self.id, "type": "create_model"}
 
     def forward_backward(self, data: list[Datum], loss_fn: str, config: dict, backward: bool):
-        out = run(self.engine, data, loss_fn, config, backward=backward)
+        out = self.host.forward_backward(data, loss_fn, config, backward)
         self.tokens += sum(len(d.tokens) for d in data)
         self.last_loss = out.metrics.get("loss:sum")
         return out
 
     def optim_step(self, hyper: StepHyper) -> dict[str, Any]:
-        self.engine.step(hyper)
+        self.host.step(hyper)
         self.steps += 1
         return {"metrics": {}}
 
@@ -171,8 +170,7 @@ class TrainingModel:
         """The whole training state (weights, Adam's moments, the step), for `load_weights`
         to continue from bitwise: `tinker://<model id>/weights/<name>`."""
         where = self._place(root, "weights", name, opts.overwrite)
-        pending_grads(self.engine, "save_state")
-        self.engine.save_checkpoint(where / "engine")
+        self.host.save_state(where / "engine")
         self._describe(where, opts)
         return {"path": f"tinker://{self.id}/weights/{name}", "type": "save_weights"}
 
@@ -180,14 +178,8 @@ class TrainingModel:
         """The weights a sampler needs, `tinker://<model id>/sampler_weights/<name>`: a
         LoRA's adapter (peft), or the whole model (transformers, with the tokenizer). A
         name is written once (a sampler may hold its adapter in memory by that name)."""
-        from service.sessions.sampling import ADAPTER, MODEL
-
         where = self._place(root, "sampler_weights", name, overwrite=False)
-        pending_grads(self.engine, "save_weights_for_sampler")
-        if self.rank:
-            self.engine.export_hf(where / ADAPTER, variant="adapter")
-        else:
-            self.engine.export_hf(where / MODEL)
+        self.host.export(where)
         self._describe(where, opts)
         return where
 
@@ -208,14 +200,12 @@ class TrainingModel:
         (where / checkpoints.META).write_text(json.dumps(meta))
 
     def load(self, where: Path, optimizer: bool = True) -> dict[str, Any]:
-        self.build()
-        self.engine.load_checkpoint(where / "engine", optimizer)
+        self.host.load(where / "engine", optimizer)
+        self.built = True
         return {"model_id": self.id, "type": "load_weights"}
 
     def info(self) -> dict[str, Any]:
-        arch = "unknown"
-        if self.engine is not None:
-            arch = getattr(getattr(self.engine.module, "config", None), "model_type", arch)
+        arch = self.host.arch() if self.built else "unknown"
         return {
             "type": "get_info",
             "model_id": self.id,
@@ -231,14 +221,6 @@ def check_name(name: str) -> None:
         raise InvalidRequest(
             f"name {name!r}: use letters, digits, '.', '_' or '-' (at most 128), starting "
             "with a letter or digit"
-        )
-
-
-def pending_grads(engine: Any, what: str) -> None:
-    """Saving between a forward_backward and its optim_step is the caller's to fix."""
-    if engine.pending_grads:
-        raise BadInput(
-            f"{what}: gradients of a forward_backward are not applied yet; call optim_step first"
         )
 
 
@@ -268,8 +250,10 @@ class Sessions:
         engine: dict[str, Any] | None = None,
         check_quota: Callable[[str], None] = lambda tenant: None,
         observe: Callable[[str, float, int], None] = lambda op, seconds, tokens: None,
+        hosts: Callable[[ModelSpec], tuple[Host, str]] = local_hosts,
     ) -> None:
         self.settings = settings
+        self.hosts = hosts  # where a new training model's engine runs (service.sessions.hosts)
         self.check_quota = check_quota  # a 429 when the tenant's storage is full
         self.observe = observe  # each operation: its name, seconds, tokens (the metrics)
         self.engine_defaults: dict[str, Any] = dict(engine or {"dtype": "auto"})
@@ -321,8 +305,7 @@ class Sessions:
                 m = self.models.pop(mid, None)
                 if m is not None:
                     m.runner.close()
-                    if m.engine is not None:
-                        m.engine.close()
+                    m.host.close()
 
     def close(self) -> None:
         """End every session (the control plane is stopping): their engines are closed."""
@@ -383,7 +366,9 @@ class Sessions:
             if mid in self.models:
                 return self._future_of(mid, 0)
             runner = Ordered(f"session-model-{mid}")
-            model = TrainingModel(mid, tenant, base, rank, targets, self.engine_defaults, runner)
+            spec = ModelSpec(mid, base.id, base.path, rank, targets, dict(self.engine_defaults))
+            host, where = self.hosts(spec)
+            model = TrainingModel(mid, tenant, base, rank, targets, host, runner, where)
             self.models[mid] = model
             s.models.append(mid)
         checkpoints.write_run(self.states(tenant), mid, base.id, rank)  # listed from now on

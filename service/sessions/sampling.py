@@ -24,6 +24,7 @@ from typing import Any
 from service.errors import InvalidRequest, NotFound
 from service.registry import ModelRef, base_models
 from service.serving.deployments import Target, base_app, data_relative
+from service.sessions.hosts import ADAPTER, MODEL
 from service.sessions.losses import BadInput, Unsupported
 from service.settings import Settings
 
@@ -31,8 +32,6 @@ SAMPLER_PATH_RE = re.compile(
     r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/(?P<kind>[a-z_]+)/"
     r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
 )
-ADAPTER = "adapter"  # a LoRA's sampler weights: <dir>/adapter (peft)
-MODEL = "model"  # full weights: <dir>/model (transformers)
 
 
 @dataclass(frozen=True)

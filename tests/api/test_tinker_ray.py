@@ -1,0 +1,98 @@
+"""Training sessions with their engines in Ray actors (PSTAR_SESSION_ENGINES=ray), through
+the unmodified SDK: the same answers as in-process (step-0 logprobs against transformers,
+the NLL falls, a saved state and sampler weights written by the actor on the shared
+volume), each model in an actor of its own that is not the API's process, a caller's
+error raised in the actor coming back as the caller's error, and the actor gone when its
+session ends. One local Ray for the module (2 CPUs)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import tinker
+import torch
+
+from tests.api.conftest import TINKER_TOKENS, TOKENS, start_api
+from tests.api.test_tinker_sdk import SEQS, datum, logprobs_of
+
+T = tinker.types
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import ray
+
+    from service.sessions.hosts import ray_hosts
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    data_dir = tmp_path_factory.mktemp("tinker-ray")
+    api, stop = start_api(
+        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
+    )
+    api.ctx.sessions.engine_defaults["dtype"] = "fp32"
+    api.ctx.sessions.hosts = ray_hosts(None, {"num_cpus": 1})
+    yield api
+    stop()
+    ray.shutdown()
+    mp.undo()
+
+
+def test_a_session_model_trains_samples_and_saves_in_its_own_ray_actor(server):
+    import httpx
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS["acme"])
+    tc = sc.create_lora_training_client(
+        base_model="tiny-llama", rank=4, train_unembed=False
+    ).result()
+    assert tc.get_info().model_data.arch == "llama"  # asked of the actor
+    name = f"session-engine {tc.model_id}"
+    actor = ray.get_actor(name, namespace="pstar")
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    assert pid != os.getpid()
+    base = AutoModelForCausalLM.from_pretrained(
+        server.settings.models_dir / "tiny-llama", dtype=torch.float32
+    ).eval()
+    data = [datum(s) for s in SEQS]
+    out = tc.forward(data, "cross_entropy").result()
+    for got, seq in zip(out.loss_fn_outputs, SEQS, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(got["logprobs"].tolist()), logprobs_of(base, seq), rtol=1e-5, atol=1e-5
+        )
+    losses = []
+    for _ in range(3):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(T.AdamParams(learning_rate=2e-3)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
+    # a caller's mistake raised in the actor comes back as the caller's error
+    tc.forward_backward(data, "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="call optim_step first"):
+        tc.save_state("too-early").result()
+    tc.optim_step(T.AdamParams(learning_rate=2e-3)).result()
+    # what the actor writes lands on the shared volume, where the API and samplers read
+    path = tc.save_state("s1").result().path
+    assert (
+        server.settings.sessions_dir("acme") / tc.model_id / "weights" / "s1" / "engine"
+    ).is_dir()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    got = sampler.sample(T.ModelInput.from_ints(SEQS[0]), 2, T.SamplingParams(max_tokens=3))
+    assert [len(s.tokens) for s in got.result().sequences] == [3, 3]
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert ray.get_actor(f"session-engine {resumed.model_id}", namespace="pstar") is not None
+    # the dashboard says where the engine is
+    mine = {"Authorization": f"Bearer {TOKENS['acme']}"}
+    listed = httpx.get(f"{server.url}/v1/training_sessions", headers=mine).json()["data"]
+    where = {m["id"]: m["where"] for s in listed for m in s["models"]}
+    assert where[tc.model_id] == f"Ray actor '{name}'"
+    # the session ends: its actors go with it
+    sid = tc.model_id.split(":", 1)[0]
+    key = {"X-API-Key": TINKER_TOKENS["acme"]}
+    assert httpx.post(f"{server.url}/api/v1/sessions/{sid}/finish", headers=key).status_code == 200
+    with pytest.raises(ValueError, match="look up actor"):
+        ray.get_actor(name, namespace="pstar")
