@@ -35,7 +35,7 @@ from typing import Any
 from pstar_core.optim import StepHyper
 from service.errors import InvalidRequest, NotFound, QuotaExceeded
 from service.registry import ModelRef, base_models
-from service.sessions import checkpoints
+from service.sessions import checkpoints, fit
 from service.sessions.hosts import Host, ModelSpec, local_hosts
 from service.sessions.losses import BadInput, Datum, Unsupported
 from service.sessions.sampling import Sampler, Samplers
@@ -133,6 +133,7 @@ class TrainingModel:
     last_op: str = "create_model"
     last_op_at: float = field(default_factory=time.time)
     built: bool = False
+    model_data_bytes: int | None = None  # the capacity planner's, checked at creation
 
     def overview(self) -> dict[str, Any]:
         """What the dashboard shows of it."""
@@ -148,6 +149,7 @@ class TrainingModel:
             "last_op_at": self.last_op_at,
             "created": self.created,
             "where": self.where,
+            "model_data_bytes": self.model_data_bytes,
         }
 
     def build(self) -> dict[str, Any]:
@@ -362,6 +364,12 @@ class Sessions:
                 "lora_config: rank must be >= 0 (0: every weight) with something to train"
             )
         mid = f"{sid}:train:{model_seq_id}"
+        if mid in self.models:
+            return self._future_of(mid, 0)
+        assert base.path is not None  # base_models() are directories
+        budget = self.settings.default_resources.get("memory_per_worker")
+        dtype = str(self.engine_defaults.get("dtype", "auto"))
+        planned = fit.check(base.id, base.path, rank, targets, dtype, budget)  # a 400 if not
         with self._lock:
             if mid in self.models:
                 return self._future_of(mid, 0)
@@ -369,6 +377,7 @@ class Sessions:
             spec = ModelSpec(mid, base.id, base.path, rank, targets, dict(self.engine_defaults))
             host, where = self.hosts(spec)
             model = TrainingModel(mid, tenant, base, rank, targets, host, runner, where)
+            model.model_data_bytes = planned.chunk_bytes
             self.models[mid] = model
             s.models.append(mid)
         checkpoints.write_run(self.states(tenant), mid, base.id, rank)  # listed from now on

@@ -286,3 +286,32 @@ def test_checkpoints_are_listed_kept_to_their_tenant_deleted_and_expire(server):
             tc2.save_state("c").result()
     finally:
         server.ctx.sessions.check_quota = lambda tenant: None
+
+
+def test_a_model_that_does_not_fit_its_engines_memory_is_refused_with_the_numbers(server):
+    """The capacity planner's chunk plan at creation: every weight of the tiny Llama in
+    fp32 is at least 16 bytes a parameter (weights, Adam's two moments, in fp32); with
+    the engines given 1 GiB, that and the 1 GiB beside it do not fit (a 400 naming the
+    numbers and LoRA as the way out), with 2 GiB they do."""
+    import re
+
+    from service.sessions import fit
+
+    sc = client(server)
+    resources = server.settings.default_resources
+    params = sum(p.numel() for p in base_model(server).parameters())
+    try:
+        resources["memory_per_worker"] = 1 << 30
+        with pytest.raises(tinker.BadRequestError, match="model_does_not_fit") as e:
+            sc.create_lora_training_client(base_model="tiny-llama", rank=0).result()
+        said = re.search(r"needs ([\d.]+) GiB of model data \(([\d,]+) parameters", str(e.value))
+        assert said, str(e.value)
+        assert int(said[2].replace(",", "")) == params
+        assert "train LoRA adapters (rank > 0) instead" in str(e.value)
+        planned = fit.plan(server.settings.models_dir / "tiny-llama", 0, (), "fp32")
+        assert 16 * params <= planned.chunk_bytes <= 24 * params
+        resources["memory_per_worker"] = 2 << 30
+        tc = sc.create_lora_training_client(base_model="tiny-llama", rank=0).result()
+        assert tc.get_info().is_lora is False
+    finally:
+        resources.pop("memory_per_worker", None)
