@@ -66,6 +66,22 @@ class CreateModel(_Body):
     model_seq_id: int = Field(ge=0)
     base_model: str
     lora_config: LoraBody | None = None
+    user_metadata: dict[str, Any] | None = None
+
+    def workers(self, limit: int) -> int:
+        """`user_metadata`'s `pstar_workers`: engines with chunk ZeRO between them."""
+        raw = (self.user_metadata or {}).get("pstar_workers", 1)
+        try:
+            n = int(raw)
+        except (TypeError, ValueError):
+            n = 0
+        if not 1 <= n <= limit:
+            raise InvalidRequest(
+                f"user_metadata pstar_workers: a whole number from 1 to {limit} "
+                f"(PSTAR_MAX_WORKERS_PER_JOB), got {raw!r}",
+                param="user_metadata",
+            )
+        return n
 
 
 class ModelBody(_Body):
@@ -211,6 +227,7 @@ def create_model(body: CreateModel, c: Ctx, tenant: Tenant) -> dict[str, Any]:
         body.model_seq_id,
         body.base_model,
         body.lora_config.model_dump() if body.lora_config else None,
+        workers=body.workers(c.settings.limits.max_workers_per_job),
     )
     return _future(rid, f"{body.session_id}:train:{body.model_seq_id}")
 

@@ -37,18 +37,18 @@ class Fit:
         return self.chunk_bytes + MARGIN_BYTES <= self.budget_bytes
 
 
-def plan(base_path: Path, rank: int, targets: tuple[str, ...], dtype: str) -> Fit:
-    """The chunk plan of the model as a session would build it (one engine), against what
-    this host has available now."""
+def plan(base_path: Path, rank: int, targets: tuple[str, ...], dtype: str, workers: int = 1) -> Fit:
+    """The chunk plan of the model as a session would build it (one engine of `workers`,
+    its share of the chunks), against what this host has available now."""
     import psutil
 
-    chunk_bytes, planned, trainable, params = _chunks(base_path, rank, targets, dtype)
+    chunk_bytes, planned, trainable, params = _chunks(base_path, rank, targets, dtype, workers)
     return Fit(chunk_bytes, int(psutil.virtual_memory().available), planned, trainable, params)
 
 
 @functools.lru_cache(maxsize=64)
 def _chunks(
-    base_path: Path, rank: int, targets: tuple[str, ...], dtype: str
+    base_path: Path, rank: int, targets: tuple[str, ...], dtype: str, workers: int
 ) -> tuple[int, str, int, int]:
     from pstar_core.capacity import arch_of, module_tensors
     from pstar_core.mapping import make_plan
@@ -66,8 +66,9 @@ def _chunks(
         )
     t = module_tensors(module, arch_of(config), 1)
     planned = planned_dtype(dtype, False)
-    chunks = make_plan(t.numels, t.trainable, t.names, planned, "auto", 1)
-    return sum(chunks.list_bytes(1).values()), planned, chunks.trainable_params, chunks.params
+    chunks = make_plan(t.numels, t.trainable, t.names, planned, "auto", workers)
+    per_rank = sum(chunks.list_bytes(workers).values())
+    return per_rank, planned, chunks.trainable_params, chunks.params
 
 
 def check(
@@ -77,9 +78,10 @@ def check(
     targets: tuple[str, ...],
     dtype: str,
     budget: int | None,
+    workers: int = 1,
 ) -> Fit:
     """`plan`, with the deployment's `budget` if it gives one; a 400 when it does not fit."""
-    f = plan(base_path, rank, targets, dtype)
+    f = plan(base_path, rank, targets, dtype, workers)
     if budget is not None:
         f = Fit(f.chunk_bytes, budget, f.dtype, f.trainable_params, f.params)
     if f.fits:
@@ -91,11 +93,13 @@ def check(
         if not rank
         else "use a smaller rank or"
     )
+    each = f" per engine of {workers}" if workers > 1 else ""
     raise InvalidRequest(
-        f"{base_id} with {what} needs {f.chunk_bytes / GiB:.2f} GiB of model data "
+        f"{base_id} with {what} needs {f.chunk_bytes / GiB:.2f} GiB of model data{each} "
         f"({f.params:,} parameters, {f.trainable_params:,} trained, {f.dtype}) plus "
         f"{MARGIN_BYTES / GiB:.0f} GiB beside it, and its engine may use "
-        f"{f.budget_bytes / GiB:.2f} GiB; {hint} a smaller base model, or give the "
+        f"{f.budget_bytes / GiB:.2f} GiB; {hint} a smaller base model, more engines "
+        "(user_metadata pstar_workers, with PSTAR_SESSION_ENGINES=ray), or give the "
         "engines more memory (PSTAR_DEFAULT_RESOURCES memory_per_worker)",
         param="base_model",
         code="model_does_not_fit",

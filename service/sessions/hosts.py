@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pstar_core.optim import StepHyper
-from service.errors import InvalidRequest, QuotaExceeded
+from service.errors import InvalidRequest, QuotaExceeded, Unavailable
 from service.sessions.losses import BadInput, Datum, Output, Unsupported, run
 
 log = logging.getLogger("pstar.sessions")
 
 LORA_ALPHA = 32.0
+JOIN_TIMEOUT_S = 300  # the engines of a group meet within this, once all have started
+START_TIMEOUT_S = 120.0  # an engine's actor is placed and started within this, or refused
 ADAPTER = "adapter"  # a LoRA's sampler weights: <dir>/adapter (peft)
 MODEL = "model"  # full weights: <dir>/model (transformers)
 
@@ -36,6 +38,7 @@ class ModelSpec:
     rank: int  # 0: every weight
     targets: tuple[str, ...]
     engine_config: dict[str, Any]
+    workers: int = 1  # engines with chunk ZeRO between them (Ray hosts only)
 
 
 class Host(Protocol):
@@ -58,6 +61,33 @@ class EngineHost:
         self.spec = spec
         self.engine: Any = None
 
+    def address(self) -> tuple[str, int]:
+        """This process's node address and a free port on it (rank 0's, for the others to
+        meet at)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, addr: str, port: int, rank: int, world: int) -> None:
+        """Join the group of this model's engines (gloo): its chunks are sharded over it
+        (chunk ZeRO), as a job's workers are."""
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
+        )
+
     def build(self) -> None:
         import pstar_core
 
@@ -74,9 +104,14 @@ class EngineHost:
         self.engine.load_checkpoint(where, optimizer)
 
     def forward_backward(
-        self, data: list[Datum], loss_fn: str, config: dict[str, Any], backward: bool
+        self,
+        data: list[Datum],
+        loss_fn: str,
+        config: dict[str, Any],
+        backward: bool,
+        scale: float = 1.0,
     ) -> Output:
-        return run(self.engine, data, loss_fn, config, backward=backward)
+        return run(self.engine, data, loss_fn, config, backward=backward, scale=scale)
 
     def step(self, hyper: StepHyper) -> None:
         self.engine.step(hyper)
@@ -103,6 +138,10 @@ class EngineHost:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _applied(self, what: str) -> None:
         """Saving between a forward_backward and its optim_step is the caller's to fix."""
@@ -118,16 +157,40 @@ LocalHost = EngineHost  # in the control plane's own process
 CALLERS_ERRORS = (BadInput, Unsupported, InvalidRequest, QuotaExceeded)
 
 
+def started(actors: list[Any], name: str, options: dict[str, Any]) -> list[tuple[str, int]]:
+    """Wait (at most `START_TIMEOUT_S`) until every actor has started, each one's node
+    address and a free port on it; if the cluster has no room for one, they are all
+    killed and the error says what they asked for."""
+    import ray
+
+    refs = [a.address.remote() for a in actors]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+    if pending:
+        for a in actors:
+            ray.kill(a)
+        free = ray.available_resources()
+        raise Unavailable(
+            f"{name}: {len(pending)} of {len(actors)} engine(s) could not start within "
+            f"{START_TIMEOUT_S:.0f} s: the cluster has no room for them (each asks "
+            f"{options}; free now: CPU {free.get('CPU', 0):g}, memory "
+            f"{free.get('memory', 0) / 2**30:.1f} GiB); end other sessions or try later"
+        )
+    return list(ray.get(refs))
+
+
 def ray_hosts(address: str | None, options: dict[str, Any]):
     """A host factory for `Sessions`: each training model's engine in a Ray actor of its
-    own, this process connected to the cluster at `address` (once, at the first model) as
-    a Ray driver."""
+    own (`spec.workers` > 1: a group of them, chunk ZeRO between them), this process
+    connected to the cluster at `address` (once, at the first model) as a Ray driver."""
 
     def make(spec: ModelSpec) -> tuple[Host, str]:
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, namespace="pstar", log_to_driver=False)
+        if spec.workers > 1:
+            group = RayGroupHost(spec, options)
+            return group, f"{spec.workers} Ray actors '{group.name} 0..{spec.workers - 1}'"
         host = RayHost(spec, options)
         return host, f"Ray actor '{host.name}'"
 
@@ -146,6 +209,7 @@ class RayHost:
         import ray
 
         self.name = f"session-engine {spec.id}"
+        self.options = options
         actor = ray.remote(EngineHost).options(name=self.name, namespace="pstar", **options)
         self.actor: Any = actor.remote(spec)
 
@@ -161,15 +225,17 @@ class RayHost:
                 raise cause from None
             raise RuntimeError(f"{op} failed in {self.name}: {cause or e}") from None
         except RayActorError as e:
-            raise RuntimeError(
+            raise Unavailable(
                 f"{self.name} is gone ({type(e).__name__}: the worker died or was "
                 "preempted); create the training client again from a saved state"
             ) from None
 
     def build(self) -> None:
+        started([self.actor], self.name, self.options)
         self._call("build")
 
     def load(self, where: Path, optimizer: bool) -> None:
+        started([self.actor], self.name, self.options)
         self._call("load", where, optimizer)
 
     def forward_backward(
@@ -198,3 +264,105 @@ class RayHost:
         except Exception as e:  # gone already, or stuck: killed either way
             log.info("%s did not close cleanly: %s", self.name, e)
         ray.kill(self.actor)
+
+
+class RayGroupHost:
+    """`spec.workers` `EngineHost`s in Ray actors of their own, joined in one gloo group:
+    the model's chunks are sharded over them (chunk ZeRO, as a job's workers). Every
+    operation runs on all of them at once; a batch is dealt out a datum at a time (the
+    ranks average their gradients, so each scales its share's loss by their count and the
+    sum is the batch's), a rank left without a datum runs one with no weight (it must take
+    part in the collectives); the results come back in the batch's order."""
+
+    def __init__(self, spec: ModelSpec, options: dict[str, Any]) -> None:
+        import ray
+
+        self.name = f"session-engine {spec.id}"
+        self.options = options
+        self.world = spec.workers
+        remote = ray.remote(EngineHost)
+        self.actors: list[Any] = [
+            remote.options(name=f"{self.name} {r}", namespace="pstar", **options).remote(spec)
+            for r in range(self.world)
+        ]
+
+    def _one(self, r: int, op: str, *args: Any) -> Any:
+        return self._gather([getattr(self.actors[r], op).remote(*args)], op)[0]
+
+    def _all(self, op: str, args: Any = lambda r: ()) -> list[Any]:
+        refs = [getattr(a, op).remote(*args(r)) for r, a in enumerate(self.actors)]
+        return self._gather(refs, op)
+
+    def _gather(self, refs: list[Any], op: str) -> list[Any]:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return list(ray.get(refs))
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, CALLERS_ERRORS):
+                raise cause from None
+            raise RuntimeError(f"{op} failed in {self.name}: {cause or e}") from None
+        except RayActorError as e:
+            raise Unavailable(
+                f"an engine of {self.name} is gone ({type(e).__name__}: its worker died or "
+                "was preempted); create the training client again from a saved state"
+            ) from None
+
+    def _join(self) -> None:
+        """The engines meet (rank 0's address) before the first build."""
+        addr, port = started(self.actors, self.name, self.options)[0]
+        self._all("join", lambda r: (addr, port, r, self.world))
+
+    def build(self) -> None:
+        self._join()
+        self._all("build")
+
+    def load(self, where: Path, optimizer: bool) -> None:
+        self._join()
+        self._all("load", lambda r: (where, optimizer))
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: str, config: dict[str, Any], backward: bool
+    ) -> Output:
+        n = self.world
+        shares = [data[r::n] for r in range(n)]
+
+        def args(r: int) -> tuple[Any, ...]:
+            if shares[r]:
+                return (shares[r], loss_fn, config, backward, float(n))
+            return (data[:1], loss_fn, config, backward, 0.0)  # no datum: collectives only
+
+        outs = self._all("forward_backward", args)
+        logprobs: list[list[float]] = [[] for _ in data]
+        loss = 0.0
+        for r, out in enumerate(outs):
+            if not shares[r]:
+                continue
+            loss += out.metrics["loss:sum"]
+            for k, lp in enumerate(out.logprobs):
+                logprobs[r + k * n] = lp
+        return Output(logprobs, {"loss:sum": loss})
+
+    def step(self, hyper: StepHyper) -> None:
+        self._all("step", lambda r: (hyper,))
+
+    def save_state(self, where: Path) -> None:
+        self._all("save_state", lambda r: (where,))
+
+    def export(self, where: Path) -> None:
+        self._all("export", lambda r: (where,))
+
+    def arch(self) -> str:
+        return str(self._one(0, "arch"))
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=60)
+        except Exception as e:  # gone already, or stuck: killed either way
+            log.info("%s did not close cleanly: %s", self.name, e)
+        for a in self.actors:
+            ray.kill(a)

@@ -91,9 +91,13 @@ def run(
     loss_fn: str,
     config: Mapping[str, Any] | None = None,
     backward: bool = True,
+    scale: float = 1.0,
 ) -> Output:
     """`forward_backward` (`backward=True`: gradients add up until the next optimizer
-    step) or `forward` over `data` (see the module docstring)."""
+    step) or `forward` over `data` (see the module docstring). The gradient is that of
+    `scale` times the loss: a ZeRO rank's share of a batch, whose gradients the ranks
+    average, passes their count (0: a rank with no datum of its own, taking part in the
+    collectives only)."""
     check(data, loss_fn, config)
     lengths = [len(d.tokens) for d in data]
     width = max(lengths)
@@ -118,7 +122,7 @@ def run(
         per_token = _loss(loss_fn, logp, padded, config or {}) * real
         loss = per_token.sum()
         if backward:
-            engine.backward(loss)
+            engine.backward(loss * scale)
     kept = logp.detach().cpu()
     return Output(
         [kept[k, :n].tolist() for k, n in enumerate(lengths)], {"loss:sum": float(loss.detach())}

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pstar_core.optim import StepHyper
-from service.errors import InvalidRequest, NotFound, QuotaExceeded
+from service.errors import InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from service.registry import ModelRef, base_models
 from service.sessions import checkpoints, fit
 from service.sessions.hosts import Host, ModelSpec, local_hosts
@@ -134,6 +134,7 @@ class TrainingModel:
     last_op_at: float = field(default_factory=time.time)
     built: bool = False
     model_data_bytes: int | None = None  # the capacity planner's, checked at creation
+    workers: int = 1  # engines with chunk ZeRO between them
 
     def overview(self) -> dict[str, Any]:
         """What the dashboard shows of it."""
@@ -150,6 +151,7 @@ class TrainingModel:
             "created": self.created,
             "where": self.where,
             "model_data_bytes": self.model_data_bytes,
+            "workers": self.workers,
         }
 
     def build(self) -> dict[str, Any]:
@@ -199,6 +201,7 @@ class TrainingModel:
         meta = checkpoints.meta_for(
             self.base.id, self.rank, list(self.targets), opts.ttl_seconds, opts.user_metadata
         )
+        meta["workers"] = self.workers  # a ZeRO state loads on as many engines
         (where / checkpoints.META).write_text(json.dumps(meta))
 
     def load(self, where: Path, optimizer: bool = True) -> dict[str, Any]:
@@ -330,6 +333,7 @@ class Sessions:
         base_model: str,
         lora: dict[str, Any] | None,
         start: Callable[[TrainingModel], dict[str, Any]] | None = None,
+        workers: int = 1,
     ) -> str:
         """A new training model (its engine built as the future's work; `start` builds it
         another way: from a saved state)."""
@@ -369,15 +373,23 @@ class Sessions:
         assert base.path is not None  # base_models() are directories
         budget = self.settings.default_resources.get("memory_per_worker")
         dtype = str(self.engine_defaults.get("dtype", "auto"))
-        planned = fit.check(base.id, base.path, rank, targets, dtype, budget)  # a 400 if not
+        if workers > 1 and self.hosts is local_hosts:
+            raise InvalidRequest(
+                f"user_metadata pstar_workers={workers}: engines over several workers run "
+                "in Ray actors; the operator sets PSTAR_SESSION_ENGINES=ray",
+                param="user_metadata",
+            )
+        planned = fit.check(base.id, base.path, rank, targets, dtype, budget, workers)
         with self._lock:
             if mid in self.models:
                 return self._future_of(mid, 0)
             runner = Ordered(f"session-model-{mid}")
-            spec = ModelSpec(mid, base.id, base.path, rank, targets, dict(self.engine_defaults))
+            cfg = dict(self.engine_defaults)
+            spec = ModelSpec(mid, base.id, base.path, rank, targets, cfg, workers)
             host, where = self.hosts(spec)
             model = TrainingModel(mid, tenant, base, rank, targets, host, runner, where)
             model.model_data_bytes = planned.chunk_bytes
+            model.workers = workers
             self.models[mid] = model
             s.models.append(mid)
         checkpoints.write_run(self.states(tenant), mid, base.id, rank)  # listed from now on
@@ -440,6 +452,7 @@ class Sessions:
             meta["base_model"],
             lora,
             start=lambda m: m.load(where, optimizer),
+            workers=int(meta.get("workers", 1)),
         )
 
     def model(self, tenant: str, mid: str) -> TrainingModel:
@@ -605,6 +618,9 @@ def error_of(e: BaseException) -> dict[str, Any]:
     what to change, or ours ("server")."""
     if isinstance(e, BadInput | Unsupported | InvalidRequest | QuotaExceeded):
         return {"error": str(e), "category": "user"}
+    if isinstance(e, Unavailable):  # no room, or an engine's worker gone: said as it is
+        log.warning("a session request failed: %s", e)
+        return {"error": str(e), "category": "server"}
     log.error("a session request failed", exc_info=e)
     return {
         "error": f"internal error ({type(e).__name__}); see the server's log",

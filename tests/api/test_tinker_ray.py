@@ -3,7 +3,8 @@ the unmodified SDK: the same answers as in-process (step-0 logprobs against tran
 the NLL falls, a saved state and sampler weights written by the actor on the shared
 volume), each model in an actor of its own that is not the API's process, a caller's
 error raised in the actor coming back as the caller's error, and the actor gone when its
-session ends. One local Ray for the module (2 CPUs)."""
+session ends; a model over two engines with chunk ZeRO between them (user_metadata
+pstar_workers) trains as one engine does. One local Ray for the module (2 CPUs)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,18 @@ def server(tmp_path_factory):
     mp.setenv("TINKER_TELEMETRY", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     data_dir = tmp_path_factory.mktemp("tinker-ray")
+    from service.settings import Limits
+
     api, stop = start_api(
-        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
+        data_dir,
+        f"sqlite:///{data_dir / 'store.db'}",
+        "sqlite",
+        models_in_process=True,
+        limits=Limits(max_session_models_per_tenant=8),
     )
     api.ctx.sessions.engine_defaults["dtype"] = "fp32"
-    api.ctx.sessions.hosts = ray_hosts(None, {"num_cpus": 1})
+    # a quarter of a CPU each: up to 8 engines at once on 2 CPUs
+    api.ctx.sessions.hosts = ray_hosts(None, {"num_cpus": 0.25})
     yield api
     stop()
     ray.shutdown()
@@ -96,3 +104,64 @@ def test_a_session_model_trains_samples_and_saves_in_its_own_ray_actor(server):
     assert httpx.post(f"{server.url}/api/v1/sessions/{sid}/finish", headers=key).status_code == 200
     with pytest.raises(ValueError, match="look up actor"):
         ray.get_actor(name, namespace="pstar")
+
+
+def test_a_model_over_two_engines_with_chunk_zero_trains_as_one_engine_does(server):
+    """Every weight (rank 0) over 2 engines: a batch of 3 is dealt 2 + 1, a batch of 1
+    leaves a rank with no datum (it takes part with none); the logprobs, losses and steps
+    are one engine's, to float rounding; its state resumes on 2 engines; its sampler
+    weights are exported whole."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS["acme"])
+    one = sc.create_lora_training_client(base_model="tiny-llama", rank=0).result()
+    two = sc.create_lora_training_client(
+        base_model="tiny-llama", rank=0, user_metadata={"pstar_workers": "2"}
+    ).result()
+    data = [datum(s) for s in [*SEQS, [5, 9, 13, 2, 40]]]  # three: 2 + 1 over 2 ranks
+    adam = T.AdamParams(learning_rate=2e-3)
+
+    def run(tc, batch):
+        fb = tc.forward_backward(batch, "cross_entropy")
+        tc.optim_step(adam).result()
+        out = fb.result()
+        return out.metrics["loss:sum"], [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+    for batch in (data, data, data[:1], data):
+        (l1, lp1), (l2, lp2) = run(one, batch), run(two, batch)
+        assert l2 == pytest.approx(l1, rel=1e-5)
+        for a, b in zip(lp1, lp2, strict=True):
+            assert b == pytest.approx(a, abs=1e-5)
+    path = two.save_state("zero").result().path
+    went_on = run(two, data)[0]
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert run(resumed, data)[0] == went_on  # the two ranks' files, loaded by two engines
+    sampler = two.save_weights_and_get_sampling_client().result()
+    got = sampler.sample(T.ModelInput.from_ints(SEQS[0]), 1, T.SamplingParams(max_tokens=2))
+    assert len(got.result().sequences[0].tokens) == 2
+    with pytest.raises(tinker.BadRequestError, match="pstar_workers"):
+        sc.create_lora_training_client(
+            base_model="tiny-llama", rank=0, user_metadata={"pstar_workers": "lots"}
+        ).result()
+
+
+def test_engines_the_cluster_has_no_room_for_fail_the_create_with_what_they_asked(
+    server, monkeypatch
+):
+    import ray
+
+    from service.sessions import hosts
+
+    monkeypatch.setattr(hosts, "START_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(server.ctx.sessions, "hosts", hosts.ray_hosts(None, {"num_cpus": 1.5}))
+
+    def actors() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+
+    before = actors()
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS["acme"])
+    with pytest.raises(
+        tinker.RequestFailedError, match=r"of 2 engine\(s\) could not start within 3 s"
+    ):
+        sc.create_lora_training_client(
+            base_model="tiny-llama", rank=2, user_metadata={"pstar_workers": "2"}
+        ).result()
+    assert actors() <= before  # the one that had started was killed with the other
