@@ -59,6 +59,7 @@ def test_defaults_and_overrides_from_the_environment(tmp_path):
         ("PSTAR_MAX_UPLOAD_BYTES", "1GB", "whole number of bytes"),
         ("PSTAR_MAX_UPLOAD_BYTES", "0", "must be positive"),
         ("PSTAR_API_DOCS", "maybe", "'on' or 'off'"),
+        ("PSTAR_SESSION_ENGINES", "gpu", "'local'"),
     ],
 )
 def test_bad_values_name_the_variable(tmp_path, name, value, says):
@@ -182,3 +183,16 @@ def test_pstar_keys_hash_prints_the_form_the_tokens_variable_takes():
     out = CliRunner().invoke(app, ["keys", "hash"], input="pstar-the-secret-itself\n")
     assert out.exit_code == 0, out.output
     assert out.output.strip() == f"sha256:{key_hash('pstar-the-secret-itself')}"
+
+
+def test_session_engines_are_local_unless_ray_is_asked_with_its_address(tmp_path):
+    local = Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)})
+    assert (local.session_engines, local.session_ray_address) == ("local", None)
+    ray = Settings.from_env(
+        {
+            "PSTAR_DATA_DIR": str(tmp_path),
+            "PSTAR_SESSION_ENGINES": " Ray ",
+            "PSTAR_SESSION_RAY_ADDRESS": "10.0.0.5:6379",
+        }
+    )
+    assert (ray.session_engines, ray.session_ray_address) == ("ray", "10.0.0.5:6379")
