@@ -157,6 +157,27 @@ LocalHost = EngineHost  # in the control plane's own process
 CALLERS_ERRORS = (BadInput, Unsupported, InvalidRequest, QuotaExceeded)
 
 
+def results(refs: list[Any], op: str, name: str) -> list[Any]:
+    """The results of `op` on a model's engines: a caller's error raised there comes back
+    as itself, an engine gone as `Unavailable`, anything else as a failure with its
+    message."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return list(ray.get(refs))
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, CALLERS_ERRORS):
+            raise cause from None
+        raise RuntimeError(f"{op} failed in {name}: {cause or e}") from None
+    except RayActorError as e:
+        raise Unavailable(
+            f"an engine of {name} is gone ({type(e).__name__}: its worker died or was "
+            "preempted); create the training client again from a saved state"
+        ) from None
+
+
 def started(actors: list[Any], name: str, options: dict[str, Any]) -> list[tuple[str, int]]:
     """Wait (at most `START_TIMEOUT_S`) until every actor has started, each one's node
     address and a free port on it; if the cluster has no room for one, they are all
@@ -214,21 +235,7 @@ class RayHost:
         self.actor: Any = actor.remote(spec)
 
     def _call(self, op: str, *args: Any) -> Any:
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        try:
-            return ray.get(getattr(self.actor, op).remote(*args))
-        except RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, CALLERS_ERRORS):
-                raise cause from None
-            raise RuntimeError(f"{op} failed in {self.name}: {cause or e}") from None
-        except RayActorError as e:
-            raise Unavailable(
-                f"{self.name} is gone ({type(e).__name__}: the worker died or was "
-                "preempted); create the training client again from a saved state"
-            ) from None
+        return results([getattr(self.actor, op).remote(*args)], op, self.name)[0]
 
     def build(self) -> None:
         started([self.actor], self.name, self.options)
@@ -294,21 +301,7 @@ class RayGroupHost:
         return self._gather(refs, op)
 
     def _gather(self, refs: list[Any], op: str) -> list[Any]:
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        try:
-            return list(ray.get(refs))
-        except RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, CALLERS_ERRORS):
-                raise cause from None
-            raise RuntimeError(f"{op} failed in {self.name}: {cause or e}") from None
-        except RayActorError as e:
-            raise Unavailable(
-                f"an engine of {self.name} is gone ({type(e).__name__}: its worker died or "
-                "was preempted); create the training client again from a saved state"
-            ) from None
+        return results(refs, op, self.name)
 
     def _join(self) -> None:
         """The engines meet (rank 0's address) before the first build."""

@@ -14,7 +14,7 @@ import tinker
 import torch
 
 from tests.api.conftest import TINKER_TOKENS, start_api
-from tests.api.test_tinker_sdk import datum, logprobs_of
+from tests.api.test_tinker_sdk import base_model, client, datum, logprobs_of
 
 T = tinker.types
 
@@ -40,16 +40,7 @@ def server(tmp_path_factory):
     mp.undo()
 
 
-def client(server, tenant: str = "acme"):
-    return tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS[tenant])
-
-
-def base(server):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        server.settings.models_dir / "tiny-llama", dtype=torch.float32
-    ).eval()
+base = base_model
 
 
 PROMPT = [1, 57, 23, 88, 140, 9]
