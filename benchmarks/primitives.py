@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,135 @@ def batch_data(vocab: int, batch: int, seq: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(vocab) for _ in range(seq + 1)] for _ in range(batch)]
 
 
+@dataclass
+class Times:
+    """What each case measured, a value per round."""
+
+    sdk_step: list[float] = field(default_factory=list)
+    direct_step: list[float] = field(default_factory=list)
+    to_sample: list[float] = field(default_factory=list)
+    ours_tps: list[float] = field(default_factory=list)
+    ref_tps: list[float] = field(default_factory=list)
+    ttft: dict[int, list[float]] = field(default_factory=dict)
+    ref_ttft: dict[int, list[float]] = field(default_factory=dict)
+
+
+def step_times(tc: Any, model_dir: Path, seqs: list[list[int]], rank: int, compute: str,
+               rounds: int, times: Times) -> None:  # fmt: skip
+    """forward_backward + optim_step through the SDK, interleaved with the same step on an
+    engine of the same model and LoRA called directly."""
+    import tinker
+
+    import pstar_core
+    from service.sessions.hosts import LORA_ALPHA
+    from service.sessions.losses import Datum
+    from service.sessions.losses import run as run_loss
+    from service.sessions.runtime import ATTENTION, MLP, UNEMBED
+
+    T = tinker.types
+    seq = len(seqs[0]) - 1
+    weights = [1.0] * seq
+    sdk_data = [
+        T.Datum(
+            model_input=T.ModelInput.from_ints(s[:-1]),
+            loss_fn_inputs={"target_tokens": s[1:], "weights": weights},
+        )
+        for s in seqs
+    ]
+    direct_data = [Datum(s[:-1], {"target_tokens": s[1:], "weights": weights}) for s in seqs]
+    adam = T.AdamParams(learning_rate=1e-5)
+    hyper = pstar_core.StepHyper(1e-5, (0.9, 0.95), 1e-12, 0.0)
+    lora = {"r": rank, "alpha": LORA_ALPHA, "target_modules": ATTENTION + MLP + UNEMBED}
+    direct = pstar_core.initialize(model_dir, {"dtype": compute, "lora": lora})
+
+    def sdk_once() -> float:
+        t0 = time.perf_counter()
+        fb = tc.forward_backward(sdk_data, "cross_entropy")
+        step = tc.optim_step(adam)
+        fb.result()
+        step.result()
+        return time.perf_counter() - t0
+
+    def direct_once() -> float:
+        t0 = time.perf_counter()
+        run_loss(direct, direct_data, "cross_entropy", {}, backward=True)
+        direct.step(hyper)
+        return time.perf_counter() - t0
+
+    sdk_once(), direct_once()  # warm-up: the tracer's step on each
+    for _ in range(rounds):
+        times.sdk_step.append(sdk_once())
+        times.direct_step.append(direct_once())
+    direct.close()
+
+
+def sampling_times(sc: Any, tc: Any, model_dir: Path, adapter_root: Path,
+                   chats: list[list[int]], samples: int, max_tokens: int, rounds: int,
+                   times: Times) -> None:  # fmt: skip
+    """Save-to-first-token, then sampled tokens/s and time to first token through the
+    SDK, each round beside `generate` on the same base and adapter."""
+    import tinker
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    T = tinker.types
+    one = T.SamplingParams(max_tokens=1)
+    # the base's generator made before any timing (a model load is not a sample)
+    warm = sc.create_sampling_client(base_model=model_dir.name).result()
+    warm.sample(T.ModelInput.from_ints(chats[0]), 1, one).result()
+    sampler = None
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        path = tc.save_weights_for_sampler(f"bench-{i}").result().path
+        sampler = sc.create_sampling_client(model_path=path).result()
+        sampler.sample(T.ModelInput.from_ints(chats[0]), 1, one).result()
+        times.to_sample.append(time.perf_counter() - t0)
+    assert sampler is not None
+    adapter = adapter_root / f"bench-{rounds - 1}" / "adapter"  # the last one saved
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    base_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = PeftModel.from_pretrained(base_model, adapter).eval()
+
+    def generate(n_prompts: int, new: int, per_prompt: int) -> float:
+        batch_ids = tok.pad({"input_ids": chats[:n_prompts]}, padding=True, return_tensors="pt")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            ref.generate(
+                **batch_ids,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                num_return_sequences=per_prompt,
+                pad_token_id=pad,
+            )
+        return time.perf_counter() - t0
+
+    full = T.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[])
+    prompts = len(chats)
+    for c in (1, prompts):
+        times.ttft.setdefault(c, [])
+        times.ref_ttft.setdefault(c, [])
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        futs = [sampler.sample(T.ModelInput.from_ints(c), samples, full) for c in chats]
+        got = sum(len(s.tokens) for f in futs for s in f.result().sequences)
+        times.ours_tps.append(got / (time.perf_counter() - t0))
+        elapsed = generate(prompts, max_tokens, samples)
+        times.ref_tps.append(prompts * samples * max_tokens / elapsed)
+        for c in times.ttft:
+            t0 = time.perf_counter()  # c requests at once; each one's time to its token
+            futs = [sampler.sample(T.ModelInput.from_ints(chats[k]), 1, one) for k in range(c)]
+            ends = []
+            for fut in futs:
+                fut.result()
+                ends.append(time.perf_counter() - t0)
+            times.ttft[c].append(statistics.median(ends))
+            times.ref_ttft[c].append(generate(c, 1, 1))
+
+
 def run(
     model_dir: Path,
     *,
@@ -108,143 +238,51 @@ def run(
     import os
 
     import tinker
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import pstar_core
-    from service.sessions.hosts import LORA_ALPHA
-    from service.sessions.losses import Datum
-    from service.sessions.losses import run as run_loss
-    from service.sessions.runtime import ATTENTION, MLP, UNEMBED
+    from transformers import AutoTokenizer
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     console = Console()
     load_before = load_avg()
     compute = bench_dtype(dtype)
-    T = tinker.types
     base = model_dir.name
     tok = AutoTokenizer.from_pretrained(model_dir)
-    vocab = len(tok)
-    seqs = batch_data(vocab, batch, seq)
-    sdk_data = [
-        T.Datum(
-            model_input=T.ModelInput.from_ints(s[:-1]),
-            loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * seq},
-        )
-        for s in seqs
-    ]
-    direct_data = [Datum(s[:-1], {"target_tokens": s[1:], "weights": [1.0] * seq}) for s in seqs]
-    adam = T.AdamParams(learning_rate=1e-5)
-    hyper = pstar_core.StepHyper(1e-5, (0.9, 0.95), 1e-12, 0.0)
+    seqs = batch_data(len(tok), batch, seq)
     chats = [
         tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True))["input_ids"]
         for p in story_prompts(prompts)
     ]
-    rows = prompts * samples
-    sdk_step: list[float] = []
-    direct_step: list[float] = []
-    to_sample: list[float] = []
-    ours_tps: list[float] = []
-    ref_tps: list[float] = []
-    ttft: dict[int, list[float]] = {1: [], prompts: []}
-    ref_ttft: dict[int, list[float]] = {1: [], prompts: []}
-    with api_server(model_dir, max_batch=rows) as (url, ctx, data_dir):
+    times = Times()
+    with api_server(model_dir, max_batch=prompts * samples) as (url, ctx, data_dir):
         ctx.sessions.engine_defaults["dtype"] = compute
         sc = tinker.ServiceClient(base_url=url, api_key=TOKEN)
         tc = sc.create_lora_training_client(base_model=base, rank=rank).result()
-        direct = pstar_core.initialize(
-            model_dir,
-            {
-                "dtype": compute,
-                "lora": {
-                    "r": rank,
-                    "alpha": LORA_ALPHA,
-                    "target_modules": ATTENTION + MLP + UNEMBED,
-                },
-            },
-        )
-
-        def sdk_once() -> float:
-            t0 = time.perf_counter()
-            fb = tc.forward_backward(sdk_data, "cross_entropy")
-            step = tc.optim_step(adam)
-            fb.result()
-            step.result()
-            return time.perf_counter() - t0
-
-        def direct_once() -> float:
-            t0 = time.perf_counter()
-            run_loss(direct, direct_data, "cross_entropy", {}, backward=True)
-            direct.step(hyper)
-            return time.perf_counter() - t0
-
-        console.print(f"step: {batch} x {seq} tokens, LoRA r={rank}, {compute}; warming up")
-        sdk_once(), direct_once()
-        for _ in range(rounds):
-            sdk_step.append(sdk_once())
-            direct_step.append(direct_once())
-        direct.close()
-
-        # the base's generator made before any timing (a model load is not a sample)
-        warm = sc.create_sampling_client(base_model=base).result()
-        warm.sample(T.ModelInput.from_ints(chats[0]), 1, T.SamplingParams(max_tokens=1)).result()
-        sampler = None
-        for i in range(rounds):
-            t0 = time.perf_counter()
-            path = tc.save_weights_for_sampler(f"bench-{i}").result().path
-            sampler = sc.create_sampling_client(model_path=path).result()
-            one = T.SamplingParams(max_tokens=1)
-            sampler.sample(T.ModelInput.from_ints(chats[0]), 1, one).result()
-            to_sample.append(time.perf_counter() - t0)
-        assert sampler is not None
-        adapter = data_dir / "sessions" / "bench" / tc.model_id / "sampler_weights"
-        adapter = adapter / f"bench-{rounds - 1}" / "adapter"
-
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        from peft import PeftModel
-
-        ref = PeftModel.from_pretrained(ref, adapter).eval()
-        tok.padding_side = "left"
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-        def generate(n_prompts: int, new: int, per_prompt: int) -> float:
-            batch_ids = tok.pad({"input_ids": chats[:n_prompts]}, padding=True, return_tensors="pt")
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                ref.generate(
-                    **batch_ids,
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=True,
-                    num_return_sequences=per_prompt,
-                    pad_token_id=pad,
-                )
-            return time.perf_counter() - t0
-
-        full = T.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[])
+        console.print(f"step: {batch} x {seq} tokens, LoRA r={rank}, {compute}")
+        step_times(tc, model_dir, seqs, rank, compute, rounds, times)
         console.print(f"sampling: {prompts} prompts x {samples} samples x {max_tokens} tokens")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            futs = [sampler.sample(T.ModelInput.from_ints(c), samples, full) for c in chats]
-            got = sum(len(s.tokens) for f in futs for s in f.result().sequences)
-            ours_tps.append(got / (time.perf_counter() - t0))
-            ref_tps.append(rows * max_tokens / generate(prompts, max_tokens, samples))
-            for c in ttft:
-                futs = []
-                t0 = time.perf_counter()
-                for k in range(c):  # c requests at once; each one's time to its token
-                    fut = sampler.sample(T.ModelInput.from_ints(chats[k]), 1, one)
-                    futs.append(fut)
-                ends = []
-                for fut in futs:
-                    fut.result()
-                    ends.append(time.perf_counter() - t0)
-                ttft[c].append(statistics.median(ends))
-                ref_ttft[c].append(generate(c, 1, 1))
+        adapters = data_dir / "sessions" / "bench" / tc.model_id / "sampler_weights"
+        sampling_times(sc, tc, model_dir, adapters, chats, samples, max_tokens, rounds, times)
         tc_id = tc.model_id
+    result = report(console, times, base, tc_id, compute, batch, seq, rank, rounds, prompts,
+                    samples)  # fmt: skip
+    return finish(console, result, load_before, load_avg(), json_out)
 
-    step_ratio = median(sdk_step) / median(direct_step)
-    tps_ratio = median(ours_tps) / median(ref_tps)
+
+def report(
+    console: Console,
+    t: Times,
+    base: str,
+    tc_id: str,
+    compute: str,
+    batch: int,
+    seq: int,
+    rank: int,
+    rounds: int,
+    prompts: int,
+    samples: int,
+) -> dict[str, Any]:
+    """The table, and the result's JSON."""
+    step_ratio = median(t.sdk_step) / median(t.direct_step)
+    tps_ratio = median(t.ours_tps) / median(t.ref_tps)
     result: dict[str, Any] = {
         "benchmark": "primitives",
         "model": base,
@@ -253,16 +291,16 @@ def run(
         "seq": seq,
         "lora_rank": rank,
         "rounds": rounds,
-        "sdk_step_s": round(median(sdk_step), 3),
-        "direct_step_s": round(median(direct_step), 3),
+        "sdk_step_s": round(median(t.sdk_step), 3),
+        "direct_step_s": round(median(t.direct_step), 3),
         "step_ratio": round(step_ratio, 3),
-        "save_to_first_token_s": round(median(to_sample), 3),
-        "sampling_rows": rows,
-        "sampled_tokens_per_s": round(median(ours_tps), 1),
-        "generate_tokens_per_s": round(median(ref_tps), 1),
+        "save_to_first_token_s": round(median(t.to_sample), 3),
+        "sampling_rows": prompts * samples,
+        "sampled_tokens_per_s": round(median(t.ours_tps), 1),
+        "generate_tokens_per_s": round(median(t.ref_tps), 1),
         "sampling_ratio": round(tps_ratio, 3),
-        "ttft_s": {str(c): round(median(v), 3) for c, v in ttft.items()},
-        "generate_ttft_s": {str(c): round(median(v), 3) for c, v in ref_ttft.items()},
+        "ttft_s": {str(c): round(median(v), 3) for c, v in t.ttft.items()},
+        "generate_ttft_s": {str(c): round(median(v), 3) for c, v in t.ref_ttft.items()},
         "sampler_dtype": "fp32",
         **machine(compute),
     }
@@ -271,28 +309,28 @@ def run(
         table.add_column(col)
     table.add_row(
         f"forward_backward + optim_step, {batch}x{seq}",
-        f"{median(sdk_step):.3f} s",
-        f"{median(direct_step):.3f} s (engine direct)",
+        f"{median(t.sdk_step):.3f} s",
+        f"{median(t.direct_step):.3f} s (engine direct)",
         f"{step_ratio:.3f}",
         "<= 1.15",
     )
     table.add_row(
-        "save_weights_for_sampler -> first token", f"{median(to_sample):.3f} s", "", "", "<= 2 s"
+        "save_weights_for_sampler -> first token", f"{median(t.to_sample):.3f} s", "", "", "<= 2 s"
     )
     table.add_row(
         f"sampled tokens/s, {prompts} prompts x {samples}",
-        f"{median(ours_tps):.1f}",
-        f"{median(ref_tps):.1f} (generate, fp32)",
+        f"{median(t.ours_tps):.1f}",
+        f"{median(t.ref_tps):.1f} (generate, fp32)",
         f"{tps_ratio:.3f}",
         ">= 1.0",
     )
-    for c in ttft:
+    for c in t.ttft:
         table.add_row(
             f"time to first token, {c} at once",
-            f"{median(ttft[c]):.3f} s",
-            f"{median(ref_ttft[c]):.3f} s (generate)",
-            f"{median(ttft[c]) / median(ref_ttft[c]):.2f}",
+            f"{median(t.ttft[c]):.3f} s",
+            f"{median(t.ref_ttft[c]):.3f} s (generate)",
+            f"{median(t.ttft[c]) / median(t.ref_ttft[c]):.2f}",
             "",
         )
     console.print(table)
-    return finish(console, result, load_before, load_avg(), json_out)
+    return result
