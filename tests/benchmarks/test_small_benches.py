@@ -191,3 +191,27 @@ def test_bench_plan_sets_the_planner_beside_the_paper_and_the_engine():
     bad = runner.invoke(app, ["bench", "plan", "--models", "gpt-2"])
     assert bad.exit_code == 2
     assert "--models" in bad.output
+
+
+def test_bench_primitives_measures_every_case_through_the_sdk_on_a_tiny_model(tmp_path):
+    """`pstar bench primitives` on the tiny Llama, one round of tiny cases: a step through
+    the SDK and one direct, save-to-first-token, sampled tokens against generate's, time
+    to first token at 1 and N requests, the dtype it trained in."""
+    model = make_tiny_llama(tmp_path / "tiny-llama")
+    out, table = invoke(
+        [
+            "bench", "primitives", str(model), "--rounds", "1", "--prompts", "2",
+            "--samples", "2", "--max-tokens", "3", "--batch", "2", "--seq", "8", "--rank", "2",
+            "--dtype", "fp32", "--json",
+        ]
+    )  # fmt: skip
+    assert out["compute_dtype"] == "fp32"
+    assert out["sdk_step_s"] > 0
+    assert out["direct_step_s"] > 0
+    assert out["step_ratio"] == pytest.approx(out["sdk_step_s"] / out["direct_step_s"], rel=0.01)
+    assert out["save_to_first_token_s"] > 0
+    assert out["sampling_rows"] == 4
+    assert out["sampled_tokens_per_s"] > 0
+    assert out["generate_tokens_per_s"] > 0
+    assert set(out["ttft_s"]) == set(out["generate_ttft_s"]) == {"1", "2"}
+    assert "Tinker primitives through the SDK" in table
