@@ -28,7 +28,11 @@ def session_hosts(settings: Settings):
     from service.sessions.hosts import local_hosts, ray_hosts
 
     if settings.session_engines == "ray":
-        return ray_hosts(settings.session_ray_address, {"num_cpus": 1})
+        res = settings.default_resources
+        options: dict = {"num_cpus": res.get("cpus_per_worker") or 1}
+        if res.get("memory_per_worker"):  # what the fit check plans within, reserved
+            options["memory"] = int(res["memory_per_worker"])
+        return ray_hosts(settings.session_ray_address, options)
     return local_hosts
 
 

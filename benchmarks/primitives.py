@@ -28,6 +28,7 @@ Every figure names the dtype each side computed in and the CPU's capability.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import shutil
 import socket
@@ -178,7 +179,8 @@ def sampling_times(sc: Any, tc: Any, model_dir: Path, adapter_root: Path,
         sampler.sample(T.ModelInput.from_ints(chats[0]), 1, one).result()
         times.to_sample.append(time.perf_counter() - t0)
     assert sampler is not None
-    adapter = adapter_root / f"bench-{rounds - 1}" / "adapter"  # the last one saved
+    last = adapter_root / f"bench-{rounds - 1}"  # the last one saved, in its files' dir
+    adapter = last / json.loads((last / "session.json").read_text())["files"] / "adapter"
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

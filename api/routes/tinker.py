@@ -32,6 +32,7 @@ router = APIRouter(
     dependencies=V1_DEPENDENCIES,
 )
 
+MAX_SAMPLES = 128  # per request: its rows join a model server's batch all at once
 LONG_POLL_S = 25.0  # under the SDK's 45 s read timeout; it polls again at once on try_again
 PROTOBUF = "application/x-protobuf"
 # keep the SDK on plain httpx, uncompressed bodies, one poll per future, training
@@ -158,7 +159,7 @@ class SamplingBody(_Body):
 
 
 class SampleBody(_Body):
-    num_samples: int = Field(1, ge=1, le=1024)
+    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     prompt: Prompt
     sampling_params: SamplingBody
     base_model: str | None = None
@@ -266,9 +267,23 @@ def optim_step(body: OptimStep, c: Ctx, tenant: Tenant) -> dict[str, Any]:
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeights, c: Ctx, tenant: Tenant) -> dict[str, Any]:
-    opts = SaveOptions(body.ttl_seconds, body.user_metadata, body.overwrite)
+    try:
+        opts = SaveOptions(body.ttl_seconds, body.user_metadata, body.overwrite)
+    except InvalidRequest as e:
+        return _refused(c, tenant, body.model_id, body.seq_id, "save_weights", e)
     rid = sessions(c).save_state(tenant, body.model_id, body.seq_id, body.path, opts)
     return _future(rid, body.model_id)
+
+
+def _refused(c: Any, tenant: str, model_id: str, seq: int, op: str, e: Exception):
+    """A sequenced request refused before it runs: its `seq_id` is still taken (as a
+    future that fails with the caller's error), or the model's later requests would wait
+    for it forever."""
+
+    def fail(_m: TrainingModel) -> None:
+        raise e
+
+    return _future(sessions(c).submit(tenant, model_id, seq, op, fail), model_id)
 
 
 @router.post("/load_weights", responses=responses(429))
@@ -301,9 +316,14 @@ async def retrieve_future(body: RetrieveFuture, c: Ctx, tenant: Tenant) -> Respo
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveForSampler, c: Ctx, tenant: Tenant) -> dict[str, Any]:
+    op = "save_weights_for_sampler"
     if body.path is None and body.sampling_session_seq_id is None:
-        raise InvalidRequest("give path (a name) or sampling_session_seq_id", param="path")
-    opts = SaveOptions(body.ttl_seconds, body.user_metadata)
+        e = InvalidRequest("give path (a name) or sampling_session_seq_id", param="path")
+        return _refused(c, tenant, body.model_id, body.seq_id, op, e)
+    try:
+        opts = SaveOptions(body.ttl_seconds, body.user_metadata)
+    except InvalidRequest as e:
+        return _refused(c, tenant, body.model_id, body.seq_id, op, e)
     rid = sessions(c).save_for_sampler(
         tenant, body.model_id, body.seq_id, body.path, body.sampling_session_seq_id, opts
     )

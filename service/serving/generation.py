@@ -264,7 +264,7 @@ class Generator:
 
     # -- adapters ----------------------------------------------------------------------------
 
-    def _load_adapter(self, key: str, path: Path) -> None:
+    def _load_adapter(self, key: str, path: Path, keep: frozenset[str] = frozenset()) -> None:
         """Load an adapter (the decode thread, between steps), the least recently used
         one that no row decodes with out first when `max_adapters` are in memory."""
         self._unload.discard(key)
@@ -273,7 +273,7 @@ class Generator:
             return
         from peft import PeftModel
 
-        busy = {r.req.adapter for r in self._rows}
+        busy = {r.req.adapter for r in self._rows} | keep  # `keep`: the group being admitted
         for old in [k for k in self.adapters if k not in busy]:
             if len(self.adapters) < self.max_adapters:
                 break
@@ -351,7 +351,8 @@ class Generator:
                 continue
             if req.adapter is not None:
                 try:
-                    self._load_adapter(req.adapter, req.adapter_path or Path(req.adapter))
+                    keep = frozenset(r.adapter for r in group if r.adapter is not None)
+                    self._load_adapter(req.adapter, req.adapter_path or Path(req.adapter), keep)
                 except Exception as e:  # its files are gone or not an adapter
                     log.warning("adapter %s could not load: %s", req.adapter, e)
                     req.emit(LookupError(f"adapter {req.adapter} could not load: {e}"))
@@ -428,7 +429,7 @@ class Generator:
                 if p.temperature > 0:
                     rng = torch.Generator(device="cpu")
                     if p.seed is not None:
-                        rng.manual_seed(p.seed * 1000003 + i)
+                        rng.manual_seed((p.seed * 1000003 + i) % (1 << 63))  # any int
                     else:
                         rng.seed()
                 rows.append(_Row(req, i, _TextStream(self.tokenizer, p.stop), rng))

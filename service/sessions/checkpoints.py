@@ -42,6 +42,15 @@ def write_run(root: Path, model_id: str, base_model: str, rank: int) -> None:
     (where / RUN).write_text(json.dumps(meta))
 
 
+def check_ttl(ttl_seconds: int | None) -> None:
+    if ttl_seconds is not None and not TTL_RANGE_S[0] <= ttl_seconds <= TTL_RANGE_S[1]:
+        raise InvalidRequest(
+            f"ttl_seconds {ttl_seconds}: give {TTL_RANGE_S[0]} (an hour) to {TTL_RANGE_S[1]} "
+            "(ten years), or none to keep it until deleted",
+            param="ttl_seconds",
+        )
+
+
 def meta_for(
     base_model: str,
     rank: int,
@@ -51,12 +60,7 @@ def meta_for(
 ) -> dict[str, Any]:
     """What a checkpoint's `session.json` says of it."""
     now = time.time()
-    if ttl_seconds is not None and not TTL_RANGE_S[0] <= ttl_seconds <= TTL_RANGE_S[1]:
-        raise InvalidRequest(
-            f"ttl_seconds {ttl_seconds}: give {TTL_RANGE_S[0]} (an hour) to {TTL_RANGE_S[1]} "
-            "(ten years), or none to keep it until deleted",
-            param="ttl_seconds",
-        )
+    check_ttl(ttl_seconds)
     return {
         "base_model": base_model,
         "rank": rank,

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from pstar_core.optim import StepHyper
 from service.errors import InvalidRequest, QuotaExceeded, Unavailable
-from service.sessions.losses import BadInput, Datum, Output, Unsupported, run
+from service.sessions.losses import BadInput, Datum, Output, Unsupported, run, validate
 
 log = logging.getLogger("pstar.sessions")
 
@@ -112,6 +112,9 @@ class EngineHost:
         scale: float = 1.0,
     ) -> Output:
         return run(self.engine, data, loss_fn, config, backward=backward, scale=scale)
+
+    def validate(self, data: list[Datum], loss_fn: str, config: dict[str, Any]) -> None:
+        validate(self.engine, data, loss_fn, config)
 
     def step(self, hyper: StepHyper) -> None:
         self.engine.step(hyper)
@@ -319,6 +322,9 @@ class RayGroupHost:
     def forward_backward(
         self, data: list[Datum], loss_fn: str, config: dict[str, Any], backward: bool
     ) -> Output:
+        # the whole batch checked first: a rank refusing its share alone would leave the
+        # others waiting in the forward's collectives
+        self._one(0, "validate", data, loss_fn, config)
         n = self.world
         shares = [data[r::n] for r in range(n)]
 

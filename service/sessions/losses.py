@@ -85,6 +85,23 @@ def check(data: Sequence[Datum], loss_fn: str, config: Mapping[str, Any] | None)
                 )
 
 
+def validate(
+    engine: Any, data: Sequence[Datum], loss_fn: str, config: Mapping[str, Any] | None = None
+) -> None:
+    """What `run` refuses before the engine runs: the loss and its inputs (`check`), and
+    token ids past the model's vocabulary (each named by its datum)."""
+    check(data, loss_fn, config)
+    vocab = getattr(getattr(engine.module, "config", None), "vocab_size", None)
+    if vocab is None:
+        return
+    for k, d in enumerate(data):
+        ids = list(d.tokens) + [int(t) for t in d.inputs.get("target_tokens", ())]
+        if ids and (max(ids) >= vocab or min(ids) < 0):
+            raise BadInput(
+                f"data[{k}]: a token id outside the model's vocabulary (0 to {vocab - 1})"
+            )
+
+
 def run(
     engine: Any,
     data: Sequence[Datum],
@@ -98,7 +115,7 @@ def run(
     `scale` times the loss: a ZeRO rank's share of a batch, whose gradients the ranks
     average, passes their count (0: a rank with no datum of its own, taking part in the
     collectives only)."""
-    check(data, loss_fn, config)
+    validate(engine, data, loss_fn, config)
     lengths = [len(d.tokens) for d in data]
     width = max(lengths)
     device = engine.device
@@ -112,9 +129,6 @@ def run(
 
     ids, targets = padded(None, torch.long), padded("target_tokens", torch.long)
     real = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
-    vocab = getattr(getattr(engine.module, "config", None), "vocab_size", None)
-    if vocab is not None and int(torch.cat([ids, targets]).max()) >= vocab:
-        raise BadInput(f"a token id is past the model's vocabulary of {vocab}")
     with torch.set_grad_enabled(backward):
         logits = engine(input_ids=ids, use_cache=False).logits
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]

@@ -51,6 +51,7 @@ PATH_RE = re.compile(
     r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/weights/(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
 )
 KEEP_READ_S = 120.0
+KEEP_UNREAD_S = 3600.0  # a result nobody asked for (its client gone) is dropped after this
 
 
 class Ordered:
@@ -110,6 +111,9 @@ class SaveOptions:
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
     overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        checkpoints.check_ttl(self.ttl_seconds)  # a 400 before anything is written
 
 
 @dataclass
@@ -183,8 +187,11 @@ class TrainingModel:
         LoRA's adapter (peft), or the whole model (transformers, with the tokenizer). A
         name is written once (a sampler may hold its adapter in memory by that name)."""
         where = self._place(root, "sampler_weights", name, overwrite=False)
-        self.host.export(where)
-        self._describe(where, opts)
+        # the files in a directory of their own: a name deleted and saved again is a new
+        # adapter to the model servers, which keep adapters in memory by their path
+        files = uuid.uuid4().hex[:12]
+        self.host.export(where / files)
+        self._describe(where, opts, files=files)
         return where
 
     def _place(self, root: Path, kind: str, name: str, overwrite: bool) -> Path:
@@ -197,11 +204,13 @@ class TrainingModel:
             )
         return where
 
-    def _describe(self, where: Path, opts: SaveOptions) -> None:
+    def _describe(self, where: Path, opts: SaveOptions, files: str | None = None) -> None:
         meta = checkpoints.meta_for(
             self.base.id, self.rank, list(self.targets), opts.ttl_seconds, opts.user_metadata
         )
         meta["workers"] = self.workers  # a ZeRO state loads on as many engines
+        if files is not None:
+            meta["files"] = files
         (where / checkpoints.META).write_text(json.dumps(meta))
 
     def load(self, where: Path, optimizer: bool = True) -> dict[str, Any]:
@@ -244,6 +253,7 @@ class Pending:
     future: Future
     forget: Callable[[], None]  # drops the model's own reference to the result
     retrieved_at: float | None = None
+    created: float = field(default_factory=time.time)
 
 
 class Sessions:
@@ -304,13 +314,29 @@ class Sessions:
         with self._lock:
             self.sessions.pop(sid, None)
             self.samplers.end_session(sid)
-            for mid in s.models:
-                for d in (self.states(tenant) / mid / "sampler_weights").glob("ephemeral-*"):
-                    shutil.rmtree(d, ignore_errors=True)  # save_weights_and_get_sampling_client's
-                m = self.models.pop(mid, None)
-                if m is not None:
-                    m.runner.close()
-                    m.host.close()
+            ended = [m for mid in s.models if (m := self.models.pop(mid, None)) is not None]
+        for m in ended:  # outside the lock: a Ray engine takes seconds to stop
+            for d in (self.states(tenant) / m.id / "sampler_weights").glob("ephemeral-*"):
+                shutil.rmtree(d, ignore_errors=True)  # save_weights_and_get_sampling_client's
+            self._close(m)
+
+    def _close(self, m: TrainingModel) -> None:
+        m.runner.close()
+        try:
+            m.host.close()
+        except Exception as e:  # its engines are gone already: nothing left to free
+            log.warning("closing %s: %s", m.id, e)
+
+    def _drop(self, mid: str) -> None:
+        """A model whose engine could not be built: out of its session, its slot and its
+        engines freed (the create's future says why)."""
+        with self._lock:
+            m = self.models.pop(mid, None)
+            s = self.sessions.get(mid.split(":", 1)[0])
+            if s is not None and mid in s.models:
+                s.models.remove(mid)
+        if m is not None:
+            self._close(m)
 
     def close(self) -> None:
         """End every session (the control plane is stopping): their engines are closed."""
@@ -383,17 +409,28 @@ class Sessions:
         with self._lock:
             if mid in self.models:
                 return self._future_of(mid, 0)
-            runner = Ordered(f"session-model-{mid}")
             cfg = dict(self.engine_defaults)
             spec = ModelSpec(mid, base.id, base.path, rank, targets, cfg, workers)
-            host, where = self.hosts(spec)
+            try:
+                host, where = self.hosts(spec)
+            except Exception as e:  # Ray not reachable, a name taken: not the caller's
+                log.error("no engine host for %s", mid, exc_info=e)
+                raise Unavailable(f"no engine could be placed for {mid}: {e}") from None
+            runner = Ordered(f"session-model-{mid}")
             model = TrainingModel(mid, tenant, base, rank, targets, host, runner, where)
             model.model_data_bytes = planned.chunk_bytes
             model.workers = workers
             self.models[mid] = model
             s.models.append(mid)
         checkpoints.write_run(self.states(tenant), mid, base.id, rank)  # listed from now on
-        first = (lambda: start(model)) if start is not None else model.build
+
+        def first() -> dict[str, Any]:
+            try:
+                return start(model) if start is not None else model.build()
+            except BaseException:
+                threading.Thread(target=self._drop, args=(mid,), daemon=True).start()
+                raise
+
         return self._track(tenant, runner.submit(0, first), self._forget(runner, 0))
 
     def states(self, tenant: str) -> Path:
@@ -470,9 +507,6 @@ class Sessions:
         """Run `fn` on the model in its `seq_id` order; `op` names it in the model's stats
         and the metrics (`observe`)."""
         m = self.model(tenant, mid)
-        existing = m.runner.futures.get(seq)
-        if existing is not None:  # the SDK sent it again (its retries): the same future
-            return self._request_ids[existing]
 
         def timed() -> Any:
             t0, tokens = time.perf_counter(), m.tokens
@@ -482,7 +516,12 @@ class Sessions:
                 m.last_op, m.last_op_at = op, time.time()
                 self.observe(op, time.perf_counter() - t0, m.tokens - tokens)
 
-        return self._track(tenant, m.runner.submit(seq, timed), self._forget(m.runner, seq))
+        with self._lock:  # a retry arriving meanwhile finds the request id already there
+            existing = m.runner.futures.get(seq)
+            if existing is not None and existing in self._request_ids:
+                return self._request_ids[existing]  # the SDK sent it again: the same future
+            fut = m.runner.submit(seq, timed)
+            return self._track(tenant, fut, self._forget(m.runner, seq))
 
     def overview(self, tenant: str) -> list[dict[str, Any]]:
         """The tenant's live sessions, their models and samplers (the dashboard)."""
@@ -585,8 +624,14 @@ class Sessions:
         """Drop results read more than `KEEP_READ_S` ago (the SDK polls a future again
         only on its retries, within seconds); holding them all would keep every
         forward_backward's log-probabilities for the session's life."""
-        cutoff = time.time() - KEEP_READ_S
-        for rid in [r for r, p in self.pending.items() if (p.retrieved_at or 1e18) < cutoff]:
+        now = time.time()
+
+        def stale(p: Pending) -> bool:
+            if p.retrieved_at is not None:
+                return p.retrieved_at < now - KEEP_READ_S
+            return p.future.done() and p.created < now - KEEP_UNREAD_S  # abandoned
+
+        for rid in [r for r, p in self.pending.items() if stale(p)]:
             self.pending.pop(rid).forget()
 
     def _future_of(self, mid: str, seq: int) -> str:

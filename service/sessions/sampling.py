@@ -176,11 +176,12 @@ class Samplers:
         meta = json.loads((where / "session.json").read_text())
         base = self.base(meta["base_model"])
         assert base.path is not None
+        files = where / str(meta.get("files", ""))  # this save's own directory
         if meta["rank"]:
-            adapter = data_relative(self.settings, where / ADAPTER)
+            adapter = data_relative(self.settings, files / ADAPTER)
             return base.id, Target(path, base_app(base.path, base.id), base.path, adapter, tenant)
-        app = base_app(where / MODEL, f"smp-{m['name']}")  # its own: a digest of the path
-        return base.id, Target(path, app, where / MODEL, None, tenant)
+        app = base_app(files / MODEL, f"smp-{m['name']}")  # its own: a digest of the path
+        return base.id, Target(path, app, files / MODEL, None, tenant)
 
     def get(self, tenant: str, sid: str) -> Sampler:
         s = self.samplers.get(sid)
@@ -212,7 +213,7 @@ async def collect(events: AsyncIterator[dict[str, Any]], call: SampleCall) -> Sa
         if "prompt_logprobs" in ev:
             prompt = [math.nan if v is None else float(v) for v in ev["prompt_logprobs"]]
             if call.prompt_logprobs_last_n is not None:
-                cut = len(prompt) - call.prompt_logprobs_last_n
+                cut = max(0, len(prompt) - call.prompt_logprobs_last_n)
                 prompt[:cut] = [math.nan] * cut
         elif "finish" in ev:
             finished[ev["i"]] = (ev["tokens"], ev.get("logprobs") or [], ev["finish"])

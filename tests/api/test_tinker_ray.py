@@ -130,6 +130,11 @@ def test_a_model_over_two_engines_with_chunk_zero_trains_as_one_engine_does(serv
         assert l2 == pytest.approx(l1, rel=1e-5)
         for a, b in zip(lp1, lp2, strict=True):
             assert b == pytest.approx(a, abs=1e-5)
+    # a bad datum on rank 1's share is refused before any rank runs (they would wait on
+    # each other in the forward's collectives)
+    bad = datum([5, 9, 10**6, 2])
+    with pytest.raises(tinker.RequestFailedError, match=r"data\[1\]: a token id outside"):
+        two.forward_backward([data[0], bad], "cross_entropy").result()
     path = two.save_state("zero").result().path
     went_on = run(two, data)[0]
     resumed = sc.create_training_client_from_state_with_optimizer(path).result()
@@ -165,3 +170,5 @@ def test_engines_the_cluster_has_no_room_for_fail_the_create_with_what_they_aske
             base_model="tiny-llama", rank=2, user_metadata={"pstar_workers": "2"}
         ).result()
     assert actors() <= before  # the one that had started was killed with the other
+    # and the model that could not start holds no slot of the tenant's
+    assert not [m for m in server.ctx.sessions.models.values() if m.workers == 2 and m.rank == 2]

@@ -148,6 +148,13 @@ def test_trained_weights_sampled_greedy_reproduce_what_they_learned(server, rank
         sampler.sample(T.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens
         == target
     )  # the named save still answers as it did
+    # deleted and saved again under the same name: the new weights answer (model servers
+    # keep adapters in memory by their path, so each save has a directory of its own)
+    sc.create_rest_client().delete_checkpoint(tc.model_id, "sampler_weights/learned").result()
+    again = tc.save_weights_for_sampler("learned").result().path
+    resaved = sc.create_sampling_client(model_path=again).result()
+    got = resaved.sample(T.ModelInput.from_ints(PROMPT), 1, greedy).result()
+    assert got.sequences[0].tokens == changed.sequences[0].tokens
 
 
 def test_samplers_and_sampler_weights_stay_with_their_tenant(server):
@@ -181,6 +188,12 @@ def test_what_the_sampler_cannot_do_is_refused_by_name(server):
         sampler.sample(T.ModelInput.from_ints([10**6]), 1, T.SamplingParams(max_tokens=1)).result()
     assert math.isfinite(
         sampler.sample(prompt, 1, T.SamplingParams(max_tokens=1)).result().sequences[0].logprobs[0]
+    )
+    # a seed of any size is a seed (past 2**63 it was an error that failed every request
+    # prefilled with it)
+    huge = T.SamplingParams(max_tokens=2, seed=10**30)
+    assert sampler.sample(prompt, 1, huge).result().sequences[0].tokens == (
+        sampler.sample(prompt, 1, huge).result().sequences[0].tokens
     )
 
 

@@ -248,6 +248,11 @@ def test_checkpoints_are_listed_kept_to_their_tenant_deleted_and_expire(server):
     ]
     mine = {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
     assert {a.tinker_path, b.tinker_path} <= mine
+    # a ttl out of range is refused before anything is written, and the client's later
+    # requests still run (the refused one's seq_id is taken, not left a gap)
+    with pytest.raises(tinker.RequestFailedError, match="ttl_seconds 5"):
+        tc.save_state("short", ttl_seconds=5).result()
+    assert not (server.settings.sessions_dir("acme") / tc.model_id / "weights" / "short").exists()
     # a name is not written twice unless asked
     with pytest.raises(tinker.RequestFailedError, match="exists"):
         tc.save_state("a").result()

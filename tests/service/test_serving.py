@@ -382,3 +382,44 @@ def test_requests_queued_together_are_prefilled_together_and_answer_as_alone(tmp
         assert complete(gen, prompts[0], top1).tokens[0] == alone[0].tokens[0]
     finally:
         gen.close()
+
+
+def test_a_group_prefilled_together_keeps_every_adapter_it_needs(tmp_path):
+    """max_adapters=1 and two requests of two adapters admitted together: loading the
+    second must not unload the first's before their one forward (peft then failed the
+    whole group); each answers as it does alone."""
+    import threading
+    import time
+
+    from benchmarks.models_made import _adapter
+    from service.serving.generation import Generator, SamplingParams, complete
+    from tests.tiny import make_tiny_llama
+
+    base = make_tiny_llama(tmp_path / "base")
+    paths = {k: tmp_path / k for k in ("a", "b")}
+    for i, p in enumerate(paths.values()):
+        _adapter(base, p, seed=i + 1)
+    gen = Generator(base, max_adapters=1)
+    try:
+        ids = gen.render([{"role": "user", "content": "What does apple mean?"}])
+        greedy = SamplingParams(max_tokens=4, temperature=0)
+        alone = {k: complete(gen, ids, greedy, k, paths[k]).tokens[0] for k in paths}
+        busy = threading.Event()
+        gen.call(lambda: (busy.set(), time.sleep(0.5)))
+        busy.wait(10)
+        got: dict = {}
+        threads = [
+            threading.Thread(
+                target=lambda k=k: got.__setitem__(k, complete(gen, ids, greedy, k, paths[k]))
+            )
+            for k in paths
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for k in paths:
+            assert got[k].error is None, got[k].error
+            assert got[k].tokens[0] == alone[k]
+    finally:
+        gen.close()
