@@ -208,7 +208,11 @@ def test_bench_primitives_measures_every_case_through_the_sdk_on_a_tiny_model(tm
     assert out["compute_dtype"] == "fp32"
     assert out["sdk_step_s"] > 0
     assert out["direct_step_s"] > 0
-    assert out["step_ratio"] == pytest.approx(out["sdk_step_s"] / out["direct_step_s"], rel=0.01)
+    # the ratio of the unrounded medians; the times are printed to the millisecond
+    ratio = out["sdk_step_s"] / out["direct_step_s"]
+    assert out["step_ratio"] == pytest.approx(
+        ratio, abs=0.0006 * (1 + ratio) / out["direct_step_s"]
+    )
     assert out["save_to_first_token_s"] > 0
     assert out["sampling_rows"] == 4
     assert out["sampled_tokens_per_s"] > 0
