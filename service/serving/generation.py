@@ -451,12 +451,15 @@ class Generator:
         `torch.multinomial` with a generator took 1.3 ms a row). A sampled token's
         log-probability is kept for rows that asked."""
         params = [r.req.params for r in rows]
+        toks = logits.argmax(-1)
+        draw = [i for i, p in enumerate(params) if p.temperature > 0]
+        want = [i for i, p in enumerate(params) if p.logprobs]
+        if not draw and not want:  # all greedy, no log-probabilities asked: the argmax
+            return toks
         temps = torch.tensor(
             [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
         )
         lp = torch.log_softmax(logits / temps[:, None], -1)
-        toks = logits.argmax(-1)
-        draw = [i for i, p in enumerate(params) if p.temperature > 0]
         if draw:
             probs = lp[draw].exp()
             for j, i in enumerate(draw):
@@ -474,7 +477,6 @@ class Generator:
             picked = picked.clamp(max=logits.shape[-1] - 1)
             at = torch.tensor(draw, device=logits.device)
             toks[at] = torch.where(finite, picked, toks[at])
-        want = [i for i, p in enumerate(params) if p.logprobs]
         if want:
             at = torch.tensor(want, device=logits.device)
             got = lp[at, toks[at]]

@@ -15,8 +15,10 @@ checkpoint saved with `ttl_seconds` is removed by the reconciler's sweep once it
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,11 @@ from typing import Any
 from service.errors import InvalidRequest, NotFound
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
+# tinker://<run id>/<kind>/<name>: neither id nor name holds a '/' or starts with a '.'
+TINKER_PATH_RE = re.compile(
+    r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/(?P<kind>[a-z_]+)/"
+    r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
+)
 META = "session.json"
 RUN = "run.json"
 TTL_RANGE_S = (3600, 10 * 365 * 86_400)  # Tinker's: an hour to ten years
@@ -71,7 +78,45 @@ def meta_for(
     }
 
 
-def _checkpoint(root: Path, run: str, kind: str, d: Path) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Checkpoint:
+    run: str
+    kind: str  # weights | sampler_weights
+    name: str
+    created: float
+    size_bytes: int
+    expires_at: float | None
+    user_metadata: dict[str, str] | None
+
+    @property
+    def type(self) -> str:
+        return KINDS[self.kind]
+
+    def wire(self) -> dict[str, Any]:
+        """As the SDK reads it (`tinker.types.Checkpoint`)."""
+        return {
+            "checkpoint_id": f"{self.kind}/{self.name}",
+            "checkpoint_type": self.type,
+            "time": iso(self.created),
+            "tinker_path": f"tinker://{self.run}/{self.kind}/{self.name}",
+            "size_bytes": self.size_bytes,
+            "public": False,
+            "user_metadata": self.user_metadata,
+            "expires_at": iso(self.expires_at) if self.expires_at else None,
+        }
+
+
+def locate(root: Path, path: str, kind: str) -> Path | None:
+    """The directory of a `tinker://<run>/<kind>/<name>` checkpoint under `root` (the
+    caller's own), or None: another kind, a malformed path, nothing saved there."""
+    m = TINKER_PATH_RE.match(path)
+    if m is None or m["kind"] != kind:
+        return None
+    where = root / m["run"] / kind / m["name"]
+    return where if (where / META).is_file() else None
+
+
+def _checkpoint(run: str, kind: str, d: Path) -> Checkpoint | None:
     try:
         meta = json.loads((d / META).read_text())
     except (OSError, ValueError):
@@ -79,33 +124,21 @@ def _checkpoint(root: Path, run: str, kind: str, d: Path) -> dict[str, Any] | No
     from service.control.storage import du
 
     created = meta.get("created") or (d / META).stat().st_mtime
-    return {
-        "checkpoint_id": f"{kind}/{d.name}",
-        "checkpoint_type": KINDS[kind],
-        "time": iso(created),
-        "tinker_path": f"tinker://{run}/{kind}/{d.name}",
-        "size_bytes": du(d),
-        "public": False,
-        "user_metadata": meta.get("user_metadata"),
-        "expires_at": iso(meta["expires_at"]) if meta.get("expires_at") else None,
-        "_created": created,
-    }
+    return Checkpoint(
+        run, kind, d.name, created, du(d), meta.get("expires_at"), meta.get("user_metadata")
+    )
 
 
-def checkpoints(root: Path, run: str) -> list[dict[str, Any]]:
+def checkpoints(root: Path, run: str) -> list[Checkpoint]:
     """A run's checkpoints, newest first."""
     out = []
     for kind in KINDS:
         for d in sorted((root / run / kind).glob("*")):
-            c = _checkpoint(root, run, kind, d)
+            c = _checkpoint(run, kind, d)
             if c is not None:
                 out.append(c)
-    out.sort(key=lambda c: -c["_created"])
+    out.sort(key=lambda c: -c.created)
     return out
-
-
-def public(c: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in c.items() if not k.startswith("_")}
 
 
 def run_ids(root: Path) -> list[str]:
@@ -118,11 +151,8 @@ def training_run(root: Path, tenant: str, run: str, last_seen: float | None) -> 
     except (OSError, ValueError):
         raise NotFound("training run", run, param="training_run_id") from None
     ckpts = checkpoints(root, run)
-    last = {
-        t: next((public(c) for c in ckpts if c["checkpoint_type"] == t), None)
-        for t in KINDS.values()
-    }
-    seen = last_seen or max([meta["created"], *(c["_created"] for c in ckpts)])
+    last = {t: next((c.wire() for c in ckpts if c.type == t), None) for t in KINDS.values()}
+    seen = last_seen or max([meta["created"], *(c.created for c in ckpts)])
     return {
         "training_run_id": run,
         "base_model": meta["base_model"],

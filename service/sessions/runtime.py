@@ -47,9 +47,6 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
 STATE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-PATH_RE = re.compile(
-    r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/weights/(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
-)
 KEEP_READ_S = 120.0
 KEEP_UNREAD_S = 3600.0  # a result nobody asked for (its client gone) is dropped after this
 
@@ -417,9 +414,10 @@ class Sessions:
                 log.error("no engine host for %s", mid, exc_info=e)
                 raise Unavailable(f"no engine could be placed for {mid}: {e}") from None
             runner = Ordered(f"session-model-{mid}")
-            model = TrainingModel(mid, tenant, base, rank, targets, host, runner, where)
-            model.model_data_bytes = planned.chunk_bytes
-            model.workers = workers
+            model = TrainingModel(
+                mid, tenant, base, rank, targets, host, runner, where,
+                model_data_bytes=planned.chunk_bytes, workers=workers,
+            )  # fmt: skip
             self.models[mid] = model
             s.models.append(mid)
         checkpoints.write_run(self.states(tenant), mid, base.id, rank)  # listed from now on
@@ -456,8 +454,8 @@ class Sessions:
             found = checkpoints.checkpoints(root, run)
         else:
             found = [c for r in checkpoints.run_ids(root) for c in checkpoints.checkpoints(root, r)]
-            found.sort(key=lambda c: -c["_created"])
-        return [checkpoints.public(c) for c in found]
+            found.sort(key=lambda c: -c.created)
+        return [c.wire() for c in found]
 
     def delete_checkpoint(self, tenant: str, run: str, checkpoint_id: str) -> None:
         checkpoints.delete(self.states(tenant), run, checkpoint_id)
@@ -468,12 +466,11 @@ class Sessions:
         """A new training model of session `sid` continuing from a saved state (`save`):
         its weights and, with `optimizer`, Adam's moments and step, bitwise (without:
         Adam starts again from the weights)."""
-        m = PATH_RE.match(path)
-        where = self.states(tenant) / m["run"] / "weights" / m["name"] if m else None
-        if where is None or not (where / "session.json").is_file():
-            # save_state gives tinker://<model id>/weights/<name>, under the caller's root
+        # save_state gives tinker://<model id>/weights/<name>, under the caller's root
+        where = checkpoints.locate(self.states(tenant), path, "weights")
+        if where is None:
             raise NotFound("saved state", path, param="path")
-        meta = json.loads((where / "session.json").read_text())
+        meta = json.loads((where / checkpoints.META).read_text())
         lora = {"rank": meta["rank"]} | {
             k: any(t in meta["targets"] for t in names)
             for k, names in (

@@ -15,7 +15,6 @@ only. A sampler's id is `<session id>:sample:<n>`.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +23,10 @@ from typing import Any
 from service.errors import InvalidRequest, NotFound
 from service.registry import ModelRef, base_models
 from service.serving.deployments import Target, base_app, data_relative
+from service.sessions import checkpoints
 from service.sessions.hosts import ADAPTER, MODEL
 from service.sessions.losses import BadInput, Unsupported
 from service.settings import Settings
-
-SAMPLER_PATH_RE = re.compile(
-    r"^tinker://(?P<run>[A-Za-z0-9][A-Za-z0-9:._-]*)/(?P<kind>[a-z_]+)/"
-    r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)$"
-)
 
 
 @dataclass(frozen=True)
@@ -161,26 +156,24 @@ class Samplers:
         tenant's own."""
         import json
 
-        m = SAMPLER_PATH_RE.match(path)
+        m = checkpoints.TINKER_PATH_RE.match(path)
         if m is not None and m["kind"] == "weights":
             raise InvalidRequest(
                 f"{path} is a training state (save_state); sample from the weights that "
                 "save_weights_for_sampler saves (tinker://.../sampler_weights/...)",
                 param="model_path",
             )
-        if m is None or m["kind"] != "sampler_weights":
+        where = checkpoints.locate(self.states(tenant), path, "sampler_weights")
+        if where is None:
             raise NotFound("sampler weights", path, param="model_path")
-        where = self.states(tenant) / m["run"] / "sampler_weights" / m["name"]
-        if not (where / "session.json").is_file():
-            raise NotFound("sampler weights", path, param="model_path")
-        meta = json.loads((where / "session.json").read_text())
+        meta = json.loads((where / checkpoints.META).read_text())
         base = self.base(meta["base_model"])
         assert base.path is not None
         files = where / str(meta.get("files", ""))  # this save's own directory
         if meta["rank"]:
             adapter = data_relative(self.settings, files / ADAPTER)
             return base.id, Target(path, base_app(base.path, base.id), base.path, adapter, tenant)
-        app = base_app(files / MODEL, f"smp-{m['name']}")  # its own: a digest of the path
+        app = base_app(files / MODEL, f"smp-{where.name}")  # its own: a digest of the path
         return base.id, Target(path, app, files / MODEL, None, tenant)
 
     def get(self, tenant: str, sid: str) -> Sampler:
