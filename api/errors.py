@@ -21,6 +21,7 @@ from api.schemas import ErrorEnvelope
 from service.errors import (
     Conflict,
     Forbidden,
+    Gone,
     InvalidRequest,
     NotFound,
     QuotaExceeded,
@@ -40,6 +41,7 @@ STATUS = {
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
+    Gone: 410,
     TooLarge: 413,
     QuotaExceeded: 429,
     Unavailable: 503,
@@ -51,6 +53,7 @@ DESCRIPTIONS = {
     403: "The tenant may not do this to the object",
     404: "No such object for this tenant",
     409: "The object's state does not allow this",
+    410: "The object has ended (a finished or idle training session)",
     413: "Request body or upload larger than the server's limit",
     429: "The tenant is at one of its limits (named in the message, with the current use)",
     503: "A part the request needs (Ray, the store) cannot be reached now",

@@ -256,14 +256,14 @@ def run(
     times = Times()
     with api_server(model_dir, max_batch=prompts * samples) as (url, ctx, data_dir):
         ctx.sessions.engine_defaults["dtype"] = compute
-        sc = tinker.ServiceClient(base_url=url, api_key=TOKEN)
-        tc = sc.create_lora_training_client(base_model=base, rank=rank).result()
-        console.print(f"step: {batch} x {seq} tokens, LoRA r={rank}, {compute}")
-        step_times(tc, model_dir, seqs, rank, compute, rounds, times)
-        console.print(f"sampling: {prompts} prompts x {samples} samples x {max_tokens} tokens")
-        adapters = data_dir / "sessions" / "bench" / tc.model_id / "sampler_weights"
-        sampling_times(sc, tc, model_dir, adapters, chats, samples, max_tokens, rounds, times)
-        tc_id = tc.model_id
+        with tinker.ServiceClient(base_url=url, api_key=TOKEN) as sc:
+            tc = sc.create_lora_training_client(base_model=base, rank=rank).result()
+            console.print(f"step: {batch} x {seq} tokens, LoRA r={rank}, {compute}")
+            step_times(tc, model_dir, seqs, rank, compute, rounds, times)
+            console.print(f"sampling: {prompts} prompts x {samples} samples x {max_tokens} tokens")
+            adapters = data_dir / "sessions" / "bench" / tc.model_id / "sampler_weights"
+            sampling_times(sc, tc, model_dir, adapters, chats, samples, max_tokens, rounds, times)
+            tc_id = tc.model_id
     result = report(console, times, base, tc_id, compute, batch, seq, rank, rounds, prompts,
                     samples)  # fmt: skip
     return finish(console, result, load_before, load_avg(), json_out)

@@ -66,6 +66,11 @@ class Conflict(ServiceError):
     """The object's state does not allow it (409): cancel a finished job, reuse a key."""
 
 
+class Gone(ServiceError):
+    """The object existed and has ended (410): a training session finished or ended idle;
+    the message says how and what to do instead."""
+
+
 class TooLarge(ServiceError):
     """An upload over the configured limit (413)."""
 

@@ -26,6 +26,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pstar_core.optim import StepHyper
-from service.errors import InvalidRequest, NotFound, QuotaExceeded, Unavailable
+from service.errors import Gone, InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from service.registry import ModelRef, base_models
 from service.sessions import checkpoints, fit
 from service.sessions.hosts import Host, ModelSpec, local_hosts
@@ -49,6 +50,7 @@ UNEMBED = ("lm_head",)
 STATE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KEEP_READ_S = 120.0
 KEEP_UNREAD_S = 3600.0  # a result nobody asked for (its client gone) is dropped after this
+ENDED_KEPT = 10_000  # ended sessions remembered (a 410 for their heartbeats, not a 404)
 
 
 class Ordered:
@@ -270,6 +272,9 @@ class Sessions:
         self.observe = observe  # each operation: its name, seconds, tokens (the metrics)
         self.engine_defaults: dict[str, Any] = dict(engine or {"dtype": "auto"})
         self.sessions: dict[str, Session] = {}
+        # sessions that ended, newest last: (tenant, how), so a heartbeat gets a 410 that
+        # stops the client's loop and a second finish is a no-op (ENDED_KEPT of them)
+        self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self.models: dict[str, TrainingModel] = {}
         self.pending: dict[str, Pending] = {}
         self._request_ids: dict[Future, str] = {}
@@ -292,24 +297,41 @@ class Sessions:
         freeing their models; the ids of those ended."""
         cutoff = (now or time.time()) - self.settings.limits.session_idle_s
         idle = [s for s in list(self.sessions.values()) if s.last_seen < cutoff]
+        idle_s = self.settings.limits.session_idle_s
         for s in idle:
             log.info("session %s of %s idle since %.0f: ended", s.id, s.tenant, s.last_seen)
-            self.finish(s.tenant, s.id)
+            self.finish(s.tenant, s.id, how=f"ended after {idle_s:.0f} s without a heartbeat")
         return [s.id for s in idle]
 
     def session(self, tenant: str, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None or s.tenant != tenant:
+            ended = self.ended.get(sid)
+            if ended is not None and ended[0] == tenant:
+                raise Gone(
+                    f"Session '{sid}' has {ended[1]}: create a new session (its runs' saved "
+                    "checkpoints remain).",
+                    param="session_id",
+                    code="session_ended",
+                )
             raise NotFound("session", sid, param="session_id")
         s.last_seen = time.time()
         return s
 
-    def finish(self, tenant: str, sid: str) -> None:
+    def finish(self, tenant: str, sid: str, how: str = "been finished by its client") -> None:
+        """End a session and free its models; finishing one that has ended does nothing
+        (the first reason stands, as in Tinker)."""
+        ended = self.ended.get(sid)
+        if ended is not None and ended[0] == tenant:
+            return
         s = self.sessions.get(sid)
         if s is None or s.tenant != tenant:
             raise NotFound("session", sid, param="session_id")
         with self._lock:
             self.sessions.pop(sid, None)
+            self.ended[sid] = (tenant, how)
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
             self.samplers.end_session(sid)
             ended = [m for mid in s.models if (m := self.models.pop(mid, None)) is not None]
         for m in ended:  # outside the lock: a Ray engine takes seconds to stop

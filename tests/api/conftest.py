@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,17 @@ class ApiServer:
     backend: str
     models: object = None  # the in-process model backend, when the API has one
     ctx: object = None  # the app's services (`app.state.ctx`)
+    tinker_clients: list = field(default_factory=list)  # closed before the server stops
+
+    def tinker(self, tenant: str = "acme"):
+        """A `tinker.ServiceClient` for the tenant. It is closed (its session finished, its
+        heartbeat stopped) before the server stops: a heartbeat left running warns into
+        every later test's log."""
+        import tinker
+
+        sc = tinker.ServiceClient(base_url=self.url, api_key=TINKER_TOKENS[tenant])
+        self.tinker_clients.append(sc)
+        return sc
 
     @property
     def base(self) -> str:
@@ -99,6 +110,8 @@ def start_api(
     )
 
     def stop() -> None:
+        for sc in api.tinker_clients:
+            sc.close("success").result(timeout=60)
         server.should_exit = True
         thread.join(timeout=30)
         store.close()

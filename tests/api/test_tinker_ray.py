@@ -54,7 +54,7 @@ def test_a_session_model_trains_samples_and_saves_in_its_own_ray_actor(server):
     import ray
     from transformers import AutoModelForCausalLM
 
-    sc = tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS["acme"])
+    sc = server.tinker("acme")
     tc = sc.create_lora_training_client(
         base_model="tiny-llama", rank=4, train_unembed=False
     ).result()
@@ -111,7 +111,7 @@ def test_a_model_over_two_engines_with_chunk_zero_trains_as_one_engine_does(serv
     leaves a rank with no datum (it takes part with none); the logprobs, losses and steps
     are one engine's, to float rounding; its state resumes on 2 engines; its sampler
     weights are exported whole."""
-    sc = tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS["acme"])
+    sc = server.tinker("acme")
     one = sc.create_lora_training_client(base_model="tiny-llama", rank=0).result()
     two = sc.create_lora_training_client(
         base_model="tiny-llama", rank=0, user_metadata={"pstar_workers": "2"}
@@ -162,7 +162,7 @@ def test_engines_the_cluster_has_no_room_for_fail_the_create_with_what_they_aske
         return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
     before = actors()
-    sc = tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS["acme"])
+    sc = server.tinker("acme")
     with pytest.raises(
         tinker.RequestFailedError, match=r"of 2 engine\(s\) could not start within 3 s"
     ):

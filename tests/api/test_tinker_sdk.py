@@ -26,8 +26,9 @@ def server(tmp_path_factory, monkeypatch_module):
     api.ctx.sessions.engine_defaults["dtype"] = "fp32"  # compared with transformers in fp32
     yield api
     sessions = api.ctx.sessions
+    sessions.create_session("acme")  # one the SDK has not finished
     stop()
-    assert sessions.sessions == {}  # the app's shutdown ended them
+    assert sessions.sessions == {}  # the app's shutdown ended it
     assert sessions.models == {}
 
 
@@ -40,7 +41,7 @@ def monkeypatch_module():
 
 
 def client(server, tenant: str = "acme"):
-    return tinker.ServiceClient(base_url=server.url, api_key=TINKER_TOKENS[tenant])
+    return server.tinker(tenant)
 
 
 def base_model(server):
@@ -275,6 +276,14 @@ def test_checkpoints_are_listed_kept_to_their_tenant_deleted_and_expire(server):
     key = {"X-API-Key": TINKER_TOKENS["acme"]}
     sid = tc.model_id.split(":", 1)[0]
     assert httpx.post(f"{server.url}/api/v1/sessions/{sid}/finish", headers=key).status_code == 200
+    # finished: finishing again changes nothing; a heartbeat is a 410, which ends the SDK's
+    # heartbeat loop (a 404 would keep it warning every 10 s)
+    assert httpx.post(f"{server.url}/api/v1/sessions/{sid}/finish", headers=key).status_code == 200
+    beat = httpx.post(
+        f"{server.url}/api/v1/session_heartbeat", headers=key, json={"session_id": sid}
+    )
+    assert beat.status_code == 410, beat.text
+    assert beat.json()["error"]["code"] == "session_ended"
     assert rest.get_training_run(tc.model_id).result().training_run_id == tc.model_id
     assert expire(server.settings.data_dir / "sessions", now=time.time() + 60) == []
     assert len(expire(server.settings.data_dir / "sessions", now=time.time() + 3700)) >= 1

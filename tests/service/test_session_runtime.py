@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from service.errors import InvalidRequest, NotFound
+from service.errors import Gone, InvalidRequest, NotFound
 from service.sessions.runtime import Ordered
 
 
@@ -76,10 +76,23 @@ def test_a_tenant_holds_at_most_its_models_and_an_idle_session_frees_them(tmp_pa
     assert s.models == {}
     again = s.create_session("acme")
     s.create_model("acme", again, 0, "tiny-llama", {"rank": 2})
-    with pytest.raises(NotFound):
+    # an ended session's heartbeat is a 410 (the SDK stops its loop on it), naming how it
+    # ended; finishing it again changes nothing; to another tenant it was never there
+    with pytest.raises(Gone, match=r"has ended after 60 s without a heartbeat") as e:
         s.session("acme", first)
-    with pytest.raises(NotFound):  # and another tenant's session is not found either
+    assert e.value.code == "session_ended"
+    s.finish("acme", first)
+    with pytest.raises(Gone, match="without a heartbeat"):
+        s.session("acme", first)
+    with pytest.raises(NotFound):
+        s.session("rival", first)
+    with pytest.raises(NotFound):
+        s.finish("rival", first)
+    with pytest.raises(NotFound):  # and another tenant's live session is not found either
         s.session("rival", again)
+    s.finish("acme", again)
+    with pytest.raises(Gone, match="has been finished by its client"):
+        s.session("acme", again)
 
 
 def test_a_create_sent_again_gets_the_same_model_even_after_its_result_was_dropped(tmp_path):
