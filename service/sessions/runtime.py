@@ -321,8 +321,8 @@ class Sessions:
     def finish(self, tenant: str, sid: str, how: str = "been finished by its client") -> None:
         """End a session and free its models; finishing one that has ended does nothing
         (the first reason stands, as in Tinker)."""
-        ended = self.ended.get(sid)
-        if ended is not None and ended[0] == tenant:
+        before = self.ended.get(sid)
+        if before is not None and before[0] == tenant:
             return
         s = self.sessions.get(sid)
         if s is None or s.tenant != tenant:
