@@ -7,7 +7,9 @@ reconciler in a background thread for its lifetime.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +23,19 @@ from api.gate import Gate
 from service.control.jobs import JobService
 from service.settings import Settings
 from service.store import Store
+
+log = logging.getLogger(__name__)
+
+
+async def sweep_sessions(sessions: Any, every_s: float) -> None:
+    """End idle and lost training sessions, freeing their engines, even while no one
+    creates another (which also sweeps)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(sessions.end_idle)  # a Ray engine takes seconds to stop
+        except Exception:  # the next round tries again; a 500 is not ours to give here
+            log.exception("ending idle training sessions")
 
 
 def session_hosts(settings: Settings):
@@ -90,9 +105,13 @@ def create_app(
                 on_ray_down=ray_supervisor,
             )
             ctx.reconciler.start()
+        limits = settings.limits
+        every_s = max(0.1, min(10.0, limits.session_lost_s / 4, limits.session_idle_s / 4))
+        sweeper = asyncio.create_task(sweep_sessions(ctx.sessions, every_s))
         try:
             yield
         finally:
+            sweeper.cancel()
             ctx.streams.closing = ctx.generations.closing = True
             await ctx.backend.aclose()
             ctx.sessions.close()

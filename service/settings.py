@@ -65,9 +65,12 @@ class Limits:
     # limit (PSTAR_MAX_UPLOAD_BYTES) and go to disk as they arrive
     max_request_bytes: int = 8 << 20
     # training sessions (Tinker's API): models a tenant holds at once (a 429 past it), and
-    # how long a session lives without a heartbeat or request before its models are freed
+    # how long a session lives without a heartbeat or request before its models are freed;
+    # one whose client sent heartbeats (the SDK, every 10 s) and stopped is ended sooner:
+    # its process is gone (the SDK warns at 120 s that the session will be ended)
     max_session_models_per_tenant: int = 2
     session_idle_s: float = 600.0
+    session_lost_s: float = 120.0
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Limits:

@@ -49,7 +49,7 @@ def chat_lines(n: int, offset: int = 0) -> list[str]:
     return out
 
 
-def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2) -> Path:
+def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, context: int = 256) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -80,7 +80,7 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2) -> Path:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         bos_token_id=fast.pad_token_id,

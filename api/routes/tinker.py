@@ -54,6 +54,11 @@ class SessionBody(_Body):
     session_id: str
 
 
+class CreateSession(_Body):
+    sdk_version: str | None = None  # the SDK sends it, and then beats every 10 s
+    display_name: str | None = Field(None, max_length=200)
+
+
 class LoraBody(_Body):
     rank: int = Field(32, ge=0, le=4096, description="0: every weight (full fine-tuning)")
     seed: int | None = None
@@ -204,13 +209,17 @@ def telemetry(_tenant: Tenant) -> dict[str, str]:
 
 
 @router.post("/create_session")
-def create_session(c: Ctx, tenant: Tenant) -> dict[str, Any]:
-    return {"type": "create_session", "session_id": sessions(c).create_session(tenant)}
+def create_session(c: Ctx, tenant: Tenant, body: CreateSession | None = None) -> dict[str, Any]:
+    body = body or CreateSession()
+    sid = sessions(c).create_session(
+        tenant, beating=body.sdk_version is not None, name=body.display_name
+    )
+    return {"type": "create_session", "session_id": sid}
 
 
 @router.post("/session_heartbeat")
 def heartbeat(body: SessionBody, c: Ctx, tenant: Tenant) -> dict[str, str]:
-    sessions(c).session(tenant, body.session_id)
+    sessions(c).heartbeat(tenant, body.session_id)
     return {"type": "session_heartbeat"}
 
 

@@ -244,6 +244,8 @@ class Session:
     created: float
     last_seen: float
     models: list[str] = field(default_factory=list)
+    beating: bool = False  # its client sends heartbeats (then silence means it is gone)
+    name: str | None = None  # the client's display_name
 
 
 @dataclass
@@ -284,24 +286,35 @@ class Sessions:
 
     # -- sessions ---------------------------------------------------------------------
 
-    def create_session(self, tenant: str) -> str:
+    def create_session(self, tenant: str, beating: bool = False, name: str | None = None) -> str:
+        """A new session; `beating` when its client will send heartbeats (the SDK's
+        does, every 10 s, from the start)."""
         self.end_idle()
         sid = f"sess-{uuid.uuid4().hex[:16]}"
         now = time.time()
         with self._lock:
-            self.sessions[sid] = Session(sid, tenant, now, now)
+            self.sessions[sid] = Session(sid, tenant, now, now, beating=beating, name=name)
         return sid
 
     def end_idle(self, now: float | None = None) -> list[str]:
-        """End the sessions not heard from in `session_idle_s` (a heartbeat or a request),
-        freeing their models; the ids of those ended."""
-        cutoff = (now or time.time()) - self.settings.limits.session_idle_s
-        idle = [s for s in list(self.sessions.values()) if s.last_seen < cutoff]
-        idle_s = self.settings.limits.session_idle_s
-        for s in idle:
-            log.info("session %s of %s idle since %.0f: ended", s.id, s.tenant, s.last_seen)
-            self.finish(s.tenant, s.id, how=f"ended after {idle_s:.0f} s without a heartbeat")
-        return [s.id for s in idle]
+        """End the sessions not heard from (a heartbeat or a request) in `session_idle_s`,
+        or in `session_lost_s` once their client has sent heartbeats, freeing their
+        models; the ids of those ended. The API's sweeper calls it every few seconds."""
+        now = now or time.time()
+        limits = self.settings.limits
+        ended = []
+        for s in list(self.sessions.values()):
+            quiet = limits.session_lost_s if s.beating else limits.session_idle_s
+            if s.last_seen >= now - quiet:
+                continue
+            log.info("session %s of %s silent since %.0f: ended", s.id, s.tenant, s.last_seen)
+            how = "heartbeats" if s.beating else "a heartbeat or request"
+            self.finish(s.tenant, s.id, how=f"ended after {quiet:.0f} s without {how}")
+            ended.append(s.id)
+        return ended
+
+    def heartbeat(self, tenant: str, sid: str) -> None:
+        self.session(tenant, sid).beating = True
 
     def session(self, tenant: str, sid: str) -> Session:
         s = self.sessions.get(sid)
@@ -553,6 +566,7 @@ class Sessions:
             out.append(
                 {
                     "id": s.id,
+                    "name": s.name,
                     "created": s.created,
                     "last_seen": s.last_seen,
                     "models": models,

@@ -78,11 +78,11 @@ def test_a_tenant_holds_at_most_its_models_and_an_idle_session_frees_them(tmp_pa
     s.create_model("acme", again, 0, "tiny-llama", {"rank": 2})
     # an ended session's heartbeat is a 410 (the SDK stops its loop on it), naming how it
     # ended; finishing it again changes nothing; to another tenant it was never there
-    with pytest.raises(Gone, match=r"has ended after 60 s without a heartbeat") as e:
+    with pytest.raises(Gone, match=r"has ended after 60 s without a heartbeat or request") as e:
         s.session("acme", first)
     assert e.value.code == "session_ended"
     s.finish("acme", first)
-    with pytest.raises(Gone, match="without a heartbeat"):
+    with pytest.raises(Gone, match="without a heartbeat or request"):
         s.session("acme", first)
     with pytest.raises(NotFound):
         s.session("rival", first)
@@ -93,6 +93,33 @@ def test_a_tenant_holds_at_most_its_models_and_an_idle_session_frees_them(tmp_pa
     s.finish("acme", again)
     with pytest.raises(Gone, match="has been finished by its client"):
         s.session("acme", again)
+
+
+def test_a_session_whose_heartbeats_stop_ends_sooner_than_one_that_never_sent_any(tmp_path):
+    """The SDK beats every 10 s: once a session has had heartbeats, silence for
+    session_lost_s means its process is gone; a client that never beats has session_idle_s
+    between requests. A request or beat keeps either alive."""
+    import time
+
+    from service.sessions.runtime import Sessions
+    from service.settings import Limits, Settings
+
+    limits = Limits(session_idle_s=600, session_lost_s=120)
+    settings = Settings(data_dir=tmp_path, db_url="sqlite://", tokens={}, limits=limits)
+    settings.ensure_dirs()
+    s = Sessions(settings)
+    sdk, raw = s.create_session("acme"), s.create_session("acme")
+    s.heartbeat("acme", sdk)
+    now = time.time()
+    assert s.end_idle(now=now + 100) == []
+    assert s.end_idle(now=now + 130) == [sdk]
+    with pytest.raises(Gone, match="ended after 120 s without heartbeats"):
+        s.session("acme", sdk)
+    assert s.end_idle(now=now + 590) == []
+    s.session("acme", raw)  # a request: heard from again
+    heard = time.time()
+    assert s.end_idle(now=heard + 590) == []
+    assert s.end_idle(now=heard + 601) == [raw]
 
 
 def test_a_create_sent_again_gets_the_same_model_even_after_its_result_was_dropped(tmp_path):
