@@ -66,6 +66,7 @@ def create_app(
     from api.metrics import ApiMetrics
     from api.routes import admin, completions, files, jobs, models, system, tinker
     from service.control import storage
+    from service.control.reconciler import job_workers
     from service.serving.deployments import Serving
     from service.sessions.runtime import Sessions
 
@@ -90,6 +91,7 @@ def create_app(
         check_quota=lambda tenant: storage.check_quota(settings, store, tenant, ctx.jobs.usage),
         observe=ctx.metrics.session_op,
         hosts=session_hosts(settings),
+        job_workers=lambda tenant: job_workers(store, tenant),
     )
 
     @contextlib.asynccontextmanager
@@ -103,6 +105,7 @@ def create_app(
                 launcher,
                 interval_s=reconcile_interval_s,
                 on_ray_down=ray_supervisor,
+                session_workers=ctx.sessions.workers_held,
             )
             ctx.reconciler.start()
         limits = settings.limits

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -46,8 +47,12 @@ class Reconciler:
         launcher: Any,
         interval_s: float = 1.0,
         on_ray_down: Any = None,
+        session_workers: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self.settings, self.store, self.launcher = settings, store, launcher
+        # the engines each tenant's training sessions hold: they count toward its
+        # running-workers limit beside its jobs'
+        self.session_workers = session_workers
         self.on_ray_down = on_ray_down  # the embedded default restarts its local head
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -117,7 +122,7 @@ class Reconciler:
                 if a is not None and a.state == AttemptState.SUBMITTED
             }
             ray = RayView(self.launcher.statuses(asked | {a.submission_id for a, _ in orphans}))
-            shares = TenantShares(self.settings.limits, pairs)
+            shares = TenantShares(self.settings.limits, pairs, self.session_workers())
             waiting: dict[str, str | None] = {}
             for job, att in pairs:
                 if self._stop.is_set():
@@ -441,9 +446,17 @@ class TenantShares:
     """What each tenant's jobs with an attempt take now (jobs, workers, GPUs), from the
     tick's snapshot, and whether one more fits its running limits."""
 
-    def __init__(self, limits: Any, pairs: list[tuple[ActiveJob, ActiveAttempt | None]]) -> None:
+    def __init__(
+        self,
+        limits: Any,
+        pairs: list[tuple[ActiveJob, ActiveAttempt | None]],
+        sessions: Mapping[str, int] | None = None,
+    ) -> None:
         self.limits = limits
         self.used: dict[str, list[int]] = {}
+        self.sessions = dict(sessions or {})  # workers held by training sessions' engines
+        for tenant, workers in self.sessions.items():
+            self.used.setdefault(tenant, [0, 0, 0])[1] += workers
         for job, att in pairs:
             if att is not None and not att.paused:  # a resumed job waits like a new one
                 self._add(job)
@@ -466,12 +479,24 @@ class TenantShares:
             if need and now + need > limit:
                 name = {"jobs": "jobs", "workers": "workers", "GPUs": "gpus"}[what]
                 var = f"PSTAR_MAX_RUNNING_{name.upper()}_PER_TENANT"
+                held = self.sessions.get(job.tenant, 0) if what == "workers" else 0
+                inside = f", {held} in training sessions" if held else ""
                 return (
-                    f"waiting: the tenant runs {now} {what} of its {limit} ({var}); this "
-                    f"job needs {need}"
+                    f"waiting: the tenant runs {now} {what} of its {limit} ({var}{inside}); "
+                    f"this job needs {need}"
                 )[:255]
         self._add(job)
         return None
+
+
+def job_workers(store: Store, tenant: str) -> int:
+    """Workers the tenant's running jobs take now (a paused or waiting job none), as the
+    reconciler counts them."""
+    return sum(
+        job.workers
+        for job, att in store.jobs.active_with_attempts(0)
+        if job.tenant == tenant and att is not None and not att.paused
+    )
 
 
 class RayView:

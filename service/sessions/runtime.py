@@ -267,8 +267,12 @@ class Sessions:
         check_quota: Callable[[str], None] = lambda tenant: None,
         observe: Callable[[str, float, int], None] = lambda op, seconds, tokens: None,
         hosts: Callable[[ModelSpec], tuple[Host, str]] = local_hosts,
+        job_workers: Callable[[str], int] = lambda tenant: 0,
     ) -> None:
         self.settings = settings
+        # workers the tenant's running fine-tuning jobs take: a model's engines count
+        # toward the same PSTAR_MAX_RUNNING_WORKERS_PER_TENANT
+        self.job_workers = job_workers
         self.hosts = hosts  # where a new training model's engine runs (service.sessions.hosts)
         self.check_quota = check_quota  # a 429 when the tenant's storage is full
         self.observe = observe  # each operation: its name, seconds, tokens (the metrics)
@@ -397,15 +401,8 @@ class Sessions:
         another way: from a saved state)."""
         self.end_idle()
         s = self.session(tenant, sid)
-        held = sum(1 for m in self.models.values() if m.tenant == tenant)
-        limit = self.settings.limits.max_session_models_per_tenant
-        if held >= limit:
-            raise QuotaExceeded(
-                f"tenant {tenant} holds {held} training models, its limit "
-                f"({Limits.var('max_session_models_per_tenant')}={limit}); end a session "
-                "(ServiceClient.close(), or stop its heartbeats) to free one",
-                code="too_many_session_models",
-            )
+        if f"{sid}:train:{model_seq_id}" not in self.models:  # a repeat gets its model
+            self._check_room(tenant, workers)
         base = next((m for m in base_models(self.settings) if m.id == base_model), None)
         if base is None:
             known = ", ".join(m.id for m in base_models(self.settings)) or "none"
@@ -441,6 +438,7 @@ class Sessions:
         with self._lock:
             if mid in self.models:
                 return self._future_of(mid, 0)
+            self._check_room(tenant, workers)  # again: another create may have come first
             cfg = dict(self.engine_defaults)
             spec = ModelSpec(mid, base.id, base.path, rank, targets, cfg, workers)
             try:
@@ -465,6 +463,38 @@ class Sessions:
                 raise
 
         return self._track(tenant, runner.submit(0, first), self._forget(runner, 0))
+
+    def workers_held(self) -> dict[str, int]:
+        """Engines each tenant's training models hold (workers, as jobs count them)."""
+        out: dict[str, int] = {}
+        for m in list(self.models.values()):
+            out[m.tenant] = out.get(m.tenant, 0) + m.workers
+        return out
+
+    def _check_room(self, tenant: str, workers: int) -> None:
+        """A 429 when the tenant holds its limit of training models, or when the new
+        one's engines would take its running workers (jobs' and sessions') past its limit."""
+        limits = self.settings.limits
+        held = sum(1 for m in self.models.values() if m.tenant == tenant)
+        if held >= limits.max_session_models_per_tenant:
+            raise QuotaExceeded(
+                f"tenant {tenant} holds {held} training models, its limit "
+                f"({Limits.var('max_session_models_per_tenant')}="
+                f"{limits.max_session_models_per_tenant}); end a session "
+                "(ServiceClient.close(), or stop its heartbeats) to free one",
+                code="too_many_session_models",
+            )
+        in_sessions = self.workers_held().get(tenant, 0)
+        in_jobs = self.job_workers(tenant)
+        limit = limits.max_running_workers_per_tenant
+        if in_jobs + in_sessions + workers > limit:
+            raise QuotaExceeded(
+                f"tenant {tenant} runs {in_jobs + in_sessions} workers ({in_jobs} in "
+                f"fine-tuning jobs, {in_sessions} in training sessions), its limit "
+                f"({Limits.var('max_running_workers_per_tenant')}={limit}); this model's "
+                f"engines need {workers}: end a session or wait for a job to finish",
+                code="too_many_workers",
+            )
 
     def states(self, tenant: str) -> Path:
         """Where a tenant's saved states are (its own root: a path names no other's)."""

@@ -340,6 +340,36 @@ def test_jobs_past_the_tenants_running_limits_wait_in_queued_saying_why(local_se
     assert "PSTAR_MAX_RUNNING_WORKERS_PER_TENANT" in store.jobs.get(fourth.id).status_detail
 
 
+def test_training_sessions_engines_count_toward_the_tenants_running_workers(local_service):
+    """A tenant's session engines (Tinker's training models) and its jobs share
+    PSTAR_MAX_RUNNING_WORKERS_PER_TENANT both ways: a job waits while the engines hold the
+    room, saying so, and `job_workers` gives the sessions what the running jobs take."""
+    from dataclasses import replace
+
+    from service.control.reconciler import job_workers
+    from service.settings import Limits
+
+    settings, store = local_service
+    settings = replace(settings, limits=Limits(max_running_workers_per_tenant=3))
+    ray = ScriptedLauncher()
+    held = {"acme": 3}
+    rec = Reconciler(settings, store, ray, session_workers=lambda: dict(held))
+    job = add_job(store)
+    theirs = add_job(store, tenant="rival")
+    assert job_workers(store, "acme") == 0
+    rec.tick()
+    assert ray.submits == [f"{theirs.id}-a1"]
+    assert store.jobs.get(job.id).status_detail == (
+        "waiting: the tenant runs 3 workers of its 3 (PSTAR_MAX_RUNNING_WORKERS_PER_TENANT, "
+        "3 in training sessions); this job needs 1"
+    )
+    held["acme"] = 2  # a session ended: its engine's worker is free
+    rec.tick()
+    assert ray.submits[-1] == f"{job.id}-a1"
+    assert job_workers(store, "acme") == 1
+    assert job_workers(store, "rival") == 1
+
+
 def test_a_store_outage_blames_no_job_and_the_jobs_go_on_once_it_is_back(
     local_service, monkeypatch, fast_backoff
 ):

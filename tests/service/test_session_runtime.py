@@ -95,6 +95,41 @@ def test_a_tenant_holds_at_most_its_models_and_an_idle_session_frees_them(tmp_pa
         s.session("acme", again)
 
 
+def test_a_models_engines_count_toward_the_tenants_running_workers_beside_its_jobs(tmp_path):
+    """PSTAR_MAX_RUNNING_WORKERS_PER_TENANT covers jobs and session engines together: with
+    14 of 16 workers in jobs, one engine fits, a second too, a third is a 429 that names
+    both counts; a create sent again still gets its model; another tenant is apart."""
+    from service.errors import QuotaExceeded
+    from service.sessions.runtime import Sessions
+    from service.settings import Limits, Settings
+    from tests.tiny import make_tiny_llama
+
+    limits = Limits(max_session_models_per_tenant=8, max_running_workers_per_tenant=16)
+    settings = Settings(data_dir=tmp_path, db_url="sqlite://", tokens={}, limits=limits)
+    settings.ensure_dirs()
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    in_jobs = {"acme": 14}
+    s = Sessions(settings, engine={"dtype": "fp32"}, job_workers=lambda t: in_jobs.get(t, 0))
+    sid = s.create_session("acme")
+    first = s.create_model("acme", sid, 0, "tiny-llama", {"rank": 2})
+    s.create_model("acme", sid, 1, "tiny-llama", {"rank": 2})
+    assert s.workers_held() == {"acme": 2}
+    with pytest.raises(
+        QuotaExceeded,
+        match=r"runs 16 workers \(14 in fine-tuning jobs, 2 in "
+        r"training sessions\).*PSTAR_MAX_RUNNING_WORKERS_PER_TENANT=16",
+    ) as e:
+        s.create_model("acme", sid, 2, "tiny-llama", {"rank": 2})
+    assert e.value.code == "too_many_workers"
+    assert s.create_model("acme", sid, 0, "tiny-llama", {"rank": 2}) == first
+    other = s.create_session("rival")
+    s.create_model("rival", other, 0, "tiny-llama", {"rank": 2})
+    in_jobs["acme"] = 13  # a job ended
+    s.create_model("acme", sid, 2, "tiny-llama", {"rank": 2})
+    assert s.workers_held() == {"acme": 3, "rival": 1}
+    s.close()
+
+
 def test_a_session_whose_heartbeats_stop_ends_sooner_than_one_that_never_sent_any(tmp_path):
     """The SDK beats every 10 s: once a session has had heartbeats, silence for
     session_lost_s means its process is gone; a client that never beats has session_idle_s
