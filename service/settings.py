@@ -182,10 +182,11 @@ class Settings:
     # PSTAR_RUN_RETENTION_DAYS: an ended job's run directory (checkpoints, prepared data)
     # is reclaimed this long after it ended; its exported model stays. 0: kept forever
     run_retention_days: float = 30.0
-    # PSTAR_SESSION_ENGINES: where training sessions' engines run: "local" (the control
-    # plane's own process) or "ray" (a Ray actor per training model, which the control
-    # plane reaches as a Ray driver at PSTAR_SESSION_RAY_ADDRESS, the cluster's GCS
-    # address; the embedded head's when it is the one running)
+    # PSTAR_SESSION_ENGINES: where training sessions' engines run: "ray" (the service's
+    # default: Ray actors per training model, which the control plane reaches through
+    # Ray's client at PSTAR_SESSION_RAY_ADDRESS: the embedded head's, or ray://<the job
+    # server's host>:10001) or "local" (the control plane's own process: what a Settings
+    # made in code, as the tests' are, gets unless it says otherwise)
     session_engines: str = "local"
     session_ray_address: str | None = None
 
@@ -262,7 +263,7 @@ class Settings:
 
 
 def _session_engines(raw: str) -> str:
-    value = raw.strip().lower() or Settings.session_engines
+    value = raw.strip().lower() or "ray"
     if value not in ("local", "ray"):
         raise SettingsError(
             f"PSTAR_SESSION_ENGINES must be 'local' (the control plane's process) or 'ray' "

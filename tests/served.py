@@ -14,6 +14,7 @@ from benchmarks.serve_process import ServeProcess
 
 TOKEN = "tok-e2e-acme-0123456789"
 RIVAL_TOKEN = "tok-e2e-rival-0123456789"
+TINKER_TOKEN = "tml-e2e-acme-0123456789"  # acme's too: the tinker SDK takes only tml- keys
 
 
 class Serve(ServeProcess):
@@ -24,7 +25,8 @@ class Serve(ServeProcess):
 
         # Ray Serve's proxy on a port of its own (models start there on first request)
         env = {"PSTAR_SERVE_PORT": str(free_port()), **(env or {})}
-        super().__init__(data_dir, f"acme:{TOKEN},rival:{RIVAL_TOKEN}", env)
+        tokens = f"acme:{TOKEN},rival:{RIVAL_TOKEN},acme:{TINKER_TOKEN}"
+        super().__init__(data_dir, tokens, env)
 
     def client(self, token: str = TOKEN):
         import openai

@@ -82,6 +82,9 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
     if settings.ray_address:
         launcher = RayLauncher(settings.ray_address)
         check_cluster(settings, launcher)
+        if settings.session_engines == "ray" and not settings.session_ray_address:
+            address = client_address(settings.ray_address)
+            settings = replace(settings, session_ray_address=address)
     else:
         head = LocalRayHead(
             settings.data_dir / "ray", num_cpus=ray_cpus, dashboard_port=dashboard_port
@@ -91,8 +94,18 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
         ray_auth.use(head.env)
         launcher = RayLauncher(info["dashboard_url"])
         if settings.session_engines == "ray" and not settings.session_ray_address:
-            settings = replace(settings, session_ray_address=info["gcs_address"])
+            address = info.get("client_address") or info["gcs_address"]  # an older head's
+            settings = replace(settings, session_ray_address=address)
     return settings, store, launcher, head
+
+
+def client_address(ray_address: str) -> str:
+    """The Ray client address of the cluster whose job server is at `ray_address`: its
+    head's client server, on Ray's (and KubeRay's head service's) port 10001."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(ray_address if "://" in ray_address else f"http://{ray_address}").hostname
+    return f"ray://{host}:10001"
 
 
 def shutdown_hook(settings: Settings, store: Any, launcher: Any, head: Any, keep_ray: bool):

@@ -164,6 +164,9 @@ class LocalRayHead:
             "pid": proc.pid,
             "dashboard_url": url,
             "gcs_address": f"127.0.0.1:{ports['port']}",
+            # Ray's client server: training sessions' engines are reached through it, so
+            # the API process is not itself a Ray driver (docs/sessions.md)
+            "client_address": f"ray://127.0.0.1:{ports['ray-client-server-port']}",
             "metrics_export_port": ports["metrics-export-port"],
             "temp_dir": str(temp_dir),
             "started_at": time.time(),

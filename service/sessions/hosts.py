@@ -11,6 +11,7 @@ fix comes back as itself, anything else as the actor's failure with its message.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -205,12 +206,22 @@ def started(actors: list[Any], name: str, options: dict[str, Any]) -> list[tuple
 def ray_hosts(address: str | None, options: dict[str, Any]):
     """A host factory for `Sessions`: each training model's engine in a Ray actor of its
     own (`spec.workers` > 1: a group of them, chunk ZeRO between them), this process
-    connected to the cluster at `address` (once, at the first model) as a Ray driver."""
+    connected to the cluster at `address` (once, at the first model): Ray's client
+    (`ray://host:10001`) as the service does, or a GCS address as a Ray driver."""
 
     def make(spec: ModelSpec) -> tuple[Host, str]:
         import ray
+        from ray._private.authentication import authentication_utils
 
         if not ray.is_initialized():
+            if os.environ.get("RAY_AUTH_MODE") == "token" and not (
+                authentication_utils.is_token_auth_enabled()
+            ):  # Ray reads the mode once, when it is first imported
+                raise RuntimeError(
+                    "Ray was loaded in this process before RAY_AUTH_MODE=token was set, so "
+                    "it would connect without the token: set RAY_AUTH_MODE and "
+                    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) where the control plane starts"
+                )
             ray.init(address=address, namespace="pstar", log_to_driver=False)
         if spec.workers > 1:
             group = RayGroupHost(spec, options)

@@ -24,6 +24,7 @@ import pytest
 
 from tests.served import (
     RIVAL_TOKEN,
+    TINKER_TOKEN,
     TOKEN,
     Serve,
     create_job,
@@ -100,6 +101,49 @@ def test_the_local_ray_head_answers_no_one_without_its_token(serve):
     )
     assert out.returncode != 0
     assert "token-auth" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_training_sessions_engine_runs_in_a_ray_actor_on_the_servers_own_head(serve):
+    """The service's default for Tinker's training models (PSTAR_SESSION_ENGINES unset):
+    the engine in a Ray actor on `pstar serve`'s head, which the API reaches through Ray's
+    client with the head's token (its process is no Ray driver). It trains through the
+    unmodified SDK, the dashboard's listing says where it runs, and the actor is gone once
+    the session is finished."""
+    import tinker
+
+    from service import ray_auth
+
+    head = json.loads((serve.data_dir / "ray" / "head.json").read_text())
+
+    def actors(name: str) -> list[str]:
+        r = httpx.get(
+            f"{head['dashboard_url']}/api/v0/actors",
+            params={"filter_keys": "name", "filter_predicates": "=", "filter_values": name},
+            headers=ray_auth.headers(serve.ray_env()),
+            timeout=60,
+        )
+        r.raise_for_status()
+        return [a["state"] for a in r.json()["data"]["result"]["result"]]
+
+    seq = [5, 9, 14, 3, 22, 7, 11]
+    datum = tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+    )
+    with tinker.ServiceClient(base_url=serve.url, api_key=TINKER_TOKEN) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+        losses = []
+        for _ in range(3):
+            out = tc.forward_backward([datum], "cross_entropy").result()
+            losses.append(out.metrics["loss:sum"])
+            tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+        assert losses[2] < losses[0], losses
+        listed = httpx.get(serve.url + "/v1/training_sessions", headers=_auth()).json()
+        (model,) = [m for s in listed["data"] for m in s["models"] if m["id"] == tc.model_id]
+        name = f"session-engine {tc.model_id}"
+        assert model["where"] == f"Ray actor '{name}'"
+        assert actors(name) == ["ALIVE"]
+    wait_for(lambda: actors(name) == ["DEAD"], 60, "the engine's actor to end")
 
 
 def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_twice(serve, files):

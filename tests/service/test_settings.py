@@ -185,9 +185,18 @@ def test_pstar_keys_hash_prints_the_form_the_tokens_variable_takes():
     assert out.output.strip() == f"sha256:{key_hash('pstar-the-secret-itself')}"
 
 
-def test_session_engines_are_local_unless_ray_is_asked_with_its_address(tmp_path):
-    local = Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)})
-    assert (local.session_engines, local.session_ray_address) == ("local", None)
+def test_session_engines_are_ray_actors_unless_local_is_asked(tmp_path):
+    """The service's default puts each training model's engines in Ray actors; with no
+    address given, the control plane reaches the cluster through Ray's client on the job
+    server's host (KubeRay's head service has the client port, 10001)."""
+    from service.control.control_plane import client_address
+
+    default = Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path)})
+    assert (default.session_engines, default.session_ray_address) == ("ray", None)
+    local = Settings.from_env({"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_SESSION_ENGINES": "local"})
+    assert local.session_engines == "local"
+    assert client_address("http://pstar-head-svc:8265") == "ray://pstar-head-svc:10001"
+    assert client_address("10.0.0.5:8265") == "ray://10.0.0.5:10001"
     ray = Settings.from_env(
         {
             "PSTAR_DATA_DIR": str(tmp_path),
