@@ -38,8 +38,9 @@ async def sweep_sessions(sessions: Any, every_s: float) -> None:
             log.exception("ending idle training sessions")
 
 
-def session_hosts(settings: Settings):
-    """Where training sessions' engines run (PSTAR_SESSION_ENGINES)."""
+def session_hosts(settings: Settings, ray_address: str | None = None):
+    """Where training sessions' engines run (PSTAR_SESSION_ENGINES; Ray's at
+    `ray_address`, else the settings')."""
     from service.sessions.hosts import local_hosts, ray_hosts
 
     if settings.session_engines == "ray":
@@ -47,7 +48,7 @@ def session_hosts(settings: Settings):
         options: dict = {"num_cpus": res.get("cpus_per_worker") or 1}
         if res.get("memory_per_worker"):  # what the fit check plans within, reserved
             options["memory"] = int(res["memory_per_worker"])
-        return ray_hosts(settings.session_ray_address, options)
+        return ray_hosts(ray_address or settings.session_ray_address, options)
     return local_hosts
 
 
@@ -94,6 +95,19 @@ def create_app(
         job_workers=lambda tenant: job_workers(store, tenant),
     )
 
+    session_ray = {"at": settings.session_ray_address}  # where session engines' Ray is
+
+    def ray_down() -> None:
+        """The embedded head is gone: the supervisor starts another (new ports), and the
+        session engines' Ray client follows it there if that head was where it went."""
+        head = getattr(ray_supervisor, "head", None)
+        before = head.info.get("client_address") if head is not None else None
+        ray_supervisor()
+        after = head.info.get("client_address") if head is not None else None
+        if settings.session_engines == "ray" and after and session_ray["at"] == before != after:
+            session_ray["at"] = after
+            ctx.sessions.hosts = session_hosts(settings, after)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if reconcile:
@@ -104,7 +118,7 @@ def create_app(
                 store,
                 launcher,
                 interval_s=reconcile_interval_s,
-                on_ray_down=ray_supervisor,
+                on_ray_down=ray_down if ray_supervisor is not None else None,
                 session_workers=ctx.sessions.workers_held,
             )
             ctx.reconciler.start()

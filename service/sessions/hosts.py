@@ -203,6 +203,10 @@ def started(actors: list[Any], name: str, options: dict[str, Any]) -> list[tuple
     return list(ray.get(refs))
 
 
+# where this process's Ray connection for session engines goes (None: one made elsewhere)
+_connected: dict[str, str | None] = {"address": None}
+
+
 def ray_hosts(address: str | None, options: dict[str, Any]):
     """A host factory for `Sessions`: each training model's engine in a Ray actor of its
     own (`spec.workers` > 1: a group of them, chunk ZeRO between them), this process
@@ -213,6 +217,11 @@ def ray_hosts(address: str | None, options: dict[str, Any]):
         import ray
         from ray._private.authentication import authentication_utils
 
+        if ray.is_initialized() and _connected["address"] not in (None, address):
+            # the cluster moved (the embedded head was started again, on new ports): the
+            # old connection's actors are gone with it
+            log.info("session engines: Ray at %s now, not %s", address, _connected["address"])
+            ray.shutdown()
         if not ray.is_initialized():
             if os.environ.get("RAY_AUTH_MODE") == "token" and not (
                 authentication_utils.is_token_auth_enabled()
@@ -223,6 +232,7 @@ def ray_hosts(address: str | None, options: dict[str, Any]):
                     "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) where the control plane starts"
                 )
             ray.init(address=address, namespace="pstar", log_to_driver=False)
+            _connected["address"] = address
         if spec.workers > 1:
             group = RayGroupHost(spec, options)
             return group, f"{spec.workers} Ray actors '{group.name} 0..{spec.workers - 1}'"

@@ -178,3 +178,86 @@ def test_a_create_sent_again_gets_the_same_model_even_after_its_result_was_dropp
     again = s.create_model("acme", sid, 0, "tiny-llama", {"rank": 2})
     assert s.future("acme", again).future.result(timeout=5)["model_id"] == f"{sid}:train:0"
     assert len(s.models) == 1
+
+
+def test_session_engines_reconnect_when_their_ray_cluster_moved(monkeypatch):
+    """A Ray connection made for session engines is kept while the address stays; when the
+    hosts are made for another address (the embedded head started again, on new ports)
+    the old connection is shut and a new one made there."""
+    import ray
+
+    from service.sessions import hosts
+
+    calls: list[tuple[str, ...]] = []
+    up = {"now": False}
+
+    def init(address, **_):
+        calls.append(("init", address))
+        up["now"] = True
+
+    def shutdown():
+        calls.append(("shutdown",))
+        up["now"] = False
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: up["now"])
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    monkeypatch.setattr(hosts, "RayHost", lambda spec, options: type("H", (), {"name": "h"})())
+    monkeypatch.setitem(hosts._connected, "address", None)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    spec = hosts.ModelSpec("s:train:0", "tiny", None, 2, ("q_proj",), {})
+    first = hosts.ray_hosts("ray://127.0.0.1:1111", {})
+    first(spec)
+    first(spec)
+    assert calls == [("init", "ray://127.0.0.1:1111")]
+    hosts.ray_hosts("ray://127.0.0.1:2222", {})(spec)
+    assert calls[1:] == [("shutdown",), ("init", "ray://127.0.0.1:2222")]
+
+
+def test_the_apps_session_engines_follow_the_embedded_head_to_its_new_ports(tmp_path, monkeypatch):
+    """When the reconciler finds the embedded head gone, the supervisor starts another; the
+    app then makes session engines' hosts for the new head's client address, and leaves an
+    operator's own address alone."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.control.launcher import DryLauncher
+    from service.sessions import hosts
+    from service.settings import Settings
+    from service.store import Store
+
+    made: list[str | None] = []
+    monkeypatch.setattr(hosts, "ray_hosts", lambda address, options: made.append(address))
+
+    class Head:
+        def __init__(self) -> None:
+            self.info = {"client_address": "ray://127.0.0.1:1111"}
+
+    class Supervisor:
+        def __init__(self) -> None:
+            self.head = Head()
+
+        def __call__(self) -> None:  # the head started again, on other ports
+            self.head.info = {"client_address": "ray://127.0.0.1:2222"}
+
+    for given, expected in (
+        ("ray://127.0.0.1:1111", ["ray://127.0.0.1:1111", "ray://127.0.0.1:2222"]),
+        ("ray://10.0.0.5:10001", ["ray://10.0.0.5:10001"]),  # the operator's: kept
+    ):
+        made.clear()
+        db = tmp_path / f"{len(given)}-{given[-4:]}.db"
+        settings = Settings(data_dir=tmp_path, db_url=f"sqlite:///{db}", tokens={"t": "a"})
+        settings = replace(settings, session_engines="ray", session_ray_address=given)
+        settings.ensure_dirs()
+        store = Store(settings.db_url)
+        store.migrate()
+        app = create_app(
+            settings, store, DryLauncher(), reconcile=True, reconcile_interval_s=60,
+            ray_supervisor=Supervisor(),
+        )  # fmt: skip
+        with TestClient(app):
+            app.state.ctx.reconciler.on_ray_down()
+        store.close()
+        assert made == expected
