@@ -166,8 +166,8 @@ async function renderSessions() {
   for (const s of page.data) {
     const models = s.models.length ? s.models : [null];
     models.forEach((m, i) => rows.push(el("tr", { "data-session": s.id },
-      el("td", {}, i === 0 ? `${s.id} (${s.samplers.length} sampler${s.samplers.length === 1 ? "" : "s"})` : ""),
-      el("td", {}, m ? m.id : "no training model yet"),
+      el("td", {}, i === 0 ? `${s.name ? `${s.name} · ` : ""}${s.id} (${s.samplers.length} sampler${s.samplers.length === 1 ? "" : "s"})` : ""),
+      el("td", {}, m ? m.id : (s.samplers.length ? "samplers only" : "no training model yet")),
       el("td", {}, m ? m.base_model : ""),
       el("td", {}, m ? m.kind : ""),
       el("td", {}, m ? String(m.steps) : ""),

@@ -30,13 +30,13 @@ class ApiServer:
     ctx: object = None  # the app's services (`app.state.ctx`)
     tinker_clients: list = field(default_factory=list)  # closed before the server stops
 
-    def tinker(self, tenant: str = "acme"):
+    def tinker(self, tenant: str = "acme", **options):
         """A `tinker.ServiceClient` for the tenant. It is closed (its session finished, its
         heartbeat stopped) before the server stops: a heartbeat left running warns into
         every later test's log."""
         import tinker
 
-        sc = tinker.ServiceClient(base_url=self.url, api_key=TINKER_TOKENS[tenant])
+        sc = tinker.ServiceClient(base_url=self.url, api_key=TINKER_TOKENS[tenant], **options)
         self.tinker_clients.append(sc)
         return sc
 

@@ -267,6 +267,9 @@ def test_sessions_are_listed_with_their_progress_and_measured_for_prometheus(ser
     sampler = tc.save_weights_and_get_sampling_client().result()
     sampler.sample(T.ModelInput.from_ints(PROMPT), 2, T.SamplingParams(max_tokens=3)).result()
     sid = tc.model_id.split(":", 1)[0]
+    # a session that only samples, named by its client
+    only = server.tinker(display_name="eval run")
+    only.create_sampling_client(base_model="tiny-llama").result()
     rest = sc.create_rest_client()
     assert sid in rest.list_sessions().result().sessions
     got = rest.get_session(sid).result()
@@ -302,4 +305,9 @@ def test_sessions_are_listed_with_their_progress_and_measured_for_prometheus(ser
     assert tc.model_id in row
     assert "LoRA r=4" in row
     assert f" 2 {2 * (len(seq) - 1)} " in f" {row} "
+    rows = browser.find_elements("css selector", "#sessions tbody tr")
+    named = [r.text for r in rows if r.text.startswith("eval run · sess-")]
+    assert len(named) == 1, [r.text for r in rows]
+    assert "(1 sampler)" in named[0]
+    assert "samplers only" in named[0]
     shot(browser, "training-sessions")
