@@ -129,6 +129,8 @@ def create_app(
             yield
         finally:
             sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             ctx.streams.closing = ctx.generations.closing = True
             await ctx.backend.aclose()
             ctx.sessions.close()

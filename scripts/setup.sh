@@ -22,7 +22,8 @@ pipq --upgrade pip
 pipq -e ".[dev]"
 # tinker-cookbook's recipes, run by the tests against our API: its dependencies are in
 # the dev extra above, less tml-renderers (the release it names is not on PyPI)
-.venv/bin/python -c "import tinker_cookbook" 2>/dev/null || pipq --no-deps tinker-cookbook==0.6.1
+[ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("tinker-cookbook"))' 2>/dev/null)" = 0.6.1 ] \
+  || pipq --no-deps tinker-cookbook==0.6.1
 # The AdamW kernel, built for this CPU and measured against torch's fused AdamW once here
 # (and in the image build), not inside a job's first step; kept in ~/.cache/pstar/ext.
 .venv/bin/pstar kernels > .venv/kernels.log 2>&1 || { cat .venv/kernels.log; exit 1; }

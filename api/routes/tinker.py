@@ -56,7 +56,7 @@ class SessionBody(_Body):
 
 class CreateSession(_Body):
     sdk_version: str | None = None  # the SDK sends it, and then beats every 10 s
-    display_name: str | None = Field(None, max_length=200)
+    display_name: str | None = None  # shown (its first 200 characters) on the dashboard
 
 
 class LoraBody(_Body):
@@ -211,13 +211,12 @@ def telemetry(_tenant: Tenant) -> dict[str, str]:
 @router.post("/create_session")
 def create_session(c: Ctx, tenant: Tenant, body: CreateSession | None = None) -> dict[str, Any]:
     body = body or CreateSession()
-    sid = sessions(c).create_session(
-        tenant, beating=body.sdk_version is not None, name=body.display_name
-    )
+    name = body.display_name[:200] if body.display_name else None
+    sid = sessions(c).create_session(tenant, beating=body.sdk_version is not None, name=name)
     return {"type": "create_session", "session_id": sid}
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", responses=responses(410))
 def heartbeat(body: SessionBody, c: Ctx, tenant: Tenant) -> dict[str, str]:
     sessions(c).heartbeat(tenant, body.session_id)
     return {"type": "session_heartbeat"}

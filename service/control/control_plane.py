@@ -84,7 +84,16 @@ def build(settings: Settings, ray_cpus: int | None = None, dashboard_port: int |
         check_cluster(settings, launcher)
         if settings.session_engines == "ray" and not settings.session_ray_address:
             address = client_address(settings.ray_address)
-            settings = replace(settings, session_ray_address=address)
+            if answers(address):
+                settings = replace(settings, session_ray_address=address)
+            else:  # a job server reached some other way (a port-forward of 8265 alone)
+                log.warning(
+                    "Ray's client port at %s does not answer: training sessions' engines "
+                    "run in this process; set PSTAR_SESSION_RAY_ADDRESS to the cluster's "
+                    "ray:// address to run them in Ray actors",
+                    address,
+                )
+                settings = replace(settings, session_engines="local")
     else:
         head = LocalRayHead(
             settings.data_dir / "ray", num_cpus=ray_cpus, dashboard_port=dashboard_port
@@ -105,7 +114,20 @@ def client_address(ray_address: str) -> str:
     from urllib.parse import urlsplit
 
     host = urlsplit(ray_address if "://" in ray_address else f"http://{ray_address}").hostname
-    return f"ray://{host}:10001"
+    return f"ray://[{host}]:10001" if host and ":" in host else f"ray://{host}:10001"
+
+
+def answers(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether something listens at a ray:// address's host and port."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or 10001), timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def shutdown_hook(settings: Settings, store: Any, launcher: Any, head: Any, keep_ray: bool):

@@ -10,6 +10,7 @@ fix comes back as itself, anything else as the actor's failure with its message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -175,10 +176,11 @@ def results(refs: list[Any], op: str, name: str) -> list[Any]:
         if isinstance(cause, CALLERS_ERRORS):
             raise cause from None
         raise RuntimeError(f"{op} failed in {name}: {cause or e}") from None
-    except RayActorError as e:
+    except (RayActorError, ConnectionError) as e:  # ConnectionError: Ray's client lost it
         raise Unavailable(
             f"an engine of {name} is gone ({type(e).__name__}: its worker died or was "
-            "preempted); create the training client again from a saved state"
+            "preempted, or its Ray cluster was lost); create the training client again "
+            "from a saved state"
         ) from None
 
 
@@ -207,38 +209,56 @@ def started(actors: list[Any], name: str, options: dict[str, Any]) -> list[tuple
 _connected: dict[str, str | None] = {"address": None}
 
 
+def check_ray_auth() -> None:
+    """Ray reads RAY_AUTH_MODE once, when it is first imported: a process that imported
+    it before the token settings were in its environment would connect without them."""
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+        return
+    try:
+        from ray._private.authentication import authentication_utils
+    except ImportError:  # another Ray: it says what is wrong itself when connecting
+        return
+    if not authentication_utils.is_token_auth_enabled():
+        raise RuntimeError(
+            "Ray was loaded in this process before RAY_AUTH_MODE=token was set, so it "
+            "would connect without the token: set RAY_AUTH_MODE and RAY_AUTH_TOKEN (or "
+            "RAY_AUTH_TOKEN_PATH) in the environment the control plane starts with"
+        )
+
+
 def ray_hosts(address: str | None, options: dict[str, Any]):
     """A host factory for `Sessions`: each training model's engine in a Ray actor of its
     own (`spec.workers` > 1: a group of them, chunk ZeRO between them), this process
     connected to the cluster at `address` (once, at the first model): Ray's client
-    (`ray://host:10001`) as the service does, or a GCS address as a Ray driver."""
+    (`ray://host:10001`) as the service does, or a GCS address as a Ray driver.
+    `make.connect()` makes the connection alone (seconds: Sessions calls it outside its
+    lock)."""
 
-    def make(spec: ModelSpec) -> tuple[Host, str]:
+    def connect() -> None:
         import ray
-        from ray._private.authentication import authentication_utils
 
-        if ray.is_initialized() and _connected["address"] not in (None, address):
-            # the cluster moved (the embedded head was started again, on new ports): the
-            # old connection's actors are gone with it
-            log.info("session engines: Ray at %s now, not %s", address, _connected["address"])
-            ray.shutdown()
+        moved = _connected["address"] not in (None, address)
+        if _connected["address"] is not None and (moved or not ray.is_initialized()):
+            # the cluster moved (the embedded head was started again, on new ports), or
+            # Ray's client gave up on it: the old connection and its actors are gone
+            log.info("session engines: Ray at %s, before %s", address, _connected["address"])
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            _connected["address"] = None
         if not ray.is_initialized():
-            if os.environ.get("RAY_AUTH_MODE") == "token" and not (
-                authentication_utils.is_token_auth_enabled()
-            ):  # Ray reads the mode once, when it is first imported
-                raise RuntimeError(
-                    "Ray was loaded in this process before RAY_AUTH_MODE=token was set, so "
-                    "it would connect without the token: set RAY_AUTH_MODE and "
-                    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) where the control plane starts"
-                )
+            check_ray_auth()
             ray.init(address=address, namespace="pstar", log_to_driver=False)
             _connected["address"] = address
+
+    def make(spec: ModelSpec) -> tuple[Host, str]:
+        connect()
         if spec.workers > 1:
             group = RayGroupHost(spec, options)
             return group, f"{spec.workers} Ray actors '{group.name} 0..{spec.workers - 1}'"
         host = RayHost(spec, options)
         return host, f"Ray actor '{host.name}'"
 
+    make.connect = connect  # type: ignore[attr-defined]
     return make
 
 
@@ -294,7 +314,8 @@ class RayHost:
             ray.get(self.actor.close.remote(), timeout=60)
         except Exception as e:  # gone already, or stuck: killed either way
             log.info("%s did not close cleanly: %s", self.name, e)
-        ray.kill(self.actor)
+        with contextlib.suppress(Exception):  # its cluster may be gone with it
+            ray.kill(self.actor)
 
 
 class RayGroupHost:
@@ -385,4 +406,5 @@ class RayGroupHost:
         except Exception as e:  # gone already, or stuck: killed either way
             log.info("%s did not close cleanly: %s", self.name, e)
         for a in self.actors:
-            ray.kill(a)
+            with contextlib.suppress(Exception):
+                ray.kill(a)

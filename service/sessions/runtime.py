@@ -292,8 +292,7 @@ class Sessions:
 
     def create_session(self, tenant: str, beating: bool = False, name: str | None = None) -> str:
         """A new session; `beating` when its client will send heartbeats (the SDK's
-        does, every 10 s, from the start)."""
-        self.end_idle()
+        does, every 10 s, from the start). Idle ones are ended by the API's sweeper."""
         sid = f"sess-{uuid.uuid4().hex[:16]}"
         now = time.time()
         with self._lock:
@@ -318,7 +317,7 @@ class Sessions:
         return ended
 
     def heartbeat(self, tenant: str, sid: str) -> None:
-        self.session(tenant, sid).beating = True
+        self.session(tenant, sid)
 
     def session(self, tenant: str, sid: str) -> Session:
         s = self.sessions.get(sid)
@@ -377,7 +376,7 @@ class Sessions:
     def close(self) -> None:
         """End every session (the control plane is stopping): their engines are closed."""
         for session in list(self.sessions.values()):
-            self.finish(session.tenant, session.id)
+            self.finish(session.tenant, session.id, how="ended when the server stopped")
 
     # -- models -----------------------------------------------------------------------
 
@@ -399,10 +398,11 @@ class Sessions:
     ) -> str:
         """A new training model (its engine built as the future's work; `start` builds it
         another way: from a saved state)."""
-        self.end_idle()
         s = self.session(tenant, sid)
+        in_jobs = 0
         if f"{sid}:train:{model_seq_id}" not in self.models:  # a repeat gets its model
-            self._check_room(tenant, workers)
+            in_jobs = self.job_workers(tenant)  # the store: read outside the lock
+            self._check_room(tenant, workers, in_jobs)
         base = next((m for m in base_models(self.settings) if m.id == base_model), None)
         if base is None:
             known = ", ".join(m.id for m in base_models(self.settings)) or "none"
@@ -435,10 +435,17 @@ class Sessions:
                 param="user_metadata",
             )
         planned = fit.check(base.id, base.path, rank, targets, dtype, budget, workers)
+        try:  # Ray's client connects once, in seconds: not under the lock
+            getattr(self.hosts, "connect", lambda: None)()
+        except Exception as e:  # Ray not reachable: not the caller's
+            log.error("no Ray for %s", mid, exc_info=e)
+            raise Unavailable(f"no engine could be placed for {mid}: {e}") from None
         with self._lock:
             if mid in self.models:
                 return self._future_of(mid, 0)
-            self._check_room(tenant, workers)  # again: another create may have come first
+            if self.sessions.get(sid) is not s:  # it ended meanwhile: no model outlives it
+                self.session(tenant, sid)
+            self._check_room(tenant, workers, in_jobs)  # again: another may have come first
             cfg = dict(self.engine_defaults)
             spec = ModelSpec(mid, base.id, base.path, rank, targets, cfg, workers)
             try:
@@ -471,7 +478,7 @@ class Sessions:
             out[m.tenant] = out.get(m.tenant, 0) + m.workers
         return out
 
-    def _check_room(self, tenant: str, workers: int) -> None:
+    def _check_room(self, tenant: str, workers: int, in_jobs: int) -> None:
         """A 429 when the tenant holds its limit of training models, or when the new
         one's engines would take its running workers (jobs' and sessions') past its limit."""
         limits = self.settings.limits
@@ -485,7 +492,6 @@ class Sessions:
                 code="too_many_session_models",
             )
         in_sessions = self.workers_held().get(tenant, 0)
-        in_jobs = self.job_workers(tenant)
         limit = limits.max_running_workers_per_tenant
         if in_jobs + in_sessions + workers > limit:
             raise QuotaExceeded(
@@ -557,6 +563,9 @@ class Sessions:
     def model(self, tenant: str, mid: str) -> TrainingModel:
         m = self.models.get(mid)
         if m is None or m.tenant != tenant:
+            sid = mid.split(":", 1)[0]
+            if sid in self.ended and sid not in self.sessions:
+                self.session(tenant, sid)  # its session ended: a 410 saying how (its own)
             raise NotFound("model", mid, param="model_id")
         owner = self.sessions.get(mid.split(":", 1)[0])
         if owner is not None:

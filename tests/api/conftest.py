@@ -110,11 +110,13 @@ def start_api(
     )
 
     def stop() -> None:
-        for sc in api.tinker_clients:
-            sc.close("success").result(timeout=60)
-        server.should_exit = True
-        thread.join(timeout=30)
-        store.close()
+        try:
+            for sc in api.tinker_clients:
+                sc.close("success").result(timeout=60)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+            store.close()
 
     return api, stop
 

@@ -131,9 +131,9 @@ def test_a_models_engines_count_toward_the_tenants_running_workers_beside_its_jo
 
 
 def test_a_session_whose_heartbeats_stop_ends_sooner_than_one_that_never_sent_any(tmp_path):
-    """The SDK beats every 10 s: once a session has had heartbeats, silence for
-    session_lost_s means its process is gone; a client that never beats has session_idle_s
-    between requests. A request or beat keeps either alive."""
+    """The SDK beats every 10 s: for a session it made (its create names an
+    sdk_version), silence for session_lost_s means its process is gone; any other client
+    has session_idle_s between requests or beats. Either keeps a session alive."""
     import time
 
     from service.sessions.runtime import Sessions
@@ -143,8 +143,8 @@ def test_a_session_whose_heartbeats_stop_ends_sooner_than_one_that_never_sent_an
     settings = Settings(data_dir=tmp_path, db_url="sqlite://", tokens={}, limits=limits)
     settings.ensure_dirs()
     s = Sessions(settings)
-    sdk, raw = s.create_session("acme"), s.create_session("acme")
-    s.heartbeat("acme", sdk)
+    sdk, raw = s.create_session("acme", beating=True), s.create_session("acme")
+    s.heartbeat("acme", raw)  # a client of its own that beats now and then: idle rules
     now = time.time()
     assert s.end_idle(now=now + 100) == []
     assert s.end_idle(now=now + 130) == [sdk]

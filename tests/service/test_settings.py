@@ -197,6 +197,7 @@ def test_session_engines_are_ray_actors_unless_local_is_asked(tmp_path):
     assert local.session_engines == "local"
     assert client_address("http://pstar-head-svc:8265") == "ray://pstar-head-svc:10001"
     assert client_address("10.0.0.5:8265") == "ray://10.0.0.5:10001"
+    assert client_address("http://[fd00::5]:8265") == "ray://[fd00::5]:10001"
     ray = Settings.from_env(
         {
             "PSTAR_DATA_DIR": str(tmp_path),
@@ -205,3 +206,16 @@ def test_session_engines_are_ray_actors_unless_local_is_asked(tmp_path):
         }
     )
     assert (ray.session_engines, ray.session_ray_address) == ("ray", "10.0.0.5:6379")
+
+
+def test_a_ray_client_address_answers_only_where_something_listens():
+    import socket
+
+    from service.control.control_plane import answers
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert answers(f"ray://127.0.0.1:{port}")
+    assert not answers(f"ray://127.0.0.1:{port}", timeout_s=1.0)  # closed now
