@@ -41,14 +41,14 @@ async def sweep_sessions(sessions: Any, every_s: float) -> None:
 def session_hosts(settings: Settings, ray_address: str | None = None):
     """Where training sessions' engines run (PSTAR_SESSION_ENGINES; Ray's at
     `ray_address`, else the settings')."""
-    from service.sessions.hosts import local_hosts, ray_hosts
+    from service.sessions.hosts import RayHosts, local_hosts
 
     if settings.session_engines == "ray":
         res = settings.default_resources
         options: dict = {"num_cpus": res.get("cpus_per_worker") or 1}
         if res.get("memory_per_worker"):  # what the fit check plans within, reserved
             options["memory"] = int(res["memory_per_worker"])
-        return ray_hosts(ray_address or settings.session_ray_address, options)
+        return RayHosts(ray_address or settings.session_ray_address, options)
     return local_hosts
 
 

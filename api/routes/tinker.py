@@ -218,7 +218,7 @@ def create_session(c: Ctx, tenant: Tenant, body: CreateSession | None = None) ->
 
 @router.post("/session_heartbeat", responses=responses(410))
 def heartbeat(body: SessionBody, c: Ctx, tenant: Tenant) -> dict[str, str]:
-    sessions(c).heartbeat(tenant, body.session_id)
+    sessions(c).session(tenant, body.session_id)
     return {"type": "session_heartbeat"}
 
 

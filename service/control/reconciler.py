@@ -492,11 +492,7 @@ class TenantShares:
 def job_workers(store: Store, tenant: str) -> int:
     """Workers the tenant's running jobs take now (a paused or waiting job none), as the
     reconciler counts them."""
-    return sum(
-        job.workers
-        for job, att in store.jobs.active_with_attempts(0)
-        if job.tenant == tenant and att is not None and not att.paused
-    )
+    return TenantShares(None, store.jobs.active_with_attempts(0)).used.get(tenant, [0, 0, 0])[1]
 
 
 class RayView:

@@ -226,40 +226,39 @@ def check_ray_auth() -> None:
         )
 
 
-def ray_hosts(address: str | None, options: dict[str, Any]):
+class RayHosts:
     """A host factory for `Sessions`: each training model's engine in a Ray actor of its
     own (`spec.workers` > 1: a group of them, chunk ZeRO between them), this process
     connected to the cluster at `address` (once, at the first model): Ray's client
     (`ray://host:10001`) as the service does, or a GCS address as a Ray driver.
-    `make.connect()` makes the connection alone (seconds: Sessions calls it outside its
-    lock)."""
+    `connect()` makes the connection alone (seconds: Sessions calls it outside its lock)."""
 
-    def connect() -> None:
+    def __init__(self, address: str | None, options: dict[str, Any]) -> None:
+        self.address, self.options = address, options
+
+    def connect(self) -> None:
         import ray
 
-        moved = _connected["address"] not in (None, address)
-        if _connected["address"] is not None and (moved or not ray.is_initialized()):
+        was = _connected["address"]
+        if was is not None and (was != self.address or not ray.is_initialized()):
             # the cluster moved (the embedded head was started again, on new ports), or
             # Ray's client gave up on it: the old connection and its actors are gone
-            log.info("session engines: Ray at %s, before %s", address, _connected["address"])
+            log.info("session engines: Ray at %s, before %s", self.address, was)
             with contextlib.suppress(Exception):
                 ray.shutdown()
             _connected["address"] = None
         if not ray.is_initialized():
             check_ray_auth()
-            ray.init(address=address, namespace="pstar", log_to_driver=False)
-            _connected["address"] = address
+            ray.init(address=self.address, namespace="pstar", log_to_driver=False)
+            _connected["address"] = self.address
 
-    def make(spec: ModelSpec) -> tuple[Host, str]:
-        connect()
+    def __call__(self, spec: ModelSpec) -> tuple[Host, str]:
+        self.connect()
         if spec.workers > 1:
-            group = RayGroupHost(spec, options)
+            group = RayGroupHost(spec, self.options)
             return group, f"{spec.workers} Ray actors '{group.name} 0..{spec.workers - 1}'"
-        host = RayHost(spec, options)
+        host = RayHost(spec, self.options)
         return host, f"Ray actor '{host.name}'"
-
-    make.connect = connect  # type: ignore[attr-defined]
-    return make
 
 
 def local_hosts(spec: ModelSpec) -> tuple[Host, str]:

@@ -316,9 +316,6 @@ class Sessions:
             ended.append(s.id)
         return ended
 
-    def heartbeat(self, tenant: str, sid: str) -> None:
-        self.session(tenant, sid)
-
     def session(self, tenant: str, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None or s.tenant != tenant:
@@ -399,8 +396,9 @@ class Sessions:
         """A new training model (its engine built as the future's work; `start` builds it
         another way: from a saved state)."""
         s = self.session(tenant, sid)
+        mid = f"{sid}:train:{model_seq_id}"
         in_jobs = 0
-        if f"{sid}:train:{model_seq_id}" not in self.models:  # a repeat gets its model
+        if mid not in self.models:  # a repeat gets its model
             in_jobs = self.job_workers(tenant)  # the store: read outside the lock
             self._check_room(tenant, workers, in_jobs)
         base = next((m for m in base_models(self.settings) if m.id == base_model), None)
@@ -422,7 +420,6 @@ class Sessions:
             raise InvalidRequest(
                 "lora_config: rank must be >= 0 (0: every weight) with something to train"
             )
-        mid = f"{sid}:train:{model_seq_id}"
         if mid in self.models:
             return self._future_of(mid, 0)
         assert base.path is not None  # base_models() are directories

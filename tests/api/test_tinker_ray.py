@@ -25,7 +25,7 @@ T = tinker.types
 def server(tmp_path_factory):
     import ray
 
-    from service.sessions.hosts import ray_hosts
+    from service.sessions.hosts import RayHosts
 
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
@@ -42,7 +42,7 @@ def server(tmp_path_factory):
     )
     api.ctx.sessions.engine_defaults["dtype"] = "fp32"
     # a quarter of a CPU each: up to 8 engines at once on 2 CPUs
-    api.ctx.sessions.hosts = ray_hosts(None, {"num_cpus": 0.25})
+    api.ctx.sessions.hosts = RayHosts(None, {"num_cpus": 0.25})
     yield api
     stop()
     ray.shutdown()
@@ -156,7 +156,7 @@ def test_engines_the_cluster_has_no_room_for_fail_the_create_with_what_they_aske
     from service.sessions import hosts
 
     monkeypatch.setattr(hosts, "START_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(server.ctx.sessions, "hosts", hosts.ray_hosts(None, {"num_cpus": 1.5}))
+    monkeypatch.setattr(server.ctx.sessions, "hosts", hosts.RayHosts(None, {"num_cpus": 1.5}))
 
     def actors() -> set[str]:
         return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

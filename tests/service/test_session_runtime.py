@@ -144,7 +144,7 @@ def test_a_session_whose_heartbeats_stop_ends_sooner_than_one_that_never_sent_an
     settings.ensure_dirs()
     s = Sessions(settings)
     sdk, raw = s.create_session("acme", beating=True), s.create_session("acme")
-    s.heartbeat("acme", raw)  # a client of its own that beats now and then: idle rules
+    s.session("acme", raw)  # a client of its own that beats now and then: idle rules
     now = time.time()
     assert s.end_idle(now=now + 100) == []
     assert s.end_idle(now=now + 130) == [sdk]
@@ -206,11 +206,11 @@ def test_session_engines_reconnect_when_their_ray_cluster_moved(monkeypatch):
     monkeypatch.setitem(hosts._connected, "address", None)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     spec = hosts.ModelSpec("s:train:0", "tiny", None, 2, ("q_proj",), {})
-    first = hosts.ray_hosts("ray://127.0.0.1:1111", {})
+    first = hosts.RayHosts("ray://127.0.0.1:1111", {})
     first(spec)
     first(spec)
     assert calls == [("init", "ray://127.0.0.1:1111")]
-    hosts.ray_hosts("ray://127.0.0.1:2222", {})(spec)
+    hosts.RayHosts("ray://127.0.0.1:2222", {})(spec)
     assert calls[1:] == [("shutdown",), ("init", "ray://127.0.0.1:2222")]
 
 
@@ -229,7 +229,7 @@ def test_the_apps_session_engines_follow_the_embedded_head_to_its_new_ports(tmp_
     from service.store import Store
 
     made: list[str | None] = []
-    monkeypatch.setattr(hosts, "ray_hosts", lambda address, options: made.append(address))
+    monkeypatch.setattr(hosts, "RayHosts", lambda address, options: made.append(address))
 
     class Head:
         def __init__(self) -> None:
