@@ -18,12 +18,6 @@ import pytest
 from tests.api.conftest import TINKER_TOKENS, start_api
 from tests.tiny import chat_lines, make_tiny_llama
 
-pytest.importorskip(
-    "tinker_cookbook",
-    reason="tinker-cookbook is installed by scripts/setup.sh (with --no-deps: it names a "
-    "tml-renderers release PyPI does not have, which these recipes do not import)",
-)
-
 RUNNER = Path(__file__).with_name("cookbook_runner.py")
 
 
