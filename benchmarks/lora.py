@@ -47,6 +47,7 @@ from benchmarks.report import (
     torch_dtype,
     watch_compute_dtype,
 )
+from pstar_core.hf import load_causal_lm
 
 __all__ = ["run"]
 
@@ -75,9 +76,8 @@ def _engine(model_dir: Path, lora: bool, dtype: str) -> tuple[Any, Any]:
 
 def _peft(model_dir: Path, dtype: str) -> tuple[Any, Any]:
     import peft
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype))
+    base = load_causal_lm(model_dir, dtype=torch_dtype(dtype))
     model = peft.get_peft_model(
         base,
         peft.LoraConfig(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pstar_core.hf import load_causal_lm
 from service.registry import fine_tuned_name
 from service.spec.job import (
     AdapterSpec,
@@ -36,10 +37,9 @@ class Made:
 
 def _adapter(base_dir: Path, out: Path, seed: int, scale: float = 0.5) -> None:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = load_causal_lm(base_dir, dtype=torch.float32)
     cfg = LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
     )
@@ -132,13 +132,13 @@ def lora_model(
 def full_model(
     store: Store, data_dir: Path, base: str = "tiny-llama", tenant: str = "acme"
 ) -> Made:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     base_dir = data_dir / "models" / base
     job = _job(tenant, base, _plan(base, base_dir, MethodSpec()), "full")
     export = data_dir / "models" / ".ft" / job.id
     torch.manual_seed(3)
-    m = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    m = load_causal_lm(base_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -151,13 +151,13 @@ def full_model(
 def greedy(model_dir: Path, messages: list[dict], max_new: int, adapter: Path | None = None) -> str:
     """transformers' own greedy `generate` on an exported directory (with a PEFT adapter
     on it), decoded as the API decodes: the reference the served answers must equal."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from service.data.datasets import ensure_chat_template
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ensure_chat_template(tok)
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    m = load_causal_lm(model_dir, dtype=torch.float32).eval()
     if adapter is not None:
         from peft import PeftModel
 

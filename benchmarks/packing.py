@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import bench_dtype, finish, load_avg, machine, median
+from pstar_core.hf import load_causal_lm
 
 __all__ = ["run"]
 
@@ -79,11 +80,10 @@ def loss_agreement(model_dir: Path, packed: Any, examples: int) -> dict[str, Any
     """The largest relative difference between an example's mean loss in its packed row
     and alone in a row of its own, over the first `examples` examples of the packed rows,
     in fp32 (transformers' model, SDPA attention)."""
-    from transformers import AutoModelForCausalLM
 
     from service.data.datasets import IGNORE
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_causal_lm(model_dir, dtype=torch.float32).eval()
     worst, seen = 0.0, 0
     with torch.no_grad():
         for r in range(packed.input_ids.shape[0]):

@@ -46,6 +46,7 @@ from rich.table import Table
 
 from benchmarks.report import bench_dtype, finish, load_avg, machine, median
 from benchmarks.serve import prompts as story_prompts
+from pstar_core.hf import load_causal_lm
 
 TOKEN = "tml-bench-primitives-0123456789"
 
@@ -164,7 +165,7 @@ def sampling_times(sc: Any, tc: Any, model_dir: Path, adapter_root: Path,
     import tinker
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     T = tinker.types
     one = T.SamplingParams(max_tokens=1)
@@ -184,7 +185,7 @@ def sampling_times(sc: Any, tc: Any, model_dir: Path, adapter_root: Path,
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    base_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base_model = load_causal_lm(model_dir, dtype=torch.float32).eval()
     ref = PeftModel.from_pretrained(base_model, adapter).eval()
 
     def generate(n_prompts: int, new: int, per_prompt: int) -> float:

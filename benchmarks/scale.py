@@ -64,6 +64,7 @@ from benchmarks.report import (
     torch_dtype,
     watch_compute_dtype,
 )
+from pstar_core.hf import load_causal_lm
 
 __all__ = ["SYSTEMS", "run_scale"]
 
@@ -218,12 +219,9 @@ def _train_peft_lora(spec: dict[str, Any], _base_rss: int, out: dict[str, Any]) 
     dtype, peft's fp32 adapters on every linear layer, torch AdamW."""
     import peft
     import torch
-    from transformers import AutoModelForCausalLM
 
     with _init_peak(out):
-        base = AutoModelForCausalLM.from_pretrained(
-            spec["model_dir"], dtype=torch_dtype(spec["dtype"])
-        )
+        base = load_causal_lm(spec["model_dir"], dtype=torch_dtype(spec["dtype"]))
         config = peft.LoraConfig(
             r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"
         )

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import finish, load_avg, machine, median
+from pstar_core.hf import load_causal_lm
 
 TOPICS = [
     "a lighthouse keeper", "a lost map", "the first snow", "a clockmaker", "a river town",
@@ -100,7 +101,7 @@ class Reference:
 
     def __init__(self, model_dir: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from service.data.datasets import ensure_chat_template
 
@@ -108,7 +109,7 @@ class Reference:
         ensure_chat_template(self.tok)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = load_causal_lm(model_dir, dtype=torch.float32).eval()
 
     def one_round(self, c: int, max_tokens: int) -> dict[str, Any]:
         import torch

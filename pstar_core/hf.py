@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +52,28 @@ SIDE_FILES = (
 
 class HFLoadError(ValueError):
     """A model directory is missing, corrupt, or does not match its config."""
+
+
+# [Note: one transformers load at a time] `from_pretrained` turns weight tying off for
+# the load's duration by replacing `PreTrainedModel.tie_weights` on the class, and puts
+# back what it found there (transformers' `initialization.no_tie_weights`; accelerate's
+# `init_empty_weights`, which peft uses with low_cpu_mem_usage, patches `nn.Module` the
+# same way). Two loads in
+# one process at once can interleave so that the second puts back the first one's
+# stand-in: from then on no model in the process ties its weights, and a tied model
+# (GPT-2, SmolLM2) loads with a freshly initialized head, i.e. answers noise, with no error.
+# Every load in this project, and every test's, takes this lock: `load_causal_lm`, or
+# `with HF_LOADS:` around another loader (peft's).
+HF_LOADS = threading.Lock()
+
+
+def load_causal_lm(directory: str | Path, **kwargs) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(directory, **kwargs)`, one load at a time in
+    this process ([Note: one transformers load at a time])."""
+    from transformers import AutoModelForCausalLM
+
+    with HF_LOADS:
+        return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
 
 
 def is_hf_dir(path: str | Path) -> bool:

@@ -188,15 +188,16 @@ class Generator:
         max_batch: int = 32,
         max_adapters: int = 8,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        from pstar_core.hf import load_causal_lm
         from service.data.datasets import ensure_chat_template
 
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         ensure_chat_template(self.tokenizer)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model = load_causal_lm(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()
         self.peft: Any = None  # the model wrapped by peft once an adapter is loaded
         # loaded adapter key -> its directory, least recently used first
@@ -273,6 +274,8 @@ class Generator:
             return
         from peft import PeftModel
 
+        from pstar_core.hf import HF_LOADS
+
         busy = {r.req.adapter for r in self._rows} | keep  # `keep`: the group being admitted
         for old in [k for k in self.adapters if k not in busy]:
             if len(self.adapters) < self.max_adapters:
@@ -280,11 +283,12 @@ class Generator:
             self._drop_adapter(old)
 
         name = peft_name(key)
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
-            self.peft.eval()
-        else:
-            self.peft.load_adapter(path, adapter_name=name)
+        with HF_LOADS:  # [Note: one transformers load at a time]
+            if self.peft is None:
+                self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+                self.peft.eval()
+            else:
+                self.peft.load_adapter(path, adapter_name=name)
         self.adapters[key] = path
         log.info("adapter %s loaded from %s", key, path)
 

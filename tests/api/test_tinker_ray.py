@@ -15,6 +15,7 @@ import pytest
 import tinker
 import torch
 
+from pstar_core.hf import load_causal_lm
 from tests.api.conftest import TINKER_TOKENS, TOKENS, start_api
 from tests.api.test_tinker_sdk import SEQS, datum, logprobs_of
 
@@ -52,7 +53,6 @@ def server(tmp_path_factory):
 def test_a_session_model_trains_samples_and_saves_in_its_own_ray_actor(server):
     import httpx
     import ray
-    from transformers import AutoModelForCausalLM
 
     sc = server.tinker("acme")
     tc = sc.create_lora_training_client(
@@ -63,9 +63,7 @@ def test_a_session_model_trains_samples_and_saves_in_its_own_ray_actor(server):
     actor = ray.get_actor(name, namespace="pstar")
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
     assert pid != os.getpid()
-    base = AutoModelForCausalLM.from_pretrained(
-        server.settings.models_dir / "tiny-llama", dtype=torch.float32
-    ).eval()
+    base = load_causal_lm(server.settings.models_dir / "tiny-llama", dtype=torch.float32).eval()
     data = [datum(s) for s in SEQS]
     out = tc.forward(data, "cross_entropy").result()
     for got, seq in zip(out.loss_fn_outputs, SEQS, strict=True):

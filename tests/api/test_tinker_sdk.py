@@ -12,6 +12,7 @@ import pytest
 import tinker
 import torch
 
+from pstar_core.hf import load_causal_lm
 from tests.api.conftest import TINKER_TOKENS, start_api
 
 
@@ -45,11 +46,8 @@ def client(server, tenant: str = "acme"):
 
 
 def base_model(server):
-    from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        server.settings.models_dir / "tiny-llama", dtype=torch.float32
-    ).eval()
+    return load_causal_lm(server.settings.models_dir / "tiny-llama", dtype=torch.float32).eval()
 
 
 def datum(seq: list[int], weights: list[float] | None = None):

@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import pstar_core
-from pstar_core.hf import HFLoadError
+from pstar_core.hf import HFLoadError, load_causal_lm
 from tests.core.helpers import MODELS, batches, engine_config, reference_model, run_engine
 
 
@@ -49,7 +48,7 @@ def test_export_after_training_loads_in_transformers_with_engine_logits(tmp_path
     out = engine.export_hf(tmp_path / "out", max_shard_bytes=16 * 1024)
     assert (out / "tokenizer.json").read_text() == "{}"
     assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) > 1
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded = load_causal_lm(out)
     x = batches(1, seed=5)[0]
     with torch.no_grad():
         torch.testing.assert_close(

@@ -10,6 +10,7 @@ import torch
 
 import pstar_core
 from pstar_core.chunk import ChunkType
+from pstar_core.hf import load_causal_lm
 from tests.core.helpers import (
     MODELS,
     TARGETS,
@@ -93,9 +94,8 @@ def lora_engine(base_dir, **extra):
 
 def peft_on(base_dir, engine=None):
     """peft's own model on the same base, with the engine's adapters if given."""
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = load_causal_lm(base_dir, dtype=torch.float32)
     model = peft.get_peft_model(
         model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA["target_modules"])
     )
@@ -107,9 +107,8 @@ def peft_on(base_dir, engine=None):
 def test_lora_section_on_a_model_dir_starts_at_the_base_and_trains_like_peft(base_dir):
     engine = lora_engine(base_dir)
     x = batches(1)[0]
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = load_causal_lm(base_dir, dtype=torch.float32)
     with torch.no_grad():
         # B starts at zero (peft's init), so the adapted model is the base model
         engine.eval()
@@ -124,7 +123,6 @@ def test_lora_section_on_a_model_dir_starts_at_the_base_and_trains_like_peft(bas
 
 
 def test_adapter_export_reloads_in_peft_and_merged_equals_merge_and_unload(base_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
 
     engine = lora_engine(base_dir)
     run_engine(engine, batches(5))
@@ -133,7 +131,7 @@ def test_adapter_export_reloads_in_peft_and_merged_equals_merge_and_unload(base_
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = load_causal_lm(base_dir, dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, out).eval()
     x = batches(1, seed=7)[0]
     engine.eval()
@@ -141,7 +139,7 @@ def test_adapter_export_reloads_in_peft_and_merged_equals_merge_and_unload(base_
         mine = engine(input_ids=x).logits
         torch.testing.assert_close(loaded(input_ids=x).logits, mine, rtol=1e-5, atol=1e-6)
     merged_dir = engine.export_hf(tmp_path / "merged", dtype=torch.float32, variant="merged")
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    merged = load_causal_lm(merged_dir, dtype=torch.float32)
     theirs = loaded.merge_and_unload()
     for name, value in theirs.state_dict().items():
         torch.testing.assert_close(merged.state_dict()[name], value, rtol=0, atol=1e-7)

@@ -8,6 +8,7 @@ import torch
 
 import pstar_core
 from pstar_core.chunk import TensorState
+from pstar_core.hf import load_causal_lm
 from tests.core.helpers import (
     MODELS,
     batches,
@@ -98,7 +99,6 @@ def test_the_parameter_has_memory_only_while_its_operator_runs():
 
 
 def test_state_dict_checkpoint_and_hf_export_see_whole_tensors(tmp_path):
-    from transformers import AutoModelForCausalLM
 
     ref = reference_model(MODELS["hf_gpt2"])
     data = batches(6)
@@ -119,7 +119,7 @@ def test_state_dict_checkpoint_and_hf_export_see_whole_tensors(tmp_path):
     assert run_engine(resumed, data[3:]) == expected[3:]
 
     out = resumed.export_hf(tmp_path / "out")
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded = load_causal_lm(out)
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
     # tied: the embedding and the head are one span, exported once and tied again

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pstar_core.hf import load_causal_lm
 from tests.core.helpers import spawn_ranks
 
 
@@ -216,10 +217,9 @@ def test_a_rank_materializes_only_its_own_share(tmp_path):
 
 
 def test_hf_export_of_a_two_rank_run_loads_with_the_same_logits(tmp_path):
-    from transformers import AutoModelForCausalLM
 
     ranks = launch("export", 2, tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    model = load_causal_lm(tmp_path / "hf")
     from tests.core.helpers import batches
 
     with torch.no_grad():

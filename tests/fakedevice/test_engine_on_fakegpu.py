@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pstar_core
+from pstar_core.hf import load_causal_lm
 from pstar_core.kernels import adam_temporary_bytes
 from pstar_core.tiers import HostArena
 from tests import fakedevice
@@ -262,9 +263,8 @@ def test_zero_on_two_ranks_of_the_second_device_equals_one_cpu_rank(tmp_path):
     assert old[0]["collective_names"] == []
     assert old[0]["losses"] == ranks[0]["losses"]
     exported = launch("export", 2, "export", PSTAR_TEST_DEVICE=DEV)
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "hf")
+    model = load_causal_lm(tmp_path / "export" / "hf")
     with torch.no_grad():
         logits = model(input_ids=batches(1, seed=9)[0]).logits
     expected = torch.tensor(exported[0]["logits"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pstar_core.hf import load_causal_lm
 from service.data.datasets import (
     IGNORE,
     MAX_LINE_BYTES,
@@ -442,12 +443,12 @@ def test_read_examples_with_a_limit_reads_and_checks_only_that_many(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from tests.tiny import make_tiny_llama
 
     path = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = load_causal_lm(str(path), dtype=torch.float32).eval()
     return AutoTokenizer.from_pretrained(str(path)), model
 
 

@@ -7,6 +7,7 @@ import pytest
 import ray.train
 
 import pstar_core
+from pstar_core.hf import load_causal_lm
 from service.worker.finetune import resume
 from tests.core.helpers import MODELS, batches, engine_config, run_engine
 from tests.service.runs import run_plan
@@ -68,7 +69,6 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
 
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from service.worker.finetune import build_job_engine, checkpoint_dir_name, report_checkpoint
     from tests.tiny import make_tiny_llama
@@ -112,7 +112,7 @@ def test_a_lora_checkpoint_holds_its_adapter_and_resumes_to_the_same_model(tmp_p
     with torch.no_grad():
         fresh.eval()
         ours = fresh(input_ids=x).logits
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = load_causal_lm(base, dtype=torch.float32)
         theirs = PeftModel.from_pretrained(model, saved / "adapter").eval()(input_ids=x).logits
     torch.testing.assert_close(ours.cpu(), theirs, atol=1e-5, rtol=1e-5)
     trained = engine.stats()["trainable_params"]

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from pstar_core.hf import load_causal_lm
 from tests.served import (
     TOKEN,
     create_job,
@@ -213,7 +214,6 @@ def test_early_stopping_stops_and_exports_the_best_evaluations_model(serve, file
 def exported_valid_loss(serve, job_id: str) -> float:
     """The fine-tuned model's token-mean loss on the job's validation rows, as the job
     prepared them, computed by transformers from the exported directory."""
-    from transformers import AutoModelForCausalLM
 
     from service.data.prepare import prepare
     from service.methods.objectives import Rows
@@ -225,9 +225,7 @@ def exported_valid_loss(serve, job_id: str) -> float:
               for fid in (job.training_file, job.validation_file)]  # fmt: skip
     prep = prepare(spec_of(job), *stored)
     v = prep.valid
-    model = AutoModelForCausalLM.from_pretrained(
-        serve.data_dir / "models" / ".ft" / job_id, dtype=torch.float32
-    ).eval()
+    model = load_causal_lm(serve.data_dir / "models" / ".ft" / job_id, dtype=torch.float32).eval()
     pos = v.position_ids.long() if v.position_ids is not None else None
     rows = Rows(v.input_ids.long(), v.labels.long(), pos)  # stored int32
     with torch.no_grad():

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from pstar_core.hf import load_causal_lm
 from tests.served import (
     RIVAL_TOKEN,
     TINKER_TOKEN,
@@ -215,10 +216,10 @@ def test_a_job_succeeds_across_a_sigkill_of_the_control_plane_without_running_tw
         rival.fine_tuning.jobs.retrieve(job.id)
     with pytest.raises(openai.NotFoundError):
         rival.files.content(done.result_files[0])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     export = serve.data_dir / "models" / ".ft" / job.id
-    model = AutoModelForCausalLM.from_pretrained(export)
+    model = load_causal_lm(export)
     tok = AutoTokenizer.from_pretrained(export)
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What does apple mean?"}],
@@ -558,7 +559,6 @@ def test_a_lora_job_trains_adapters_on_the_frozen_base_and_each_checkpoint_downl
 ):
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -623,12 +623,12 @@ def test_a_lora_job_trains_adapters_on_the_frozen_base_and_each_checkpoint_downl
     x = torch.tensor([[5, 17, 42, 9, 100, 3]])
 
     def adapted(d):
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        base = load_causal_lm(base_dir, dtype=torch.float32)
         with torch.no_grad():
             return PeftModel.from_pretrained(base, d).eval()(input_ids=x).logits
 
     with torch.no_grad():
-        plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)(x).logits
+        plain = load_causal_lm(base_dir, dtype=torch.float32)(x).logits
     logits = {}
     for ck in cks:
         d = tmp_path / f"adapter-{ck.step_number}"
@@ -644,7 +644,7 @@ def test_a_lora_job_trains_adapters_on_the_frozen_base_and_each_checkpoint_downl
     assert _download(serve, url.format(cks[0].id) + "?variant=merged", merged) == 200
     assert not (merged / "adapter_config.json").exists()
     with torch.no_grad():
-        m_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(x).logits
+        m_logits = load_causal_lm(merged, dtype=torch.float32)(x).logits
     torch.testing.assert_close(m_logits, logits[12], atol=1e-4, rtol=1e-4)
     # merged only for the final checkpoint; nothing for another tenant
     assert _download(serve, url.format(cks[1].id) + "?variant=merged", tmp_path / "n") == 404

@@ -423,3 +423,46 @@ def test_a_group_prefilled_together_keeps_every_adapter_it_needs(tmp_path):
             assert got[k].tokens[0] == alone[k]
     finally:
         gen.close()
+
+
+def test_models_loaded_by_many_threads_at_once_keep_their_tied_head(tmp_path):
+    """transformers' from_pretrained switches weight tying off class-wide while it loads;
+    two loads at once used to leave it off in the process for good, and every tied model
+    loaded after that had a random head (pstar_core/hf.py, [Note: one transformers load
+    at a time])."""
+    import threading
+
+    from transformers import AutoConfig, LlamaForCausalLM, PreTrainedModel
+
+    from service.serving.generation import Generator
+    from tests.tiny import make_tiny_llama
+
+    tie_weights = PreTrainedModel.tie_weights
+    base = make_tiny_llama(tmp_path / "base")
+    config = AutoConfig.from_pretrained(base)
+    config.tie_word_embeddings = True
+    LlamaForCausalLM(config).save_pretrained(base)
+    loaded: list[Generator] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for _ in range(4):
+                loaded.append(Generator(base))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors
+        assert PreTrainedModel.tie_weights is tie_weights
+        for gen in loaded:
+            head, embed = gen.model.lm_head.weight, gen.model.model.embed_tokens.weight
+            assert head.data_ptr() == embed.data_ptr()
+    finally:
+        for gen in loaded:
+            gen.close()

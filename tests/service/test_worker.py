@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pstar_core
+from pstar_core.hf import load_causal_lm
 from service.methods.objectives import Rows, Supervised
 from service.worker.loop import flops_per_token
 from service.worker.runlog import RunLog
@@ -72,14 +73,13 @@ def test_a_slice_without_labelled_tokens_adds_nothing_and_no_nan():
 
 def test_flops_count_every_parameter_once_and_frozen_ones_at_four(tmp_path):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
     lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     # counted independently: the model as transformers and peft build it
-    model = AutoModelForCausalLM.from_pretrained(base)
+    model = load_causal_lm(base)
     cfg = model.config
     full = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     wrapped = get_peft_model(
