@@ -79,6 +79,7 @@ def serve(
     a local Ray head with its dashboard."""
     import logging
 
+    from pstar.server import ListenError
     from pstar.server import serve as run_server
     from service.control.control_plane import token_file
     from service.settings import Settings, SettingsError, redacted
@@ -103,8 +104,8 @@ def serve(
 
     try:
         run_server(settings, host, port, ray_cpus, dashboard_port, keep_ray, on_ready=ready)
-    except SettingsError as e:  # a deployment that would lose jobs (service.control.preflight)
-        _fail(str(e))
+    except (SettingsError, ListenError) as e:  # SettingsError: a deployment that would lose
+        _fail(str(e))  # jobs (service.control.preflight)
 
 
 # -- files ------------------------------------------------------------------------------

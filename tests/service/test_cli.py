@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pstar.cli import app
+from pstar_core.hf import load_causal_lm
 
 runner = CliRunner()
 
@@ -132,7 +133,6 @@ def test_train_with_a_bad_spec_says_what_is_wrong(tmp_path, text_file):
 
 def test_train_fine_tunes_a_hf_dir_and_exports_a_loadable_model(tmp_path, text_file):
     from transformers import (
-        AutoModelForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         PreTrainedTokenizerFast,
@@ -167,5 +167,27 @@ output_dir: {tmp_path / "runs"}
     assert summary["heldout_ppl_after"] < summary["heldout_ppl_before"]
     export = tmp_path / "runs/ft/hf"
     assert (export / "tokenizer.json").exists()
-    model = AutoModelForCausalLM.from_pretrained(export)
+    model = load_causal_lm(export)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_serve_on_a_port_in_use_fails_at_once_naming_it_and_starts_no_ray(monkeypatch, tmp_path):
+    """The API's socket is bound before the local Ray head starts (whose ports could
+    otherwise take it): a port already in use is an error before anything else runs."""
+    import socket
+
+    import pstar.server
+
+    def no_ray(*_args, **_kwargs):
+        raise AssertionError("the control plane was built on a port it cannot listen on")
+
+    monkeypatch.setattr(pstar.server, "build", no_ray)
+    monkeypatch.setenv("PSTAR_DATA_DIR", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["serve", "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output
+    assert "--port" in result.output
