@@ -7,11 +7,12 @@
 ARG RAY_TAG=2.60.0-py311-cpu
 FROM rayproject/ray:${RAY_TAG}
 
-# a C++ compiler for the host AdamW kernel, built below for the image's CPU (distribution
-# packages follow the base image's release, so they are not pinned one by one)
+# a C++ compiler for the host AdamW kernel, built below for the image's CPU, and WordNet
+# for the METEOR grader's synonyms (distribution packages follow the base image's
+# release, so they are not pinned one by one)
 USER 0
 # hadolint ignore=DL3008
-RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build wordnet-base \
     && rm -rf /var/lib/apt/lists/*
 USER 1000
 

@@ -65,7 +65,7 @@ def create_app(
 ) -> FastAPI:
     from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
-    from api.routes import admin, completions, files, jobs, models, system, tinker
+    from api.routes import admin, completions, files, graders, jobs, models, system, tinker
     from service.control import storage
     from service.control.reconciler import job_workers
     from service.serving.deployments import Serving
@@ -169,6 +169,7 @@ def create_app(
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
     app.include_router(completions.router, prefix="/v1")
+    app.include_router(graders.router, prefix="/v1")
     app.include_router(admin.router, prefix="/v1")
     app.include_router(tinker.router)
     app.include_router(tinker.overview_router, prefix="/v1")

@@ -64,6 +64,9 @@ SEMANTIC_400 = {
     # weights or base model to sample with
     "POST /api/v1/save_weights_for_sampler",
     "POST /api/v1/asample",
+    # a formula over the graders' names, templates naming the item's keys
+    "POST /v1/fine_tuning/alpha/graders/run",
+    "POST /v1/fine_tuning/alpha/graders/validate",
 }
 
 

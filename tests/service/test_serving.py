@@ -449,7 +449,7 @@ def test_models_loaded_by_many_threads_at_once_keep_their_tied_head(tmp_path):
         try:
             for _ in range(4):
                 loaded.append(Generator(base))
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=load) for _ in range(4)]

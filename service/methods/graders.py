@@ -1,0 +1,487 @@
+"""OpenAI's graders, as its reinforcement fine-tuning and `/fine_tuning/alpha/graders` take
+them: a grader scores a model's answer (`sample`) to a dataset line (`item`) in [0, 1]
+(or the range a formula gives), the reward of one sample in the reinforcement loop.
+
+A grader is parsed once (`parse_grader`: a 400 that names the field for anything OpenAI
+would refuse, or that this service does not run), then run many times (`grade`). Its
+text fields are templates: `{{item.answer}}`, `{{item.meta.lang}}`,
+`{{sample.output_text}}`, `{{sample.output_json.city}}`.
+
+What each grader computes, and with which library:
+- `string_check`: `eq` and `ne` compare the two strings exactly; `like` scores 1 when
+  the input contains the reference, `ilike` the same ignoring case.
+- `text_similarity`, by `evaluation_metric`:
+  - `fuzzy_match`: RapidFuzz's `fuzz.ratio` / 100 (normalized Indel similarity);
+  - `bleu`: NLTK's `sentence_bleu` (4-grams, uniform weights, smoothing method 1, so a
+    short answer missing some 4-gram does not score 0 outright);
+  - `gleu`: NLTK's `sentence_gleu` (Google-BLEU, 1- to 4-grams);
+  - `meteor`: NLTK's `meteor_score`, with the WordNet 3.0 this machine has (Debian's
+    wordnet-base) for synonym matches (NLTK looks them up by a word's Porter stem);
+  - `rouge_1` ... `rouge_5`, `rouge_l`: the F-measure of Google's `rouge-score`
+    (its tokenizer: lower case, alphanumeric tokens), the package most papers cite;
+  - `cosine`: needs an embedding model, and this service has none configured: a 400.
+  BLEU, GLEU and METEOR split text into words and punctuation marks (a regex; NLTK's
+  own tokenizer needs data files downloaded from the internet).
+- `multi`: named graders, and `calculate_output`, a formula over their scores
+  (`+ - * / ^`, parentheses, `min max abs floor ceil exp sqrt log`), evaluated by
+  `simpleeval` (an AST walker with no access to Python's builtins), never by `eval`.
+- `python`, `score_model`, `label_model`: a 400 saying so (not run by this service yet).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import math
+import operator
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
+
+from service.errors import InvalidRequest, describe_invalid
+
+SIMILARITY_METRICS = (
+    "fuzzy_match", "bleu", "gleu", "meteor", "cosine",
+    "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l",
+)  # fmt: skip
+NOT_RUN = {
+    "python": "python graders run the caller's code, and this server has no sandbox for "
+    "it yet; express the check as string_check, text_similarity or multi",
+    "score_model": "score_model graders are not run by this service yet; use "
+    "string_check, text_similarity or multi",
+    "label_model": "label_model graders are not run by this service yet; use "
+    "string_check, text_similarity or multi",
+}
+FORMULA_FUNCTIONS = {
+    "min": min, "max": max, "abs": abs, "floor": math.floor, "ceil": math.ceil,
+    "exp": math.exp, "sqrt": math.sqrt, "log": math.log,
+}  # fmt: skip
+_FORMULA_NODES = (
+    ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load, ast.Constant,
+    ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd,
+)  # fmt: skip
+_TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
+_WORDS = re.compile(r"\w+|[^\w\s]")
+
+
+class _Grader(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+
+
+class StringCheck(_Grader):
+    type: Literal["string_check"]
+    input: str
+    reference: str
+    operation: Literal["eq", "ne", "like", "ilike"]
+
+
+class TextSimilarity(_Grader):
+    type: Literal["text_similarity"]
+    input: str
+    reference: str
+    evaluation_metric: Literal[SIMILARITY_METRICS]  # type: ignore[valid-type]
+    # OpenAI's evals take it; graders ignore it, as here (a score, not a pass/fail)
+    pass_threshold: float | None = None
+
+
+def _kind(value: Any) -> str:
+    """A grader's union tag, "type[string_check]": a form the API's error messages leave out
+    of a field's path (service/errors.py `_LOC_TAG`), so a wrong operation is reported at
+    `grader.operation`, not `grader.string_check.operation`."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type[{kind}]"
+
+
+_KIND = Discriminator(_kind, custom_error_type="grader_type", custom_error_message=(
+    "Input should be a grader: 'type' one of string_check, text_similarity, multi"))  # fmt: skip
+Leaf = Annotated[
+    Annotated[StringCheck, Tag("type[string_check]")]
+    | Annotated[TextSimilarity, Tag("type[text_similarity]")],
+    _KIND,
+]
+
+
+class Multi(_Grader):
+    type: Literal["multi"]
+    graders: dict[str, Leaf]
+    calculate_output: str = Field(min_length=1, max_length=2000)
+
+
+Grader = Annotated[
+    Annotated[StringCheck, Tag("type[string_check]")]
+    | Annotated[TextSimilarity, Tag("type[text_similarity]")]
+    | Annotated[Multi, Tag("type[multi]")],
+    _KIND,
+]
+_GRADER: TypeAdapter[Any] = TypeAdapter(Grader)
+
+
+# -- parsing -----------------------------------------------------------------------------
+
+
+def parse_grader(raw: Any, param: str = "grader") -> StringCheck | TextSimilarity | Multi:
+    """The grader `raw` (a JSON object as OpenAI takes it), or a 400 naming the field."""
+    raw = prepared(raw, param)
+    try:
+        grader = _GRADER.validate_python(raw)
+    except ValidationError as e:
+        loc, msg, others = describe_invalid(e.errors())
+        where = ".".join([param, *loc])
+        more = f" (and {others} more)" if others else ""
+        raise InvalidRequest(f"{where}: {msg}{more}", param=where) from None
+    return checked(grader, param)
+
+
+def prepared(raw: Any, param: str = "grader") -> Any:
+    """`raw` before its schema is checked: the graders this service does not run are a 400
+    that says so (not "no such type"), and a multi grader's single grader (as the SDK's
+    types show it) is named by its own name."""
+    if not isinstance(raw, dict):
+        return raw  # the schema's own error
+    _refuse_not_run(raw, param)
+    if raw.get("type") == "multi":
+        raw = {**raw, "graders": _named_graders(raw.get("graders"), f"{param}.graders")}
+    return raw
+
+
+def checked(grader: Any, param: str = "grader") -> Any:
+    """`grader` once its schema holds, or a 400 for what no schema says: a metric this
+    server cannot compute, a variable graders do not have, a formula that is not one."""
+    for name, leaf in _leaves(grader):
+        _check_metric(leaf, f"{param}.graders.{name}" if name else param)
+    for where, text in _templates(grader, param):
+        for ref in _TEMPLATE.findall(text):
+            _check_reference(ref, where)
+    if isinstance(grader, Multi):
+        formula(grader.calculate_output, set(grader.graders), f"{param}.calculate_output")
+    return grader
+
+
+def _refuse_not_run(raw: dict, param: str) -> None:
+    kind = raw.get("type")
+    if kind in NOT_RUN:
+        raise InvalidRequest(f"{param}: {NOT_RUN[kind]}", param=f"{param}.type")
+    if kind == "multi" and isinstance(raw.get("graders"), dict):
+        inner = raw["graders"]
+        single = "type" in inner and isinstance(inner.get("type"), str)
+        for name, sub in ({"": inner} if single else inner).items():
+            if isinstance(sub, dict) and sub.get("type") in NOT_RUN:
+                where = f"{param}.graders{'.' + name if name else ''}"
+                raise InvalidRequest(f"{where}: {NOT_RUN[sub['type']]}", param=f"{where}.type")
+            if isinstance(sub, dict) and sub.get("type") == "multi":
+                raise InvalidRequest(
+                    f"{param}.graders.{name}: a multi grader's graders cannot be multi",
+                    param=f"{param}.graders.{name}.type",
+                )
+
+
+def _named_graders(raw: Any, param: str) -> Any:
+    """OpenAI's API takes `graders` as {name: grader}; its SDK's types show one grader:
+    that one is named by its own `name`."""
+    if isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        return {str(raw.get("name") or "grader"): raw}
+    if not isinstance(raw, dict) or not raw:
+        raise InvalidRequest(f"{param} must be an object of named graders", param=param)
+    return raw
+
+
+def _leaves(grader: Any) -> list[tuple[str, StringCheck | TextSimilarity]]:
+    if isinstance(grader, Multi):
+        return list(grader.graders.items())
+    return [("", grader)]
+
+
+def _templates(grader: Any, param: str) -> list[tuple[str, str]]:
+    out = []
+    for name, leaf in _leaves(grader):
+        where = f"{param}.graders.{name}" if name else param
+        out += [(f"{where}.input", leaf.input), (f"{where}.reference", leaf.reference)]
+    return out
+
+
+def _check_metric(leaf: Any, where: str) -> None:
+    if isinstance(leaf, TextSimilarity):
+        if leaf.evaluation_metric == "cosine":
+            raise InvalidRequest(
+                f"{where}.evaluation_metric: cosine needs an embedding model, and none is "
+                "configured on this server; choose fuzzy_match, bleu, gleu, meteor or a rouge",
+                param=f"{where}.evaluation_metric",
+            )
+        if leaf.evaluation_metric == "meteor" and wordnet_dir() is None:
+            raise InvalidRequest(
+                f"{where}.evaluation_metric: meteor needs WordNet 3.0, which this server "
+                "lacks (Debian's wordnet-base package, or WNSEARCHDIR); choose another metric",
+                param=f"{where}.evaluation_metric",
+            )
+
+
+def _check_reference(ref: str, where: str) -> None:
+    parts = ref.split(".")
+    ok = (parts[0] == "item" and len(parts) > 1) or (
+        parts[0] == "sample"
+        and len(parts) > 1
+        and (parts[1:] == ["output_text"] or parts[1] == "output_json")
+    )
+    if not ok or not all(parts):
+        raise InvalidRequest(
+            f"{where}: {{{{{ref}}}}} is not a variable graders have; use {{{{item.<key>}}}}, "
+            "{{sample.output_text}} or {{sample.output_json.<key>}}",
+            param=where,
+        )
+
+
+def formula(text: str, names: set[str], param: str) -> Any:
+    """`calculate_output` parsed, with every name it uses checked against `names`."""
+    try:
+        tree = ast.parse(text.replace("^", "**"), mode="eval")
+    except SyntaxError as e:
+        raise InvalidRequest(f"{param}: not a formula ({e.msg})", param=param) from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _FORMULA_NODES) or (
+            isinstance(node, ast.Constant) and not isinstance(node.value, int | float)
+        ):
+            raise InvalidRequest(
+                f"{param}: {ast.unparse(node) if isinstance(node, ast.expr) else text!r} is "
+                "not allowed in a formula: numbers, the graders' names, + - * / ^ and "
+                f"{', '.join(FORMULA_FUNCTIONS)} only",
+                param=param,
+            )
+        if isinstance(node, ast.Call) and not (
+            isinstance(node.func, ast.Name) and node.func.id in FORMULA_FUNCTIONS
+        ):
+            only = ", ".join(FORMULA_FUNCTIONS)
+            raise InvalidRequest(f"{param}: only {only} can be called", param=param)
+        if isinstance(node, ast.Name) and node.id not in names | set(FORMULA_FUNCTIONS):
+            raise InvalidRequest(
+                f"{param}: {node.id!r} is neither one of the graders ({', '.join(sorted(names))}) "
+                f"nor a function ({', '.join(FORMULA_FUNCTIONS)})",
+                param=param,
+            )
+    return tree
+
+
+def check_item(grader: Any, item: Any, param: str) -> None:
+    """A 400 if a template names a key of `item` that it does not have (a training line)."""
+    for where, text in _templates(grader, "grader"):
+        for ref in _TEMPLATE.findall(text):
+            if ref.startswith("item."):
+                try:
+                    _lookup(item, ref.split(".")[1:])
+                except KeyError:
+                    raise InvalidRequest(
+                        f"{param}: {where} uses {{{{{ref}}}}}, and the line has no such key",
+                        param=param,
+                    ) from None
+
+
+# -- grading -----------------------------------------------------------------------------
+
+
+class SampleNotJson(Exception):
+    """A template asks for `sample.output_json` and the answer is not JSON."""
+
+
+@dataclass
+class Graded:
+    """A sample's reward, with each named grader's score for a multi grader."""
+
+    reward: float
+    sub_rewards: dict[str, float] = field(default_factory=dict)
+    sample_parse_error: bool = False
+    seconds: float = 0.0
+
+
+def grade(grader: Any, sample: str, item: Any) -> Graded:
+    """Score `sample` against `item`. Deterministic: the same inputs, the same reward.
+    A template naming an item key that is missing raises InvalidRequest; one asking for
+    the sample's JSON when it is not JSON scores 0 (OpenAI's `sample_parse_error`)."""
+    t0 = time.perf_counter()
+    ns = {"item": item, "sample": {"output_text": sample, "output_json": _json_or_none(sample)}}
+    try:
+        if isinstance(grader, Multi):
+            subs = {name: _score(leaf, ns) for name, leaf in grader.graders.items()}
+            reward = _evaluate(grader.calculate_output, subs)
+            out = Graded(reward, subs)
+        else:
+            out = Graded(_score(grader, ns))
+    except SampleNotJson:
+        out = Graded(0.0, sample_parse_error=True)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _score(leaf: Any, ns: dict) -> float:
+    text, ref = render(leaf.input, ns), render(leaf.reference, ns)
+    if isinstance(leaf, StringCheck):
+        return float(_STRING_OPS[leaf.operation](text, ref))
+    return similarity(leaf.evaluation_metric, text, ref)
+
+
+_STRING_OPS = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "like": lambda a, b: b in a,
+    "ilike": lambda a, b: b.casefold() in a.casefold(),
+}
+
+
+def render(template: str, ns: dict) -> str:
+    """`template` with each {{name.path}} replaced by its value (JSON for objects)."""
+
+    def one(m: re.Match) -> str:
+        parts = m.group(1).split(".")
+        if parts[:2] == ["sample", "output_json"] and ns["sample"]["output_json"] is None:
+            raise SampleNotJson
+        try:
+            value = _lookup(ns, parts)
+        except KeyError:
+            raise InvalidRequest(
+                f"{{{{{m.group(1)}}}}} names a key the item does not have", param="item"
+            ) from None
+        return value if isinstance(value, str) else json.dumps(value)
+
+    return _TEMPLATE.sub(one, template)
+
+
+def _lookup(value: Any, path: list[str]) -> Any:
+    for key in path:
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            raise KeyError(key)
+    return value
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _evaluate(text: str, scores: dict[str, float]) -> float:
+    from simpleeval import DEFAULT_OPERATORS, SimpleEval
+
+    ops = {k: v for k, v in DEFAULT_OPERATORS.items() if k is not ast.BitXor}
+    evaluator = SimpleEval(operators=ops, functions=FORMULA_FUNCTIONS, names=scores)
+    try:
+        return float(evaluator.eval(text.replace("^", "**")))
+    except (ZeroDivisionError, ValueError, OverflowError):
+        return 0.0  # e.g. log(0) or a division by a zero score: no reward, not a crash
+
+
+# -- text similarity ---------------------------------------------------------------------
+
+
+def similarity(metric: str, text: str, ref: str) -> float:
+    if metric == "fuzzy_match":
+        from rapidfuzz import fuzz
+
+        return fuzz.ratio(text, ref) / 100.0
+    if metric.startswith("rouge_"):
+        key = "rougeL" if metric == "rouge_l" else f"rouge{metric[-1]}"
+        return float(_rouge(key).score(ref, text)[key].fmeasure)
+    hyp, refs = _WORDS.findall(text), [_WORDS.findall(ref)]
+    if not hyp or not refs[0]:
+        return float(hyp == refs[0])
+    if metric == "bleu":
+        from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+        return float(sentence_bleu(refs, hyp, smoothing_function=SmoothingFunction().method1))
+    if metric == "gleu":
+        from nltk.translate.gleu_score import sentence_gleu
+
+        return float(sentence_gleu(refs, hyp))
+    if metric == "meteor":
+        from nltk.translate.meteor_score import meteor_score
+
+        return float(meteor_score(refs, hyp, wordnet=_wordnet()))
+    raise ValueError(f"no similarity metric {metric!r}")  # parse_grader refused it
+
+
+@functools.cache
+def _rouge(key: str) -> Any:
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer([key])
+
+
+def wordnet_dir() -> Path | None:
+    """WordNet 3.0's database files on this machine (Debian's wordnet-base), if any."""
+    for d in (os.environ.get("WNSEARCHDIR"), "/usr/share/wordnet"):
+        if d and Path(d, "data.noun").is_file():
+            return Path(d)
+    return None
+
+
+# NLTK's WordNet reader wants a `lexnames` file, which Debian's package does not ship: the
+# 45 lexicographer files of WordNet 3.0, in order, with their syntactic category.
+_LEXNAMES = """
+adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute
+noun.body noun.cognition noun.communication noun.event noun.feeling noun.food noun.group
+noun.location noun.motive noun.object noun.person noun.phenomenon noun.plant
+noun.possession noun.process noun.quantity noun.relation noun.shape noun.state
+noun.substance noun.time verb.body verb.change verb.cognition verb.communication
+verb.competition verb.consumption verb.contact verb.creation verb.emotion verb.motion
+verb.perception verb.possession verb.social verb.stative verb.weather adj.ppl
+"""
+_CATEGORY = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
+
+
+@functools.cache
+def _wordnet() -> Any:
+    """NLTK's WordNet reader over a copy of this machine's WordNet (NLTK reads corpora only
+    from its own data directories), made once in ~/.cache/pstar/nltk_data."""
+    import nltk
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    source = wordnet_dir()
+    if source is None:
+        raise InvalidRequest("meteor needs WordNet 3.0, which this server lacks")
+    root = Path(os.environ.get("PSTAR_CACHE_DIR", Path.home() / ".cache" / "pstar"))
+    data = root / "nltk_data"
+    corpus = data / "corpora" / "wordnet"
+    if not (corpus / "lexnames").is_file():
+        tmp = corpus.with_name(f"wordnet.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in source.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+        names = _LEXNAMES.split()
+        lines = [f"{i:02d}\t{n}\t{_CATEGORY[n.split('.')[0]]}" for i, n in enumerate(names)]
+        (tmp / "lexnames").write_text("\n".join(lines) + "\n")
+        shutil.rmtree(corpus, ignore_errors=True)
+        tmp.rename(corpus)
+    if str(data) not in nltk.data.path:
+        nltk.data.path.append(str(data))
+
+    class EnglishWordNet(WordNetCorpusReader):
+        def map_wn(self, version: str = "wordnet") -> None:
+            """No mapping to another WordNet's synsets (it is for the multilingual Open
+            Multilingual Wordnet, and needs `index.sense`, which Debian does not ship)."""
+            return None
+
+    with warnings.catch_warnings():  # "multilingual functions are not available": right
+        warnings.simplefilter("ignore")
+        return EnglishWordNet(str(corpus), None)

@@ -1,0 +1,79 @@
+"""`/v1/fine_tuning/alpha/graders/run` and `/validate` through the unmodified OpenAI SDK:
+the reward and sub-rewards of OpenAI's response shape, and refusals as 400s that name the
+field."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.api.conftest import start_api
+
+EXACT = {
+    "type": "string_check", "name": "exact", "operation": "eq",
+    "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+}  # fmt: skip
+CLOSE = {
+    "type": "text_similarity", "name": "close", "evaluation_metric": "rouge_1",
+    "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("graders")
+    api, stop = start_api(data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite")
+    yield api.client()
+    stop()
+
+
+def test_run_scores_a_sample_against_its_item(client):
+    got = client.fine_tuning.alpha.graders.run(
+        grader=EXACT, model_sample="Paris", item={"answer": "Paris"}
+    )
+    assert got.reward == 1.0
+    assert got.metadata.name == "exact" and got.metadata.type == "string_check"
+    assert got.metadata.scores == {"exact": 1.0}
+    assert not got.metadata.errors.sample_parse_error
+
+
+def test_run_of_a_multi_grader_gives_each_graders_score_and_the_formulas_reward(client):
+    multi = {
+        "type": "multi", "name": "both", "graders": {"exact": EXACT, "close": CLOSE},
+        "calculate_output": "0.5 * exact + 0.5 * close",
+    }  # fmt: skip
+    got = client.fine_tuning.alpha.graders.run(
+        grader=multi, model_sample="Paris France", item={"answer": "Paris"}
+    )
+    assert got.sub_rewards == {"exact": 0.0, "close": pytest.approx(2 / 3)}
+    assert got.reward == pytest.approx(1 / 3)
+
+
+def test_an_answer_that_is_not_json_is_a_parse_error_scoring_zero(client):
+    grader = {**EXACT, "input": "{{sample.output_json.city}}"}
+    got = client.fine_tuning.alpha.graders.run(
+        grader=grader, model_sample="Paris", item={"answer": "Paris"}
+    )
+    assert (got.reward, got.metadata.errors.sample_parse_error) == (0.0, True)
+
+
+def test_validate_returns_the_grader_as_it_will_run(client):
+    got = client.fine_tuning.alpha.graders.validate(grader=CLOSE)
+    assert got.grader.evaluation_metric == "rouge_1"
+    assert got.grader.name == "close"
+
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        (dict(grader={**CLOSE, "evaluation_metric": "cosine"}), "grader.evaluation_metric"),
+        (dict(grader={"type": "python", "name": "p", "source": "x"}), "grader.type"),
+        (dict(grader=EXACT, model_sample="x", item={"label": "x"}), "item"),
+        (dict(grader={**EXACT, "operation": "regex"}, model_sample="x"), "grader.operation"),
+    ],
+)
+def test_refusals_are_400s_naming_the_field(client, call, param):
+    graders = client.fine_tuning.alpha.graders
+    with pytest.raises(openai.BadRequestError) as e:
+        graders.run(**call) if "model_sample" in call else graders.validate(**call)
+    assert e.value.body["param"] == param

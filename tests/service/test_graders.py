@@ -1,0 +1,173 @@
+"""OpenAI's graders (service/methods/graders.py): each metric against values worked out here
+by hand or by a few lines of independent code, multi's formulas, templates, and the 400s
+for what OpenAI or this service refuses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from service.errors import InvalidRequest
+from service.methods.graders import grade, parse_grader
+
+
+def check(op: str, reference: str = "{{item.answer}}") -> dict:
+    return {
+        "type": "string_check", "name": "exact", "operation": op,
+        "input": "{{sample.output_text}}", "reference": reference,
+    }  # fmt: skip
+
+
+def similar(metric: str) -> dict:
+    return {
+        "type": "text_similarity", "name": metric, "evaluation_metric": metric,
+        "input": "{{sample.output_text}}", "reference": "{{item.reference}}",
+    }  # fmt: skip
+
+
+def score(raw: dict, sample: str, item: dict) -> float:
+    return grade(parse_grader(raw), sample, item).reward
+
+
+@pytest.mark.parametrize(
+    ("op", "sample", "answer", "expected"),
+    [
+        ("eq", "Paris", "Paris", 1.0),
+        ("eq", "Paris ", "Paris", 0.0),
+        ("ne", "Lyon", "Paris", 1.0),
+        ("ne", "Paris", "Paris", 0.0),
+        ("like", "It is Paris.", "Paris", 1.0),
+        ("like", "It is paris.", "Paris", 0.0),
+        ("ilike", "It is PARIS.", "paris", 1.0),
+        ("ilike", "It is Lyon.", "paris", 0.0),
+    ],
+)
+def test_string_check_operations(op, sample, answer, expected):
+    assert score(check(op), sample, {"answer": answer}) == expected
+
+
+def _lcs(a: str, b: str) -> int:
+    row = [0] * (len(b) + 1)
+    for x in a:
+        prev = 0
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], prev + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
+
+
+@pytest.mark.parametrize(("a", "b"), [("hello world", "hello word"), ("kitten", "sitting")])
+def test_fuzzy_match_is_the_normalized_indel_similarity(a, b):
+    # Indel distance = len(a) + len(b) - 2 LCS, normalized by len(a) + len(b)
+    expected = 2 * _lcs(a, b) / (len(a) + len(b))
+    assert score(similar("fuzzy_match"), a, {"reference": b}) == pytest.approx(expected)
+
+
+HYP, REF = "the cat sat on the mat", "the cat sat on a mat"
+
+
+def test_bleu_is_the_geometric_mean_of_the_four_ngram_precisions():
+    # 1- to 4-gram matches of HYP in REF: 5/6, 3/5, 2/4, 1/3; equal lengths, no brevity penalty
+    expected = math.prod([5 / 6, 3 / 5, 2 / 4, 1 / 3]) ** 0.25
+    assert score(similar("bleu"), HYP, {"reference": REF}) == pytest.approx(expected)
+    assert score(similar("bleu"), REF, {"reference": REF}) == pytest.approx(1.0)
+
+
+def test_gleu_is_the_smaller_of_ngram_precision_and_recall():
+    # all 1- to 4-grams: 11 of HYP's 18 are in REF (which has 18 too)
+    assert score(similar("gleu"), HYP, {"reference": REF}) == pytest.approx(11 / 18)
+
+
+@pytest.mark.parametrize(
+    ("metric", "expected"),
+    [
+        ("rouge_1", 2 / 3),  # {the, cat} of 3 words each side
+        ("rouge_2", 1 / 2),  # {the cat} of 2 bigrams each side
+        ("rouge_3", 0.0),
+        ("rouge_l", 2 / 3),  # longest common subsequence "the cat"
+    ],
+)
+def test_rouge_is_the_f_measure_of_ngram_overlap(metric, expected):
+    assert score(similar(metric), "The cat sat", {"reference": "the cat ran"}) == pytest.approx(
+        expected
+    )
+
+
+def test_meteor_of_an_exact_answer_is_one_less_its_fragmentation_penalty_and_synonyms_count():
+    # 6 matched unigrams in one chunk: F-mean 1, penalty 0.5 * (1/6)^3
+    same = score(similar("meteor"), REF, {"reference": REF})
+    assert same == pytest.approx(1 - 0.5 * (1 / 6) ** 3)
+    ref = {"reference": "the car stopped"}
+    synonym = score(similar("meteor"), "the auto stopped", ref)
+    unrelated = score(similar("meteor"), "the table stopped", ref)
+    # WordNet's car.n.01: car, auto, automobile, machine, motorcar. (NLTK looks synonyms up
+    # by the Porter stem of the answer's word, so "automobile", stemmed "automobil", misses)
+    assert synonym == pytest.approx(1 - 0.5 * (1 / 3) ** 3)
+    assert unrelated == pytest.approx((1 - 0.5) * 2 / 3)  # 2 of 3 words, in 2 chunks
+
+
+def test_multi_computes_its_formula_over_the_named_graders_scores():
+    raw = {
+        "type": "multi",
+        "name": "both",
+        "graders": {
+            "exact": check("eq"),
+            "close": {**similar("rouge_1"), "reference": "{{item.answer}}"},
+        },
+        "calculate_output": "0.25 * exact + 0.75 * close ^ 2 + min(exact, 1) - abs(-0)",
+    }
+    got = grade(parse_grader(raw), "Paris France", {"answer": "Paris"})
+    assert got.sub_rewards == {"exact": 0.0, "close": pytest.approx(2 / 3)}
+    assert got.reward == pytest.approx(0.75 * (2 / 3) ** 2)
+    again = grade(parse_grader(raw), "Paris France", {"answer": "Paris"})
+    assert again.reward == got.reward  # deterministic
+
+
+def test_a_multi_grader_given_as_the_sdk_types_it_is_named_by_its_name():
+    raw = {"type": "multi", "name": "m", "graders": check("eq"), "calculate_output": "exact"}
+    assert score(raw, "x", {"answer": "x"}) == 1.0
+
+
+def test_templates_reach_nested_item_keys_and_the_samples_json():
+    raw = check("eq", "{{item.meta.city}}") | {"input": "{{sample.output_json.city}}"}
+    assert score(raw, '{"city": "Oslo"}', {"meta": {"city": "Oslo"}}) == 1.0
+    not_json = grade(parse_grader(raw), "Oslo", {"meta": {"city": "Oslo"}})
+    assert (not_json.reward, not_json.sample_parse_error) == (0.0, True)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "says"),
+    [
+        ({"type": "python", "name": "p", "source": "def grade(s, i): return 1"},
+         "grader.type", "no sandbox"),
+        ({"type": "score_model", "name": "s", "model": "m", "input": []},
+         "grader.type", "not run by this service"),
+        ({"type": "nope", "name": "x"}, "grader", "string_check"),
+        (similar("cosine"), "grader.evaluation_metric", "embedding model"),
+        (similar("wer"), "grader.evaluation_metric", "fuzzy_match"),
+        (check("regex"), "grader.operation", "'eq'"),
+        (check("eq") | {"extra": 1}, "grader.extra", "unknown field"),
+        (check("eq", "{{answer}}"), "grader.reference", "{{item.<key>}}"),
+        ({"type": "multi", "name": "m", "graders": {"a": check("eq")},
+          "calculate_output": "a + b"}, "grader.calculate_output", "'b' is neither"),
+        ({"type": "multi", "name": "m", "graders": {"a": check("eq")},
+          "calculate_output": "__import__('os')"}, "grader.calculate_output", "can be called"),
+        ({"type": "multi", "name": "m", "graders": {"a": check("eq")},
+          "calculate_output": "a.real"}, "grader.calculate_output", "not allowed"),
+        ({"type": "multi", "name": "m", "graders": {"a": check("eq")},
+          "calculate_output": "a +"}, "grader.calculate_output", "not a formula"),
+        ({"type": "multi", "name": "m", "calculate_output": "a",
+          "graders": {"a": {"type": "python", "name": "p", "source": ""}}},
+         "grader.graders.a.type", "no sandbox"),
+    ],
+)  # fmt: skip
+def test_what_is_refused_is_a_400_naming_the_field(raw, param, says):
+    with pytest.raises(InvalidRequest) as e:
+        parse_grader(raw)
+    assert e.value.param == param
+    assert says in str(e.value)
+
+
+def test_a_template_naming_a_key_the_item_lacks_is_a_400():
+    with pytest.raises(InvalidRequest, match="item does not have"):
+        grade(parse_grader(check("eq")), "x", {"label": "x"})
