@@ -472,7 +472,10 @@ def _wordnet() -> Any:
         lines = [f"{i:02d}\t{n}\t{_CATEGORY[n.split('.')[0]]}" for i, n in enumerate(names)]
         (tmp / "lexnames").write_text("\n".join(lines) + "\n")
         shutil.rmtree(corpus, ignore_errors=True)
-        tmp.rename(corpus)
+        try:
+            tmp.rename(corpus)
+        except OSError:  # another process made it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
     if str(data) not in nltk.data.path:
         nltk.data.path.append(str(data))
 
