@@ -189,6 +189,9 @@ class Settings:
     # made in code, as the tests' are, gets unless it says otherwise)
     session_engines: str = "local"
     session_ray_address: str | None = None
+    # PSTAR_PYTHON_GRADERS=on: reinforcement graders of type python run (the tenant's code,
+    # in a sandboxed process: service/methods/python_grader.py); off by default: a 400
+    python_graders: bool = False
 
     @property
     def files_dir(self) -> Path:
@@ -244,6 +247,11 @@ class Settings:
         docs = env.get("PSTAR_API_DOCS", "on").strip().lower()
         if docs not in ("on", "off"):
             raise SettingsError(f"PSTAR_API_DOCS must be 'on' or 'off', got {docs!r}")
+        python_graders = env.get("PSTAR_PYTHON_GRADERS", "off").strip().lower()
+        if python_graders not in ("on", "off"):
+            raise SettingsError(
+                f"PSTAR_PYTHON_GRADERS must be 'on' or 'off', got {python_graders!r}"
+            )
         return cls(
             data_dir=data_dir,
             db_url=db_url,
@@ -259,6 +267,7 @@ class Settings:
             run_retention_days=_retention_days(env.get("PSTAR_RUN_RETENTION_DAYS", "")),
             session_engines=_session_engines(env.get("PSTAR_SESSION_ENGINES", "")),
             session_ray_address=env.get("PSTAR_SESSION_RAY_ADDRESS") or None,
+            python_graders=python_graders == "on",
         )
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.errors import responses
-from api.routes import V1_DEPENDENCIES, Tenant, respond
+from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
 from service.methods.graders import Grader, check_item, checked, grade, prepared
 
 router = APIRouter(
@@ -43,8 +43,8 @@ class GraderRunRequest(GraderValidateRequest):
 
 
 class GraderErrors(BaseModel):
-    """OpenAI's error flags of a run; only `sample_parse_error` can be set here (the other
-    kinds belong to the model and python graders this service does not run)."""
+    """OpenAI's error flags of a run; `sample_parse_error` and the python grader's runtime
+    error can be set here (the others belong to model graders, not run here)."""
 
     formula_parse_error: bool = False
     invalid_variable_error: bool = False
@@ -84,9 +84,9 @@ class GraderValidateResponse(BaseModel):
 
 
 @router.post("/run", response_model=GraderRunResponse)
-def graders_run(body: GraderRunRequest, _tenant: Tenant) -> Response:
+def graders_run(body: GraderRunRequest, c: Ctx, _tenant: Tenant) -> Response:
     """The reward `grader` gives `model_sample` for the dataset line `item`."""
-    grader = checked(body.grader)
+    grader = checked(body.grader, python=c.settings.python_graders)
     item = {} if body.item is None else body.item
     check_item(grader, item, "item")
     got = grade(grader, body.model_sample, item)
@@ -94,7 +94,11 @@ def graders_run(body: GraderRunRequest, _tenant: Tenant) -> Response:
     meta = GraderRunMetadata(
         name=grader.name,
         type=grader.type,
-        errors=GraderErrors(sample_parse_error=got.sample_parse_error),
+        errors=GraderErrors(
+            sample_parse_error=got.sample_parse_error,
+            python_grader_runtime_error=got.python_error is not None,
+            python_grader_runtime_error_details=got.python_error,
+        ),
         execution_time=got.seconds,
         scores=scores,
     )
@@ -102,7 +106,7 @@ def graders_run(body: GraderRunRequest, _tenant: Tenant) -> Response:
 
 
 @router.post("/validate", response_model=GraderValidateResponse)
-def graders_validate(body: GraderValidateRequest, _tenant: Tenant) -> Response:
+def graders_validate(body: GraderValidateRequest, c: Ctx, _tenant: Tenant) -> Response:
     """`grader` as this service will run it, or a 400 naming what it would refuse."""
-    grader = checked(body.grader)
+    grader = checked(body.grader, python=c.settings.python_graders)
     return respond(GraderValidateResponse(grader=grader))

@@ -25,7 +25,10 @@ What each grader computes, and with which library:
 - `multi`: named graders, and `calculate_output`, a formula over their scores
   (`+ - * / ^`, parentheses, `min max abs floor ceil exp sqrt log`), evaluated by
   `simpleeval` (an AST walker with no access to Python's builtins), never by `eval`.
-- `python`, `score_model`, `label_model`: a 400 saying so (not run by this service yet).
+- `python`: the caller's `grade(sample, item)`, when the operator turned python graders on
+  (PSTAR_PYTHON_GRADERS=on), in a sandboxed process (service/methods/python_grader.py);
+  otherwise a 400 saying so.
+- `score_model`, `label_model`: a 400 saying so (not run by this service yet).
 """
 
 from __future__ import annotations
@@ -55,14 +58,18 @@ from pydantic import (
 )
 
 from service.errors import InvalidRequest, describe_invalid
+from service.methods.python_grader import SandboxLimits, run_python
 
 SIMILARITY_METRICS = (
     "fuzzy_match", "bleu", "gleu", "meteor", "cosine",
     "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l",
 )  # fmt: skip
+PYTHON_OFF = (
+    "python graders run the caller's code, and they are off on this server (an operator "
+    "turns them on with PSTAR_PYTHON_GRADERS=on); express the check as string_check, "
+    "text_similarity or multi"
+)
 NOT_RUN = {
-    "python": "python graders run the caller's code, and this server has no sandbox for "
-    "it yet; express the check as string_check, text_similarity or multi",
     "score_model": "score_model graders are not run by this service yet; use "
     "string_check, text_similarity or multi",
     "label_model": "label_model graders are not run by this service yet; use "
@@ -110,11 +117,24 @@ def _kind(value: Any) -> str:
     return f"type[{kind}]"
 
 
-_KIND = Discriminator(_kind, custom_error_type="grader_type", custom_error_message=(
-    "Input should be a grader: 'type' one of string_check, text_similarity, multi"))  # fmt: skip
+_KIND = Discriminator(
+    _kind,
+    custom_error_type="grader_type",
+    custom_error_message="Input should be a grader: 'type' one of string_check, "
+    "text_similarity, python, multi",
+)
+
+
+class Python(_Grader):
+    type: Literal["python"]
+    source: str = Field(min_length=1, max_length=256_000)
+    image_tag: str | None = None  # OpenAI's runtime image; one runtime here: ignored
+
+
 Leaf = Annotated[
     Annotated[StringCheck, Tag("type[string_check]")]
-    | Annotated[TextSimilarity, Tag("type[text_similarity]")],
+    | Annotated[TextSimilarity, Tag("type[text_similarity]")]
+    | Annotated[Python, Tag("type[python]")],
     _KIND,
 ]
 
@@ -128,6 +148,7 @@ class Multi(_Grader):
 Grader = Annotated[
     Annotated[StringCheck, Tag("type[string_check]")]
     | Annotated[TextSimilarity, Tag("type[text_similarity]")]
+    | Annotated[Python, Tag("type[python]")]
     | Annotated[Multi, Tag("type[multi]")],
     _KIND,
 ]
@@ -137,8 +158,9 @@ _GRADER: TypeAdapter[Any] = TypeAdapter(Grader)
 # -- parsing -----------------------------------------------------------------------------
 
 
-def parse_grader(raw: Any, param: str = "grader") -> StringCheck | TextSimilarity | Multi:
-    """The grader `raw` (a JSON object as OpenAI takes it), or a 400 naming the field."""
+def parse_grader(raw: Any, param: str = "grader", *, python: bool = False) -> Any:
+    """The grader `raw` (a JSON object as OpenAI takes it), or a 400 naming the field;
+    `python`: whether python graders are on (Settings.python_graders)."""
     raw = prepared(raw, param)
     try:
         grader = _GRADER.validate_python(raw)
@@ -147,7 +169,7 @@ def parse_grader(raw: Any, param: str = "grader") -> StringCheck | TextSimilarit
         where = ".".join([param, *loc])
         more = f" (and {others} more)" if others else ""
         raise InvalidRequest(f"{where}: {msg}{more}", param=where) from None
-    return checked(grader, param)
+    return checked(grader, param, python=python)
 
 
 def prepared(raw: Any, param: str = "grader") -> Any:
@@ -162,11 +184,15 @@ def prepared(raw: Any, param: str = "grader") -> Any:
     return raw
 
 
-def checked(grader: Any, param: str = "grader") -> Any:
+def checked(grader: Any, param: str = "grader", *, python: bool = False) -> Any:
     """`grader` once its schema holds, or a 400 for what no schema says: a metric this
-    server cannot compute, a variable graders do not have, a formula that is not one."""
+    server cannot compute, a variable graders do not have, a formula that is not one,
+    python graders while they are off or source with no `grade` function."""
     for name, leaf in _leaves(grader):
-        _check_metric(leaf, f"{param}.graders.{name}" if name else param)
+        where = f"{param}.graders.{name}" if name else param
+        _check_metric(leaf, where)
+        if isinstance(leaf, Python):
+            _check_python(leaf, where, python)
     for where, text in _templates(grader, param):
         for ref in _TEMPLATE.findall(text):
             _check_reference(ref, where)
@@ -203,7 +229,23 @@ def _named_graders(raw: Any, param: str) -> Any:
     return raw
 
 
-def _leaves(grader: Any) -> list[tuple[str, StringCheck | TextSimilarity]]:
+def _check_python(leaf: Python, where: str, on: bool) -> None:
+    if not on:
+        raise InvalidRequest(f"{where}: {PYTHON_OFF}", param=f"{where}.type")
+    try:
+        tree = ast.parse(leaf.source)
+    except SyntaxError as e:
+        raise InvalidRequest(
+            f"{where}.source: not Python (line {e.lineno}: {e.msg})", param=f"{where}.source"
+        ) from None
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "grade" for n in tree.body):
+        raise InvalidRequest(
+            f"{where}.source: defines no function grade(sample, item) returning a score",
+            param=f"{where}.source",
+        )
+
+
+def _leaves(grader: Any) -> list[tuple[str, Any]]:
     if isinstance(grader, Multi):
         return list(grader.graders.items())
     return [("", grader)]
@@ -213,7 +255,8 @@ def _templates(grader: Any, param: str) -> list[tuple[str, str]]:
     out = []
     for name, leaf in _leaves(grader):
         where = f"{param}.graders.{name}" if name else param
-        out += [(f"{where}.input", leaf.input), (f"{where}.reference", leaf.reference)]
+        if not isinstance(leaf, Python):  # python graders read `item` themselves
+            out += [(f"{where}.input", leaf.input), (f"{where}.reference", leaf.reference)]
     return out
 
 
@@ -306,29 +349,37 @@ class Graded:
     reward: float
     sub_rewards: dict[str, float] = field(default_factory=dict)
     sample_parse_error: bool = False
+    python_error: str | None = None  # why a python grader scored 0
     seconds: float = 0.0
 
 
-def grade(grader: Any, sample: str, item: Any) -> Graded:
+def grade(grader: Any, sample: str, item: Any, limits: SandboxLimits | None = None) -> Graded:
     """Score `sample` against `item`. Deterministic: the same inputs, the same reward.
     A template naming an item key that is missing raises InvalidRequest; one asking for
     the sample's JSON when it is not JSON scores 0 (OpenAI's `sample_parse_error`)."""
     t0 = time.perf_counter()
     ns = {"item": item, "sample": {"output_text": sample, "output_json": _json_or_none(sample)}}
+    errors: list[str] = []
     try:
         if isinstance(grader, Multi):
-            subs = {name: _score(leaf, ns) for name, leaf in grader.graders.items()}
+            subs = {n: _score(leaf, ns, limits, errors) for n, leaf in grader.graders.items()}
             reward = _evaluate(grader.calculate_output, subs)
             out = Graded(reward, subs)
         else:
-            out = Graded(_score(grader, ns))
+            out = Graded(_score(grader, ns, limits, errors))
     except SampleNotJson:
         out = Graded(0.0, sample_parse_error=True)
+    out.python_error = "; ".join(errors) or None
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _score(leaf: Any, ns: dict) -> float:
+def _score(leaf: Any, ns: dict, limits: SandboxLimits | None, errors: list[str]) -> float:
+    if isinstance(leaf, Python):
+        (got,) = run_python(leaf.source, [(ns["sample"], ns["item"])], limits or SandboxLimits())
+        if got.error:
+            errors.append(got.error)
+        return got.score
     text, ref = render(leaf.input, ns), render(leaf.reference, ns)
     if isinstance(leaf, StringCheck):
         return float(_STRING_OPS[leaf.operation](text, ref))

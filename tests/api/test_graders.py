@@ -32,7 +32,7 @@ def test_run_scores_a_sample_against_its_item(client):
         grader=EXACT, model_sample="Paris", item={"answer": "Paris"}
     )
     assert got.reward == 1.0
-    assert got.metadata.name == "exact" and got.metadata.type == "string_check"
+    assert (got.metadata.name, got.metadata.type) == ("exact", "string_check")
     assert got.metadata.scores == {"exact": 1.0}
     assert not got.metadata.errors.sample_parse_error
 
@@ -77,3 +77,24 @@ def test_refusals_are_400s_naming_the_field(client, call, param):
     with pytest.raises(openai.BadRequestError) as e:
         graders.run(**call) if "model_sample" in call else graders.validate(**call)
     assert e.value.body["param"] == param
+
+
+def test_a_python_grader_runs_sandboxed_once_the_operator_turns_them_on(tmp_path):
+    from tests.service.test_python_grader import pytestmark as needs_landlock
+
+    if needs_landlock.args[0]:
+        pytest.skip(needs_landlock.kwargs["reason"])
+    api, stop = start_api(tmp_path, f"sqlite:///{tmp_path / 'store.db'}", "sqlite",
+                          python_graders=True)  # fmt: skip
+    try:
+        source = "def grade(sample, item):\n    open('/etc/hostname')\n    return 1.0"
+        grader = {"type": "python", "name": "py", "source": source}
+        got = api.client().fine_tuning.alpha.graders.run(grader=grader, model_sample="x")
+        assert got.reward == 0.0
+        assert got.metadata.errors.python_grader_runtime_error
+        assert "PermissionError" in got.metadata.errors.python_grader_runtime_error_details
+        fine = {**grader, "source": "def grade(sample, item):\n    return 0.5"}
+        again = api.client().fine_tuning.alpha.graders.run(grader=fine, model_sample="x")
+        assert again.reward == 0.5
+    finally:
+        stop()

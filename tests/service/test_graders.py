@@ -139,7 +139,7 @@ def test_templates_reach_nested_item_keys_and_the_samples_json():
     ("raw", "param", "says"),
     [
         ({"type": "python", "name": "p", "source": "def grade(s, i): return 1"},
-         "grader.type", "no sandbox"),
+         "grader.type", "off on this server"),
         ({"type": "score_model", "name": "s", "model": "m", "input": []},
          "grader.type", "not run by this service"),
         ({"type": "nope", "name": "x"}, "grader", "string_check"),
@@ -157,8 +157,8 @@ def test_templates_reach_nested_item_keys_and_the_samples_json():
         ({"type": "multi", "name": "m", "graders": {"a": check("eq")},
           "calculate_output": "a +"}, "grader.calculate_output", "not a formula"),
         ({"type": "multi", "name": "m", "calculate_output": "a",
-          "graders": {"a": {"type": "python", "name": "p", "source": ""}}},
-         "grader.graders.a.type", "no sandbox"),
+          "graders": {"a": {"type": "python", "name": "p", "source": "x"}}},
+         "grader.graders.a.type", "off on this server"),
     ],
 )  # fmt: skip
 def test_what_is_refused_is_a_400_naming_the_field(raw, param, says):

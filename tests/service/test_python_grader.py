@@ -1,0 +1,113 @@
+"""Python graders run the tenant's `grade(sample, item)` in a sandboxed process
+(service/methods/python_grader.py, python_sandbox.py): each test names one thing the code
+must not do, or one limit, and checks it is stopped with the reason as the score's error."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import pytest
+
+from service.errors import InvalidRequest
+from service.methods.graders import grade, parse_grader
+from service.methods.python_grader import SandboxLimits, run_python
+
+
+def _landlock_abi() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall(444, None, ctypes.c_size_t(0), 1)
+
+
+pytestmark = pytest.mark.skipif(
+    _landlock_abi() < 1,
+    reason="this kernel has no Landlock, so python graders refuse to run (tested below "
+    "only where they can)",
+)
+LIMITS = SandboxLimits(cpu_s=1, memory_bytes=512 << 20, wall_s=4)
+PAIR = ({"output_text": "Paris", "output_json": None}, {"answer": "Paris"})
+
+
+def one(source: str, limits: SandboxLimits = LIMITS):
+    (got,) = run_python(source, [PAIR], limits)
+    return got
+
+
+def test_grade_scores_each_pair_and_one_pairs_error_spares_the_others():
+    source = """
+def grade(sample, item):
+    if item["answer"] == "boom":
+        raise ValueError("no such city")
+    return 1.0 if sample["output_text"] == item["answer"] else 0.0
+"""
+    pairs = [PAIR, (PAIR[0], {"answer": "Lyon"}), (PAIR[0], {"answer": "boom"})]
+    got = run_python(source, pairs, LIMITS)
+    assert [g.score for g in got] == [1.0, 0.0, 0.0]
+    assert [g.error for g in got] == [None, None, "ValueError: no such city"]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import socket; socket.create_connection(('127.0.0.1', 9))",
+        "import socket; socket.socket(socket.AF_UNIX)",
+        "import subprocess; subprocess.run(['true'])",
+        "import os; os.fork()",
+        "import multiprocessing as m; p = m.Process(target=print); p.start()",
+    ],
+    ids=["tcp", "unix-socket", "program", "fork", "multiprocessing"],
+)
+def test_no_network_no_programs_no_processes(code):
+    got = one(f"def grade(sample, item):\n    {code}\n    return 1.0")
+    assert got.score == 0.0
+    assert got.error.startswith("PermissionError"), got.error
+
+
+def test_it_reads_no_file_outside_python_and_writes_only_its_own_directory(tmp_path):
+    secret = tmp_path / "store.db"
+    secret.write_text("other tenants' data")
+    got = one(f"def grade(s, i):\n    return len(open({str(secret)!r}).read())")
+    assert got.error.startswith("PermissionError"), got.error
+    got = one("def grade(s, i):\n    return len(open('/etc/passwd').read())")
+    assert got.error.startswith("PermissionError"), got.error
+    scratch = "def grade(s, i):\n    open('x', 'w').write('abc')\n    return len(open('x').read())"
+    assert one(scratch).score == 3.0
+    stdlib = "import statistics\ndef grade(s, i):\n    return statistics.mean([1, 2])"
+    assert one(stdlib).score == 1.5
+
+
+def test_it_sees_none_of_the_servers_environment(monkeypatch):
+    monkeypatch.setenv("PSTAR_API_TOKENS", "acme:secret")
+    got = one("import os\ndef grade(s, i):\n    return 'PSTAR_API_TOKENS' in os.environ")
+    assert (got.score, got.error) == (0.0, None)
+
+
+def test_cpu_memory_and_wall_time_are_limited():
+    t0 = time.monotonic()
+    spin = one("def grade(s, i):\n    while True: pass")
+    assert spin.error == "the grader used more than its 1 s of CPU"
+    sleep = one("import time\ndef grade(s, i):\n    time.sleep(60)")
+    assert sleep.error == "the grader ran past its 4 s and was stopped"
+    assert time.monotonic() - t0 < 20
+    hog = one("def grade(s, i):\n    return len(bytearray(1 << 30))")
+    assert hog.error.startswith("MemoryError")
+
+
+def test_the_callers_prints_do_not_spoil_the_scores():
+    assert one("def grade(s, i):\n    print('0.9')\n    return 0.25").score == 0.25
+
+
+def test_a_python_grader_is_a_400_while_off_and_its_source_is_checked_when_on():
+    raw = {"type": "python", "name": "p", "source": "def grade(s, i): return 1"}
+    with pytest.raises(InvalidRequest, match="PSTAR_PYTHON_GRADERS=on") as e:
+        parse_grader(raw)
+    assert e.value.param == "grader.type"
+    with pytest.raises(InvalidRequest, match="not Python") as e:
+        parse_grader({**raw, "source": "def grade(:"}, python=True)
+    assert e.value.param == "grader.source"
+    with pytest.raises(InvalidRequest, match="no function grade"):
+        parse_grader({**raw, "source": "def score(s, i): return 1"}, python=True)
+    multi = {"type": "multi", "name": "m", "graders": {"p": raw}, "calculate_output": "p / 2"}
+    got = grade(parse_grader(multi, python=True), "x", {}, LIMITS)
+    assert (got.reward, got.sub_rewards, got.python_error) == (0.5, {"p": 1.0}, None)
