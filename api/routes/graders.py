@@ -6,18 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.context import Context
 from api.errors import responses
+from api.generate import collect, refusal
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
-from service.methods.graders import Grader, check_item, checked, grade, prepared
+from service.methods.graders import Grader, Runners, check_item, checked, grade, prepared
+from service.serving.deployments import target_of
 
 router = APIRouter(
     prefix="/fine_tuning/alpha/graders",
     tags=["graders"],
-    responses=responses(400, 401),
+    responses=responses(400, 401, 404, 429, 503),
     dependencies=V1_DEPENDENCIES,
 )
 
@@ -84,12 +88,12 @@ class GraderValidateResponse(BaseModel):
 
 
 @router.post("/run", response_model=GraderRunResponse)
-def graders_run(body: GraderRunRequest, c: Ctx, _tenant: Tenant) -> Response:
+def graders_run(body: GraderRunRequest, c: Ctx, tenant: Tenant) -> Response:
     """The reward `grader` gives `model_sample` for the dataset line `item`."""
     grader = checked(body.grader, python=c.settings.python_graders)
     item = {} if body.item is None else body.item
     check_item(grader, item, "item")
-    got = grade(grader, body.model_sample, item)
+    got = grade(grader, body.model_sample, item, Runners(ask=_asker(c, tenant)))
     scores = got.sub_rewards or {grader.name: got.reward}
     meta = GraderRunMetadata(
         name=grader.name,
@@ -98,11 +102,59 @@ def graders_run(body: GraderRunRequest, c: Ctx, _tenant: Tenant) -> Response:
             sample_parse_error=got.sample_parse_error,
             python_grader_runtime_error=got.python_error is not None,
             python_grader_runtime_error_details=got.python_error,
+            model_grader_parse_error=got.model_parse_error,
         ),
         execution_time=got.seconds,
         scores=scores,
+        token_usage=sum(got.model_tokens.values()) if got.model_tokens else None,
+        sampled_model_name=next(iter(got.model_tokens), None),
     )
-    return respond(GraderRunResponse(reward=got.reward, sub_rewards=got.sub_rewards, metadata=meta))
+    return respond(
+        GraderRunResponse(
+            reward=got.reward,
+            sub_rewards=got.sub_rewards,
+            metadata=meta,
+            model_grader_token_usage_per_model=got.model_tokens,
+        )
+    )
+
+
+def _asker(c: Context, tenant: str):
+    """A score_model grader's question answered as `/v1/chat/completions` answers: any
+    model the tenant may call, within the per-request token limit and its share of
+    concurrent generations. Called from the route's worker thread."""
+
+    def ask(model: str, messages: list[dict[str, str]], sampling: dict[str, Any]):
+        target = target_of(c.settings, c.store, tenant, model)
+        limit = c.settings.limits.max_tokens_per_request
+        asked = sampling.get("max_tokens")
+        payload = {
+            "messages": messages,
+            "max_tokens": None if asked is None else min(asked, limit),
+            "default_max_tokens": limit,
+            "temperature": 1.0 if sampling.get("temperature") is None else sampling["temperature"],
+            "top_p": 1.0 if sampling.get("top_p") is None else sampling["top_p"],
+            "n": 1,
+            "seed": sampling.get("seed"),
+            "stop": None,
+        }
+        return anyio.from_thread.run(_answer, c, tenant, target, payload)
+
+    return ask
+
+
+async def _answer(c: Context, tenant: str, target: Any, payload: dict) -> tuple[str, int]:
+    c.generations.take(tenant)
+    try:
+        events = await c.backend.open(target, payload)
+        first = await anext(events)
+        if "error" in first:
+            await events.aclose()
+            raise refusal(first["error"])
+        ans = await collect(first, events, 1)
+    finally:
+        c.generations.give_back(tenant)
+    return ans.texts[0], ans.usage.total_tokens
 
 
 @router.post("/validate", response_model=GraderValidateResponse)

@@ -28,7 +28,11 @@ What each grader computes, and with which library:
 - `python`: the caller's `grade(sample, item)`, when the operator turned python graders on
   (PSTAR_PYTHON_GRADERS=on), in a sandboxed process (service/methods/python_grader.py);
   otherwise a 400 saying so.
-- `score_model`, `label_model`: a 400 saying so (not run by this service yet).
+- `score_model`: a model this service serves (a base, a fine-tuned model, a checkpoint)
+  answers the grader's messages through the same path as `/v1/chat/completions`; the
+  first number in its answer is the score, kept within `range` (default [0, 1]). An
+  answer with no number scores the range's low end (OpenAI's `model_grader_parse_error`).
+- `label_model`: a 400 saying so (not run by this service yet).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -55,6 +60,7 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
+    field_validator,
 )
 
 from service.errors import InvalidRequest, describe_invalid
@@ -70,8 +76,6 @@ PYTHON_OFF = (
     "text_similarity or multi"
 )
 NOT_RUN = {
-    "score_model": "score_model graders are not run by this service yet; use "
-    "string_check, text_similarity or multi",
     "label_model": "label_model graders are not run by this service yet; use "
     "string_check, text_similarity or multi",
 }
@@ -121,7 +125,7 @@ _KIND = Discriminator(
     _kind,
     custom_error_type="grader_type",
     custom_error_message="Input should be a grader: 'type' one of string_check, "
-    "text_similarity, python, multi",
+    "text_similarity, python, score_model, multi",
 )
 
 
@@ -131,10 +135,57 @@ class Python(_Grader):
     image_tag: str | None = None  # OpenAI's runtime image; one runtime here: ignored
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ModelMessage(BaseModel):
+    """One of a score_model grader's messages; text only (no model here sees images)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | TextPart | list[TextPart]
+    type: Literal["message"] | None = None
+
+    def text(self) -> str:
+        parts = self.content if isinstance(self.content, list) else [self.content]
+        return "".join(p if isinstance(p, str) else p.text for p in parts)
+
+
+class ModelSampling(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_completions_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    reasoning_effort: str | None = None  # for reasoning models; none is served here
+
+
+class ScoreModel(_Grader):
+    type: Literal["score_model"]
+    model: str = Field(min_length=1)
+    input: list[ModelMessage] = Field(min_length=1)
+    range: tuple[float, float] = (0.0, 1.0)
+    sampling_params: ModelSampling | None = None
+
+    @field_validator("range")
+    @classmethod
+    def _low_then_high(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not v[0] < v[1]:
+            raise ValueError(f"must be [low, high] with low < high, got {list(v)}")
+        return v
+
+
 Leaf = Annotated[
     Annotated[StringCheck, Tag("type[string_check]")]
     | Annotated[TextSimilarity, Tag("type[text_similarity]")]
-    | Annotated[Python, Tag("type[python]")],
+    | Annotated[Python, Tag("type[python]")]
+    | Annotated[ScoreModel, Tag("type[score_model]")],
     _KIND,
 ]
 
@@ -149,6 +200,7 @@ Grader = Annotated[
     Annotated[StringCheck, Tag("type[string_check]")]
     | Annotated[TextSimilarity, Tag("type[text_similarity]")]
     | Annotated[Python, Tag("type[python]")]
+    | Annotated[ScoreModel, Tag("type[score_model]")]
     | Annotated[Multi, Tag("type[multi]")],
     _KIND,
 ]
@@ -205,17 +257,37 @@ def _refuse_not_run(raw: dict, param: str) -> None:
     kind = raw.get("type")
     if kind in NOT_RUN:
         raise InvalidRequest(f"{param}: {NOT_RUN[kind]}", param=f"{param}.type")
+    if kind == "score_model" and isinstance(raw.get("input"), list):
+        _refuse_media(raw["input"], f"{param}.input")
     if kind == "multi" and isinstance(raw.get("graders"), dict):
         inner = raw["graders"]
         single = "type" in inner and isinstance(inner.get("type"), str)
         for name, sub in ({"": inner} if single else inner).items():
+            where = f"{param}.graders{'.' + name if name else ''}"
             if isinstance(sub, dict) and sub.get("type") in NOT_RUN:
-                where = f"{param}.graders{'.' + name if name else ''}"
                 raise InvalidRequest(f"{where}: {NOT_RUN[sub['type']]}", param=f"{where}.type")
+            if isinstance(sub, dict) and isinstance(sub.get("input"), list):
+                _refuse_media(sub["input"], f"{where}.input")
             if isinstance(sub, dict) and sub.get("type") == "multi":
                 raise InvalidRequest(
                     f"{param}.graders.{name}: a multi grader's graders cannot be multi",
                     param=f"{param}.graders.{name}.type",
+                )
+
+
+def _refuse_media(messages: list, param: str) -> None:
+    """Images and audio in a score_model grader's messages: a 400 that says why."""
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for j, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind not in ("input_text", "output_text"):
+                where = f"{param}.{i}.content" + (f".{j}" if isinstance(content, list) else "")
+                raise InvalidRequest(
+                    f"{where}.type: {kind!r}: score_model graders take text only here (no "
+                    "model this service serves reads images or audio)",
+                    param=f"{where}.type",
                 )
 
 
@@ -255,7 +327,9 @@ def _templates(grader: Any, param: str) -> list[tuple[str, str]]:
     out = []
     for name, leaf in _leaves(grader):
         where = f"{param}.graders.{name}" if name else param
-        if not isinstance(leaf, Python):  # python graders read `item` themselves
+        if isinstance(leaf, ScoreModel):
+            out += [(f"{where}.input.{i}", m.text()) for i, m in enumerate(leaf.input)]
+        elif not isinstance(leaf, Python):  # python graders read `item` themselves
             out += [(f"{where}.input", leaf.input), (f"{where}.reference", leaf.reference)]
     return out
 
@@ -342,48 +416,98 @@ class SampleNotJson(Exception):
     """A template asks for `sample.output_json` and the answer is not JSON."""
 
 
+# a score_model grader's question: (model, [{"role", "content"}], sampling) -> (answer,
+# tokens used); the caller answers it the way its chat completions do
+Ask = Callable[[str, list[dict[str, str]], dict[str, Any]], tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class Runners:
+    """What grading needs beyond the grader: the python sandbox's limits, and how to ask
+    a served model (None: a score_model grader cannot be run here)."""
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    ask: Ask | None = None
+
+
 @dataclass
 class Graded:
-    """A sample's reward, with each named grader's score for a multi grader."""
+    """A sample's reward, with each named grader's score for a multi grader, and what
+    went wrong on the way (OpenAI's error flags)."""
 
     reward: float
     sub_rewards: dict[str, float] = field(default_factory=dict)
     sample_parse_error: bool = False
-    python_error: str | None = None  # why a python grader scored 0
+    python_errors: list[str] = field(default_factory=list)  # why a python grader scored 0
+    model_parse_error: bool = False  # a score_model's answer held no number
+    model_tokens: dict[str, int] = field(default_factory=dict)  # model -> tokens used
     seconds: float = 0.0
 
+    @property
+    def python_error(self) -> str | None:
+        return "; ".join(self.python_errors) or None
 
-def grade(grader: Any, sample: str, item: Any, limits: SandboxLimits | None = None) -> Graded:
-    """Score `sample` against `item`. Deterministic: the same inputs, the same reward.
-    A template naming an item key that is missing raises InvalidRequest; one asking for
-    the sample's JSON when it is not JSON scores 0 (OpenAI's `sample_parse_error`)."""
+
+def grade(grader: Any, sample: str, item: Any, runners: Runners | None = None) -> Graded:
+    """Score `sample` against `item`. Deterministic but for score_model graders sampled
+    without a seed: the same inputs, the same reward. A template naming an item key that
+    is missing raises InvalidRequest; one asking for the sample's JSON when it is not JSON
+    scores 0 (OpenAI's `sample_parse_error`)."""
     t0 = time.perf_counter()
     ns = {"item": item, "sample": {"output_text": sample, "output_json": _json_or_none(sample)}}
-    errors: list[str] = []
+    out = Graded(0.0)
+    run = runners or Runners()
     try:
         if isinstance(grader, Multi):
-            subs = {n: _score(leaf, ns, limits, errors) for n, leaf in grader.graders.items()}
-            reward = _evaluate(grader.calculate_output, subs)
-            out = Graded(reward, subs)
+            out.sub_rewards = {n: _score(g, ns, run, out) for n, g in grader.graders.items()}
+            out.reward = _evaluate(grader.calculate_output, out.sub_rewards)
         else:
-            out = Graded(_score(grader, ns, limits, errors))
+            out.reward = _score(grader, ns, run, out)
     except SampleNotJson:
-        out = Graded(0.0, sample_parse_error=True)
-    out.python_error = "; ".join(errors) or None
+        out.reward, out.sub_rewards, out.sample_parse_error = 0.0, {}, True
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _score(leaf: Any, ns: dict, limits: SandboxLimits | None, errors: list[str]) -> float:
+def _score(leaf: Any, ns: dict, run: Runners, out: Graded) -> float:
     if isinstance(leaf, Python):
-        (got,) = run_python(leaf.source, [(ns["sample"], ns["item"])], limits or SandboxLimits())
+        (got,) = run_python(leaf.source, [(ns["sample"], ns["item"])], run.limits)
         if got.error:
-            errors.append(got.error)
+            out.python_errors.append(got.error)
         return got.score
+    if isinstance(leaf, ScoreModel):
+        return _ask_model(leaf, ns, run, out)
     text, ref = render(leaf.input, ns), render(leaf.reference, ns)
     if isinstance(leaf, StringCheck):
         return float(_STRING_OPS[leaf.operation](text, ref))
     return similarity(leaf.evaluation_metric, text, ref)
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _ask_model(leaf: ScoreModel, ns: dict, run: Runners, out: Graded) -> float:
+    if run.ask is None:
+        raise InvalidRequest("score_model graders cannot be run here", param="grader.type")
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": render(m.text(), ns)}
+        for m in leaf.input
+    ]
+    sp = leaf.sampling_params or ModelSampling()
+    sampling = {
+        "max_tokens": sp.max_completions_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "seed": sp.seed,
+    }
+    answer, tokens = run.ask(leaf.model, messages, sampling)
+    out.model_tokens[leaf.model] = out.model_tokens.get(leaf.model, 0) + tokens
+    low, high = leaf.range
+    found = _NUMBER.search(answer)
+    if found is None:
+        out.model_parse_error = True
+        return low
+    return min(high, max(low, float(found.group())))
 
 
 _STRING_OPS = {

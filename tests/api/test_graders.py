@@ -22,7 +22,9 @@ CLOSE = {
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("graders")
-    api, stop = start_api(data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite")
+    api, stop = start_api(
+        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
+    )
     yield api.client()
     stop()
 
@@ -98,3 +100,26 @@ def test_a_python_grader_runs_sandboxed_once_the_operator_turns_them_on(tmp_path
         assert again.reward == 0.5
     finally:
         stop()
+
+
+def test_a_score_model_grader_asks_a_served_model_as_chat_completions_would(client):
+    """The tiny random model answers noise: what is checked is that it was asked (its
+    tokens counted, its name given), with the seed making the run repeatable, and that an
+    answer without a number is a parse error scoring the range's low end."""
+    judge = {
+        "type": "score_model", "name": "judge", "model": "tiny-llama", "range": [0, 5],
+        "sampling_params": {"max_completions_tokens": 6, "seed": 11, "temperature": 1.0},
+        "input": [{"role": "user", "content": "Rate {{sample.output_text}} from 0 to 5."}],
+    }  # fmt: skip
+    runs = [
+        client.fine_tuning.alpha.graders.run(grader=judge, model_sample="Paris") for _ in range(2)
+    ]
+    first = runs[0]
+    assert first.metadata.sampled_model_name == "tiny-llama"
+    assert first.metadata.token_usage > 0
+    assert first.model_grader_token_usage_per_model == {"tiny-llama": first.metadata.token_usage}
+    assert 0.0 <= first.reward <= 5.0
+    assert (first.reward == 0.0) or not first.metadata.errors.model_grader_parse_error
+    assert runs[1].reward == first.reward
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.alpha.graders.run(grader={**judge, "model": "nope"}, model_sample="x")

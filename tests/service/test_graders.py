@@ -9,7 +9,7 @@ import math
 import pytest
 
 from service.errors import InvalidRequest
-from service.methods.graders import grade, parse_grader
+from service.methods.graders import Runners, grade, parse_grader
 
 
 def check(op: str, reference: str = "{{item.answer}}") -> dict:
@@ -140,8 +140,16 @@ def test_templates_reach_nested_item_keys_and_the_samples_json():
     [
         ({"type": "python", "name": "p", "source": "def grade(s, i): return 1"},
          "grader.type", "off on this server"),
-        ({"type": "score_model", "name": "s", "model": "m", "input": []},
+        ({"type": "label_model", "name": "s", "model": "m", "input": []},
          "grader.type", "not run by this service"),
+        ({"type": "score_model", "name": "s", "model": "m", "range": [1, 0],
+          "input": [{"role": "user", "content": "x"}]}, "grader.range", "low < high"),
+        ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "user",
+          "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+         "grader.input.0.content.0.type", "text only"),
+        ({"type": "score_model", "name": "s", "model": "m",
+          "input": [{"role": "user", "content": "{{sample.text}}"}]},
+         "grader.input.0", "{{item.<key>}}"),
         ({"type": "nope", "name": "x"}, "grader", "string_check"),
         (similar("cosine"), "grader.evaluation_metric", "embedding model"),
         (similar("wer"), "grader.evaluation_metric", "fuzzy_match"),
@@ -171,3 +179,37 @@ def test_what_is_refused_is_a_400_naming_the_field(raw, param, says):
 def test_a_template_naming_a_key_the_item_lacks_is_a_400():
     with pytest.raises(InvalidRequest, match="item does not have"):
         grade(parse_grader(check("eq")), "x", {"label": "x"})
+
+
+def test_score_model_asks_the_model_and_reads_the_first_number_within_the_range():
+    asked = []
+
+    def ask(model, messages, sampling):
+        asked.append((model, messages, sampling))
+        return answers.pop(0), 7
+
+    raw = {
+        "type": "score_model", "name": "judge", "model": "judge-model", "range": [0, 10],
+        "sampling_params": {"max_completions_tokens": 5, "seed": 3, "temperature": 0},
+        "input": [
+            {"role": "developer", "content": "Score from 0 to 10."},
+            {"role": "user", "content": [
+                {"type": "input_text", "text": "Q: {{item.q}}"},
+                {"type": "input_text", "text": " A: {{sample.output_text}}"},
+            ]},
+        ],
+    }  # fmt: skip
+    grader = parse_grader(raw)
+    answers = ["I'd say 7.5 of 10", "12", "no idea"]
+    runners = Runners(ask=ask)
+    got = [grade(grader, "Oslo", {"q": "Capital of Norway?"}, runners) for _ in range(3)]
+    assert [g.reward for g in got] == [7.5, 10.0, 0.0]  # 12 is kept within the range
+    assert [g.model_parse_error for g in got] == [False, False, True]
+    assert got[0].model_tokens == {"judge-model": 7}
+    model, messages, sampling = asked[0]
+    assert model == "judge-model"
+    assert messages == [
+        {"role": "system", "content": "Score from 0 to 10."},
+        {"role": "user", "content": "Q: Capital of Norway? A: Oslo"},
+    ]
+    assert sampling == {"max_tokens": 5, "temperature": 0, "top_p": None, "seed": 3}

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from service.errors import InvalidRequest
-from service.methods.graders import grade, parse_grader
+from service.methods.graders import Runners, grade, parse_grader
 from service.methods.python_grader import SandboxLimits, run_python
 
 
@@ -109,5 +109,5 @@ def test_a_python_grader_is_a_400_while_off_and_its_source_is_checked_when_on():
     with pytest.raises(InvalidRequest, match="no function grade"):
         parse_grader({**raw, "source": "def score(s, i): return 1"}, python=True)
     multi = {"type": "multi", "name": "m", "graders": {"p": raw}, "calculate_output": "p / 2"}
-    got = grade(parse_grader(multi, python=True), "x", {}, LIMITS)
+    got = grade(parse_grader(multi, python=True), "x", {}, Runners(limits=LIMITS))
     assert (got.reward, got.sub_rewards, got.python_error) == (0.5, {"p": 1.0}, None)
