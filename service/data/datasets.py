@@ -182,8 +182,8 @@ def _check_chat(obj: dict[str, Any]) -> str | None:
         role = m.get("role")
         if role not in ROLES:
             return f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
-        if not isinstance(m.get("content"), str):
-            return f"messages[{i}].content must be a string"
+        if problem := content_problem(m.get("content"), f"messages[{i}].content"):
+            return problem
         extra = set(m) - {"role", "content", "weight", "name"}
         if extra:
             return f"messages[{i}] has unknown key(s) {sorted(extra)}"
@@ -192,12 +192,51 @@ def _check_chat(obj: dict[str, Any]) -> str | None:
         ):
             return f"messages[{i}].weight must be 0 or 1, on assistant messages only"
         if role == "assistant" and m.get("weight", 1) == 1:
-            if not m["content"]:
+            if not content_text(m["content"]):
                 return f"messages[{i}]: an assistant message to train on needs content"
             trained += 1
     if trained == 0:
         return "no assistant message to train on (need one with weight 1)"
     return None
+
+
+# a content part OpenAI's chat format allows that no model here reads
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "file")
+
+
+def content_problem(content: Any, where: str) -> str | None:
+    """Why `content` is not a message's content: OpenAI's chat format takes a string or a
+    list of text parts ({"type": "text", "text": ...}); images and audio are refused."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f"{where} must be a string or a list of text parts"
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            return (
+                f"{where}[{j}] is an {kind!r} part: vision and audio models are not trained or "
+                "served here; keep the text parts only"
+            )
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            return f'{where}[{j}] must be a text part: {{"type": "text", "text": "..."}}'
+    return None
+
+
+def content_text(content: str | list[dict[str, str]]) -> str:
+    """A message's content as one string: its text parts joined (content_problem passed)."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+def plain_content(ex: dict[str, Any]) -> dict[str, Any]:
+    """An example whose messages' content is a string wherever the file gave text parts,
+    so that tokenization sees one form."""
+    for msgs in (ex.get("messages"), (ex.get("input") or {}).get("messages"),
+                 ex.get(PREFERRED), ex.get(NON_PREFERRED)):  # fmt: skip
+        for m in msgs if isinstance(msgs, list) else ():
+            if isinstance(m, dict) and isinstance(m.get("content"), list):
+                m["content"] = content_text(m["content"])
+    return ex
 
 
 def _check_completion(obj: dict[str, Any]) -> str | None:
@@ -234,8 +273,8 @@ def _check_preference(obj: dict[str, Any]) -> str | None:
             return (
                 f"input.messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
             )
-        if not isinstance(m.get("content"), str):
-            return f"input.messages[{i}].content must be a string"
+        if problem := content_problem(m.get("content"), f"input.messages[{i}].content"):
+            return problem
         extra = set(m) - {"role", "content", "name"}
         if extra:
             return f"input.messages[{i}] has unknown key(s) {sorted(extra)}"
@@ -252,12 +291,14 @@ def _check_preference(obj: dict[str, Any]) -> str | None:
         m = out[0]
         if m.get("role") != "assistant":
             return f"{key}[0].role must be 'assistant', got {m.get('role')!r}"
-        if not isinstance(m.get("content"), str) or not m["content"]:
-            return f"{key}[0].content must be a non-empty string"
+        if problem := content_problem(m.get("content"), f"{key}[0].content"):
+            return problem
+        if not content_text(m["content"]):
+            return f"{key}[0].content must not be empty"
         extra = set(m) - {"role", "content", "name"}
         if extra:
             return f"{key}[0] has unknown key(s) {sorted(extra)}"
-        answers.append(m["content"])
+        answers.append(content_text(m["content"]))
     if answers[0] == answers[1]:
         return "preferred_output and non_preferred_output are the same answer"
     return None
@@ -321,7 +362,7 @@ def iter_examples(path: Path, limit: int | None = None) -> Iterator[dict[str, An
             left -= 1
         if plain is None:
             plain = not line.lstrip().startswith("{")
-        yield {"text": line} if plain else json.loads(line)
+        yield {"text": line} if plain else plain_content(json.loads(line))
 
 
 def read_examples(path: Path, limit: int | None = None) -> tuple[str, list[Any]]:

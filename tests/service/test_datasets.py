@@ -305,9 +305,50 @@ def test_message_with_an_unknown_role_is_reported():
     assert reason.startswith("messages[0].role must be one of")
 
 
-def test_message_content_that_is_not_a_string_is_reported():
-    bad = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
-    assert only_error(msg_line(bad, ASSISTANT)) == (1, "messages[0].content must be a string")
+def test_message_content_that_is_neither_a_string_nor_text_parts_is_reported():
+    bad = {"role": "user", "content": 7}
+    assert only_error(msg_line(bad, ASSISTANT)) == (
+        1,
+        "messages[0].content must be a string or a list of text parts",
+    )
+    odd = {"role": "user", "content": [{"type": "text", "value": "hi"}]}
+    assert only_error(msg_line(odd, ASSISTANT)) == (
+        1,
+        'messages[0].content[0] must be a text part: {"type": "text", "text": "..."}',
+    )
+
+
+def test_an_image_part_is_reported_as_not_trained_here():
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    bad = {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}
+    _, reason = only_error(msg_line(bad, ASSISTANT))
+    assert reason.startswith("messages[0].content[1] is an 'image_url' part: vision and audio")
+
+
+def test_text_parts_train_exactly_as_the_same_text_given_as_a_string(tmp_path: Path):
+    """OpenAI's chat format allows content as a list of text parts; they are joined."""
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "bye "},
+                                          {"type": "text", "text": "ok"}]},
+    ]  # fmt: skip
+    pref = {
+        "input": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        "preferred_output": [{"role": "assistant", "content": [{"type": "text", "text": "a"}]}],
+        "non_preferred_output": [{"role": "assistant", "content": "b"}],
+    }
+    for line, fmt in ((msg_line(*parts), "chat"), (json.dumps(pref), "preference")):
+        f = tmp_path / f"{fmt}.jsonl"
+        f.write_text(line + "\n")
+        assert validate(line).ok
+        got_fmt, (ex,) = read_examples(f)
+        assert got_fmt == fmt
+        if fmt == "chat":
+            assert ex == chat(("system", "be brief"), ("user", "hi"), ("assistant", "bye ok"))
+        else:
+            assert ex["input"]["messages"][0]["content"] == "hi"
+            assert ex["preferred_output"][0]["content"] == "a"
 
 
 def test_chat_without_an_assistant_message_is_reported():
