@@ -39,12 +39,15 @@ from typing import Any
 
 import torch
 
+from service.data.tools import template_messages, tool_calls_problem, tools_problem
+
 IGNORE = -100
 FORMATS = ("chat", "completion", "text", "preference")
 # a preference pair (DPO), OpenAI's format: the prompt and two answers, the first preferred
 PREFERRED, NON_PREFERRED = "preferred_output", "non_preferred_output"
 PREFERENCE_KEYS = ("input", PREFERRED, NON_PREFERRED)
 ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = (*ROLES, "tool")  # a tool's result, answering an assistant's call
 MAX_LINE_BYTES = 16 << 20
 MAX_REPORTED_ERRORS = 20
 CHATML_TEMPLATE = (
@@ -169,35 +172,76 @@ def classify(obj: Any) -> tuple[str | None, str | None]:
 
 
 def _check_chat(obj: dict[str, Any]) -> str | None:
-    extra = set(obj) - {"messages"}
+    extra = set(obj) - {"messages", "tools", "parallel_tool_calls"}
     if extra:
-        return f"unknown key(s) {sorted(extra)} beside 'messages' (tools are not supported)"
+        return f"unknown key(s) {sorted(extra)} beside 'messages', 'tools', 'parallel_tool_calls'"
+    problem, declared = _check_tools(obj, "")
+    if problem:
+        return problem
     msgs = obj["messages"]
     if not isinstance(msgs, list) or not msgs:
         return "'messages' must be a non-empty list"
-    trained = 0
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            return f"messages[{i}] must be an object"
-        role = m.get("role")
-        if role not in ROLES:
-            return f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
-        if problem := content_problem(m.get("content"), f"messages[{i}].content"):
-            return problem
-        extra = set(m) - {"role", "content", "weight", "name"}
-        if extra:
-            return f"messages[{i}] has unknown key(s) {sorted(extra)}"
-        if "weight" in m and (
-            role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)
-        ):
-            return f"messages[{i}].weight must be 0 or 1, on assistant messages only"
-        if role == "assistant" and m.get("weight", 1) == 1:
-            if not content_text(m["content"]):
-                return f"messages[{i}]: an assistant message to train on needs content"
-            trained += 1
+    problem, trained = _check_messages(msgs, "messages", declared, weights=True)
+    if problem:
+        return problem
     if trained == 0:
         return "no assistant message to train on (need one with weight 1)"
     return None
+
+
+def _check_tools(obj: dict[str, Any], at: str) -> tuple[str | None, set[str] | None]:
+    """(why the `tools` and `parallel_tool_calls` beside messages are wrong, or None; the
+    declared tool names, or None when there are no tools)."""
+    if "parallel_tool_calls" in obj and not isinstance(obj["parallel_tool_calls"], bool):
+        return f"{at}parallel_tool_calls must be true or false", None
+    if "tools" not in obj:
+        return None, None
+    if problem := tools_problem(obj["tools"], f"{at}tools"):
+        return problem, None
+    return None, {t["function"]["name"] for t in obj["tools"]}
+
+
+def _check_messages(
+    msgs: list, where: str, declared: set[str] | None, weights: bool
+) -> tuple[str | None, int]:
+    """(why the messages are wrong or None, how many assistant messages train): roles,
+    content, assistant `tool_calls` and the `tool` messages that answer them by id."""
+    trained = 0
+    called: set[str] = set()
+    for i, m in enumerate(msgs):
+        at = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            return f"{at} must be an object", 0
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            return f"{at}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", 0
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None:
+            if problem := tool_calls_problem(calls, f"{at}.tool_calls", declared):
+                return problem, 0
+            called |= {c["id"] for c in calls}
+        no_text = calls is not None and m.get("content") is None  # calls only: allowed
+        if not no_text and (problem := content_problem(m.get("content"), f"{at}.content")):
+            return problem, 0
+        allowed = {"role", "content", "name"} | ({"weight"} if weights else set())
+        allowed |= {"tool_calls"} if role == "assistant" else set()
+        allowed |= {"tool_call_id"} if role == "tool" else set()
+        if extra := set(m) - allowed:
+            return f"{at} has unknown key(s) {sorted(extra)}", 0
+        if role == "tool" and m.get("tool_call_id") not in called:
+            return (
+                f"{at}.tool_call_id must be the id of a call an earlier assistant message "
+                "made (its tool_calls[].id)"
+            ), 0
+        if "weight" in m and (
+            role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)
+        ):
+            return f"{at}.weight must be 0 or 1, on assistant messages only", 0
+        if role == "assistant" and m.get("weight", 1) == 1:
+            if not calls and not content_text(m["content"]):
+                return f"{at}: an assistant message to train on needs content or tool_calls", 0
+            trained += 1
+    return None, trained
 
 
 # a content part OpenAI's chat format allows that no model here reads
@@ -261,23 +305,15 @@ def _check_preference(obj: dict[str, Any]) -> str | None:
     extra = set(inp) - {"messages", "tools", "parallel_tool_calls"}
     if extra:
         return f"input has unknown key(s) {sorted(extra)}"
-    if inp.get("tools"):
-        return "input.tools: tools are not supported; remove them"
+    problem, declared = _check_tools(inp, "input.")
+    if problem:
+        return problem
     msgs = inp.get("messages")
     if not isinstance(msgs, list) or not msgs:
         return "input.messages must be a non-empty list"
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            return f"input.messages[{i}] must be an object"
-        if m.get("role") not in ROLES:
-            return (
-                f"input.messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
-            )
-        if problem := content_problem(m.get("content"), f"input.messages[{i}].content"):
-            return problem
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            return f"input.messages[{i}] has unknown key(s) {sorted(extra)}"
+    problem, _ = _check_messages(msgs, "input.messages", declared, weights=False)
+    if problem:
+        return problem
     if msgs[-1]["role"] == "assistant":
         return (
             "input.messages ends with an assistant message; the answers go in "
@@ -436,16 +472,21 @@ def example_tokens(tokenizer: Any, fmt: str, ex: dict[str, Any]) -> tuple[list[i
         c = tokenizer(ex["completion"], add_special_tokens=False)["input_ids"]
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         return p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
-    msgs = [{"role": m["role"], "content": m["content"]} for m in ex["messages"]]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    # tools and tool calls as the template renders them, or in the fallback format
+    # (service/data/tools.py), which may put a system message first: `lead`
+    msgs, tools = template_messages(tokenizer, ex["messages"], ex.get("tools"), content_text)
+    lead = len(msgs) - len(ex["messages"])
+    text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = enc["offset_mapping"]
     mask = [0] * len(offsets)
     for i, m in enumerate(ex["messages"]):
         if m["role"] != "assistant" or m.get("weight", 1) == 0:
             continue
-        prompt = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            msgs[: lead + i], tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        through = tokenizer.apply_chat_template(msgs[: lead + i + 1], tools=tools, tokenize=False)
         # Spans are placed by length, so they hold only where the renderings agree with
         # `text`. Some templates close a whole conversation with EOS (Phi-3): the message
         # then ends where `through` departs from `text`, and a token that crosses that
@@ -480,18 +521,18 @@ def pair_tokens(tokenizer: Any, ex: dict[str, Any]) -> list[tuple[list[int], lis
     on the answer only (earlier assistant turns of the prompt are context): the preferred
     answer's (ids, loss mask), then the other's."""
     prompt = [
-        {
-            "role": m["role"],
-            "content": m["content"],
-            **({"weight": 0} if m["role"] == "assistant" else {}),
-        }
+        {**m, **({"weight": 0} if m["role"] == "assistant" else {})}
         for m in ex["input"]["messages"]
     ]
+    tools = {"tools": ex["input"]["tools"]} if ex["input"].get("tools") else {}
     return [
         example_tokens(
             tokenizer,
             "chat",
-            {"messages": [*prompt, {"role": "assistant", "content": ex[k][0]["content"]}]},
+            {
+                "messages": [*prompt, {"role": "assistant", "content": ex[k][0]["content"]}],
+                **tools,
+            },
         )
         for k in (PREFERRED, NON_PREFERRED)
     ]

@@ -8,6 +8,7 @@ with ChatML's turn markers as single tokens.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -95,12 +96,16 @@ def load_tokenizer(model: dict[str, Any], fmt: str, examples: Iterable[Any], cac
 def _texts(fmt: str, examples: Iterable[Any]):
     for ex in examples:
         if fmt == "chat":
-            yield from (m["content"] for m in ex["messages"])
+            yield from (m["content"] or "" for m in ex["messages"])
+            # a zoo model's tokenizer sees the calls and tools too, as JSON
+            yield from (json.dumps(m["tool_calls"]) for m in ex["messages"] if "tool_calls" in m)
+            if "tools" in ex:
+                yield json.dumps(ex["tools"])
         elif fmt == "completion":
             yield ex["prompt"]
             yield ex["completion"]
         elif fmt == "preference":
-            yield from (m["content"] for m in ex["input"]["messages"])
+            yield from (m["content"] or "" for m in ex["input"]["messages"])
             yield ex["preferred_output"][0]["content"]
             yield ex["non_preferred_output"][0]["content"]
         else:
@@ -110,7 +115,6 @@ def _texts(fmt: str, examples: Iterable[Any]):
 def max_positions(model: dict[str, Any]) -> int:
     if model["kind"] == "zoo":
         return 1 << 15  # the zoo model is built with the chosen seq_len
-    import json
 
     cfg = json.loads((Path(model["path"]) / "config.json").read_text())
     return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
@@ -226,8 +230,6 @@ def prepare_files(
     under `data_file` (a directory, `service.data.rows.load_rows` reads it) and their
     report beside it (`.json`), and return the report, which is small; its `error` is the
     `DataError`'s message when the data is unusable (nothing is written then)."""
-    import json
-
     tmp = fresh(data_file)
     try:
         prep = prepare(spec, train_path, valid_path, tokenizer_cache=tokenizer_cache, out=tmp)

@@ -301,7 +301,7 @@ def test_messages_that_are_not_a_list_are_reported():
 
 
 def test_message_with_an_unknown_role_is_reported():
-    _, reason = only_error(msg_line({"role": "tool", "content": "x"}, ASSISTANT))
+    _, reason = only_error(msg_line({"role": "robot", "content": "x"}, ASSISTANT))
     assert reason.startswith("messages[0].role must be one of")
 
 
@@ -362,13 +362,16 @@ def test_chat_whose_assistant_messages_all_have_weight_0_is_reported():
 
 
 def test_unknown_key_beside_messages_is_reported():
-    _, reason = only_error(msg_line(USER, ASSISTANT, tools=[]))
-    assert reason.startswith("unknown key(s) ['tools'] beside 'messages'")
+    _, reason = only_error(msg_line(USER, ASSISTANT, functions=[]))
+    assert reason.startswith("unknown key(s) ['functions'] beside 'messages'")
 
 
 def test_unknown_key_in_a_message_is_reported():
-    bad = {**ASSISTANT, "tool_calls": []}
-    assert only_error(msg_line(USER, bad)) == (1, "messages[1] has unknown key(s) ['tool_calls']")
+    bad = {**USER, "tool_calls": []}
+    assert only_error(msg_line(bad, ASSISTANT)) == (
+        1,
+        "messages[0] has unknown key(s) ['tool_calls']",
+    )
 
 
 @pytest.mark.parametrize(
@@ -567,3 +570,133 @@ def test_hf_model_loss_is_the_cross_entropy_of_the_unmasked_positions_only(tiny_
     ).mean()
     assert abs(leaked.item() - out.loss.item()) > 1e-2
     assert enc.loss_tokens == len(trained)
+
+
+# -- function calling -------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+}
+TOOL_CHAT = {
+    "tools": [WEATHER],
+    "parallel_tool_calls": False,
+    "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain, 7 C"},
+        {"role": "assistant", "content": "It rains in Oslo."},
+    ],
+}
+
+
+def test_a_function_calling_line_as_openai_documents_it_is_valid():
+    assert validate(json.dumps(TOOL_CHAT)).ok
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda ex: ex["messages"][2].update(tool_call_id="call_9"),
+         "messages[2].tool_call_id must be the id of a call an earlier assistant message made"),
+        (lambda ex: ex["messages"][1]["tool_calls"][0]["function"].update(name="get_time"),
+         "messages[1].tool_calls[0].function.name 'get_time' is not one of the line's tools"),
+        (lambda ex: ex["messages"][1]["tool_calls"][0]["function"].update(arguments="{city"),
+         "messages[1].tool_calls[0].function.arguments is not valid JSON"),
+        (lambda ex: ex["messages"][1]["tool_calls"][0]["function"].update(arguments={"a": 1}),
+         "messages[1].tool_calls[0].function.arguments must be a string holding a JSON object"),
+        (lambda ex: ex["tools"][0]["function"].update(name="get weather"),
+         "tools[0].function.name must be 1 to 64 letters, digits, '_' or '-'"),
+        (lambda ex: ex.update(tools=[WEATHER, WEATHER]),
+         "tools[1].function.name 'get_weather' is declared twice"),
+        (lambda ex: ex.update(parallel_tool_calls="no"),
+         "parallel_tool_calls must be true or false"),
+    ],
+)  # fmt: skip
+def test_a_wrong_tool_call_or_tool_is_reported_naming_it(change, says):
+    ex = json.loads(json.dumps(TOOL_CHAT))
+    change(ex)
+    _, reason = only_error(json.dumps(ex))
+    assert reason.startswith(says), reason
+
+
+def _tokenizer(tmp_path: Path, template: str | None = None):
+    from transformers import AutoTokenizer
+
+    from tests.tiny import make_tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_llama(tmp_path / "m"))
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def _trained_text(tok, ids: list[int], mask: list[int]) -> str:
+    return tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+
+
+def test_a_template_without_tools_gets_the_fallback_format_and_the_calls_are_trained(
+    tmp_path: Path,
+):
+    from service.data.datasets import example_tokens
+    from service.data.tools import TOOLS_HEADER
+
+    tok = _tokenizer(tmp_path)  # ChatML: no tools of its own
+    ids, mask = example_tokens(tok, "chat", json.loads(json.dumps(TOOL_CHAT)))
+    text = tok.decode(ids)
+    assert text.startswith(f"<|im_start|>system\n{TOOLS_HEADER}\n{json.dumps(WEATHER)}\n</tools>")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert f"<|im_start|>assistant\n{call}<|im_end|>" in text
+    assert "<|im_start|>user\n<tool_response>\nrain, 7 C\n</tool_response><|im_end|>" in text
+    trained = _trained_text(tok, ids, mask)
+    assert (call in trained, "It rains in Oslo." in trained) == (True, True)
+    assert ("rain, 7 C" in trained, "Weather in Oslo?" in trained) == (False, False)
+
+
+def test_a_template_with_tools_renders_them_itself(tmp_path: Path):
+    from service.data.datasets import example_tokens
+
+    template = (
+        "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+        "{{ c.function.arguments.city }} [{{ c.id }}]{% endfor %}"
+        "{% if m.role == 'tool' %} (for {{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tok = _tokenizer(tmp_path, template)
+    ids, mask = example_tokens(tok, "chat", json.loads(json.dumps(TOOL_CHAT)))
+    assert tok.decode(ids) == (
+        "TOOLS get_weather\nuser: Weather in Oslo?\nassistant: CALL get_weather Oslo [call_1]\n"
+        "tool: rain, 7 C (for call_1)\nassistant: It rains in Oslo.\n"
+    )
+    trained = _trained_text(tok, ids, mask)
+    assert ("CALL get_weather Oslo [call_1]" in trained, "It rains in Oslo." in trained) == (
+        True,
+        True,
+    )
+    assert "rain, 7 C" not in trained
+
+
+def test_a_preference_pair_with_tools_renders_them_in_its_prompt(tmp_path: Path):
+    from service.data.datasets import pair_tokens
+
+    pair = {
+        "input": {"messages": TOOL_CHAT["messages"][:3], "tools": [WEATHER]},
+        "preferred_output": [{"role": "assistant", "content": "It rains."}],
+        "non_preferred_output": [{"role": "assistant", "content": "Sunny!"}],
+    }
+    assert validate(json.dumps(pair)).ok
+    tok = _tokenizer(tmp_path)
+    (good, good_mask), (bad, _) = pair_tokens(tok, json.loads(json.dumps(pair)))
+    assert ("<tools>" in tok.decode(good), "<tool_call>" in tok.decode(bad)) == (True, True)
+    assert _trained_text(tok, good, good_mask).startswith("It rains.")

@@ -54,7 +54,7 @@ def test_preference_lines_are_their_own_format():
         ({**pair(), "input": {"messages": []}}, "input.messages must be a non-empty list"),
         (
             {**pair(), "input": {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}},
-            "tools are not supported",
+            'input.tools[0] must be {"type": "function"',
         ),
         (
             {
