@@ -27,6 +27,9 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # listening, not only bound: a socket that is merely bound does not keep a later
+        # SO_REUSEADDR bind (gRPC's, in Ray) off the port
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise ListenError(

@@ -62,8 +62,10 @@ class HFLoadError(ValueError):
 # one process at once can interleave so that the second puts back the first one's
 # stand-in: from then on no model in the process ties its weights, and a tied model
 # (GPT-2, SmolLM2) loads with a freshly initialized head, i.e. answers noise, with no error.
-# Every load in this project, and every test's, takes this lock: `load_causal_lm`, or
-# `with HF_LOADS:` around another loader (peft's).
+# A model built while another process-mate loads would come out untied the same way. So
+# every load and build of a transformers model in the service, the engine and the tests
+# takes this lock: `load_causal_lm`, or `with HF_LOADS:` around `from_config` and peft's
+# loaders (scripts and benchmarks that load in a process of their own need not).
 HF_LOADS = threading.Lock()
 
 
@@ -120,7 +122,8 @@ def model_on_meta(directory: Path) -> tuple[nn.Module, list[Path]]:
     with contextlib.suppress(KeyError):  # not a known causal LM: from_config says so
         MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(hf_config)
+        with HF_LOADS:  # [Note: one transformers load at a time]
+            module = AutoModelForCausalLM.from_config(hf_config)
     return module, files
 
 

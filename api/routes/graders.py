@@ -47,8 +47,10 @@ class GraderRunRequest(GraderValidateRequest):
 
 
 class GraderErrors(BaseModel):
-    """OpenAI's error flags of a run; `sample_parse_error` and the python grader's runtime
-    error can be set here (the others belong to model graders, not run here)."""
+    """OpenAI's error flags of a run. Set here: `sample_parse_error` (the answer is not
+    the JSON a template asks for), the python grader's runtime and server (sandbox) errors,
+    `model_grader_parse_error` (a score_model's answer held no number) and `other_error`
+    (a multi grader's formula had no value, e.g. a division by zero)."""
 
     formula_parse_error: bool = False
     invalid_variable_error: bool = False
@@ -100,9 +102,13 @@ def graders_run(body: GraderRunRequest, c: Ctx, tenant: Tenant) -> Response:
         type=grader.type,
         errors=GraderErrors(
             sample_parse_error=got.sample_parse_error,
-            python_grader_runtime_error=got.python_error is not None,
+            python_grader_runtime_error=got.python_error is not None
+            and not got.python_server_error,
             python_grader_runtime_error_details=got.python_error,
+            python_grader_server_error=got.python_server_error,
+            python_grader_server_error_type="sandbox" if got.python_server_error else None,
             model_grader_parse_error=got.model_parse_error,
+            other_error=got.formula_error,
         ),
         execution_time=got.seconds,
         scores=scores,

@@ -45,6 +45,8 @@ import operator
 import os
 import re
 import shutil
+import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -87,6 +89,9 @@ _FORMULA_NODES = (
     ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load, ast.Constant,
     ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd,
 )  # fmt: skip
+MAX_FORMULA_NODES = 256
+MAX_SIMILARITY_WORDS = 1024  # what BLEU, GLEU, METEOR and ROUGE compare of each side
+MAX_FUZZY_CHARS = 10_000  # what fuzzy_match compares of each side
 _TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 _WORDS = re.compile(r"\w+|[^\w\s]")
 
@@ -148,7 +153,7 @@ class ModelMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | TextPart | list[TextPart]
+    content: str | TextPart | list[str | TextPart]
     type: Literal["message"] | None = None
 
     def text(self) -> str:
@@ -306,6 +311,10 @@ def _check_python(leaf: Python, where: str, on: bool) -> None:
         raise InvalidRequest(f"{where}: {PYTHON_OFF}", param=f"{where}.type")
     try:
         tree = ast.parse(leaf.source)
+    except (MemoryError, RecursionError):
+        raise InvalidRequest(
+            f"{where}.source: nested too deeply to compile", param=f"{where}.source"
+        ) from None
     except SyntaxError as e:
         raise InvalidRequest(
             f"{where}.source: not Python (line {e.lineno}: {e.msg})", param=f"{where}.source"
@@ -392,7 +401,24 @@ def formula(text: str, names: set[str], param: str) -> Any:
                 f"nor a function ({', '.join(FORMULA_FUNCTIONS)})",
                 param=param,
             )
+        if isinstance(node, ast.Call) and not _arity_ok(node):
+            raise InvalidRequest(
+                f"{param}: {ast.unparse(node)}: min and max take one or more values, the other "
+                "functions one",
+                param=param,
+            )
+    if sum(1 for _ in ast.walk(tree)) > MAX_FORMULA_NODES:
+        raise InvalidRequest(
+            f"{param}: more than {MAX_FORMULA_NODES} terms; a formula combines a few scores",
+            param=param,
+        )
     return tree
+
+
+def _arity_ok(call: ast.Call) -> bool:
+    name = call.func.id if isinstance(call.func, ast.Name) else ""
+    many = name in ("min", "max")
+    return not call.keywords and (len(call.args) >= 1 if many else len(call.args) == 1)
 
 
 def check_item(grader: Any, item: Any, param: str) -> None:
@@ -413,7 +439,7 @@ def check_item(grader: Any, item: Any, param: str) -> None:
 
 
 class SampleNotJson(Exception):
-    """A template asks for `sample.output_json` and the answer is not JSON."""
+    """A template asks for `sample.output_json` (or a key of it) that the answer lacks."""
 
 
 # a score_model grader's question: (model, [{"role", "content"}], sampling) -> (answer,
@@ -439,6 +465,8 @@ class Graded:
     sub_rewards: dict[str, float] = field(default_factory=dict)
     sample_parse_error: bool = False
     python_errors: list[str] = field(default_factory=list)  # why a python grader scored 0
+    python_server_error: bool = False  # the sandbox failed (not the grader's code)
+    formula_error: bool = False  # calculate_output had no value (e.g. a division by 0)
     model_parse_error: bool = False  # a score_model's answer held no number
     model_tokens: dict[str, int] = field(default_factory=dict)  # model -> tokens used
     seconds: float = 0.0
@@ -460,7 +488,8 @@ def grade(grader: Any, sample: str, item: Any, runners: Runners | None = None) -
     try:
         if isinstance(grader, Multi):
             out.sub_rewards = {n: _score(g, ns, run, out) for n, g in grader.graders.items()}
-            out.reward = _evaluate(grader.calculate_output, out.sub_rewards)
+            value = _evaluate(grader.calculate_output, out.sub_rewards)
+            out.reward, out.formula_error = (0.0, True) if value is None else (value, False)
         else:
             out.reward = _score(grader, ns, run, out)
     except SampleNotJson:
@@ -471,9 +500,13 @@ def grade(grader: Any, sample: str, item: Any, runners: Runners | None = None) -
 
 def _score(leaf: Any, ns: dict, run: Runners, out: Graded) -> float:
     if isinstance(leaf, Python):
-        (got,) = run_python(leaf.source, [(ns["sample"], ns["item"])], run.limits)
+        sample = dict(ns["sample"])
+        if sample["output_json"] is NOT_JSON:
+            sample["output_json"] = None
+        (got,) = run_python(leaf.source, [(sample, ns["item"])], run.limits)
         if got.error:
             out.python_errors.append(got.error)
+            out.python_server_error |= got.kind == "server"
         return got.score
     if isinstance(leaf, ScoreModel):
         return _ask_model(leaf, ns, run, out)
@@ -523,11 +556,14 @@ def render(template: str, ns: dict) -> str:
 
     def one(m: re.Match) -> str:
         parts = m.group(1).split(".")
-        if parts[:2] == ["sample", "output_json"] and ns["sample"]["output_json"] is None:
+        in_json = parts[:2] == ["sample", "output_json"]
+        if in_json and ns["sample"]["output_json"] is NOT_JSON:
             raise SampleNotJson
         try:
             value = _lookup(ns, parts)
         except KeyError:
+            if in_json:  # the answer's JSON lacks the key: the answer's fault, scored 0
+                raise SampleNotJson from None
             raise InvalidRequest(
                 f"{{{{{m.group(1)}}}}} names a key the item does not have", param="item"
             ) from None
@@ -547,36 +583,56 @@ def _lookup(value: Any, path: list[str]) -> Any:
     return value
 
 
+NOT_JSON = object()  # `sample.output_json` of an answer that is not JSON (null is JSON)
+
+
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
-        return None
+    except (ValueError, RecursionError):
+        return NOT_JSON
 
 
-def _evaluate(text: str, scores: dict[str, float]) -> float:
+def _evaluate(text: str, scores: dict[str, float]) -> float | None:
+    """The formula's value, or None where it has none (a division by zero, log(0), an
+    overflow, a complex or non-finite result). Its numbers are floats, so a huge power
+    overflows at once rather than building a huge integer; `formula` bounded its size."""
     from simpleeval import DEFAULT_OPERATORS, SimpleEval
 
+    tree = ast.parse(text.replace("^", "**"), mode="eval")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            node.value = float(node.value)
     ops = {k: v for k, v in DEFAULT_OPERATORS.items() if k is not ast.BitXor}
-    evaluator = SimpleEval(operators=ops, functions=FORMULA_FUNCTIONS, names=scores)
+    floats = {k: float(v) for k, v in scores.items()}
+    evaluator = SimpleEval(operators=ops, functions=FORMULA_FUNCTIONS, names=floats)
     try:
-        return float(evaluator.eval(text.replace("^", "**")))
-    except (ZeroDivisionError, ValueError, OverflowError):
-        return 0.0  # e.g. log(0) or a division by a zero score: no reward, not a crash
+        value = evaluator.eval(text, previously_parsed=tree.body)
+    except Exception:  # simpleeval's own (NumberTooHigh), arithmetic and math domain errors
+        return None
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 # -- text similarity ---------------------------------------------------------------------
 
 
 def similarity(metric: str, text: str, ref: str) -> float:
+    """`metric` of `text` against `ref`, on at most the first MAX_FUZZY_CHARS characters
+    (fuzzy_match) or MAX_SIMILARITY_WORDS words (the others) of each: ROUGE-L and METEOR
+    cost the product of the two lengths."""
     if metric == "fuzzy_match":
         from rapidfuzz import fuzz
 
-        return fuzz.ratio(text, ref) / 100.0
+        return fuzz.ratio(text[:MAX_FUZZY_CHARS], ref[:MAX_FUZZY_CHARS]) / 100.0
     if metric.startswith("rouge_"):
         key = "rougeL" if metric == "rouge_l" else f"rouge{metric[-1]}"
-        return float(_rouge(key).score(ref, text)[key].fmeasure)
-    hyp, refs = _WORDS.findall(text), [_WORDS.findall(ref)]
+        cut = " ".join(text.split()[:MAX_SIMILARITY_WORDS])
+        ref_cut = " ".join(ref.split()[:MAX_SIMILARITY_WORDS])
+        return float(_rouge(key).score(ref_cut, cut)[key].fmeasure)
+    hyp = _WORDS.findall(text)[:MAX_SIMILARITY_WORDS]
+    refs = [_WORDS.findall(ref)[:MAX_SIMILARITY_WORDS]]
     if not hyp or not refs[0]:
         return float(hyp == refs[0])
     if metric == "bleu":
@@ -590,7 +646,9 @@ def similarity(metric: str, text: str, ref: str) -> float:
     if metric == "meteor":
         from nltk.translate.meteor_score import meteor_score
 
-        return float(meteor_score(refs, hyp, wordnet=_wordnet()))
+        wordnet = _wordnet()
+        with _WORDNET_READS:  # NLTK's reader seeks and reads one shared file handle
+            return float(meteor_score(refs, hyp, wordnet=wordnet))
     raise ValueError(f"no similarity metric {metric!r}")  # parse_grader refused it
 
 
@@ -623,6 +681,9 @@ verb.perception verb.possession verb.social verb.stative verb.weather adj.ppl
 _CATEGORY = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
 
 
+_WORDNET_READS = threading.Lock()
+
+
 @functools.cache
 def _wordnet() -> Any:
     """NLTK's WordNet reader over a copy of this machine's WordNet (NLTK reads corpora only
@@ -636,20 +697,18 @@ def _wordnet() -> Any:
     root = Path(os.environ.get("PSTAR_CACHE_DIR", Path.home() / ".cache" / "pstar"))
     data = root / "nltk_data"
     corpus = data / "corpora" / "wordnet"
-    if not (corpus / "lexnames").is_file():
-        tmp = corpus.with_name(f"wordnet.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    if not corpus.is_dir():  # made whole in a directory of its own, then renamed in place
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="wordnet.", dir=corpus.parent))
         for f in source.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
         names = _LEXNAMES.split()
         lines = [f"{i:02d}\t{n}\t{_CATEGORY[n.split('.')[0]]}" for i, n in enumerate(names)]
         (tmp / "lexnames").write_text("\n".join(lines) + "\n")
-        shutil.rmtree(corpus, ignore_errors=True)
         try:
             tmp.rename(corpus)
-        except OSError:  # another process made it meanwhile
+        except OSError:  # another process or thread made it meanwhile: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
     if str(data) not in nltk.data.path:
         nltk.data.path.append(str(data))

@@ -1,22 +1,31 @@
 """Python graders: the caller's `grade(sample, item)` run in a process of its own with no
-network, no other programs, and CPU, memory and time limits (`python_sandbox.py` says how).
-Off unless the operator turns them on (PSTAR_PYTHON_GRADERS=on): a grader is code from the
-tenant, and the limits bound what it costs, not what it is."""
+network, no files, no other programs or processes, and CPU, memory, output and time limits
+(`python_sandbox.py` says how). Off unless the operator turns them on
+(PSTAR_PYTHON_GRADERS=on): a grader is code from the tenant, and the sandbox bounds what
+it can reach and cost, not what it is. At most `MAX_RUNNING` run at once in a process;
+a call that finds no room within its wall-time limit is a 429."""
 
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-SANDBOX = Path(__file__).with_name("python_sandbox.py")
+from service.errors import QuotaExceeded
+from service.methods.python_sandbox import SANDBOX
+
+SANDBOX_FILE = Path(__file__).with_name("python_sandbox.py")
+MAX_RUNNING = 4
+OUTPUT_BYTES = 1 << 20  # what is read of the child's stdout and of its stderr
+_RUNNING = threading.BoundedSemaphore(MAX_RUNNING)
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,28 @@ class SandboxLimits:
 class PythonScore:
     score: float
     error: str | None = None
+    # who failed: the grader's code or its limits ("runtime"), or the sandbox ("server")
+    kind: Literal["runtime", "server"] = "runtime"
 
 
 def run_python(
-    source: str, pairs: list[tuple[Any, Any]], limits: SandboxLimits = SandboxLimits()
+    source: str, pairs: list[tuple[Any, Any]], limits: SandboxLimits | None = None
 ) -> list[PythonScore]:
     """`grade(sample, item)` of `source` on each pair, in one sandboxed process; a pair
-    whose grade raised, or a run that broke a limit, scores 0 with the reason."""
+    whose grade raised or gave no finite number, or a run that broke a limit, scores 0
+    with the reason."""
+    limits = limits or SandboxLimits()
+    if not _RUNNING.acquire(timeout=limits.wall_s):
+        raise QuotaExceeded(
+            f"{MAX_RUNNING} python graders are running on this server already; try again"
+        )
+    try:
+        return _run(source, pairs, limits)
+    finally:
+        _RUNNING.release()
+
+
+def _run(source: str, pairs: list, limits: SandboxLimits) -> list[PythonScore]:
     job = {
         "source": source,
         "pairs": pairs,
@@ -44,55 +68,65 @@ def run_python(
         "memory_bytes": limits.memory_bytes,
     }
     env = {"PATH": os.defpath, "LANG": "C.UTF-8"}  # nothing of the server's environment
-    with tempfile.TemporaryDirectory(prefix="pstar-grader-") as cwd:
-        with subprocess.Popen(
-            [sys.executable, "-I", "-B", str(SANDBOX)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,  # its own process group, stopped whole below
-        ) as child:
-            try:
-                out, err = child.communicate(json.dumps(job), timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                _stop(child)
-                return _all(pairs, f"the grader ran past its {limits.wall_s:g} s and was stopped")
-            finally:
-                _stop(child)
-        proc = subprocess.CompletedProcess(child.args, child.returncode, out, err)
-    if proc.returncode == 0:
+    with tempfile.TemporaryDirectory(prefix="pstar-grader-", ignore_cleanup_errors=True) as d:
+        out_path, err_path = Path(d, "out"), Path(d, "err")
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            child = subprocess.Popen(
+                [sys.executable, "-I", "-B", str(SANDBOX_FILE)],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                cwd=d,
+                env=env,
+                start_new_session=True,  # its own process group, stopped whole on a timeout
+            )
         try:
-            got = [PythonScore(float(r.get("score", 0.0)), r.get("error")) for r in _out(proc)]
-            if len(got) == len(pairs):
-                return got
-        except (ValueError, TypeError, AttributeError):
-            pass
-        return _all(pairs, "the grader's process answered something that is not scores")
-    if proc.returncode == -signal.SIGXCPU or proc.returncode == -signal.SIGKILL:
+            child.communicate(json.dumps(job).encode(), timeout=limits.wall_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # not reaped yet: the group is still its
+            child.wait()
+            return _all(pairs, f"the grader ran past its {limits.wall_s:g} s and was stopped")
+        stdout, stderr = _head(out_path), _head(err_path)
+    return _scores(child.returncode, stdout, stderr, pairs, limits)
+
+
+def _scores(
+    code: int, stdout: str, stderr: str, pairs: list, limits: SandboxLimits
+) -> list[PythonScore]:
+    last = _last_line(stderr)
+    if last.startswith(SANDBOX):
+        return _all(pairs, last.removeprefix(SANDBOX).strip(), "server")
+    if code == 0:
+        try:
+            got = [_score(r) for r in json.loads(stdout)]
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            got = []
+        if len(got) == len(pairs):
+            return got
+        return _all(pairs, "the grader's process answered something that is not scores", "server")
+    if code in (-signal.SIGXCPU, -signal.SIGKILL):
         return _all(pairs, f"the grader used more than its {limits.cpu_s} s of CPU")
-    return _all(pairs, _last_line(proc.stderr) or f"the grader exited with {proc.returncode}")
+    if code == -signal.SIGXFSZ:
+        return _all(pairs, f"the grader wrote more than {OUTPUT_BYTES >> 20} MiB of output")
+    return _all(pairs, last or f"the grader exited with {code}")
 
 
-def _stop(child: subprocess.Popen) -> None:
-    """Kill whatever is left of the child's process group (the sandbox forbids forks; this
-    is the second line), and reap the child."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
-    child.communicate()
+def _score(r: dict) -> PythonScore:
+    if r.get("error") is not None:
+        return PythonScore(0.0, str(r["error"]))
+    value = float(r["score"])
+    if not math.isfinite(value):
+        return PythonScore(0.0, f"the grader returned {value}, not a finite number")
+    return PythonScore(value)
 
 
-def _out(proc: subprocess.CompletedProcess) -> list[dict]:
-    out = json.loads(proc.stdout)
-    if not isinstance(out, list):
-        raise ValueError(out)
-    return out
+def _head(path: Path) -> str:
+    with path.open("rb") as f:
+        return f.read(OUTPUT_BYTES).decode("utf-8", errors="replace")
 
 
-def _all(pairs: list, error: str) -> list[PythonScore]:
-    return [PythonScore(0.0, error) for _ in pairs]
+def _all(pairs: list, error: str, kind: Literal["runtime", "server"] = "runtime"):
+    return [PythonScore(0.0, error, kind) for _ in pairs]
 
 
 def _last_line(stderr: str) -> str:

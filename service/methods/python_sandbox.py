@@ -1,49 +1,83 @@
 """The process a python grader's code runs in: started by `python_grader.run_python`
-as `python -I -B <this file>`, with a clean environment (no token, no store URL) in an
-empty temporary directory. Before the caller's code is even compiled it is limited:
+as `python -I -B <this file>`, with a clean environment (no token, no store URL), in an
+empty temporary directory, its stdout and stderr going to files there. Before the
+caller's code is even compiled it is confined, in this order:
 
-- CPU seconds and address space (RLIMIT_CPU, RLIMIT_AS), open files and file size;
-- files: Landlock (Linux 5.13+, no privilege needed) lets it read only the Python it runs
-  on (its prefixes) and the system's shared libraries, and write only its own temporary
-  directory: not the data directory, not the store, not other tenants' files. Where the
-  kernel has no Landlock the run fails rather than run unconfined;
-- no network, no other programs, no other processes: a seccomp filter (libseccomp,
-  through `pyseccomp`) makes socket(2) and its kin, execve(2), fork(2) and a clone(2) that
-  is not a thread's fail with EPERM (clone3(2), whose flags a filter cannot read, fails
-  with ENOSYS, so the C library falls back to clone for threads). It needs no privilege,
-  as a network namespace would.
+- limits: CPU seconds and address space (RLIMIT_CPU, RLIMIT_AS), 1 MiB per file written
+  (RLIMIT_FSIZE: stdout and stderr are files), 32 open files, no core dumps;
+- capabilities: all dropped (the server may run as root in a container);
+- files (Landlock, Linux 5.13+, no privilege needed): it may read the Python it runs on
+  (its prefixes) and the system's shared libraries, and open nothing else: not the data
+  directory, not the store, not other tenants' files; it can create no file anywhere (it
+  writes only to the stdout and stderr it was given). Where the kernel's Landlock is
+  recent enough, TCP (ABI 4), signals to processes outside the sandbox and abstract UNIX
+  sockets (ABI 6) are closed too. Where the kernel has no Landlock the run fails, as a
+  server error, rather than run unconfined;
+- system calls (seccomp, through `pyseccomp`, libseccomp's bindings): `DENIED` fail with
+  EPERM: sockets, programs, processes, io_uring (whose operations would bypass the socket
+  rules), System V IPC, namespaces, mounts, tracing and the like. Signals, resource limits
+  and scheduling may target this process only, named by its pid. clone(2) is allowed for
+  threads only, and clone3(2), whose flags a filter cannot read, fails with ENOSYS so that
+  the C library falls back to clone.
 
 Its input (stdin): {"source", "pairs": [[sample, item], ...], "cpu_s", "memory_bytes"}.
-Its output (the original stdout, after the run): one JSON list, a {"score"} or {"error"}
-per pair. The caller's own prints go to stderr."""
+Its output (stdout, once graded): one JSON list, a {"score"} or {"error"} per pair. The
+caller's own prints go to stderr. A failure of the sandbox itself is a last stderr line
+starting with `SANDBOX`."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import resource
 import sys
 
+SANDBOX = "sandbox:"  # the prefix of the sandbox's own failures on stderr
 DENIED = (
+    # network
     "socket", "socketpair", "connect", "bind", "listen", "accept", "accept4",
-    "sendto", "sendmsg", "sendmmsg", "execve", "execveat", "fork", "vfork",
+    "sendto", "sendmsg", "sendmmsg",
+    # programs and processes
+    "execve", "execveat", "fork", "vfork",
+    "tkill", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "setpriority", "ioprio_set",
+    # io_uring runs socket and file operations in the kernel, past these rules
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    # System V IPC: memory and queues shared with other processes of the user
+    "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl",
+    "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink",
+    # namespaces, mounts, the kernel's own objects
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_by_handle_at",
+    "name_to_handle_at", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key",
+    "request_key", "fanotify_init", "init_module", "finit_module", "delete_module",
+    "kexec_load", "reboot", "swapon", "swapoff", "acct", "quotactl",
+)  # fmt: skip
+# calls whose first argument is a process: allowed when it names this one by its pid
+# (libseccomp compares an argument once a rule, so "0: the caller" is refused too; the
+# limits are set before the filter is loaded)
+OWN_PID_ONLY = (
+    "kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "prlimit64",
+    "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
 )  # fmt: skip
 CLONE_THREAD = 0x00010000  # linux/sched.h
 
-
-# Landlock's ABI (linux/landlock.h): syscalls, rule type, and filesystem access rights
+# Landlock's ABI (linux/landlock.h): syscalls, rule type, access rights and scopes
 _CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446
 _RULESET_VERSION = 1  # landlock_create_ruleset flag: ask for the ABI version
 _PATH_BENEATH = 1
 _EXECUTE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 2, 1 << 3
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 _PR_SET_NO_NEW_PRIVS = 38
 READ_ONLY_SYSTEM = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share/zoneinfo")
 
 
 def _fs_rights(abi: int) -> int:
-    """Every filesystem right this ABI knows: all of them are handled (denied unless a
-    rule allows)."""
+    """Every filesystem right this ABI knows: all are handled (denied unless a rule
+    allows)."""
     rights = (1 << 13) - 1  # ABI 1: execute ... make_sym
     if abi >= 2:
         rights |= 1 << 13  # refer
@@ -54,63 +88,98 @@ def _fs_rights(abi: int) -> int:
     return rights
 
 
-def restrict_files(read_only: list[str], writable: str) -> None:
-    """Landlock: from here on this process (and any child) reads only under `read_only`
-    and reads and writes only under `writable`."""
-    import ctypes
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _fail(why: str) -> None:
+    raise SystemExit(f"{SANDBOX} {why}")
+
+
+def restrict_files(read_only: list[str]) -> None:
+    """Landlock: from here on this process reads only under `read_only`, opens nothing
+    for writing, and (where the ABI has them) uses no TCP and signals no process outside."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     abi = libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), _RULESET_VERSION)
     if abi < 1:
-        raise SystemExit(
+        _fail(
             "python graders cannot be confined here: this kernel has no Landlock (Linux "
             "5.13 or newer, with landlock among its LSMs)"
         )
-    handled = _fs_rights(abi)
-    attr = ctypes.c_uint64(handled)  # landlock_ruleset_attr's first field is all ABI 1 needs
-    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(8), 0)
+    attr = _RulesetAttr(_fs_rights(abi), 0, 0)
+    size = 8
+    if abi >= 4:
+        attr.handled_access_net, size = _NET_BIND_TCP | _NET_CONNECT_TCP, 16
+    if abi >= 6:
+        attr.scoped, size = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL, 24
+    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), 0)
     if ruleset < 0:
-        raise SystemExit(f"landlock_create_ruleset failed: {os.strerror(ctypes.get_errno())}")
-
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-    allowed = [(p, _EXECUTE | _READ_FILE | _READ_DIR) for p in read_only] + [(writable, handled)]
-    for path, access in allowed:
+        _fail(f"landlock_create_ruleset failed: {os.strerror(ctypes.get_errno())}")
+    for path in read_only:
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
             continue  # a system directory this machine lacks
-        rule = PathBeneath(access, fd)
+        rule = _PathBeneath(_EXECUTE | _READ_FILE | _READ_DIR, fd)
         rc = libc.syscall(_ADD_RULE, ruleset, _PATH_BENEATH, ctypes.byref(rule), 0)
         os.close(fd)
         if rc < 0:
-            raise SystemExit(f"landlock_add_rule({path}) failed: {os.strerror(ctypes.get_errno())}")
-    if (
-        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-        or libc.syscall(_RESTRICT_SELF, ruleset, 0) != 0
-    ):
-        raise SystemExit(f"landlock_restrict_self failed: {os.strerror(ctypes.get_errno())}")
+            _fail(f"landlock_add_rule({path}) failed: {os.strerror(ctypes.get_errno())}")
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        _fail(f"no_new_privs failed: {os.strerror(ctypes.get_errno())}")
+    if libc.syscall(_RESTRICT_SELF, ruleset, 0) != 0:
+        _fail(f"landlock_restrict_self failed: {os.strerror(ctypes.get_errno())}")
     os.close(ruleset)
+
+
+def drop_capabilities() -> None:
+    """No capability left, effective, permitted or inheritable (capset(2), version 3)."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()) != 0:
+        _fail(f"capset failed: {os.strerror(ctypes.get_errno())}")
 
 
 def confine(cpu_s: int, memory_bytes: int) -> None:
     import pyseccomp as seccomp  # loads libseccomp (found through /etc) before files close
 
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    restrict_files(sorted(prefixes) + list(READ_ONLY_SYSTEM), os.getcwd())
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
+    pid = os.getpid()
     rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    deny = seccomp.ERRNO(errno.EPERM)
     for name in DENIED:
-        rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        rules.add_rule(deny, name)
+    for name in OWN_PID_ONLY:
+        rules.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, pid))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    not_a_thread = seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0)
-    rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", not_a_thread)
+    rules.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+
+    for limit, value in (
+        (resource.RLIMIT_CPU, cpu_s),
+        (resource.RLIMIT_AS, memory_bytes),
+        (resource.RLIMIT_FSIZE, 1 << 20),
+        (resource.RLIMIT_NOFILE, 32),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(limit, (value, value))
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    restrict_files(sorted(prefixes) + list(READ_ONLY_SYSTEM))
+    drop_capabilities()
     rules.load()
 
 
@@ -129,7 +198,7 @@ def main() -> None:
         try:
             out.append({"score": float(grade(sample, item))})
         except Exception as e:  # one bad pair scores 0 with its error, the rest go on
-            out.append({"error": f"{type(e).__name__}: {e}"})
+            out.append({"error": f"{type(e).__name__}: {e}"[:500]})
     results.write(json.dumps(out))
     results.flush()
 

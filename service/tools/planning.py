@@ -20,7 +20,9 @@ def build_meta(model: str) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
-        with torch.device("meta"):
+        from pstar_core.hf import HF_LOADS
+
+        with HF_LOADS, torch.device("meta"):  # [Note: one transformers load at a time]
             return AutoModelForCausalLM.from_config(cfg)
     from pstar_core.models import GPT, get_config
 

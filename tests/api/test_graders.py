@@ -103,23 +103,30 @@ def test_a_python_grader_runs_sandboxed_once_the_operator_turns_them_on(tmp_path
 
 
 def test_a_score_model_grader_asks_a_served_model_as_chat_completions_would(client):
-    """The tiny random model answers noise: what is checked is that it was asked (its
-    tokens counted, its name given), with the seed making the run repeatable, and that an
-    answer without a number is a parse error scoring the range's low end."""
+    """The grader's greedy question, asked again through /v1/chat/completions, gets the
+    same answer: the reward is its first number within the range, or the range's low end
+    with a parse error when it has none (the tiny random model's usual answer)."""
+    import re
+
     judge = {
         "type": "score_model", "name": "judge", "model": "tiny-llama", "range": [0, 5],
-        "sampling_params": {"max_completions_tokens": 6, "seed": 11, "temperature": 1.0},
+        "sampling_params": {"max_completions_tokens": 6, "temperature": 0},
         "input": [{"role": "user", "content": "Rate {{sample.output_text}} from 0 to 5."}],
     }  # fmt: skip
-    runs = [
-        client.fine_tuning.alpha.graders.run(grader=judge, model_sample="Paris") for _ in range(2)
-    ]
-    first = runs[0]
-    assert first.metadata.sampled_model_name == "tiny-llama"
-    assert first.metadata.token_usage > 0
-    assert first.model_grader_token_usage_per_model == {"tiny-llama": first.metadata.token_usage}
-    assert 0.0 <= first.reward <= 5.0
-    assert (first.reward == 0.0) or not first.metadata.errors.model_grader_parse_error
-    assert runs[1].reward == first.reward
+    got = client.fine_tuning.alpha.graders.run(grader=judge, model_sample="Paris")
+    answer = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Rate Paris from 0 to 5."}],
+        max_tokens=6,
+        temperature=0,
+    )
+    text = answer.choices[0].message.content
+    number = re.search(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?", text)
+    expected = min(5.0, max(0.0, float(number.group()))) if number else 0.0
+    assert got.reward == expected
+    assert got.metadata.errors.model_grader_parse_error == (number is None)
+    assert got.metadata.sampled_model_name == "tiny-llama"
+    assert got.metadata.token_usage == answer.usage.total_tokens
+    assert got.model_grader_token_usage_per_model == {"tiny-llama": answer.usage.total_tokens}
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.alpha.graders.run(grader={**judge, "model": "nope"}, model_sample="x")

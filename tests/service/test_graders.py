@@ -213,3 +213,69 @@ def test_score_model_asks_the_model_and_reads_the_first_number_within_the_range(
         {"role": "user", "content": "Q: Capital of Norway? A: Oslo"},
     ]
     assert sampling == {"max_tokens": 5, "temperature": 0, "top_p": None, "seed": 3}
+
+
+def _multi(formula: str) -> dict:
+    return {
+        "type": "multi",
+        "name": "m",
+        "graders": {"a": check("eq")},
+        "calculate_output": formula,
+    }
+
+
+@pytest.mark.parametrize(
+    "formula",
+    [
+        "a / (a - 1)",  # a division by zero
+        "log(a - 1)",  # log(0)
+        "(a - 2) ^ 0.5",  # a complex number
+        "4000000 ^ 4000000",  # an overflow, at once (floats, not a huge integer)
+        "1e308 * 10 - 1e308 * 10",  # not a number
+    ],
+)
+def test_a_formula_without_a_value_scores_zero_and_says_so(formula):
+    got = grade(parse_grader(_multi(formula)), "x", {"answer": "x"})
+    assert (got.reward, got.formula_error) == (0.0, True)
+
+
+@pytest.mark.parametrize(
+    ("formula", "says"),
+    [
+        ("abs(a, a)", "the other functions one"),
+        ("min()", "min and max take one or more values"),
+        ("+".join(["a"] * 300), "more than 256 terms"),
+    ],
+)
+def test_a_formula_that_cannot_be_computed_is_a_400(formula, says):
+    with pytest.raises(InvalidRequest, match=says):
+        parse_grader(_multi(formula))
+
+
+def test_an_answer_lacking_the_json_a_template_asks_for_scores_zero_not_a_400():
+    raw = check("eq", "{{item.answer}}") | {"input": "{{sample.output_json.city}}"}
+    grader = parse_grader(raw)
+    for sample in ('{"town": "Oslo"}', "42", "[1]", "null", "[" * 100_000):
+        got = grade(grader, sample, {"answer": "Oslo"})
+        assert (got.reward, got.sample_parse_error) == (0.0, True), sample[:20]
+    assert grade(parse_grader(check("eq") | {"input": "{{sample.output_json}}"}), "null",
+                 {"answer": "null"}).reward == 1.0  # fmt: skip
+
+
+def test_long_texts_are_compared_on_their_first_words():
+    """ROUGE-L and METEOR cost the product of the two lengths: each side is cut to its
+    first MAX_SIMILARITY_WORDS words (fuzzy_match: MAX_FUZZY_CHARS characters)."""
+    from service.methods.graders import MAX_SIMILARITY_WORDS, similarity
+
+    head = " ".join(f"w{i}" for i in range(MAX_SIMILARITY_WORDS))
+    long = head + " tail" * 200_000
+    assert similarity("rouge_l", long, head) == pytest.approx(1.0)
+    assert similarity("bleu", long, head) == pytest.approx(1.0)
+
+
+def test_score_model_messages_take_plain_strings_in_their_content_list():
+    content = ["Rate ", {"type": "input_text", "text": "it"}]
+    raw = {"type": "score_model", "name": "s", "model": "m",
+           "input": [{"role": "user", "content": content}]}  # fmt: skip
+    got = grade(parse_grader(raw), "x", {}, Runners(ask=lambda m, msgs, s: ("1", 1)))
+    assert got.reward == 1.0

@@ -64,17 +64,56 @@ def test_no_network_no_programs_no_processes(code):
     assert got.error.startswith("PermissionError"), got.error
 
 
-def test_it_reads_no_file_outside_python_and_writes_only_its_own_directory(tmp_path):
+def test_it_reads_no_file_outside_python_and_creates_none(tmp_path):
     secret = tmp_path / "store.db"
     secret.write_text("other tenants' data")
-    got = one(f"def grade(s, i):\n    return len(open({str(secret)!r}).read())")
-    assert got.error.startswith("PermissionError"), got.error
-    got = one("def grade(s, i):\n    return len(open('/etc/passwd').read())")
-    assert got.error.startswith("PermissionError"), got.error
-    scratch = "def grade(s, i):\n    open('x', 'w').write('abc')\n    return len(open('x').read())"
-    assert one(scratch).score == 3.0
+    for code in (
+        f"len(open({str(secret)!r}).read())",
+        "len(open('/etc/passwd').read())",
+        "open('x', 'w').write('abc')",
+        "__import__('os').mkdir('d')",
+    ):
+        got = one(f"def grade(s, i):\n    return {code}")
+        assert got.error.startswith("PermissionError"), (code, got.error)
     stdlib = "import statistics\ndef grade(s, i):\n    return statistics.mean([1, 2])"
     assert one(stdlib).score == 1.5
+
+
+def test_it_cannot_touch_other_processes_or_share_memory_with_them():
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        for code in (
+            f"__import__('os').kill({other.pid}, 9)",
+            "__import__('os').kill(__import__('os').getppid(), 0)",
+            f"__import__('resource').prlimit({other.pid}, 7, (3, 3))",
+            f"__import__('os').sched_setaffinity({other.pid}, {{0}})",
+            f"__import__('os').setpriority(0, {other.pid}, 19)",
+        ):
+            got = one(f"def grade(s, i):\n    {code}\n    return 1.0")
+            assert got.error.startswith("PermissionError"), (code, got.error)
+        assert other.poll() is None  # still running, untouched
+    finally:
+        other.kill()
+        other.wait()
+    # io_uring (its socket operations would pass the socket rules) and System V memory
+    for call in ("syscall(425, 8, ctypes.create_string_buffer(120))", "shmget(1234, 4096, 0o1666)"):
+        source = (
+            "import ctypes\ndef grade(s, i):\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"    if libc.{call} < 0:\n        raise OSError(ctypes.get_errno(), 'refused')\n"
+            "    return 1.0"
+        )
+        assert one(source).error == "PermissionError: [Errno 1] refused", call
+
+
+def test_its_output_is_bounded_and_any_bytes_of_it_are_read():
+    flood = one("import sys\ndef grade(s, i):\n    sys.stderr.write('x' * (8 << 20))")
+    assert flood.error == "OSError: [Errno 27] File too large"
+    raw = one("import os\ndef grade(s, i):\n    os.write(2, b'\\xff')\n    raise ValueError('x')")
+    assert raw.error == "ValueError: x"
+    nan = one("def grade(s, i):\n    return float('nan')")
+    assert (nan.score, nan.error) == (0.0, "the grader returned nan, not a finite number")
 
 
 def test_it_sees_none_of_the_servers_environment(monkeypatch):
