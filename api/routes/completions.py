@@ -4,6 +4,7 @@ as OpenAI's do, streamed or whole. Prompts and answers are never logged."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.completion_schemas import ChatCompletion, ChatRequest, CompletionRequest, Sampling
+from api.context import Context
 from api.errors import responses
 from api.generate import chat_completion, collect, refusal, stream_chunks, text_completion
 from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Tenant, ctx, respond
@@ -71,16 +73,7 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
         "seed": body.seed,
         "stop": body.stops(),
     }
-    c.generations.take(tenant)
-    try:
-        events = await c.backend.open(target, payload)
-        first = await anext(events)
-        if "error" in first:
-            await events.aclose()
-            raise refusal(first["error"])
-    except BaseException:
-        c.generations.give_back(tenant)
-        raise
+    first, events = await started(c, tenant, target, payload)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = stream_chunks(chat, body.model, n, include_usage, events)
@@ -94,3 +87,21 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
     finally:
         c.generations.give_back(tenant)
     return respond((chat_completion if chat else text_completion)(body.model, ans))
+
+
+async def started(
+    c: Context, tenant: str, target: Any, payload: dict[str, Any]
+) -> tuple[dict, AsyncIterator[dict]]:
+    """The first event of the model's answer and the rest, one of the tenant's generation
+    slots taken (given back here if the answer does not start; by the caller after)."""
+    c.generations.take(tenant)
+    try:
+        events = await c.backend.open(target, payload)
+        first = await anext(events)
+        if "error" in first:
+            await events.aclose()
+            raise refusal(first["error"])
+    except BaseException:
+        c.generations.give_back(tenant)
+        raise
+    return first, events

@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.context import Context
 from api.errors import responses
-from api.generate import collect, refusal
+from api.generate import collect
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
+from api.routes.completions import started
 from service.methods.graders import Grader, Runners, check_item, checked, grade, prepared
 from service.serving.deployments import target_of
 
@@ -150,13 +151,8 @@ def _asker(c: Context, tenant: str):
 
 
 async def _answer(c: Context, tenant: str, target: Any, payload: dict) -> tuple[str, int]:
-    c.generations.take(tenant)
+    first, events = await started(c, tenant, target, payload)
     try:
-        events = await c.backend.open(target, payload)
-        first = await anext(events)
-        if "error" in first:
-            await events.aclose()
-            raise refusal(first["error"])
         ans = await collect(first, events, 1)
     finally:
         c.generations.give_back(tenant)
