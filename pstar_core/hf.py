@@ -121,9 +121,8 @@ def model_on_meta(directory: Path) -> tuple[nn.Module, list[Path]]:
 
     with contextlib.suppress(KeyError):  # not a known causal LM: from_config says so
         MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
-    with torch.device("meta"):
-        with HF_LOADS:  # [Note: one transformers load at a time]
-            module = AutoModelForCausalLM.from_config(hf_config)
+    with torch.device("meta"), HF_LOADS:  # [Note: one transformers load at a time]
+        module = AutoModelForCausalLM.from_config(hf_config)
     return module, files
 
 

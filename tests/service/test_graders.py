@@ -265,7 +265,7 @@ def test_an_answer_lacking_the_json_a_template_asks_for_scores_zero_not_a_400():
 def test_long_texts_are_compared_on_their_first_words():
     """ROUGE-L and METEOR cost the product of the two lengths: each side is cut to its
     first MAX_SIMILARITY_WORDS words (fuzzy_match: MAX_FUZZY_CHARS characters)."""
-    from service.methods.graders import MAX_SIMILARITY_WORDS, similarity
+    from service.methods.similarity import MAX_SIMILARITY_WORDS, similarity
 
     head = " ".join(f"w{i}" for i in range(MAX_SIMILARITY_WORDS))
     long = head + " tail" * 200_000
