@@ -66,7 +66,7 @@ class HFLoadError(ValueError):
 # every load and build of a transformers model in the service, the engine and the tests
 # takes this lock: `load_causal_lm`, or `with HF_LOADS:` around `from_config` and peft's
 # loaders (scripts and benchmarks that load in a process of their own need not).
-HF_LOADS = threading.Lock()
+HF_LOADS = threading.RLock()  # re-entrant: a load inside a build in one thread waits for no one
 
 
 def load_causal_lm(directory: str | Path, **kwargs) -> nn.Module:
