@@ -76,7 +76,9 @@ NOT_RUN = {
     "string_check, text_similarity or multi",
 }
 FORMULA_FUNCTIONS = {
-    "min": min, "max": max, "abs": abs, "floor": math.floor, "ceil": math.ceil,
+    # floats throughout: an integer power of floor(4e6) would compute for minutes
+    "min": min, "max": max, "abs": abs,
+    "floor": lambda x: float(math.floor(x)), "ceil": lambda x: float(math.ceil(x)),
     "exp": math.exp, "sqrt": math.sqrt, "log": math.log,
 }  # fmt: skip
 _FORMULA_NODES = (
@@ -84,6 +86,7 @@ _FORMULA_NODES = (
     ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd,
 )  # fmt: skip
 MAX_FORMULA_NODES = 256
+MAX_RENDERED_CHARS = 1 << 20  # what one template may render to
 _TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 
 
@@ -162,11 +165,14 @@ class ModelSampling(BaseModel):
     reasoning_effort: str | None = None  # for reasoning models; none is served here
 
 
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class ScoreModel(_Grader):
     type: Literal["score_model"]
     model: str = Field(min_length=1)
     input: list[ModelMessage] = Field(min_length=1)
-    range: tuple[float, float] = (0.0, 1.0)
+    range: tuple[Finite, Finite] = (0.0, 1.0)
     sampling_params: ModelSampling | None = None
 
     @field_validator("range")
@@ -545,7 +551,10 @@ _STRING_OPS = {
 def render(template: str, ns: dict) -> str:
     """`template` with each {{name.path}} replaced by its value (JSON for objects)."""
 
+    size = 0
+
     def one(m: re.Match) -> str:
+        nonlocal size
         parts = m.group(1).split(".")
         in_json = parts[:2] == ["sample", "output_json"]
         if in_json and ns["sample"]["output_json"] is NOT_JSON:
@@ -558,7 +567,15 @@ def render(template: str, ns: dict) -> str:
             raise InvalidRequest(
                 f"{{{{{m.group(1)}}}}} names a key the item does not have", param="item"
             ) from None
-        return value if isinstance(value, str) else json.dumps(value)
+        text = value if isinstance(value, str) else json.dumps(value)
+        size += len(text)
+        if size > MAX_RENDERED_CHARS:
+            raise InvalidRequest(
+                f"a grader's template renders to more than {MAX_RENDERED_CHARS:,} characters; "
+                "name smaller values, or fewer of them",
+                param="grader",
+            )
+        return text
 
     return _TEMPLATE.sub(one, template)
 
@@ -567,7 +584,13 @@ def _lookup(value: Any, path: list[str]) -> Any:
     for key in path:
         if isinstance(value, dict) and key in value:
             value = value[key]
-        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+        elif (
+            isinstance(value, list)
+            and key.isascii()
+            and key.isdigit()
+            and len(key) < 10
+            and int(key) < len(value)
+        ):
             value = value[int(key)]
         else:
             raise KeyError(key)
@@ -578,8 +601,12 @@ NOT_JSON = object()  # `sample.output_json` of an answer that is not JSON (null 
 
 
 def _json_or_none(text: str) -> Any:
+    """The answer read as JSON, or NOT_JSON; JSON nested too deeply to be written back
+    (the python sandbox's input, a template's value) counts as not JSON."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        json.dumps(value)
+        return value
     except (ValueError, RecursionError):
         return NOT_JSON
 
@@ -598,9 +625,7 @@ def _evaluate(text: str, scores: dict[str, float]) -> float | None:
     floats = {k: float(v) for k, v in scores.items()}
     evaluator = SimpleEval(operators=ops, functions=FORMULA_FUNCTIONS, names=floats)
     try:
-        value = evaluator.eval(text, previously_parsed=tree.body)
-    except Exception:  # simpleeval's own (NumberTooHigh), arithmetic and math domain errors
-        return None
-    if not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
+        value = float(evaluator.eval(text, previously_parsed=tree.body))
+        return value if math.isfinite(value) else None
+    except Exception:  # simpleeval's own (NumberTooHigh), arithmetic, math domain errors,
+        return None  # a complex result (float() of it is a TypeError)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from service.errors import QuotaExceeded
-from service.methods.python_sandbox import SANDBOX
 
 SANDBOX_FILE = Path(__file__).with_name("python_sandbox.py")
 MAX_RUNNING = 4
@@ -50,7 +49,8 @@ def run_python(
     whose grade raised or gave no finite number, or a run that broke a limit, scores 0
     with the reason."""
     limits = limits or SandboxLimits()
-    if not _RUNNING.acquire(timeout=limits.wall_s):
+    # a short wait: the caller holds one of the API's worker threads meanwhile
+    if not _RUNNING.acquire(timeout=1.0):
         raise QuotaExceeded(
             f"{MAX_RUNNING} python graders are running on this server already; try again"
         )
@@ -61,21 +61,27 @@ def run_python(
 
 
 def _run(source: str, pairs: list, limits: SandboxLimits) -> list[PythonScore]:
-    job = {
-        "source": source,
-        "pairs": pairs,
-        "cpu_s": limits.cpu_s,
-        "memory_bytes": limits.memory_bytes,
+    env = {  # nothing of the server's environment; one thread for the numeric libraries
+        "PATH": os.defpath,
+        "LANG": "C.UTF-8",
+        **{k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")},
     }
-    env = {"PATH": os.defpath, "LANG": "C.UTF-8"}  # nothing of the server's environment
     with tempfile.TemporaryDirectory(prefix="pstar-grader-", ignore_cleanup_errors=True) as d:
-        out_path, err_path = Path(d, "out"), Path(d, "err")
-        with out_path.open("wb") as out, err_path.open("wb") as err:
+        paths = [Path(d, name) for name in ("out", "err", "confined")]
+        with paths[0].open("wb") as out, paths[1].open("wb") as err, paths[2].open("wb") as mark:
+            job = {
+                "source": source,
+                "pairs": pairs,
+                "cpu_s": limits.cpu_s,
+                "memory_bytes": limits.memory_bytes,
+                "confined_fd": mark.fileno(),
+            }
             child = subprocess.Popen(
                 [sys.executable, "-I", "-B", str(SANDBOX_FILE)],
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=err,
+                pass_fds=(mark.fileno(),),
                 cwd=d,
                 env=env,
                 start_new_session=True,  # its own process group, stopped whole on a timeout
@@ -86,38 +92,41 @@ def _run(source: str, pairs: list, limits: SandboxLimits) -> list[PythonScore]:
             os.killpg(child.pid, signal.SIGKILL)  # not reaped yet: the group is still its
             child.wait()
             return _all(pairs, f"the grader ran past its {limits.wall_s:g} s and was stopped")
-        stdout, stderr = _head(out_path), _head(err_path)
-    return _scores(child.returncode, stdout, stderr, pairs, limits)
+        stdout, stderr, confined = (_head(p) for p in paths)
+    return _scores(child.returncode, stdout, stderr, confined == "1", pairs, limits)
 
 
 def _scores(
-    code: int, stdout: str, stderr: str, pairs: list, limits: SandboxLimits
+    code: int, stdout: str, stderr: str, confined: bool, pairs: list, limits: SandboxLimits
 ) -> list[PythonScore]:
     last = _last_line(stderr)
-    if last.startswith(SANDBOX):
-        return _all(pairs, last.removeprefix(SANDBOX).strip(), "server")
+    if not confined:  # it never reached the caller's code: the sandbox failed
+        return _all(pairs, last or f"the sandbox exited with {code}", "server")
     if code == 0:
         try:
             got = [_score(r) for r in json.loads(stdout)]
-        except (ValueError, TypeError, AttributeError, RecursionError):
+        except Exception:  # anything else the code wrote in place of the scores
             got = []
         if len(got) == len(pairs):
             return got
-        return _all(pairs, "the grader's process answered something that is not scores", "server")
+        return _all(pairs, "the grader's process wrote something that is not its scores")
     if code in (-signal.SIGXCPU, -signal.SIGKILL):
         return _all(pairs, f"the grader used more than its {limits.cpu_s} s of CPU")
-    if code == -signal.SIGXFSZ:
-        return _all(pairs, f"the grader wrote more than {OUTPUT_BYTES >> 20} MiB of output")
     return _all(pairs, last or f"the grader exited with {code}")
 
 
 def _score(r: dict) -> PythonScore:
     if r.get("error") is not None:
-        return PythonScore(0.0, str(r["error"]))
+        return PythonScore(0.0, _printable(str(r["error"])))
     value = float(r["score"])
     if not math.isfinite(value):
         return PythonScore(0.0, f"the grader returned {value}, not a finite number")
     return PythonScore(value)
+
+
+def _printable(text: str) -> str:
+    """`text` that encodes as UTF-8 (a lone surrogate would fail the response)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _head(path: Path) -> str:
@@ -131,4 +140,4 @@ def _all(pairs: list, error: str, kind: Literal["runtime", "server"] = "runtime"
 
 def _last_line(stderr: str) -> str:
     lines = [x for x in stderr.strip().splitlines() if x.strip()]
-    return lines[-1][-500:] if lines else ""
+    return _printable(lines[-1][-500:]) if lines else ""

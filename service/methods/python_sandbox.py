@@ -5,7 +5,10 @@ caller's code is even compiled it is confined, in this order:
 
 - limits: CPU seconds and address space (RLIMIT_CPU, RLIMIT_AS), 1 MiB per file written
   (RLIMIT_FSIZE: stdout and stderr are files), 32 open files, no core dumps;
-- capabilities: all dropped (the server may run as root in a container);
+- capabilities: every one dropped (the server may run as root in a container). The user
+  stays the server's: its Python may be readable by it alone (pyenv under /root); what
+  an owner could still do to its own files (modes, owners, times, attributes) is denied
+  below;
 - files (Landlock, Linux 5.13+, no privilege needed): it may read the Python it runs on
   (its prefixes) and the system's shared libraries, and open nothing else: not the data
   directory, not the store, not other tenants' files; it can create no file anywhere (it
@@ -16,14 +19,17 @@ caller's code is even compiled it is confined, in this order:
 - system calls (seccomp, through `pyseccomp`, libseccomp's bindings): `DENIED` fail with
   EPERM: sockets, programs, processes, io_uring (whose operations would bypass the socket
   rules), System V IPC, namespaces, mounts, tracing and the like. Signals, resource limits
-  and scheduling may target this process only, named by its pid. clone(2) is allowed for
-  threads only, and clone3(2), whose flags a filter cannot read, fails with ENOSYS so that
-  the C library falls back to clone.
+  and scheduling may target this process only, named by its pid; no process or thread
+  can be started (clone, clone3, fork); nothing may ask for another process to be
+  signalled (F_SETOWN, F_SETSIG, FIOSETOWN); file modes, owners, times, attributes and
+  sizes cannot be changed, and no space preallocated.
 
 Its input (stdin): {"source", "pairs": [[sample, item], ...], "cpu_s", "memory_bytes"}.
 Its output (stdout, once graded): one JSON list, a {"score"} or {"error"} per pair. The
-caller's own prints go to stderr. A failure of the sandbox itself is a last stderr line
-starting with `SANDBOX`."""
+caller's own prints go to stderr. Once confined, and before the caller's code runs, it
+writes a mark to the file descriptor the input names ("confined_fd"): a run that ends
+without the mark failed in the sandbox (a server error), one that ends after it, in the
+caller's code."""
 
 from __future__ import annotations
 
@@ -49,6 +55,15 @@ DENIED = (
     # System V IPC: memory and queues shared with other processes of the user
     "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl",
     "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink",
+    # file metadata and space, which Landlock does not cover: modes, owners, times,
+    # extended attributes (ACLs), truncation (Landlock's before ABI 3), preallocation
+    "chmod", "fchmod", "fchmodat", "chown", "fchown", "lchown", "fchownat",
+    "utime", "utimes", "utimensat", "futimesat", "setxattr", "lsetxattr", "fsetxattr",
+    "removexattr", "lremovexattr", "fremovexattr", "truncate", "ftruncate", "fallocate",
+    # watching other directories' files come and go
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
+    # threads too: each is a process of the machine's (pids are a shared resource)
+    "clone",
     # namespaces, mounts, the kernel's own objects
     "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_by_handle_at",
     "name_to_handle_at", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key",
@@ -62,7 +77,11 @@ OWN_PID_ONLY = (
     "kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "prlimit64",
     "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
 )  # fmt: skip
-CLONE_THREAD = 0x00010000  # linux/sched.h
+# newer calls libseccomp 2.5 cannot name, by number (the same on every architecture)
+DENIED_NUMBERS = {452: "fchmodat2", 463: "setxattrat", 466: "removexattrat"}
+# fcntl and ioctl commands that would make the kernel signal another process (SIGIO)
+FCNTL_F_SETOWN, FCNTL_F_SETSIG, FCNTL_F_SETOWN_EX = 8, 10, 15
+IOCTL_FIOSETOWN, IOCTL_SIOCSPGRP = 0x8901, 0x8902
 
 # Landlock's ABI (linux/landlock.h): syscalls, rule type, access rights and scopes
 _CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446
@@ -166,8 +185,13 @@ def confine(cpu_s: int, memory_bytes: int) -> None:
         rules.add_rule(deny, name)
     for name in OWN_PID_ONLY:
         rules.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, pid))
+    for number in DENIED_NUMBERS:
+        rules.add_rule(deny, number)
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    rules.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+    for command in (FCNTL_F_SETOWN, FCNTL_F_SETSIG, FCNTL_F_SETOWN_EX):
+        rules.add_rule(deny, "fcntl", seccomp.Arg(1, seccomp.EQ, command))
+    for command in (IOCTL_FIOSETOWN, IOCTL_SIOCSPGRP):
+        rules.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.EQ, command))
 
     for limit, value in (
         (resource.RLIMIT_CPU, cpu_s),
@@ -187,7 +211,16 @@ def main() -> None:
     job = json.load(sys.stdin)
     results = os.fdopen(os.dup(1), "w")
     sys.stdout = sys.stderr  # the caller's prints never mix into the results
-    confine(int(job["cpu_s"]), int(job["memory_bytes"]))
+    try:
+        confine(int(job["cpu_s"]), int(job["memory_bytes"]))
+    except SystemExit:
+        raise
+    except BaseException as e:  # a confinement that failed is the server's, not the code's
+        _fail(f"{type(e).__name__}: {e}")
+    # the caller's code runs from here: the parent tells its failures from the sandbox's by
+    # this mark, which nothing that runs later can take back
+    os.write(int(job["confined_fd"]), b"1")
+    os.close(int(job["confined_fd"]))
     scope: dict = {"__name__": "grader"}
     exec(compile(job["source"], "<grader>", "exec"), scope)
     grade = scope.get("grade")

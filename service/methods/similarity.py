@@ -32,11 +32,12 @@ def similarity(metric: str, text: str, ref: str) -> float:
         return fuzz.ratio(text[:MAX_FUZZY_CHARS], ref[:MAX_FUZZY_CHARS]) / 100.0
     if metric.startswith("rouge_"):
         key = "rougeL" if metric == "rouge_l" else f"rouge{metric[-1]}"
-        cut = " ".join(text.split()[:MAX_SIMILARITY_WORDS])
-        ref_cut = " ".join(ref.split()[:MAX_SIMILARITY_WORDS])
+        cut = " ".join(text[: MAX_SIMILARITY_WORDS * 64].split()[:MAX_SIMILARITY_WORDS])
+        ref_cut = " ".join(ref[: MAX_SIMILARITY_WORDS * 64].split()[:MAX_SIMILARITY_WORDS])
         return float(_rouge(key).score(ref_cut, cut)[key].fmeasure)
-    hyp = _WORDS.findall(text)[:MAX_SIMILARITY_WORDS]
-    refs = [_WORDS.findall(ref)[:MAX_SIMILARITY_WORDS]]
+    # words are rarely longer than 64 characters: cut before splitting a megabyte
+    hyp = _WORDS.findall(text[: MAX_SIMILARITY_WORDS * 64])[:MAX_SIMILARITY_WORDS]
+    refs = [_WORDS.findall(ref[: MAX_SIMILARITY_WORDS * 64])[:MAX_SIMILARITY_WORDS]]
     if not hyp or not refs[0]:
         return float(hyp == refs[0])
     if metric == "bleu":

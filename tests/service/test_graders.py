@@ -232,6 +232,8 @@ def _multi(formula: str) -> dict:
         "(a - 2) ^ 0.5",  # a complex number
         "4000000 ^ 4000000",  # an overflow, at once (floats, not a huge integer)
         "1e308 * 10 - 1e308 * 10",  # not a number
+        "floor(4000000) ^ floor(4000000)",  # floor and ceil give floats too
+        "floor(1e300) * floor(1e300)",
     ],
 )
 def test_a_formula_without_a_value_scores_zero_and_says_so(formula):
@@ -279,3 +281,18 @@ def test_score_model_messages_take_plain_strings_in_their_content_list():
            "input": [{"role": "user", "content": content}]}  # fmt: skip
     got = grade(parse_grader(raw), "x", {}, Runners(ask=lambda m, msgs, s: ("1", 1)))
     assert got.reward == 1.0
+
+
+def test_a_template_that_would_render_a_huge_text_is_a_400():
+    raw = check("eq", "{{item.a}}" * 50)
+    with pytest.raises(InvalidRequest, match="renders to more than"):
+        grade(parse_grader(raw), "x", {"a": "y" * 100_000})
+
+
+def test_odd_keys_and_deep_answers_are_scored_or_refused_never_crash():
+    with pytest.raises(InvalidRequest, match="item does not have"):
+        grade(parse_grader(check("eq", "{{item.list.²}}")), "x", {"list": [1, 2, 3]})
+    deep = "[" * 990 + "]" * 990  # JSON that parses but cannot be written back
+    raw = check("eq", "{{item.answer}}") | {"input": "{{sample.output_json}}"}
+    got = grade(parse_grader(raw), deep, {"answer": "x"})
+    assert (got.reward, got.sample_parse_error) == (0.0, True)

@@ -107,6 +107,49 @@ def test_it_cannot_touch_other_processes_or_share_memory_with_them():
         assert one(source).error == "PermissionError: [Errno 1] refused", call
 
 
+def test_it_changes_no_files_metadata_and_starts_no_thread(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("data")
+    before = victim.stat()
+    path = repr(str(victim))
+    for code in (
+        f"__import__('os').chmod({path}, 0)",
+        f"__import__('os').chown({path}, 0, 0)",
+        f"__import__('os').utime({path}, (0, 0))",
+        f"__import__('os').truncate({path}, 0)",
+        f"__import__('os').setxattr({path}, 'user.x', b'1')",
+        "__import__('os').posix_fallocate(1, 0, 1 << 30)",
+        "1 / (__import__('ctypes').CDLL(None).inotify_init1(0) >= 0) and None",
+        "__import__('threading').Thread(target=print).start()",
+    ):
+        got = one(f"def grade(s, i):\n    {code}\n    return 1.0")
+        assert got.score == 0.0, (code, got)
+    after = victim.stat()
+    assert (after.st_mode, after.st_mtime, after.st_size) == (
+        before.st_mode,
+        before.st_mtime,
+        before.st_size,
+    )
+
+
+def test_no_other_process_can_be_made_the_target_of_sigio():
+    source = (
+        "import fcntl, os\ndef grade(s, i):\n    r, w = os.pipe()\n"
+        "    fcntl.fcntl(r, fcntl.F_SETOWN, os.getppid())\n    return 1.0"
+    )
+    assert one(source).error == "PermissionError: [Errno 1] Operation not permitted"
+
+
+def test_what_the_graders_code_writes_or_raises_never_passes_for_a_server_error():
+    fake = one("import sys\ndef grade(s, i):\n    print('sandbox: broken', file=sys.stderr)\n"
+               "    sys.stderr.flush()\n    __import__('os')._exit(3)")  # fmt: skip
+    assert (fake.kind, fake.error) == ("runtime", "sandbox: broken")
+    junk = one("import os\ndef grade(s, i):\n    os.write(1, b'[{\"x\": 1}]')\n    os._exit(0)")
+    assert (junk.kind, junk.score) == ("runtime", 0.0)
+    surrogate = one("def grade(s, i):\n    raise ValueError(chr(0xD800))")
+    surrogate.error.encode("utf-8")  # printable: the API can send it
+
+
 def test_its_output_is_bounded_and_any_bytes_of_it_are_read():
     flood = one("import sys\ndef grade(s, i):\n    sys.stderr.write('x' * (8 << 20))")
     assert flood.error == "OSError: [Errno 27] File too large"
