@@ -61,6 +61,7 @@ from pydantic import (
 from service.errors import InvalidRequest, describe_invalid
 from service.methods.python_grader import SandboxLimits, run_python
 from service.methods.similarity import similarity, wordnet_dir
+from service.spec.resources import WHOLE
 
 SIMILARITY_METRICS = (
     "fuzzy_match", "bleu", "gleu", "meteor", "cosine",
@@ -109,7 +110,7 @@ class TextSimilarity(_Grader):
     reference: str
     evaluation_metric: Literal[SIMILARITY_METRICS]  # type: ignore[valid-type]
     # OpenAI's evals take it; graders ignore it, as here (a score, not a pass/fail)
-    pass_threshold: float | None = None
+    pass_threshold: Annotated[float, Field(strict=True)] | None = None
 
 
 def _kind(value: Any) -> str:
@@ -158,14 +159,14 @@ class ModelMessage(BaseModel):
 class ModelSampling(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_completions_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    max_completions_tokens: Annotated[int, Field(strict=True, ge=1), WHOLE] | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0, le=1)] | None = None
+    seed: Annotated[int, Field(strict=True), WHOLE] | None = None
     reasoning_effort: str | None = None  # for reasoning models; none is served here
 
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 
 class ScoreModel(_Grader):
@@ -257,7 +258,7 @@ def checked(grader: Any, param: str = "grader", *, python: bool = False) -> Any:
 
 def _refuse_not_run(raw: dict, param: str) -> None:
     kind = raw.get("type")
-    if kind in NOT_RUN:
+    if isinstance(kind, str) and kind in NOT_RUN:
         raise InvalidRequest(f"{param}: {NOT_RUN[kind]}", param=f"{param}.type")
     if kind == "score_model" and isinstance(raw.get("input"), list):
         _refuse_media(raw["input"], f"{param}.input")
@@ -266,7 +267,7 @@ def _refuse_not_run(raw: dict, param: str) -> None:
         single = "type" in inner and isinstance(inner.get("type"), str)
         for name, sub in ({"": inner} if single else inner).items():
             where = f"{param}.graders{'.' + name if name else ''}"
-            if isinstance(sub, dict) and sub.get("type") in NOT_RUN:
+            if isinstance(sub, dict) and str(sub.get("type")) in NOT_RUN:
                 raise InvalidRequest(f"{where}: {NOT_RUN[sub['type']]}", param=f"{where}.type")
             if isinstance(sub, dict) and isinstance(sub.get("input"), list):
                 _refuse_media(sub["input"], f"{where}.input")
