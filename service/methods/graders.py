@@ -372,8 +372,9 @@ def _check_reference(ref: str, where: str) -> None:
         )
 
 
-def formula(text: str, names: set[str], param: str) -> Any:
-    """`calculate_output` parsed, with every name it uses checked against `names`."""
+def formula(text: str, names: set[str], param: str) -> None:
+    """A 400 unless `calculate_output` parses as an allowed formula over `names` (it is
+    parsed again where it is evaluated, `_evaluate`: the grader keeps only its text)."""
     try:
         tree = ast.parse(text.replace("^", "**"), mode="eval")
     except SyntaxError as e:
@@ -410,7 +411,6 @@ def formula(text: str, names: set[str], param: str) -> Any:
             f"{param}: more than {MAX_FORMULA_NODES} terms; a formula combines a few scores",
             param=param,
         )
-    return tree
 
 
 def _arity_ok(call: ast.Call) -> bool:
