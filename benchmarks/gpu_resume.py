@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from benchmarks.gpu_common import (
 )
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-HALF_SECONDS = 60  # each process of the resume stage (three; the first may build the Adam kernel)
+HALF_SECONDS = 60  # each process of the stage (three, each with its probe run; one may build Adam)
 
 
 # the extra memory settings of every process of the stage (JSON), to investigate a failure
@@ -42,16 +43,23 @@ RESUME_GRADS_ENV = "PSTAR_GPU_CHECK_RESUME_GRADS"
 STATE_KINDS = ("param", "param_fp32", "momentum", "variance")
 
 
-def _digest(t) -> str:
+def _digest(t, slots=None) -> str:
+    """A short digest of `t`'s bytes, or of only the regions of `slots` in it: the rest of
+    a chunk (its unused tail) is memory no tensor lives in, which a fresh device buffer
+    leaves as it found it."""
     import torch
 
-    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    flat = t.detach().view(-1)
+    if slots is not None:
+        flat = torch.cat([flat[s.offset : s.end] for s in slots]) if slots else flat[:0]
+    data = flat.cpu().contiguous().view(torch.uint8).numpy()
     return hashlib.sha256(data).hexdigest()[:12]
 
 
 def _chunk_states(engine, device_adam: list[int]) -> dict[str, dict[str, str]]:
     """After a step whose Adam ran on the device for `device_adam`: each trainable
-    chunk's tier of Adam and digests of its states."""
+    chunk's tier of Adam and digests of its states: of the tensors in it (by kind) and of
+    the whole buffer (`KIND+unused`, which differs alone when only the unused tail does)."""
     from pstar_core.chunk import ChunkType
 
     m = engine.manager
@@ -61,7 +69,10 @@ def _chunk_states(engine, device_adam: list[int]) -> dict[str, dict[str, str]]:
         for kind in STATE_KINDS:
             chunks = m.lists[ChunkType(kind)]
             if c.index < len(chunks):
-                seen[kind] = _digest(m.residency.in_memory(chunks[c.index]).payload)
+                payload = m.residency.in_memory(chunks[c.index]).payload
+                seen[kind] = _digest(payload, c.slots)  # the four lists are aligned
+                seen[f"{kind}+unused"] = _digest(payload)
+                seen[f"{kind}@"] = str(chunks[c.index].tier)
         out[str(c.index)] = seen
     return out
 
@@ -71,9 +82,9 @@ def _trace_grads(engine, grads: list[dict[str, str]]) -> None:
     opt = engine.optimizer
     adam = opt._adam
 
-    def traced(i, chunk, segs, grad_scale):
-        grads[-1][str(i)] = _digest(opt._grad_source(i).payload)
-        adam(i, chunk, segs, grad_scale)
+    def traced(i, chunk, segs, *settings):
+        grads[-1][str(i)] = _digest(opt._grad_source(i).payload, chunk.slots)
+        adam(i, chunk, segs, *settings)
 
     opt._adam = traced
 
@@ -82,7 +93,16 @@ def resume_half(device: str, half: str, work: Path) -> None:
     """One process of the resume stage: "a" trains 4 steps and checkpoints after step 2,
     "a2" trains the same 4 steps again (is a straight run repeatable?), "b" loads the
     checkpoint and trains steps 3-4. Each writes what it saw, with each chunk's states
-    after every step (`_chunk_states`) and, with RESUME_GRADS_ENV, its gradients."""
+    after every step (`_chunk_states`), with RESUME_GRADS_ENV its gradients, and the
+    warnings it raised (torch names there the operations it cannot make deterministic)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = _half(device, half, work)
+    result["warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:300] for w in seen})
+    (work / f"{half}.json").write_text(json.dumps(result))
+
+
+def _half(device: str, half: str, work: Path) -> dict[str, Any]:
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -100,8 +120,13 @@ def resume_half(device: str, half: str, work: Path) -> None:
     sizes = sizes_for(device)
     cfg = gpt_config(sizes.resume_model, sizes.seq)
     data = batches(cfg, sizes, 4, seed=1)
-    if half == "a":  # a budget with Adam on both tiers
-        budget = budgets(probe(cfg, data[:2], device, dev), dev)["adam_split"]
+    # Every half runs the probe first, though only "a" needs its budget (Adam on both
+    # tiers): an engine's placement comes from what its own trace measures, which a run
+    # before it in the process may change. On an H200 a straight run without one differed
+    # from "a" (at step 3, the first step compared then); with the probe in every half,
+    # the runs repeated bitwise.
+    budget = budgets(probe(cfg, data[:2], device, dev), dev)["adam_split"]
+    if half == "a":
         (work / "budget.json").write_text(json.dumps(budget))
     budget = json.loads((work / "budget.json").read_text())
     memory = {"device_budget": budget, **json.loads(os.environ.get(RESUME_MEMORY_ENV) or "{}")}
@@ -135,8 +160,8 @@ def resume_half(device: str, half: str, work: Path) -> None:
     m = engine.manager
     digest = hashlib.sha256()
     for kind in (ChunkType.PARAM_FP32, ChunkType.MOMENTUM, ChunkType.VARIANCE):
-        for c in m.lists[kind]:
-            digest.update(m.residency.in_memory(c).payload.cpu().view(torch.uint8).numpy())
+        for c, own in zip(m.lists[kind], m.lists[ChunkType.PARAM], strict=False):
+            digest.update(_digest(m.residency.in_memory(c).payload, own.slots).encode())
     for name, t in sorted(engine.state_dict().items()):
         digest.update(name.encode())
         digest.update(t.contiguous().view(torch.uint8).numpy())
@@ -151,24 +176,37 @@ def resume_half(device: str, half: str, work: Path) -> None:
         "budget": budget,
     }
     engine.close()
-    (work / f"{half}.json").write_text(json.dumps(result))
+    return result
 
 
 def first_difference(x: dict[str, Any], y: dict[str, Any]) -> str:
-    """Where two halves first differ in steps 3-4: the step, the chunk (its Adam's tier in
-    each) and what: its gradient (when traced: before the update) or a state after it."""
-    for step in (3, 4):
+    """Where two halves first differ, over the steps both recorded (a resumed half has
+    steps 3-4 only): the step, the chunk (its Adam's tier in each) and what: its gradient
+    (when traced: before the update) or a state after it, and any state held on another
+    tier in one than in the other."""
+    unused = []
+    for step in range(1, min(len(x["states"]), len(y["states"])) + 1):
         gx, gy = x["grads"][step - 1], y["grads"][step - 1]
         sx, sy = x["states"][step - 1], y["states"][step - 1]
-        for chunk in sorted(set(sx) | set(sy), key=int):
-            cx, cy = sx.get(chunk, {}), sy.get(chunk, {})
+        for chunk in sorted(set(sx) & set(sy), key=int):
+            cx, cy = sx[chunk], sy[chunk]
             where = f"step {step}, chunk {chunk} (Adam on {cx.get('adam')} vs {cy.get('adam')})"
             if gx.get(chunk) != gy.get(chunk):
                 return f"{where}: its gradient"
-            for kind in STATE_KINDS:
-                if cx.get(kind) != cy.get(kind):
-                    return f"{where}: {kind} after the step"
-    return "every chunk's states after steps 3 and 4 are the same"
+            differ = [k for k in STATE_KINDS if cx.get(k) != cy.get(k)]
+            if differ:
+                moved = [
+                    f"{k} on {cx.get(k + '@')} vs {cy.get(k + '@')}"
+                    for k in STATE_KINDS
+                    if cx.get(k + "@") != cy.get(k + "@")
+                ]
+                held = f" ({'; '.join(moved)})" if moved else ""
+                return f"{where}: {', '.join(differ)} after the step{held}"
+            tails = [k for k in STATE_KINDS if cx.get(f"{k}+unused") != cy.get(f"{k}+unused")]
+            unused += [f"{where}: {k}" for k in tails]
+    if unused:  # not a difference in training: memory no tensor lives in
+        return f"every chunk's tensors are the same; only unused tails differ ({unused[0]})"
+    return "every chunk's states after every step both ran are the same"
 
 
 def stage_resume(device: str, dev) -> Result:
@@ -197,6 +235,9 @@ def stage_resume(device: str, dev) -> Result:
         "straight_repeats": a["state_sha256"] == a2["state_sha256"] and a["last"] == a2["last"],
         "device_adam_chunks": len(a["device_adam_before_step"]["3"]),
         "own_chunks": a["own_chunks"],
+        "warnings": sorted({w for r in (a, a2, b) for w in r["warnings"]}),
+        # the chunks whose Adam ran on the device, before each step, in each half
+        "device_adam_by_step": {h: r["device_adam_before_step"] for h, r in results.items()},
         "same_device_adam": all(
             a["device_adam_before_step"][k] == b["device_adam_before_step"][k] for k in ("3", "4")
         ),

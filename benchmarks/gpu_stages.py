@@ -43,6 +43,7 @@ from benchmarks.gpu_common import (
     timed_steps,
     vm_hwm,
 )
+from benchmarks.gpu_profile import stage_profile
 from benchmarks.gpu_resume import stage_resume
 
 # ---------------------------------------------------------------------------------------
@@ -501,4 +502,5 @@ STAGE_FUNCTIONS: dict[str, Callable[[str, Any], Result]] = {
     "baselines": stage_baselines,
     "resume": stage_resume,
     "nccl": stage_nccl,
+    "profile": stage_profile,  # opt-in: not in gpu_check's default stages
 }

@@ -120,9 +120,50 @@ def test_the_resume_stage_names_the_first_step_and_chunk_two_runs_differ_in():
     same = {"adam": "device", "param": "p", "param_fp32": "m", "momentum": "1", "variance": "2"}
     other = {**same, "adam": "host", "momentum": "x"}
     x = half([{"0": "g", "1": "h"}, {}], [{"0": same, "1": same}, {"0": same, "1": same}])
-    assert first_difference(x, x) == "every chunk's states after steps 3 and 4 are the same"
+    assert first_difference(x, x) == "every chunk's states after every step both ran are the same"
     y = half([{"0": "g", "1": "h"}, {}], [{"0": same, "1": same}, {"0": same, "1": other}])
     where = "step 4, chunk 1 (Adam on device vs host)"
     assert first_difference(x, y) == f"{where}: momentum after the step"
     z = half([{"0": "g", "1": "k"}, {}], [{"0": same, "1": other}, {"0": same, "1": same}])
     assert first_difference(x, z) == "step 3, chunk 1 (Adam on device vs host): its gradient"
+    # a state held on another tier is named; the steps before the resumed half's are compared
+    # where both halves ran them
+    moved = {**same, "param_fp32": "n", "param_fp32@": "host"}
+    w = {"grads": [{}, {}, {}, {}], "states": [{"0": same}, {"0": moved}, {}, {}]}
+    assert first_difference({**w, "states": [{"0": same}] * 2 + [{}, {}]}, w) == (
+        "step 2, chunk 0 (Adam on device vs device): param_fp32 after the step "
+        "(param_fp32 on None vs host)"
+    )
+    # memory no tensor lives in is not a difference in training
+    tail = {**same, "param+unused": "junk"}
+    t = half([{}, {}], [{"0": tail}, {"0": same}])
+    assert first_difference(half([{}, {}], [{"0": same}, {"0": same}]), t) == (
+        "every chunk's tensors are the same; only unused tails differ "
+        "(step 3, chunk 0 (Adam on device vs device): param)"
+    )
+
+
+@pytest.mark.fakegpu
+def test_the_opt_in_profile_stage_says_where_a_step_went(tmp_path):
+    args = ["--device", "fakegpu", "--stages", "profile", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stage = json.loads(proc.stdout.strip().splitlines()[-1])["stages"]["profile"]
+    assert stage["status"] == "pass", stage.get("output_tail")
+    for budget in ("no_budget", "params_evicted"):
+        run = stage["numbers"][budget]
+        assert run["wall_s"] > 0
+        assert run["cprofile_step_s"] > 0
+        # the engine's own work is named: its operators' ranges and its Python
+        assert any("pstar::access" in line for line in run["top_host"])
+        assert any("pstar_core" in line for line in run["cprofile_top"])
+    # under N + P/2 every chunk's Adam ran on the host; with no budget some ran on the device
+    assert stage["numbers"]["params_evicted"]["device_adam_chunks"] == 0
+    assert stage["numbers"]["no_budget"]["device_adam_chunks"] > 0
