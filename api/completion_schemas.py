@@ -3,9 +3,18 @@ fields we refuse by name rather than ignore), the answers and the stream's chunk
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from service.data.tools import (
+    choice_problem,
+    forced_prefix,
+    schema_problem,
+    tool_calls_problem,
+    tools_problem,
+)
 
 MAX_N = 8
 MAX_STOP = 4
@@ -13,10 +22,8 @@ MAX_STOP = 4
 # fields OpenAI takes that we do not do: a request that sets one is refused naming it,
 # not answered as if it had not been asked
 UNSUPPORTED = {
-    "tools": "tool calls",
-    "functions": "function calls",
-    "tool_choice": "tool calls",
-    "function_call": "function calls",
+    "functions": "function calls (the older form of tools; use tools)",
+    "function_call": "function calls (the older form of tool_choice; use tool_choice)",
     "response_format": "structured output",
     "audio": "audio output",
     "logit_bias": "logit bias",
@@ -35,14 +42,39 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only in an assistant message that calls tools
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (checked below)
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise ValueError("only an assistant message has tool_calls")
+            if problem := tool_calls_problem(self.tool_calls, "tool_calls", None):
+                raise ValueError(problem)
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (it may be null only beside tool_calls)")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+    def rendered(self) -> dict[str, Any]:
+        """What the model server renders: the text, and the calls and the call answered."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -102,15 +134,49 @@ class Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+@dataclass(frozen=True)
+class ToolReading:
+    """How a chat request's answer is read for calls (`service.data.tools.CallReader`)."""
+
+    tools: list[dict[str, Any]]
+    parallel: bool
+    prefix: str  # the start of the assistant's turn that tool_choice forces
+
+
 class ChatRequest(Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def tool_problem(self) -> tuple[str, str] | None:
+        """(field, why) of what is wrong with the request's tools, or None."""
+        if self.tools is not None and (
+            problem := tools_problem(self.tools) or schema_problem(self.tools)
+        ):
+            return "tools", problem
+        if problem := choice_problem(self.tool_choice, self.tools):
+            return "tool_choice", problem
+        return None
+
+    def reading(self) -> ToolReading | None:
+        """How the answer is read for calls: None without tools or with tool_choice "none"
+        (the model is then not shown the tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        parallel = self.parallel_tool_calls is not False
+        return ToolReading(self.tools, parallel, forced_prefix(self.tool_choice))
+
     def payload(self) -> dict[str, Any]:
-        return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages]}
+        out: dict[str, Any] = {"messages": [m.rendered() for m in self.messages]}
+        if reading := self.reading():
+            out["tools"] = reading.tools
+            out["assistant_prefix"] = reading.prefix
+        return out
 
 
 class CompletionRequest(Sampling):
@@ -137,17 +203,32 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, checked against the tool's parameters
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is only calls
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: None = None
+    # ours, beside OpenAI's fields: each `<tool_call>` the model wrote that was not
+    # returned as a call, and why (not JSON, no such tool, arguments off the schema)
+    tool_call_problems: list[str] | None = None
 
 
 class ChatCompletion(BaseModel):

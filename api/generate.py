@@ -27,8 +27,11 @@ from api.completion_schemas import (
     ChatCompletion,
     TextChoice,
     TextCompletion,
+    ToolCall,
+    ToolReading,
     Usage,
 )
+from service.data.tools import CallReader, read_answer
 from service.errors import InvalidRequest, NotAvailable, Unavailable
 from service.serving.deployments import Serving, Target
 from service.serving.generation import Generator
@@ -159,17 +162,40 @@ async def collect(first: dict, events: AsyncIterator[dict], n: int) -> Answer:
     return ans
 
 
-def chat_completion(model: str, ans: Answer) -> ChatCompletion:
+def chat_completion(model: str, ans: Answer, reading: ToolReading | None = None) -> ChatCompletion:
     return ChatCompletion(
         id=f"chatcmpl-{secrets.token_hex(12)}",
         created=int(time.time()),
         model=model,
         choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=r)
+            _chat_choice(i, t, r, reading)
             for i, (t, r) in enumerate(zip(ans.texts, ans.reasons, strict=True))
         ],
         usage=ans.usage,
     )
+
+
+def _chat_choice(i: int, text: str, reason: str, reading: ToolReading | None) -> ChatChoice:
+    """One choice; with tools, the answer read for calls (the forced start of the turn
+    first: the model continued it)."""
+    if reading is None:
+        return ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=reason)
+    said, calls, problems = read_answer(reading.prefix + text, reading.tools, reading.parallel)
+    message = AssistantMessage(
+        content=said or None if calls else said,
+        tool_calls=[ToolCall.model_validate(c) for c in calls] or None,
+    )
+    return ChatChoice(
+        index=i,
+        message=message,
+        finish_reason=_reason(reason, bool(calls)),
+        tool_call_problems=problems or None,
+    )
+
+
+def _reason(reason: str, called: bool) -> str:
+    """OpenAI's finish reason: "tool_calls" when the model stopped after calling."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def text_completion(model: str, ans: Answer) -> TextCompletion:
@@ -190,9 +216,16 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 async def stream_chunks(
-    chat: bool, model: str, n: int, include_usage: bool, events: AsyncIterator[dict]
+    chat: bool,
+    model: str,
+    n: int,
+    include_usage: bool,
+    events: AsyncIterator[dict],
+    reading: ToolReading | None = None,
 ) -> AsyncIterator[bytes]:
-    """The chunks of a streamed answer, as server-sent events, then `[DONE]`."""
+    """The chunks of a streamed answer, as server-sent events, then `[DONE]`; with tools,
+    each call as one delta (index, id, name and its whole arguments) once its block has
+    ended and been checked, and the problems in the choice's last chunk."""
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -212,14 +245,52 @@ async def stream_chunks(
             choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
         return _sse({**head, "choices": [choice], **extra})
 
+    readers = [CallReader(reading.tools, reading.parallel) for _ in range(n)] if reading else []
+    problems: list[list[str]] = [[] for _ in range(n)]
+
+    def read(index: int, found: list[tuple[str, Any]]) -> list[bytes]:
+        out = []
+        for kind, value in found:
+            if kind == "text":
+                out.append(chunk(index, value, None))
+            elif kind == "call":
+                k = readers[index].calls - 1
+                call = {"index": k, **value}
+                delta = {"tool_calls": [call]}
+                choice = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+                out.append(_sse({**head, "choices": [choice], **extra}))
+            else:
+                problems[index].append(value)
+        return out
+
     if chat:
         for i in range(n):
             yield chunk(i, None, None, first=True)
+            if readers:
+                for b in read(i, readers[i].feed(reading.prefix)):  # type: ignore[union-attr]
+                    yield b
     async for ev in events:
         if "text" in ev:
-            yield chunk(ev["i"], ev["text"], None)
+            if readers:
+                for b in read(ev["i"], readers[ev["i"]].feed(ev["text"])):
+                    yield b
+            else:
+                yield chunk(ev["i"], ev["text"], None)
         elif "finish" in ev:
-            yield chunk(ev["i"], None if chat else "", ev["finish"])
+            i, reason = ev["i"], ev["finish"]
+            if not readers:
+                yield chunk(i, None if chat else "", reason)
+                continue
+            for b in read(i, readers[i].finish()):
+                yield b
+            last = {
+                "index": i,
+                "delta": {},
+                "finish_reason": _reason(reason, readers[i].calls > 0),
+                "logprobs": None,
+                "tool_call_problems": problems[i] or None,
+            }
+            yield _sse({**head, "choices": [last], **extra})
         elif "usage" in ev:
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": usage_of(ev["usage"]).model_dump()})

@@ -45,6 +45,11 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
     c = ctx(request)
     if refused := body.refused():
         raise InvalidRequest(refused[1], param=refused[0], code="unsupported_parameter")
+    reading = None
+    if isinstance(body, ChatRequest):
+        if problem := body.tool_problem():
+            raise InvalidRequest(problem[1], param=problem[0], code="invalid_value")
+        reading = body.reading()
     # the tokens one request may generate, all its choices together
     limit = c.settings.limits.max_tokens_per_request
     asked = body.asked_tokens()  # type: ignore[attr-defined]
@@ -76,7 +81,7 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
     first, events = await started(c, tenant, target, payload)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = stream_chunks(chat, body.model, n, include_usage, events)
+        chunks = stream_chunks(chat, body.model, n, include_usage, events, reading)
         return StreamingResponse(
             c.generations.guard(tenant, chunks),
             media_type="text/event-stream",
@@ -86,7 +91,9 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
         ans = await collect(first, events, n)
     finally:
         c.generations.give_back(tenant)
-    return respond((chat_completion if chat else text_completion)(body.model, ans))
+    if chat:
+        return respond(chat_completion(body.model, ans, reading))
+    return respond(text_completion(body.model, ans))
 
 
 async def started(

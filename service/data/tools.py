@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from typing import Any
 
 MAX_TOOLS = 128
@@ -95,7 +96,7 @@ def tool_calls_problem(calls: Any, where: str, declared: set[str] | None) -> str
             return f"{at}.function.arguments must be a string holding a JSON object"
         try:
             args = json.loads(fn["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth
             return f"{at}.function.arguments is not valid JSON"
         if not isinstance(args, dict):
             return f"{at}.function.arguments must hold a JSON object"
@@ -155,3 +156,204 @@ def _call_block(call: dict[str, Any]) -> str:
     fn = call["function"]
     body = {"name": fn["name"], "arguments": json.loads(fn["arguments"])}
     return f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
+
+
+# ---------------------------------------------------------------------------------------
+# Serving: tool_choice, and the calls read back from what the model wrote
+# ---------------------------------------------------------------------------------------
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+
+class ToolFormatError(ValueError):
+    """A model whose chat template renders tools in a format serving does not read."""
+
+
+def reads_calls(tokenizer: Any) -> bool:
+    """Whether serving can read this model's calls back: the fallback format (no tool
+    support in its template) or a native template that writes Hermes blocks (Qwen2.5's)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return not knows_tools(tokenizer) or CALL_OPEN in template
+
+
+def choice_problem(tool_choice: Any, tools: list[dict] | None) -> str | None:
+    """Why `tool_choice` is not one OpenAI takes for these `tools`, or None."""
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return None
+    names = {t["function"]["name"] for t in tools or ()}
+    if tool_choice == "required":
+        return None if names else "tool_choice 'required' needs tools"
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if (
+        isinstance(fn, dict)
+        and tool_choice == {"type": "function", "function": fn}
+        and set(fn) == {"name"}
+        and isinstance(fn["name"], str)
+    ):
+        name = fn["name"]
+        return None if name in names else f"tool_choice names {name!r}, not one of the tools"
+    return (
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}'
+    )
+
+
+def forced_prefix(tool_choice: Any) -> str:
+    """What the assistant's turn starts with so that the model calls a tool: the opening
+    of a call for "required", and of that function's call for a named one; "" else."""
+    if tool_choice == "required":
+        return f"{CALL_OPEN}\n"
+    if isinstance(tool_choice, dict):
+        name = json.dumps(tool_choice["function"]["name"])
+        return f'{CALL_OPEN}\n{{"name": {name}, "arguments": '
+    return ""
+
+
+def schema_problem(tools: list[dict]) -> str | None:
+    """Why a tool's `parameters` is not a JSON schema (Draft 2020-12 unless it says), or
+    None."""
+    from jsonschema import SchemaError, validators
+
+    for k, tool in enumerate(tools):
+        schema = tool["function"].get("parameters")
+        if schema is None:
+            continue
+        try:
+            validators.validator_for(schema).check_schema(schema)
+        except SchemaError as e:
+            return f"tools[{k}].function.parameters is not a JSON schema: {e.message}"
+    return None
+
+
+class CallReader:
+    """Reads a model's answer as it arrives: its text, and each `<tool_call>` block,
+    checked, as a call (`(kind, value)` events: ("text", str), ("call", {"id", "type",
+    "function": {"name", "arguments"}}) or ("problem", str)). A block that is not JSON,
+    names no declared tool, or whose arguments do not match the tool's parameters is a
+    problem, and its text stays in the answer's text: never passed on as a call. With
+    `parallel` false a call after the first is a problem too. Whitespace waits until
+    text follows it, so the space around calls is not text. Fed the whole answer at once
+    or in pieces, it gives the same events' text, calls and problems."""
+
+    def __init__(self, tools: list[dict], parallel: bool = True) -> None:
+        self.tools = {t["function"]["name"]: t["function"] for t in tools}
+        self.parallel = parallel
+        self.calls = 0
+        self._buf = ""
+        self._inside = False
+        self._space = ""  # whitespace held until text follows it
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self._buf += text
+        out: list[tuple[str, Any]] = []
+        while True:
+            if self._inside:
+                end = self._buf.find(CALL_CLOSE)
+                if end < 0:
+                    return out
+                block, self._buf = self._buf[:end], self._buf[end + len(CALL_CLOSE) :]
+                self._inside = False
+                out += self._block(block, closed=True)
+                continue
+            start = self._buf.find(CALL_OPEN)
+            if start >= 0:
+                out += self._text(self._buf[:start])
+                self._buf = self._buf[start + len(CALL_OPEN) :]
+                self._inside = True
+                continue
+            keep = _partial_open(self._buf)  # may be the start of a call's tag
+            out += self._text(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return out
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The end of the answer: a block left open is read as if closed."""
+        out = self._block(self._buf, closed=False) if self._inside else self._text(self._buf)
+        self._buf, self._inside = "", False
+        if not self.calls and self._space:
+            out.append(("text", self._space))
+        self._space = ""
+        return out
+
+    def _text(self, text: str) -> list[tuple[str, Any]]:
+        said = text.rstrip()
+        if not said:
+            self._space += text
+            return []
+        held, self._space = self._space, text[len(said) :]  # trailing space waits too
+        return [("text", held + said)]
+
+    def _block(self, block: str, closed: bool) -> list[tuple[str, Any]]:
+        raw = f"{CALL_OPEN}{block}{CALL_CLOSE if closed else ''}"
+        n = self.calls + 1
+        why = self._problem(block)
+        if why is None and not self.parallel and self.calls:
+            why = f"call {n}: parallel_tool_calls is false, so only the first call is returned"
+            return [("problem", why)]
+        if why is not None:
+            return [("problem", f"call {n}: {why}"), *self._text(raw)]
+        body = json.loads(block)
+        args = body["arguments"]
+        if isinstance(args, str):
+            args = json.loads(args)
+        self.calls += 1
+        self._space = ""
+        call = {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {"name": body["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+        }
+        return [("call", call)]
+
+    def _problem(self, block: str) -> str | None:
+        try:
+            body = json.loads(block)
+        except RecursionError:
+            return "not valid JSON (nested too deep)"
+        except ValueError as e:
+            return f"not valid JSON ({e})"
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return 'not a JSON object with a "name" and "arguments"'
+        fn = self.tools.get(body["name"])
+        if fn is None:
+            return f"{body['name']!r} is not one of the tools"
+        args = body.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                return "arguments are not valid JSON"
+        if not isinstance(args, dict):
+            return "arguments are not a JSON object"
+        schema = fn.get("parameters")
+        if schema:
+            from jsonschema import validators
+
+            errors = sorted(validators.validator_for(schema)(schema).iter_errors(args), key=str)
+            if errors:
+                where = "/".join(str(p) for p in errors[0].absolute_path) or "arguments"
+                return f"arguments do not match {body['name']}'s parameters: {where}: " + (
+                    errors[0].message
+                )
+        return None
+
+
+def _partial_open(text: str) -> int:
+    """How many of `text`'s last characters could begin `<tool_call>`."""
+    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if CALL_OPEN.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def read_answer(text: str, tools: list[dict], parallel: bool = True) -> tuple[str, list, list]:
+    """(text, calls, problems) of a whole answer, as `CallReader` reads it."""
+    reader = CallReader(tools, parallel)
+    events = reader.feed(text) + reader.finish()
+    said = "".join(v for k, v in events if k == "text")
+    return (
+        said.strip() if reader.calls else said,
+        [v for k, v in events if k == "call"],
+        [v for k, v in events if k == "problem"],
+    )

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from service.data.tools import ToolFormatError, reads_calls, template_messages
+
 log = logging.getLogger(__name__)
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
@@ -225,13 +227,23 @@ class Generator:
 
     # -- what callers use ------------------------------------------------------------------
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None, prefix: str = ""
+    ) -> list[int]:
         """A chat's prompt tokens, by the model's chat template (ChatML when it has none),
-        with the assistant's turn opened, as training renders the turns before an answer."""
+        with the assistant's turn opened, as training renders the turns before an answer:
+        tools, calls and tool results as training renders them (service/data/tools.py),
+        and the turn begun with `prefix` (what tool_choice forces)."""
+        if tools and not reads_calls(self.tokenizer):
+            raise ToolFormatError(
+                "this model's chat template writes tool calls in a format this service "
+                "does not read back (it reads <tool_call> blocks); call it without tools"
+            )
+        turns, native = template_messages(self.tokenizer, messages, tools, lambda c: c)
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            turns, tools=native, tokenize=False, add_generation_prompt=True
         )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.data.tools import ToolFormatError
 from service.serving.generation import (
     Done,
     Finish,
@@ -106,7 +107,13 @@ async def answer(
     the adapter at `adapter_path` (loaded as the request joins the batch, if it is not in
     memory). Leaving early (a client gone) cancels the request's rows."""
     if "messages" in body:
-        ids, field = gen.render(body["messages"]), "messages"
+        try:
+            prefix = body.get("assistant_prefix", "")
+            ids, field = gen.render(body["messages"], body.get("tools"), prefix), "messages"
+        except ToolFormatError as e:
+            yield {"error": {"status": 400, "param": "tools", "code": "invalid_value",
+                             "message": str(e)}}  # fmt: skip
+            return
     elif "prompt_ids" in body:
         ids, field = list(body["prompt_ids"]), "prompt"
     else:

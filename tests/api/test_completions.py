@@ -170,6 +170,9 @@ def test_another_tenants_model_and_unknown_models_are_not_found(api, lora):
         chat(api, "no-such-model")
 
 
+F = {"type": "function", "function": {"name": "f"}}  # a tool that takes anything
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -180,7 +183,16 @@ def test_another_tenants_model_and_unknown_models_are_not_found(api, lora):
         ({"n": 8, "max_tokens": 600}, "max_tokens"),  # 4,800 tokens in all, past the limit
         ({"seed": 2**70}, "seed"),
         ({"seed": -(2**64)}, "seed"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+        ({"tools": [{**F, "function": {"name": "f", "parameters": {"type": 5}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),  # and no tools
+        (
+            {"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # answers no call
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages"),
         ({"logprobs": True}, "logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": []}, "messages"),

@@ -1,0 +1,201 @@
+"""Tools in chat completions, as OpenAI's SDK sends them: a tiny model that learned one
+function call (its prompt rendered as serving renders it: the Hermes fallback, since its
+ChatML template knows no tools) answers with that call in `message.tool_calls`, streamed
+as OpenAI streams calls; `tool_choice` forces a call or hides the tools; a call's answer
+goes back as a tool message; and what the model writes that is not a valid call is never
+passed on as one (`service.data.tools.CallReader`, checked here without a model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from service.data.tools import CallReader, read_answer, template_messages
+from tests.api.conftest import start_api
+from tests.tiny import make_tiny_llama
+
+MODEL = "tool-llama"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+ANSWER = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+
+
+def learn_the_call(model_dir, steps: int = 400) -> None:
+    """Train the tiny model until its greedy answer to ASK with WEATHER is ANSWER."""
+    from transformers import AutoTokenizer
+
+    from pstar_core.hf import load_causal_lm
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    turns, _ = template_messages(tok, ASK, [WEATHER], lambda c: c)
+    prompt = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    a = tok(ANSWER + tok.eos_token, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p + a])
+    labels = torch.tensor([[-100] * len(p) + a])
+    torch.manual_seed(0)
+    model = load_causal_lm(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-3:
+            break
+    model.save_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("tools")
+    server, stop = start_api(
+        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
+    )
+    model_dir = make_tiny_llama(server.settings.models_dir / MODEL, context=1024)
+    learn_the_call(model_dir)
+    yield server
+    stop()
+
+
+def ask(api, **kw):
+    kw.setdefault("max_tokens", 100)  # the call is 73 of its tokens
+    kw.setdefault("temperature", 0)
+    kw.setdefault("messages", ASK)
+    return api.client().chat.completions.create(model=MODEL, **kw)
+
+
+def test_a_model_that_learned_a_call_answers_it_as_openais_tool_calls(api):
+    got = ask(api, tools=[WEATHER])
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function"
+    assert call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert choice.model_extra.get("tool_call_problems") is None
+
+
+def test_streamed_calls_arrive_as_openai_streams_them(api):
+    whole = ask(api, tools=[WEATHER]).choices[0].message.tool_calls[0]
+    chunks = list(ask(api, tools=[WEATHER], stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [d.tool_calls for d in deltas if d.tool_calls]
+    assert len(calls) == 1  # the whole call in one delta once its block ended
+    (call,) = calls[0]
+    assert call.index == 0
+    assert call.id.startswith("call_")
+    assert call.function.name == whole.function.name
+    assert json.loads(call.function.arguments) == json.loads(whole.function.arguments)
+    assert "".join(d.content or "" for d in deltas).strip() == ""  # no text around it
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_forces_a_call_or_hides_the_tools(api):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        got = ask(api, tools=[WEATHER], tool_choice=choice).choices[0]
+        assert got.finish_reason == "tool_calls", choice
+        assert json.loads(got.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    hidden = ask(api, tools=[WEATHER], tool_choice="none").choices[0]
+    assert hidden.message.tool_calls is None
+    assert hidden.finish_reason in ("stop", "length")
+    # "none" renders the prompt without the tools: the same answer as asking without them
+    assert hidden.message.content == ask(api).choices[0].message.content
+
+
+def test_a_calls_result_goes_back_as_a_tool_message(api):
+    call = ask(api, tools=[WEATHER]).choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    got = ask(api, tools=[WEATHER], messages=history, max_tokens=8)
+    assert got.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert got.usage.prompt_tokens > ask(api, tools=[WEATHER]).usage.prompt_tokens
+
+
+# -- reading calls back, without a model ----------------------------------------------------
+
+
+def test_only_valid_calls_of_declared_tools_are_returned_and_the_rest_is_named():
+    good = ANSWER
+    not_json = "<tool_call>\n{name: get_weather}\n</tool_call>"
+    unknown = '<tool_call>\n{"name": "send_mail", "arguments": {}}\n</tool_call>'
+    off_schema = '<tool_call>\n{"name": "get_weather", "arguments": {"town": 3}}\n</tool_call>'
+    text, calls, problems = read_answer(
+        f"Let me look.\n{good}\n{not_json}\n{unknown}\n{off_schema}", [WEATHER]
+    )
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    assert len(problems) == 3
+    assert "call 2: not valid JSON" in problems[0]
+    assert "call 2: 'send_mail' is not one of the tools" in problems[1]
+    assert "'city' is a required property" in problems[2]
+    # what was not a call stays in the text, so nothing the model wrote is lost
+    assert text.startswith("Let me look.")
+    for block in (not_json, unknown, off_schema):
+        assert block in text
+    # arguments given as a string holding JSON are read too; a block left open at the end
+    # of the answer (stopped at its end token) is read as if closed
+    as_string = {"name": "get_weather", "arguments": json.dumps({"city": "Rome"})}
+    _, calls, _ = read_answer(f"<tool_call>{json.dumps(as_string)}", [WEATHER])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+
+
+def test_with_parallel_calls_off_only_the_first_is_returned():
+    two = f"{ANSWER}\n{ANSWER.replace('Paris', 'Rome')}"
+    _, calls, problems = read_answer(two, [WEATHER], parallel=False)
+    assert len(calls) == 1
+    assert problems == ["call 2: parallel_tool_calls is false, so only the first call is returned"]
+    assert len(read_answer(two, [WEATHER])[1]) == 2
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11])
+def test_an_answer_fed_in_pieces_reads_as_the_whole_does(size):
+    text = f"Sure.\n{ANSWER}\n<tool_call>\nnot json\n</tool_call>\nDone <tool"
+    reader = CallReader([WEATHER])
+    events = []
+    for k in range(0, len(text), size):
+        events += reader.feed(text[k : k + size])
+    events += reader.finish()
+    said = "".join(v for kind, v in events if kind == "text")
+    whole, calls, problems = read_answer(text, [WEATHER])
+    assert said.strip() == whole
+    assert [v["function"] for kind, v in events if kind == "call"] == [c["function"] for c in calls]
+    assert [v for kind, v in events if kind == "problem"] == problems
+
+
+def test_json_nested_past_the_parsers_depth_is_a_problem_not_an_error():
+    deep = "[" * 100_000
+    text, calls, problems = read_answer(f"<tool_call>{deep}</tool_call>", [WEATHER])
+    assert calls == []
+    assert problems[0].startswith("call 1: not valid JSON")
+    assert deep in text
+
+
+def test_only_templates_that_write_hermes_blocks_have_their_calls_read():
+    from types import SimpleNamespace
+
+    from service.data.tools import reads_calls
+
+    assert reads_calls(SimpleNamespace(chat_template="{{ messages }}"))  # the fallback
+    qwen = "{% if tools %}<tools>{% endif %}{{ m.tool_calls }}<tool_call>"
+    assert reads_calls(SimpleNamespace(chat_template=qwen))
+    llama = "{% if tools %}{{ tools }}{% endif %}{{ m.tool_calls | tojson }}"
+    assert not reads_calls(SimpleNamespace(chat_template=llama))
