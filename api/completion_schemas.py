@@ -18,6 +18,8 @@ from service.data.tools import (
 
 MAX_N = 8
 MAX_STOP = 4
+MAX_PROMPTS = 32  # prompts in one text completion request (a scoring harness's batch)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's; text completions' logprobs: 5
 
 # fields OpenAI takes that we do not do: a request that sets one is refused naming it,
 # not answered as if it had not been asked
@@ -101,8 +103,6 @@ class Sampling(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Annotated[str | None, Field(max_length=256)] = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
 
@@ -119,13 +119,9 @@ class Sampling(BaseModel):
         for name, what in UNSUPPORTED.items():
             if extra.get(name) not in (None, [], {}, "text", {"type": "text"}):
                 return name, f"{name}: {what} is not supported by this service"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs: log probabilities are not returned by this service"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 return name, f"{name}: only 0 is supported by this service"
-        if getattr(self, "echo", False):
-            return "echo", "echo: returning the prompt is not supported by this service"
         return None
 
     def stops(self) -> list[str]:
@@ -149,9 +145,22 @@ class ChatRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None  # each answer token's log-probability
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
 
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def scoring_problem(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return None
+
+    def scoring(self) -> dict[str, Any]:
+        """What the model server sends back beside the text (see model_server.answer)."""
+        if not self.logprobs:
+            return {}
+        return {"token_logprobs": True, "top_logprobs": self.top_logprobs or 0, "token_texts": True}
 
     def tool_problem(self) -> tuple[str, str] | None:
         """(field, why) of what is wrong with the request's tools, or None."""
@@ -171,8 +180,11 @@ class ChatRequest(Sampling):
         parallel = self.parallel_tool_calls is not False
         return ToolReading(self.tools, parallel, forced_prefix(self.tool_choice))
 
+    def payloads(self) -> list[dict[str, Any]]:
+        return [self.payload()]
+
     def payload(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"messages": [m.rendered() for m in self.messages]}
+        out: dict[str, Any] = {"messages": [m.rendered() for m in self.messages], **self.scoring()}
         if reading := self.reading():
             out["tools"] = reading.tools
             out["assistant_prefix"] = reading.prefix
@@ -180,21 +192,53 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
+    """A text completion: one prompt or a batch (strings, or token-id lists), each its own
+    choices; `echo` answers the prompt too, and with `logprobs` its tokens' log-
+    probabilities, which with `max_tokens: 0` is how a harness scores a text."""
+
     prompt: (
         str
-        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[int], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[int], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_PROMPTS),
+        ]
     )
+    max_tokens: Annotated[int | None, Field(ge=0)] = None  # 0 only with echo: scoring
     echo: bool | None = False
+    # each token's log-probability and those of this many likeliest tokens
+    logprobs: Annotated[int | None, Field(ge=0, le=5)] = None
 
     def asked_tokens(self) -> int | None:
         return self.max_tokens
 
-    def payload(self) -> dict[str, Any]:
+    def scoring_problem(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 generates nothing; it needs echo: true (scoring)"
+        if self.stream and (self.echo or len(self.payloads()) > 1):
+            why = "echo" if self.echo else "prompt"
+            return why, f"{why}: streaming answers one prompt without echo; ask without stream"
+        return None
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """One model-server request per prompt."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], int):
-            return {"prompt_ids": p}
-        return {"prompt": p[0] if isinstance(p, list) else p}
+        if isinstance(p, str):
+            prompts: list[dict[str, Any]] = [{"prompt": p}]
+        elif isinstance(p[0], int):
+            prompts = [{"prompt_ids": p}]
+        else:
+            prompts = [{"prompt_ids": x} if isinstance(x, list) else {"prompt": x} for x in p]
+        extra: dict[str, Any] = {"echo": bool(self.echo)}
+        if self.logprobs is not None:
+            extra.update(
+                token_logprobs=True,
+                prompt_logprobs=bool(self.echo),
+                top_logprobs=self.logprobs,
+                token_texts=True,
+            )
+        return [{**x, **extra} for x in prompts]
 
 
 class Usage(BaseModel):
@@ -221,11 +265,26 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     # ours, beside OpenAI's fields: each `<tool_call>` the model wrote that was not
     # returned as a call, and why (not JSON, no such tool, arguments off the schema)
     tool_call_problems: list[str] | None = None
@@ -241,11 +300,21 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class TextLogprobs(BaseModel):
+    """OpenAI's legacy shape: per token, its text, log-probability (null for a prompt's
+    first), the likeliest tokens' (null there too) and where it starts in `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class TextChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class TextCompletion(BaseModel):

@@ -25,10 +25,14 @@ from api.completion_schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    ChatLogprobs,
     TextChoice,
     TextCompletion,
+    TextLogprobs,
+    TokenLogprob,
     ToolCall,
     ToolReading,
+    TopLogprob,
     Usage,
 )
 from service.data.tools import CallReader, read_answer
@@ -131,6 +135,8 @@ class Answer:
     def __init__(self, n: int) -> None:
         self.texts = [""] * n
         self.reasons: list[str] = ["stop"] * n
+        self.finishes: list[dict[str, Any]] = [{} for _ in range(n)]  # with log-probabilities
+        self.prompt: dict[str, Any] = {}  # its text and tokens' log-probabilities (echo)
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
 
     def add(self, ev: dict[str, Any]) -> None:
@@ -138,10 +144,15 @@ class Answer:
             self.texts[ev["i"]] += ev["text"]
         elif "finish" in ev:
             self.reasons[ev["i"]] = ev["finish"]
+            self.finishes[ev["i"]] = ev
         elif "usage" in ev:
             self.usage = usage_of(ev["usage"])
+        elif "prompt_logprobs" in ev:
+            self.prompt.update(ev)
         elif "prompt_tokens" in ev:
             self.usage.prompt_tokens = ev["prompt_tokens"]
+            if "prompt_text" in ev:
+                self.prompt["prompt_text"] = ev["prompt_text"]
 
 
 def usage_of(u: dict[str, int]) -> Usage:
@@ -168,18 +179,22 @@ def chat_completion(model: str, ans: Answer, reading: ToolReading | None = None)
         created=int(time.time()),
         model=model,
         choices=[
-            _chat_choice(i, t, r, reading)
-            for i, (t, r) in enumerate(zip(ans.texts, ans.reasons, strict=True))
+            _chat_choice(i, t, r, reading, f)
+            for i, (t, r, f) in enumerate(zip(ans.texts, ans.reasons, ans.finishes, strict=True))
         ],
         usage=ans.usage,
     )
 
 
-def _chat_choice(i: int, text: str, reason: str, reading: ToolReading | None) -> ChatChoice:
+def _chat_choice(
+    i: int, text: str, reason: str, reading: ToolReading | None, finish: dict[str, Any]
+) -> ChatChoice:
     """One choice; with tools, the answer read for calls (the forced start of the turn
     first: the model continued it)."""
+    logprobs = chat_logprobs(finish)
     if reading is None:
-        return ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=reason)
+        message = AssistantMessage(content=text)
+        return ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs)
     said, calls, problems = read_answer(reading.prefix + text, reading.tools, reading.parallel)
     message = AssistantMessage(
         content=said or None if calls else said,
@@ -189,7 +204,66 @@ def _chat_choice(i: int, text: str, reason: str, reading: ToolReading | None) ->
         index=i,
         message=message,
         finish_reason=_reason(reason, bool(calls)),
+        logprobs=logprobs,
         tool_call_problems=problems or None,
+    )
+
+
+def _tops(tops: list[Any], count: int) -> list[Any]:
+    """Each token's likeliest ([text, logprob] pairs, or None), one per token."""
+    return list(tops) + [None] * (count - len(tops))
+
+
+def chat_logprobs(finish: dict[str, Any]) -> ChatLogprobs | None:
+    """A choice's tokens with their log-probabilities, when the request asked."""
+    if "token_texts" not in finish:
+        return None
+    texts, values = finish["token_texts"], finish["logprobs"]
+
+    def top(pairs: Any) -> list[TopLogprob]:
+        return [TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in pairs or ()]
+
+    return ChatLogprobs(
+        content=[
+            TokenLogprob(token=t, logprob=v, bytes=list(t.encode()), top_logprobs=top(pairs))
+            for t, v, pairs in zip(texts, values, _tops(finish["top"], len(texts)), strict=True)
+        ]
+    )
+
+
+def _by_text(pairs: list[Any]) -> dict[str, float]:
+    """The likeliest tokens by their text; tokens that decode alike (bytes of one
+    character, each '\ufffd' alone) keep the likeliest's value."""
+    out: dict[str, float] = {}
+    for t, v in pairs:
+        out.setdefault(t, v)
+    return out
+
+
+def text_logprobs(finish: dict[str, Any], prompt: dict[str, Any] | None) -> TextLogprobs | None:
+    """A text choice's tokens (the prompt's first with `prompt`, for echo) in OpenAI's
+    legacy shape, when the request asked."""
+    if "token_texts" not in finish:
+        return None
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[Any] = []
+    if prompt is not None and "prompt_token_texts" in prompt:
+        tokens += prompt["prompt_token_texts"]
+        values += prompt["prompt_logprobs"]
+        tops += _tops(prompt["prompt_top"], len(prompt["prompt_token_texts"]))
+    tokens += finish["token_texts"]
+    values += finish["logprobs"]
+    tops += _tops(finish["top"], len(finish["token_texts"]))
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return TextLogprobs(
+        tokens=tokens,
+        token_logprobs=values,
+        top_logprobs=[_by_text(p) if p is not None else None for p in tops],
+        text_offset=offsets,
     )
 
 
@@ -198,16 +272,29 @@ def _reason(reason: str, called: bool) -> str:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def text_completion(model: str, ans: Answer) -> TextCompletion:
+def text_completion(
+    model: str, answers: list[Answer], echoed: list[str] | None = None
+) -> TextCompletion:
+    """The choices of each prompt's answer in order (prompt k's choice i at k*n + i); with
+    `echoed`, each prompt's text (as the request gave it) before its answers'."""
+    choices = []
+    for k, ans in enumerate(answers):
+        for t, r, f in zip(ans.texts, ans.reasons, ans.finishes, strict=True):
+            head = echoed[k] if echoed is not None else ""
+            logprobs = text_logprobs(f, ans.prompt if echoed is not None else None)
+            choices.append(
+                TextChoice(index=len(choices), text=head + t, finish_reason=r, logprobs=logprobs)
+            )
+    prompt = sum(a.usage.prompt_tokens for a in answers)
+    completion = sum(a.usage.completion_tokens for a in answers)
     return TextCompletion(
         id=f"cmpl-{secrets.token_hex(12)}",
         created=int(time.time()),
         model=model,
-        choices=[
-            TextChoice(index=i, text=t, finish_reason=r)
-            for i, (t, r) in enumerate(zip(ans.texts, ans.reasons, strict=True))
-        ],
-        usage=ans.usage,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        ),
     )
 
 
@@ -235,14 +322,18 @@ async def stream_chunks(
     }
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> bytes:
+    def chunk(
+        index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None
+    ) -> bytes:
+        """One choice's chunk; a choice's log-probabilities come with its last."""
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": text or "", "finish_reason": reason}
+        choice["logprobs"] = logprobs
         return _sse({**head, "choices": [choice], **extra})
 
     readers = [CallReader(reading.tools, reading.parallel) for _ in range(n)] if reading else []
@@ -278,8 +369,10 @@ async def stream_chunks(
                 yield chunk(ev["i"], ev["text"], None)
         elif "finish" in ev:
             i, reason = ev["i"], ev["finish"]
+            lp = chat_logprobs(ev) if chat else text_logprobs(ev, None)
+            logprobs = lp.model_dump() if lp is not None else None
             if not readers:
-                yield chunk(i, None if chat else "", reason)
+                yield chunk(i, None if chat else "", reason, logprobs=logprobs)
                 continue
             for b in read(i, readers[i].finish()):
                 yield b
@@ -287,7 +380,7 @@ async def stream_chunks(
                 "index": i,
                 "delta": {},
                 "finish_reason": _reason(reason, readers[i].calls > 0),
-                "logprobs": None,
+                "logprobs": logprobs,
                 "tool_call_problems": problems[i] or None,
             }
             yield _sse({**head, "choices": [last], **extra})

@@ -4,6 +4,7 @@ as OpenAI's do, streamed or whole. Prompts and answers are never logged."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,10 +12,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.completion_schemas import ChatCompletion, ChatRequest, CompletionRequest, Sampling
+from api.completion_schemas import ChatCompletion, ChatRequest, CompletionRequest
 from api.context import Context
 from api.errors import responses
-from api.generate import chat_completion, collect, refusal, stream_chunks, text_completion
+from api.generate import (
+    Answer,
+    chat_completion,
+    collect,
+    refusal,
+    stream_chunks,
+    text_completion,
+)
 from api.routes import STREAM_HEADERS, V1_DEPENDENCIES, Tenant, ctx, respond
 from service.errors import InvalidRequest
 from service.serving.deployments import target_of
@@ -41,26 +49,32 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant)
     return await _generate(request, tenant, body, chat=False)
 
 
-async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -> Response:
+async def _generate(
+    request: Request, tenant: str, body: ChatRequest | CompletionRequest, chat: bool
+) -> Response:
     c = ctx(request)
     if refused := body.refused():
         raise InvalidRequest(refused[1], param=refused[0], code="unsupported_parameter")
+    if problem := body.scoring_problem():
+        raise InvalidRequest(problem[1], param=problem[0], code="invalid_value")
     reading = None
     if isinstance(body, ChatRequest):
         if problem := body.tool_problem():
             raise InvalidRequest(problem[1], param=problem[0], code="invalid_value")
         reading = body.reading()
-    # the tokens one request may generate, all its choices together
+    # the tokens one request may generate, all its prompts' choices together
     limit = c.settings.limits.max_tokens_per_request
-    asked = body.asked_tokens()  # type: ignore[attr-defined]
-    n = body.n or 1
+    asked = body.asked_tokens()
+    prompts = body.payloads()
+    n = (body.n or 1) * len(prompts)
     if asked is not None and asked * n > limit:
         field = (
             "max_completion_tokens"
             if getattr(body, "max_completion_tokens", None)
             else "max_tokens"
         )
-        times = f"n × {field} = {n} × {asked} = {asked * n}" if n > 1 else f"{field}: {asked}"
+        count = "n × prompts" if len(prompts) > 1 else "n"
+        times = f"{count} × {field} = {n} × {asked} = {asked * n}" if n > 1 else f"{field}: {asked}"
         raise InvalidRequest(
             f"{times} is over this service's limit of {limit} tokens per request "
             f"({Limits.var('max_tokens_per_request')}); ask for fewer",
@@ -68,17 +82,19 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
             code="invalid_value",
         )
     target = await run_in_threadpool(target_of, c.settings, c.store, tenant, body.model)
-    payload: dict[str, Any] = {
-        **body.payload(),  # type: ignore[attr-defined]
+    common: dict[str, Any] = {
         "max_tokens": asked,
         "default_max_tokens": limit // n,  # each choice's share when none is asked
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "n": n,
+        "n": body.n or 1,
         "seed": body.seed,
         "stop": body.stops(),
     }
-    first, events = await started(c, tenant, target, payload)
+    if isinstance(body, CompletionRequest) and not body.stream:
+        answers = await _all_prompts(c, tenant, target, [{**p, **common} for p in prompts])
+        return respond(text_completion(body.model, answers, _echoed(body, answers)))
+    first, events = await started(c, tenant, target, {**prompts[0], **common})
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = stream_chunks(chat, body.model, n, include_usage, events, reading)
@@ -87,13 +103,55 @@ async def _generate(request: Request, tenant: str, body: Sampling, chat: bool) -
             media_type="text/event-stream",
             headers=STREAM_HEADERS,
         )
+    assert chat  # a text completion's whole answer is _all_prompts'
     try:
-        ans = await collect(first, events, n)
+        ans = await collect(first, events, body.n or 1)
     finally:
         c.generations.give_back(tenant)
-    if chat:
-        return respond(chat_completion(body.model, ans, reading))
-    return respond(text_completion(body.model, ans))
+    return respond(chat_completion(body.model, ans, reading))
+
+
+async def _all_prompts(
+    c: Context, tenant: str, target: Any, payloads: list[dict[str, Any]]
+) -> list[Answer]:
+    """Each prompt's whole answer, the prompts decoded together (one generation slot for
+    the request); a prompt the model refuses refuses the request."""
+    if len(payloads) == 1:
+        first, events = await started(c, tenant, target, payloads[0])
+        try:
+            return [await collect(first, events, payloads[0]["n"])]
+        finally:
+            c.generations.give_back(tenant)
+    c.generations.take(tenant)
+    opened: list[AsyncIterator[dict]] = []
+    try:
+        firsts = []
+        for p in payloads:  # each prompt joins the batch as its first event is read
+            opened.append(await c.backend.open(target, p))
+            firsts.append(await anext(opened[-1]))
+        for f in firsts:
+            if "error" in f:
+                raise refusal(f["error"])
+        return list(
+            await asyncio.gather(
+                *(collect(f, e, p["n"]) for f, e, p in zip(firsts, opened, payloads, strict=True))
+            )
+        )
+    finally:
+        for e in opened:
+            await e.aclose()  # type: ignore[attr-defined]
+        c.generations.give_back(tenant)
+
+
+def _echoed(body: CompletionRequest, answers: list[Answer]) -> list[str] | None:
+    """Each prompt's text for echo: a string as the request gave it, token ids decoded."""
+    if not body.echo:
+        return None
+    given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    texts = [p if isinstance(p, str) else "" for p in given]
+    if given and isinstance(given[0], int):
+        texts = [""]
+    return [t or a.prompt.get("prompt_text", "") for t, a in zip(texts, answers, strict=True)]
 
 
 async def started(

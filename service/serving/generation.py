@@ -70,6 +70,9 @@ class SamplingParams:
     ignore_eos: bool = False  # the end-of-turn tokens do not end a choice
     logprobs: bool = False  # each sampled token's log-probability, in its Finish
     prompt_logprobs: bool = False  # each prompt token's, in a PromptLogprobs event first
+    # with either: the k likeliest tokens at each position too, under the model's own
+    # distribution (no temperature), as (token id, log-probability) pairs
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,14 +87,17 @@ class Finish:
     reason: str  # stop | length
     tokens: tuple[int, ...] = ()  # every token the choice generated (an end-of-turn one too)
     logprobs: tuple[float, ...] = ()  # theirs, when the request asked (`logprobs`)
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()  # each token's `top_logprobs`
 
 
 @dataclass(frozen=True)
 class PromptLogprobs:
     """Each prompt token's log-probability given the tokens before it (the first has none:
-    NaN), sent before any token when the request asked (`prompt_logprobs`)."""
+    NaN), sent before any token when the request asked (`prompt_logprobs`), and with
+    `top_logprobs` the likeliest tokens at each position (the first has none: ())."""
 
     values: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class _Row:
     rng: torch.Generator | None
     generated: int = 0
     logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
 
 class _TextStream:
@@ -432,9 +439,12 @@ class Generator:
             for k, req in enumerate(reqs):
                 if req.params.prompt_logprobs:  # its own positions, past the padding
                     at = width - len(req.prompt_ids)
-                    lp = torch.log_softmax(logits[k, at:-1], -1)
-                    lp = lp.gather(-1, ids[k, at + 1 :, None])[:, 0]
-                    req.emit(PromptLogprobs((float("nan"), *lp.tolist())))
+                    every_lp = torch.log_softmax(logits[k, at:-1], -1)
+                    lp = every_lp.gather(-1, ids[k, at + 1 :, None])[:, 0]
+                    top = likeliest(every_lp, req.params.top_logprobs)
+                    req.emit(
+                        PromptLogprobs((float("nan"), *lp.tolist()), ((), *top) if top else ())
+                    )
             logits = logits[:, -1]
         rows: list[_Row] = []
         of: list[int] = []  # the prefilled row each new row copies
@@ -500,6 +510,11 @@ class Generator:
             got = torch.where(torch.isfinite(got), got, raw)  # an overflowed temperature's
             for i, v in zip(want, got.tolist(), strict=True):
                 rows[i].logprobs.append(v)
+            k = max(params[i].top_logprobs for i in want)
+            if k:
+                tops = likeliest(torch.log_softmax(logits[at], -1), k)
+                for i, top in zip(want, tops, strict=True):
+                    rows[i].top.append(top[: params[i].top_logprobs])
         return toks
 
     def _join(self, rows, cache, mask, last, pos) -> None:
@@ -561,7 +576,9 @@ class Generator:
             if reason is None:
                 keep.append(i)
                 continue
-            req.emit(Finish(row.index, reason, tuple(row.text.ids), tuple(row.logprobs)))
+            req.emit(
+                Finish(row.index, reason, tuple(row.text.ids), tuple(row.logprobs), tuple(row.top))
+            )
             req.open_choices -= 1
             if req.open_choices == 0:
                 req.emit(Done(len(req.prompt_ids), req.completion_tokens))
@@ -600,6 +617,16 @@ class Generator:
                 seen.add(id(r.req))
                 r.req.emit(RuntimeError(message))
         self._clear()
+
+
+def likeliest(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's `k` likeliest tokens and their log-probabilities ([rows, vocab] in)."""
+    if k <= 0:
+        return []
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
+    return [
+        tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def narrowed(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

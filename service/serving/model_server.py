@@ -79,6 +79,7 @@ def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> Sampling
         ignore_eos=bool(body.get("ignore_eos", False)),
         logprobs=bool(body.get("token_logprobs", False)),
         prompt_logprobs=bool(body.get("prompt_logprobs", False)),
+        top_logprobs=int(body.get("top_logprobs") or 0),
     )
 
 
@@ -105,7 +106,23 @@ async def answer(
 ):
     """The events of one request on `gen` (the module docstring's lines, as dicts), with
     the adapter at `adapter_path` (loaded as the request joins the batch, if it is not in
-    memory). Leaving early (a client gone) cancels the request's rows."""
+    memory). Leaving early (a client gone) cancels the request's rows.
+
+    For scoring: `echo` adds the prompt's text to the first event; `token_texts` adds
+    each token's text beside its id and log-probabilities (and the `top_logprobs`
+    likeliest ones'); `max_tokens` 0 generates nothing (one token is decoded and
+    dropped: the prompt's log-probabilities come from the prefill)."""
+    if body.get("max_tokens") == 0:
+        body = {**body, "max_tokens": 1, "score_only": True}
+    score_only = bool(body.get("score_only"))
+    texts = bool(body.get("token_texts"))
+
+    def text(t: int) -> str:
+        return str(gen.tokenizer.decode([t]))
+
+    def top_texts(top: Any) -> list[Any]:
+        return [[[text(t), v] for t, v in at] if at else None for at in top]
+
     if "messages" in body:
         try:
             prefix = body.get("assistant_prefix", "")
@@ -145,27 +162,38 @@ async def answer(
     params = sampling(body, len(ids), gen.context)
     req = Request(ids, params, emit, adapter, adapter_path)
     gen.submit(req)
-    yield {"prompt_tokens": len(ids)}
+    first: dict[str, Any] = {"prompt_tokens": len(ids)}
+    if body.get("echo"):
+        first["prompt_text"] = gen.tokenizer.decode(ids)
+    yield first
     try:
         while True:
             ev = await events.get()
             if isinstance(ev, Token):
-                yield {"i": ev.index, "text": ev.text}
+                if not score_only:
+                    yield {"i": ev.index, "text": ev.text}
             elif isinstance(ev, Finish):
                 fin: dict[str, Any] = {
                     "i": ev.index,
-                    "finish": ev.reason,
-                    "tokens": list(ev.tokens),
+                    "finish": "length" if score_only else ev.reason,
+                    "tokens": [] if score_only else list(ev.tokens),
                 }
                 if params.logprobs:
-                    fin["logprobs"] = list(ev.logprobs)
+                    fin["logprobs"] = [] if score_only else list(ev.logprobs)
+                    if texts:
+                        fin["token_texts"] = [text(t) for t in fin["tokens"]]
+                        fin["top"] = [] if score_only else top_texts(ev.top)
                 yield fin
             elif isinstance(ev, PromptLogprobs):  # NaN, not JSON: the first is null
-                yield {"prompt_logprobs": [None, *ev.values[1:]]}
+                got: dict[str, Any] = {"prompt_logprobs": [None, *ev.values[1:]]}
+                if texts:
+                    got["prompt_token_texts"] = [text(t) for t in ids]
+                    got["prompt_top"] = top_texts(ev.top) if ev.top else [None] * len(ids)
+                yield got
             elif isinstance(ev, Done):
                 usage = {
                     "prompt_tokens": ev.prompt_tokens,
-                    "completion_tokens": ev.completion_tokens,
+                    "completion_tokens": 0 if score_only else ev.completion_tokens,
                 }
                 yield {"usage": usage}
                 return

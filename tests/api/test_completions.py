@@ -193,7 +193,8 @@ F = {"type": "function", "function": {"name": "f"}}  # a tool that takes anythin
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # answers no call
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
