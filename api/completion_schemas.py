@@ -3,6 +3,7 @@ fields we refuse by name rather than ignore), the answers and the stream's chunk
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from service.data.tools import (
     choice_problem,
     forced_prefix,
+    json_schema_problem,
     schema_problem,
     tool_calls_problem,
     tools_problem,
@@ -147,6 +149,50 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None  # each answer token's log-probability
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name", "schema", "strict", "description"}}: the answer decoded to that JSON
+    response_format: dict[str, Any] | None = None
+
+    def format_problem(self) -> tuple[str, str] | None:
+        """(field, why) of what is wrong with `response_format`, or None."""
+        rf = self.response_format
+        if rf is None or rf == {"type": "text"}:
+            return None
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if (
+                not isinstance(js, dict)
+                or set(rf) != {"type", "json_schema"}
+                or not isinstance(js.get("name"), str)
+                or set(js) - {"name", "schema", "strict", "description"}
+            ):
+                return "response_format", (
+                    'response_format must be {"type": "json_schema", "json_schema": {"name": '
+                    '..., "schema": {...}}} (strict and description may be added)'
+                )
+            if why := json_schema_problem(js.get("schema", {})):
+                return "response_format", f"response_format.json_schema.schema: {why}"
+        elif rf != {"type": "json_object"}:
+            return "response_format", (
+                'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                '{"type": "json_schema", "json_schema": {...}}'
+            )
+        if self.reading() is not None:
+            return "response_format", (
+                "response_format with tools is not supported by this service: ask with one or "
+                'the other (or tool_choice: "none")'
+            )
+        return None
+
+    def json_schema(self) -> str | None:
+        """The schema the answer is decoded to (JSON text), or None."""
+        rf = self.response_format or {}
+        if rf.get("type") == "json_object":
+            return json.dumps({"type": "object"})
+        if rf.get("type") == "json_schema":
+            return json.dumps(rf["json_schema"].get("schema") or {})
+        return None
 
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -185,6 +231,8 @@ class ChatRequest(Sampling):
 
     def payload(self) -> dict[str, Any]:
         out: dict[str, Any] = {"messages": [m.rendered() for m in self.messages], **self.scoring()}
+        if (schema := self.json_schema()) is not None:
+            out["json_schema"] = schema
         if reading := self.reading():
             out["tools"] = reading.tools
             out["assistant_prefix"] = reading.prefix

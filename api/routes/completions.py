@@ -59,7 +59,7 @@ async def _generate(
         raise InvalidRequest(problem[1], param=problem[0], code="invalid_value")
     reading = None
     if isinstance(body, ChatRequest):
-        if problem := body.tool_problem():
+        if problem := body.tool_problem() or body.format_problem():
             raise InvalidRequest(problem[1], param=problem[0], code="invalid_value")
         reading = body.reading()
     # the tokens one request may generate, all its prompts' choices together

@@ -210,19 +210,27 @@ def forced_prefix(tool_choice: Any) -> str:
     return ""
 
 
-def schema_problem(tools: list[dict]) -> str | None:
-    """Why a tool's `parameters` is not a JSON schema (Draft 2020-12 unless it says), or
-    None."""
+def json_schema_problem(schema: Any) -> str | None:
+    """Why `schema` is not a JSON schema (Draft 2020-12 unless it says which), or None."""
     from jsonschema import SchemaError, validators
 
+    if not isinstance(schema, dict):
+        return "it must be a JSON object"
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        return e.message
+    except RecursionError:
+        return "it is nested too deep"
+    return None
+
+
+def schema_problem(tools: list[dict]) -> str | None:
+    """Why a tool's `parameters` is not a JSON schema, or None."""
     for k, tool in enumerate(tools):
         schema = tool["function"].get("parameters")
-        if schema is None:
-            continue
-        try:
-            validators.validator_for(schema).check_schema(schema)
-        except SchemaError as e:
-            return f"tools[{k}].function.parameters is not a JSON schema: {e.message}"
+        if schema is not None and (why := json_schema_problem(schema)):
+            return f"tools[{k}].function.parameters is not a JSON schema: {why}"
     return None
 
 

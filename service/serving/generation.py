@@ -73,6 +73,7 @@ class SamplingParams:
     # with either: the k likeliest tokens at each position too, under the model's own
     # distribution (no temperature), as (token id, log-probability) pairs
     top_logprobs: int = 0
+    json_schema: str | None = None  # each choice's text is JSON of this schema (its text)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class _Row:
     generated: int = 0
     logprobs: list[float] = field(default_factory=list)
     top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    matcher: Any = None  # the row's JSON-schema matcher (llguidance) when it has a schema
 
 
 class _TextStream:
@@ -214,6 +216,7 @@ class Generator:
         self.max_adapters = max_adapters
         self._unload: set[str] = set()  # adapters to drop once no row uses them
         self.eos = eos_ids(self.model, self.tokenizer)
+        self._guide: Any = None  # llguidance's tokenizer, made at the first schema
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.max_batch = max_batch
@@ -458,7 +461,10 @@ class Generator:
                         rng.manual_seed((p.seed * 1000003 + i) % (1 << 63))  # any int
                     else:
                         rng.seed()
-                rows.append(_Row(req, i, _TextStream(self.tokenizer, p.stop), rng))
+                row = _Row(req, i, _TextStream(self.tokenizer, p.stop), rng)
+                if p.json_schema is not None:
+                    row.matcher = self._matcher(p.json_schema)
+                rows.append(row)
                 of.append(k)
             req.open_choices = p.n
         if of != list(range(len(reqs))):  # choices share their prompt's cache row
@@ -477,10 +483,14 @@ class Generator:
         `torch.multinomial` with a generator took 1.3 ms a row). A sampled token's
         log-probability is kept for rows that asked."""
         params = [r.req.params for r in rows]
+        guided = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if guided:
+            self._constrain(logits, [rows[i].matcher for i in guided], guided)
         toks = logits.argmax(-1)
         draw = [i for i, p in enumerate(params) if p.temperature > 0]
         want = [i for i, p in enumerate(params) if p.logprobs]
         if not draw and not want:  # all greedy, no log-probabilities asked: the argmax
+            self._consume(rows, guided, toks)
             return toks
         temps = torch.tensor(
             [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
@@ -515,7 +525,56 @@ class Generator:
                 tops = likeliest(torch.log_softmax(logits[at], -1), k)
                 for i, top in zip(want, tops, strict=True):
                     rows[i].top.append(top[: params[i].top_logprobs])
+        self._consume(rows, guided, toks)
         return toks
+
+    # -- JSON-schema constrained decoding (response_format) --------------------------------
+
+    def _guide_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, made once (about a second)."""
+        if self._guide is None:
+            import llguidance.hf
+
+            self._guide = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        return self._guide
+
+    def _matcher(self, schema: str) -> Any:
+        from llguidance import LLMatcher
+
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        return LLMatcher(self._guide_tokenizer(), grammar, log_level=0)
+
+    def schema_problem(self, schema: str) -> str | None:
+        """Why the decoder cannot hold answers to `schema` (JSON text), or None."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return (
+                "this model's tokenizer is not a fast tokenizer, which constrained decoding needs"
+            )
+        try:
+            matcher = self._matcher(schema)
+        except ValueError as e:
+            return str(e)
+        return matcher.get_error() if matcher.is_error() else None
+
+    def _constrain(self, logits: torch.Tensor, matchers: list[Any], at: list[int]) -> None:
+        """Rows `at` of `logits` keep only the tokens their schema allows next."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        words = (logits.shape[-1] + 31) // 32
+        bitmask = torch.full((len(at), words), -1, dtype=torch.int32)
+        for j, m in enumerate(matchers):
+            fill_next_token_bitmask(m, bitmask, j)
+        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(at), -1)[:, : logits.shape[-1]].bool().to(logits.device)
+        rows = torch.tensor(at, device=logits.device)
+        with torch.inference_mode():  # the logits are the forward's inference tensor
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+    def _consume(self, rows: list[_Row], guided: list[int], toks: torch.Tensor) -> None:
+        if guided:
+            chosen = toks.tolist()
+            for i in guided:
+                rows[i].matcher.consume_token(chosen[i])
 
     def _join(self, rows, cache, mask, last, pos) -> None:
         """Stack new rows (their cache, mask, next token, position) under the batch."""
@@ -617,6 +676,11 @@ class Generator:
                 seen.add(id(r.req))
                 r.req.emit(RuntimeError(message))
         self._clear()
+
+
+# answers in one layout (OpenAI's spacing: ", " and ": "), not any whitespace the schema
+# allows: a model is not free to spend its tokens on spaces
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def likeliest(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:

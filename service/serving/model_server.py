@@ -80,6 +80,7 @@ def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> Sampling
         logprobs=bool(body.get("token_logprobs", False)),
         prompt_logprobs=bool(body.get("prompt_logprobs", False)),
         top_logprobs=int(body.get("top_logprobs") or 0),
+        json_schema=body.get("json_schema"),
     )
 
 
@@ -135,6 +136,11 @@ async def answer(
         ids, field = list(body["prompt_ids"]), "prompt"
     else:
         ids, field = gen.encode(body.get("prompt", "")), "prompt"
+    if body.get("json_schema") is not None and (why := gen.schema_problem(body["json_schema"])):
+        message = f"response_format: the schema cannot be decoded to: {why}"
+        yield {"error": {"status": 400, "param": "response_format", "code": "invalid_value",
+                         "message": message}}  # fmt: skip
+        return
     vocab = gen.vocab_size
     if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
         yield {

@@ -199,3 +199,81 @@ def test_only_templates_that_write_hermes_blocks_have_their_calls_read():
     assert reads_calls(SimpleNamespace(chat_template=qwen))
     llama = "{% if tools %}{{ tools }}{% endif %}{{ m.tool_calls | tojson }}"
     assert not reads_calls(SimpleNamespace(chat_template=llama))
+
+
+# -- response_format: answers decoded to a JSON schema ---------------------------------------
+
+FRUIT = {
+    "type": "object",
+    "properties": {
+        "fruit": {"type": "string", "enum": ["apple", "pear", "plum"]},
+        "ripe": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
+    },
+    "required": ["fruit", "ripe"],
+    "additionalProperties": False,
+}
+
+
+def test_even_an_untrained_model_answers_json_of_the_schema_asked_for(api):
+    """The tiny base model writes noise unconstrained; with a schema every answer, greedy,
+    sampled or streamed, is JSON that validates against it."""
+    from jsonschema import ValidationError, validate
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "fruit", "schema": FRUIT}}
+    kw = {"model": "tiny-llama", "messages": ASK, "max_tokens": 60, "response_format": fmt}
+    client = api.client()
+    answers = [client.chat.completions.create(**kw, temperature=0)]
+    answers.append(client.chat.completions.create(**kw, temperature=1, seed=3, n=3))
+    texts = [c.message.content for a in answers for c in a.choices]
+    streamed = client.chat.completions.create(**kw, temperature=0, stream=True)
+    texts.append("".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
+    assert texts[-1] == texts[0]
+    for text in texts:
+        validate(json.loads(text), FRUIT)
+    assert all(c.finish_reason == "stop" for a in answers for c in a.choices)
+    # unconstrained, the same model does not write that JSON
+    free = client.chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=60)
+    with pytest.raises((json.JSONDecodeError, ValidationError)):
+        validate(json.loads(free.choices[0].message.content), FRUIT)
+
+
+def test_json_object_answers_an_object_when_it_ends(api):
+    got = api.client().chat.completions.create(
+        model="tiny-llama", messages=ASK, max_tokens=120, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    choice = got.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # cut at max_tokens: still the start of an object
+        assert choice.message.content.startswith("{")
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "xml"},
+        {"type": "json_schema", "json_schema": {"schema": FRUIT}},  # no name
+        {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": 5}}},
+        {"type": "json_schema", "json_schema": {"name": "f", "schema": FRUIT}, "extra": 1},
+    ],
+)
+def test_a_response_format_that_is_not_openais_is_a_400_naming_it(api, fmt):
+    import httpx
+
+    body = {"model": "tiny-llama", "messages": ASK, "max_tokens": 4, "response_format": fmt}
+    r = httpx.post(f"{api.base}/chat/completions", headers=api.headers(), json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format"
+
+
+def test_response_format_with_tools_is_refused_and_without_them_the_tools_are_hidden(api):
+    import openai
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "fruit", "schema": FRUIT}}
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(api, tools=[WEATHER], response_format=fmt)
+    assert e.value.body["param"] == "response_format"
+    got = ask(api, tools=[WEATHER], tool_choice="none", response_format=fmt, max_tokens=60)
+    assert json.loads(got.choices[0].message.content)["fruit"] in ("apple", "pear", "plum")
