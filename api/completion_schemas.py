@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.data.tools import (
+    call_grammar,
     choice_problem,
-    forced_prefix,
     json_schema_problem,
     schema_problem,
     tool_calls_problem,
@@ -138,7 +138,6 @@ class ToolReading:
 
     tools: list[dict[str, Any]]
     parallel: bool
-    prefix: str  # the start of the assistant's turn that tool_choice forces
 
 
 class ChatRequest(Sampling):
@@ -224,7 +223,7 @@ class ChatRequest(Sampling):
         if not self.tools or self.tool_choice == "none":
             return None
         parallel = self.parallel_tool_calls is not False
-        return ToolReading(self.tools, parallel, forced_prefix(self.tool_choice))
+        return ToolReading(self.tools, parallel)
 
     def payloads(self) -> list[dict[str, Any]]:
         return [self.payload()]
@@ -235,7 +234,8 @@ class ChatRequest(Sampling):
             out["json_schema"] = schema
         if reading := self.reading():
             out["tools"] = reading.tools
-            out["assistant_prefix"] = reading.prefix
+            if (grammar := call_grammar(reading.tools, self.tool_choice)) is not None:
+                out["lark"] = grammar  # a forced call, decoded to its tool's schema
         return out
 
 

@@ -195,7 +195,7 @@ def _chat_choice(
     if reading is None:
         message = AssistantMessage(content=text)
         return ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs)
-    said, calls, problems = read_answer(reading.prefix + text, reading.tools, reading.parallel)
+    said, calls, problems = read_answer(text, reading.tools, reading.parallel)
     message = AssistantMessage(
         content=said or None if calls else said,
         tool_calls=[ToolCall.model_validate(c) for c in calls] or None,
@@ -357,9 +357,6 @@ async def stream_chunks(
     if chat:
         for i in range(n):
             yield chunk(i, None, None, first=True)
-            if readers:
-                for b in read(i, readers[i].feed(reading.prefix)):  # type: ignore[union-attr]
-                    yield b
     async for ev in events:
         if "text" in ev:
             if readers:

@@ -199,15 +199,35 @@ def choice_problem(tool_choice: Any, tools: list[dict] | None) -> str | None:
     )
 
 
-def forced_prefix(tool_choice: Any) -> str:
-    """What the assistant's turn starts with so that the model calls a tool: the opening
-    of a call for "required", and of that function's call for a named one; "" else."""
+# answers to a schema in one layout (OpenAI's spacing: ", " and ": "), not any whitespace
+# the schema allows: a model is not free to spend its tokens on spaces
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def call_grammar(tools: list[dict], tool_choice: Any) -> str | None:
+    """The grammar (llguidance's Lark) an answer is decoded to when `tool_choice` forces a
+    call: one `<tool_call>` block whose JSON names one of the tools ("required") or the
+    named one, with arguments of that tool's parameters; None when it forces none."""
     if tool_choice == "required":
-        return f"{CALL_OPEN}\n"
-    if isinstance(tool_choice, dict):
-        name = json.dumps(tool_choice["function"]["name"])
-        return f'{CALL_OPEN}\n{{"name": {name}, "arguments": '
-    return ""
+        chosen = tools
+    elif isinstance(tool_choice, dict):
+        chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+    else:
+        return None
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
+    return f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json {json.dumps(schema)}'
 
 
 def json_schema_problem(schema: Any) -> str | None:

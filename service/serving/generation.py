@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from service.data.tools import ToolFormatError, reads_calls, template_messages
+from service.data.tools import JSON_LAYOUT, ToolFormatError, reads_calls, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class SamplingParams:
     # with either: the k likeliest tokens at each position too, under the model's own
     # distribution (no temperature), as (token id, log-probability) pairs
     top_logprobs: int = 0
-    json_schema: str | None = None  # each choice's text is JSON of this schema (its text)
+    grammar: str | None = None  # each choice decoded to it (llguidance's; see grammar_of)
 
 
 @dataclass(frozen=True)
@@ -237,13 +237,10 @@ class Generator:
 
     # -- what callers use ------------------------------------------------------------------
 
-    def render(
-        self, messages: list[dict[str, Any]], tools: list[dict] | None = None, prefix: str = ""
-    ) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """A chat's prompt tokens, by the model's chat template (ChatML when it has none),
         with the assistant's turn opened, as training renders the turns before an answer:
-        tools, calls and tool results as training renders them (service/data/tools.py),
-        and the turn begun with `prefix` (what tool_choice forces)."""
+        tools, calls and tool results as training renders them (service/data/tools.py)."""
         if tools and not reads_calls(self.tokenizer):
             raise ToolFormatError(
                 "this model's chat template writes tool calls in a format this service "
@@ -253,7 +250,7 @@ class Generator:
         text = self.tokenizer.apply_chat_template(
             turns, tools=native, tokenize=False, add_generation_prompt=True
         )
-        return list(self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
@@ -462,8 +459,8 @@ class Generator:
                     else:
                         rng.seed()
                 row = _Row(req, i, _TextStream(self.tokenizer, p.stop), rng)
-                if p.json_schema is not None:
-                    row.matcher = self._matcher(p.json_schema)
+                if p.grammar is not None:
+                    row.matcher = self._matcher(p.grammar)
                 rows.append(row)
                 of.append(k)
             req.open_choices = p.n
@@ -538,20 +535,19 @@ class Generator:
             self._guide = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
         return self._guide
 
-    def _matcher(self, schema: str) -> Any:
+    def _matcher(self, grammar: str) -> Any:
         from llguidance import LLMatcher
 
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         return LLMatcher(self._guide_tokenizer(), grammar, log_level=0)
 
-    def schema_problem(self, schema: str) -> str | None:
-        """Why the decoder cannot hold answers to `schema` (JSON text), or None."""
+    def grammar_problem(self, grammar: str) -> str | None:
+        """Why the decoder cannot hold answers to `grammar` (`grammar_of`'s), or None."""
         if not getattr(self.tokenizer, "is_fast", False):
             return (
                 "this model's tokenizer is not a fast tokenizer, which constrained decoding needs"
             )
         try:
-            matcher = self._matcher(schema)
+            matcher = self._matcher(grammar)
         except ValueError as e:
             return str(e)
         return matcher.get_error() if matcher.is_error() else None
@@ -678,9 +674,17 @@ class Generator:
         self._clear()
 
 
-# answers in one layout (OpenAI's spacing: ", " and ": "), not any whitespace the schema
-# allows: a model is not free to spend its tokens on spaces
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+def grammar_of(body: dict[str, Any]) -> str | None:
+    """The grammar a request's answer is decoded to: its `lark` (a forced tool call) or its
+    `json_schema` (response_format, JSON text) as llguidance takes it; None without.
+    A value that is not JSON is a ValueError."""
+    from llguidance import LLMatcher
+
+    if body.get("lark"):
+        return str(LLMatcher.grammar_from_lark(body["lark"]))
+    if body.get("json_schema") is not None:
+        return str(LLMatcher.grammar_from_json_schema(body["json_schema"], defaults=JSON_LAYOUT))
+    return None
 
 
 def likeliest(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:

@@ -46,6 +46,7 @@ from service.serving.generation import (
     Request,
     SamplingParams,
     Token,
+    grammar_of,
 )
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> Sampling
         logprobs=bool(body.get("token_logprobs", False)),
         prompt_logprobs=bool(body.get("prompt_logprobs", False)),
         top_logprobs=int(body.get("top_logprobs") or 0),
-        json_schema=body.get("json_schema"),
+        grammar=grammar_of(body),
     )
 
 
@@ -126,8 +127,7 @@ async def answer(
 
     if "messages" in body:
         try:
-            prefix = body.get("assistant_prefix", "")
-            ids, field = gen.render(body["messages"], body.get("tools"), prefix), "messages"
+            ids, field = gen.render(body["messages"], body.get("tools")), "messages"
         except ToolFormatError as e:
             yield {"error": {"status": 400, "param": "tools", "code": "invalid_value",
                              "message": str(e)}}  # fmt: skip
@@ -136,9 +136,15 @@ async def answer(
         ids, field = list(body["prompt_ids"]), "prompt"
     else:
         ids, field = gen.encode(body.get("prompt", "")), "prompt"
-    if body.get("json_schema") is not None and (why := gen.schema_problem(body["json_schema"])):
-        message = f"response_format: the schema cannot be decoded to: {why}"
-        yield {"error": {"status": 400, "param": "response_format", "code": "invalid_value",
+    try:
+        grammar = grammar_of(body)
+        why = gen.grammar_problem(grammar) if grammar is not None else None
+    except ValueError as e:
+        why = str(e)
+    if why:
+        param = "tools" if body.get("lark") else "response_format"
+        message = f"{param}: the answer cannot be decoded to this schema: {why}"
+        yield {"error": {"status": 400, "param": param, "code": "invalid_value",
                          "message": message}}  # fmt: skip
         return
     vocab = gen.vocab_size

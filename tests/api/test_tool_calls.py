@@ -17,6 +17,7 @@ from tests.api.conftest import start_api
 from tests.tiny import make_tiny_llama
 
 MODEL = "tool-llama"
+UNTRAINED = "tool-llama-untrained"  # the same tiny model before learning the call
 WEATHER = {
     "type": "function",
     "function": {
@@ -68,6 +69,7 @@ def api(tmp_path_factory):
     )
     model_dir = make_tiny_llama(server.settings.models_dir / MODEL, context=1024)
     learn_the_call(model_dir)
+    make_tiny_llama(server.settings.models_dir / UNTRAINED, context=1024)
     yield server
     stop()
 
@@ -76,7 +78,8 @@ def ask(api, **kw):
     kw.setdefault("max_tokens", 100)  # the call is 73 of its tokens
     kw.setdefault("temperature", 0)
     kw.setdefault("messages", ASK)
-    return api.client().chat.completions.create(model=MODEL, **kw)
+    kw.setdefault("model", MODEL)
+    return api.client().chat.completions.create(**kw)
 
 
 def test_a_model_that_learned_a_call_answers_it_as_openais_tool_calls(api):
@@ -117,6 +120,32 @@ def test_tool_choice_forces_a_call_or_hides_the_tools(api):
     assert hidden.finish_reason in ("stop", "length")
     # "none" renders the prompt without the tools: the same answer as asking without them
     assert hidden.message.content == ask(api).choices[0].message.content
+
+
+def test_a_forced_call_is_decoded_to_its_tools_schema_even_from_an_untrained_model(api):
+    """ "required" and a named choice decode the answer to one call block of the tools'
+    schemas (llguidance), so the call is valid whatever the model would have written.
+    (Parameters of bounded length: an untrained model's free strings run to max_tokens.)"""
+    from jsonschema import validate
+
+    def tool(name: str, key: str, values: list[str]) -> dict:
+        params = {"type": "object", "properties": {key: {"enum": values}},
+                  "required": [key], "additionalProperties": False}  # fmt: skip
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    tools = [tool("units", "unit", ["c", "f"]), tool("city", "name", ["Paris", "Rome"])]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    named = {"type": "function", "function": {"name": "city"}}
+    for choice in ("required", named):
+        got = ask(api, model=UNTRAINED, tools=tools, tool_choice=choice, max_tokens=80)
+        c = got.choices[0]
+        assert c.finish_reason == "tool_calls", (choice, c)
+        (call,) = c.message.tool_calls
+        validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice is named:
+            assert call.function.name == "city"
+    free = ask(api, model=UNTRAINED, tools=tools, max_tokens=80).choices[0]
+    assert free.message.tool_calls is None  # left to itself, it calls nothing
 
 
 def test_a_calls_result_goes_back_as_a_tool_message(api):
