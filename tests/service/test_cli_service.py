@@ -120,9 +120,10 @@ def test_pause_and_resume_a_queued_job_from_the_command_line(server, tmp_path):
     assert "cancelled" in pstar(server, "jobs", "cancel", job_id).stdout
 
 
-def wait(pred, timeout: float = 60.0) -> None:
+def wait(pred, timeout: float = 120.0) -> None:
     """Until `pred()`; the reconciler ticks every 0.1 s, but a loaded machine (CI's took
-    over 20 s once) can hold a tick back behind a store that is busy."""
+    over 20 s once, and a pause past 60 s once, where it takes 2 s alone) can hold a tick
+    back behind a store that is busy."""
     import time
 
     deadline = time.time() + timeout
