@@ -4,9 +4,11 @@ PostgreSQL. Tests call it the way users do: the `openai` SDK and plain HTTP."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,19 @@ class ApiServer:
 
     def headers(self, tenant: str = "acme") -> dict[str, str]:
         return {"Authorization": f"Bearer {TOKENS[tenant]}"}
+
+
+@contextlib.contextmanager
+def api_in_process(tmp_path_factory, name: str) -> Iterator[ApiServer]:
+    """An API on SQLite whose models answer from this process (no Ray Serve)."""
+    data_dir = tmp_path_factory.mktemp(name)
+    server, stop = start_api(
+        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
+    )
+    try:
+        yield server
+    finally:
+        stop()
 
 
 def start_api(

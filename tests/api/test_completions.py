@@ -13,19 +13,15 @@ import openai
 import pytest
 
 from benchmarks.models_made import full_model, greedy, lora_model
-from tests.api.conftest import start_api
+from tests.api.conftest import api_in_process
 
 ASK = [{"role": "user", "content": "What does apple mean?"}]
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("completions")
-    server, stop = start_api(
-        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
-    )
-    yield server
-    stop()
+    with api_in_process(tmp_path_factory, "completions") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,15 @@ import httpx
 import pytest
 import torch
 
-from tests.api.conftest import start_api
+from tests.api.conftest import api_in_process
 
 ASK = [{"role": "user", "content": "What does apple mean?"}]
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("scoring")
-    server, stop = start_api(
-        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
-    )
-    yield server
-    stop()
+    with api_in_process(tmp_path_factory, "scoring") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from service.data.tools import CallReader, read_answer, template_messages
-from tests.api.conftest import start_api
+from tests.api.conftest import api_in_process
 from tests.tiny import make_tiny_llama
 
 MODEL = "tool-llama"
@@ -63,15 +63,11 @@ def learn_the_call(model_dir, steps: int = 400) -> None:
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("tools")
-    server, stop = start_api(
-        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
-    )
-    model_dir = make_tiny_llama(server.settings.models_dir / MODEL, context=1024)
-    learn_the_call(model_dir)
-    make_tiny_llama(server.settings.models_dir / UNTRAINED, context=1024)
-    yield server
-    stop()
+    with api_in_process(tmp_path_factory, "tools") as server:
+        model_dir = make_tiny_llama(server.settings.models_dir / MODEL, context=1024)
+        learn_the_call(model_dir)
+        make_tiny_llama(server.settings.models_dir / UNTRAINED, context=1024)
+        yield server
 
 
 def ask(api, **kw):
