@@ -55,6 +55,9 @@ from service.store.models import PAUSED
 from service.store.statements import View
 from service.store.status import JobStatus
 
+# a method's checks against the training file's lines (a grader's item keys) read this many
+FIRST_LINES_CHECKED = 20
+
 _J = TypeVar("_J")
 
 
@@ -154,6 +157,14 @@ class JobService:
                 param="hyperparameters.learning_rate_multiplier",
                 code="invalid_value",
             )
+
+        def first_lines() -> list[dict[str, Any]]:
+            from service.control.files import file_path
+            from service.data.datasets import iter_examples
+
+            return list(iter_examples(file_path(self.settings, train), FIRST_LINES_CHECKED))
+
+        own = method.check(req.method_section, first_lines, self.settings.python_graders)
         adapters = req.lora.settings() if req.lora is not None else None
         if adapters is not None:
             from service.adapters import wrap_meta
@@ -190,6 +201,7 @@ class JobService:
                 eval_every=hp.eval_every,
                 packing=hp.packing,
                 **method.decided(hp),
+                **own,
             ),
             engine=engine,
             resources=req.resources,

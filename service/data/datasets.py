@@ -8,7 +8,11 @@ Four formats, decided by the first line of a file (every other line must match i
 - `text`: `{"text": ...}` lines, or a plain UTF-8 text file (one document per line); the
   loss is on every token;
 - `preference`: `{"input": {"messages": [...]}, "preferred_output": [assistant message],
-  "non_preferred_output": [assistant message]}`, pairs for DPO (`service.data.preference`).
+  "non_preferred_output": [assistant message]}`, pairs for DPO (`service.data.preference`);
+- `prompts`: `{"messages": [... ending in a user or developer message], <any other keys>}`,
+  the prompts of reinforcement fine-tuning (OpenAI's format): the model answers each, and
+  the line's other keys are the item its grader sees (`{{item.<key>}}`). No loss mask: the
+  answers are the model's own (`service.methods.reinforcement`).
 
 Chat examples are rendered with the base model's own chat template (a ChatML template
 when the tokenizer has none); an assistant message with `"weight": 0` is shown to the
@@ -42,7 +46,7 @@ import torch
 from service.data.tools import template_messages, tool_calls_problem, tools_problem
 
 IGNORE = -100
-FORMATS = ("chat", "completion", "text", "preference")
+FORMATS = ("chat", "completion", "text", "preference", "prompts")
 # a preference pair (DPO), OpenAI's format: the prompt and two answers, the first preferred
 PREFERRED, NON_PREFERRED = "preferred_output", "non_preferred_output"
 PREFERENCE_KEYS = ("input", PREFERRED, NON_PREFERRED)
@@ -153,6 +157,8 @@ def classify(obj: Any) -> tuple[str | None, str | None]:
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
     if "messages" in obj:
+        if _is_prompt(obj):
+            return "prompts", _check_prompt(obj)
         return "chat", _check_chat(obj)
     if PREFERRED in obj or NON_PREFERRED in obj:
         return "preference", _check_preference(obj)
@@ -174,7 +180,11 @@ def classify(obj: Any) -> tuple[str | None, str | None]:
 def _check_chat(obj: dict[str, Any]) -> str | None:
     extra = set(obj) - {"messages", "tools", "parallel_tool_calls"}
     if extra:
-        return f"unknown key(s) {sorted(extra)} beside 'messages', 'tools', 'parallel_tool_calls'"
+        return (
+            f"unknown key(s) {sorted(extra)} beside 'messages', 'tools', 'parallel_tool_calls' "
+            "(a reinforcement prompt's item has keys of its own, and its messages end before "
+            "the answer)"
+        )
     problem, declared = _check_tools(obj, "")
     if problem:
         return problem
@@ -187,6 +197,31 @@ def _check_chat(obj: dict[str, Any]) -> str | None:
     if trained == 0:
         return "no assistant message to train on (need one with weight 1)"
     return None
+
+
+def _is_prompt(obj: dict[str, Any]) -> bool:
+    """A reinforcement prompt: messages that end before the answer (the last one is a
+    user's, developer's or system's); its other keys are the grader's item."""
+    msgs = obj["messages"]
+    last = msgs[-1] if isinstance(msgs, list) and msgs else None
+    return isinstance(last, dict) and last.get("role") in ("user", "developer", "system")
+
+
+def _check_prompt(obj: dict[str, Any]) -> str | None:
+    problem, declared = _check_tools(obj, "")
+    if problem:
+        return problem
+    msgs = obj["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        return "'messages' must be a non-empty list"
+    problem, _ = _check_messages(msgs, "messages", declared, weights=False)
+    return problem
+
+
+def prompt_item(ex: dict[str, Any]) -> dict[str, Any]:
+    """What a reinforcement prompt's grader sees as `item`: the line's keys beside the
+    messages (OpenAI's `{{item.*}}`)."""
+    return {k: v for k, v in ex.items() if k not in ("messages", "tools", "parallel_tool_calls")}
 
 
 def _check_tools(obj: dict[str, Any], at: str) -> tuple[str | None, set[str] | None]:
@@ -466,7 +501,15 @@ def ensure_chat_template(tokenizer: Any) -> None:
 
 
 def example_tokens(tokenizer: Any, fmt: str, ex: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask 0/1) of one chat or completion example, uncut."""
+    """(token ids, loss mask 0/1) of one chat or completion example, uncut; of a
+    reinforcement prompt, the prompt that asks for the answer, with no loss."""
+    if fmt == "prompts":
+        msgs, tools = template_messages(tokenizer, ex["messages"], ex.get("tools"), content_text)
+        text = tokenizer.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(ids), [0] * len(ids)
     if fmt == "completion":
         p = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
         c = tokenizer(ex["completion"], add_special_tokens=False)["input_ids"]

@@ -23,11 +23,13 @@ from service.data.datasets import (
     DataError,
     Encoded,
     check_examples,
+    content_text,
     iter_examples,
+    prompt_item,
 )
 from service.data.packing import padding_share, rows
 from service.data.preference import pair_rows
-from service.data.rows import fresh, publish, text_rows
+from service.data.rows import fresh, prompt_rows, publish, text_rows
 from service.data.tokens import Tokens, tokenize
 from service.spec import auto
 from service.spec.job import JobSpec
@@ -104,6 +106,8 @@ def _texts(fmt: str, examples: Iterable[Any]):
         elif fmt == "completion":
             yield ex["prompt"]
             yield ex["completion"]
+        elif fmt == "prompts":
+            yield from (content_text(m["content"]) for m in ex["messages"] if m.get("content"))
         elif fmt == "preference":
             yield from (m["content"] or "" for m in ex["input"]["messages"])
             yield ex["preferred_output"][0]["content"]
@@ -160,10 +164,13 @@ def prepare(
         tokens = tokenize(tok, fmt, iter_examples(train_path, sample), _under(work, "train"))
         seq_len = hp.seq_len
         limit = max_positions(model)
+        # a reinforcement prompt's row holds its answer too, sampled after it
+        own = hp.model_extra or {}
+        room = int(own.get("max_completion_tokens", 0)) if fmt == "prompts" else 0
         if seq_len == "auto":
             # text is cut into full rows, so its documents' lengths do not bound a row
             longest = tokens.longest if fmt != "text" and len(tokens) else 256
-            seq_len = auto.seq_len(longest, limit)
+            seq_len = auto.seq_len(longest + room, limit, cap=max(512, 16 + room))
         if seq_len > limit:
             raise DataError(
                 f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions"
@@ -175,12 +182,18 @@ def prepare(
                 packed=auto.packing(hp.packing, share), padding_share_unpacked=round(share, 4)
             )
         packed = packing["packed"]
-        train = build_rows(tok, fmt, tokens, seq_len, packed, out, "train")
-        _check_train_rows(train, fmt, seq_len)
+        if fmt == "prompts":
+            train = _prompts(tok, tokens, seq_len, room, train_path, sample, out, "train")
+        else:
+            train = build_rows(tok, fmt, tokens, seq_len, packed, out, "train")
+        _check_train_rows(train, fmt, seq_len - room)
         valid = None
         if valid_path is not None and vfmt is not None:
             vtokens = tokenize(tok, vfmt, iter_examples(valid_path, sample), _under(work, "valid"))
-            valid = build_rows(tok, vfmt, vtokens, seq_len, packed, out, "valid")
+            if vfmt == "prompts":
+                valid = _prompts(tok, vtokens, seq_len, room, valid_path, sample, out, "valid")
+            else:
+                valid = build_rows(tok, vfmt, vtokens, seq_len, packed, out, "valid")
             if valid.input_ids.shape[0] == 0:
                 raise DataError("the validation file has no rows to evaluate at this seq_len")
     finally:
@@ -199,6 +212,28 @@ def prepare(
     return Prepared(tok, train, valid, seq_len, fmt, per_epoch, total, packing, sampled)
 
 
+def _prompts(
+    tok: Any,
+    tokens: Tokens,
+    seq_len: int,
+    room: int,
+    path: Path,
+    sample: int | None,
+    out: Path | None,
+    split: str,
+) -> Encoded:
+    """Reinforcement prompts' rows, and beside them (`<split>_items.jsonl` under `out`) the
+    item each kept prompt's grader sees, in row order."""
+    enc, kept = prompt_rows(tok, tokens, seq_len, room, out, split)
+    if out is not None:
+        wanted = set(kept.tolist())
+        with (out / f"{split}_items.jsonl").open("w", encoding="utf-8") as f:
+            for k, ex in enumerate(iter_examples(path, sample)):
+                if k in wanted:
+                    f.write(json.dumps(prompt_item(ex), ensure_ascii=False) + "\n")
+    return enc
+
+
 def _under(work: Path | None, name: str) -> Path | None:
     return work / name if work is not None else None
 
@@ -206,6 +241,12 @@ def _under(work: Path | None, name: str) -> Path | None:
 def _check_train_rows(train: Encoded, fmt: str, seq_len: int) -> None:
     if train.input_ids.shape[0] > 0:
         return
+    if fmt == "prompts":
+        raise DataError(
+            f"no training prompts: all {train.examples} are longer than {seq_len} tokens, "
+            "which leaves the answer its hyperparameters.max_completion_tokens; raise "
+            "hyperparameters.seq_len or shorten the prompts"
+        )
     if fmt == "text":
         # text rows are full cuts of the concatenated documents: a short text fills none
         raise DataError(
@@ -242,6 +283,8 @@ def prepare_files(
         meta["layout"] = f"packed, {meta['training_file']['examples_per_row']:.1f} examples per row"
     elif prep.format == "preference":
         meta["layout"] = "a row per answer of each pair"
+    elif prep.format == "prompts":
+        meta["layout"] = "a row per prompt, its answers sampled after it"
     else:
         meta["layout"] = "one example per row"
     tmp_meta = data_file.with_suffix(".json.tmp")

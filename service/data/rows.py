@@ -148,6 +148,29 @@ def to_rows(tokenizer: Any, tokens: Any, seq_len: int, out: Path | None = None, 
     return rows.finish(enc)
 
 
+def prompt_rows(
+    tokenizer: Any, tokens: Tokens, seq_len: int, room: int, out: Path | None = None, split="train"
+) -> tuple[Encoded, np.ndarray]:
+    """Reinforcement prompts, one a row, right-padded to `seq_len`, no labels (the answers
+    are sampled into the `room` tokens after each prompt); a prompt longer than
+    `seq_len - room` is dropped (counted), never cut. Also the kept examples' indices."""
+    fits = tokens.lengths <= seq_len - room
+    kept = np.flatnonzero(fits)
+    enc = Encoded(torch.empty(0), torch.empty(0), examples=len(tokens), longest=tokens.longest)
+    enc.dropped = len(tokens) - len(kept)
+    enc.tokens = int(tokens.lengths[kept].sum())
+    rows = RowWriter(out, split, len(kept), (seq_len,))
+    pad = pad_id(tokenizer)
+    for piece in pieces(kept):
+        ids = np.full((len(piece), seq_len), pad, ROW)
+        for r, k in enumerate(piece.tolist()):
+            n = int(tokens.lengths[k])
+            ids[r, :n] = tokens.example(k, n)[0]
+        labels = np.full((len(piece), seq_len), IGNORE, ROW)
+        rows.write(ids=ids, labels=labels, lengths=tokens.lengths[piece])
+    return rows.finish(enc), kept
+
+
 def text_rows(tokens: Tokens, seq_len: int, out: Path | None = None, split="train") -> Encoded:
     """The documents end to end, cut into full rows of `seq_len` (the rest left out)."""
     n = len(tokens.ids) // seq_len

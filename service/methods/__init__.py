@@ -21,12 +21,13 @@ from importlib.metadata import entry_points
 from service.methods.base import Method
 from service.methods.dpo import DPO_METHOD
 from service.methods.lora import LORA
+from service.methods.reinforcement import REINFORCEMENT
 from service.methods.supervised import SUPERVISED
 
-BUILT_IN: tuple[Method, ...] = (SUPERVISED, LORA, DPO_METHOD)
+BUILT_IN: tuple[Method, ...] = (SUPERVISED, LORA, DPO_METHOD, REINFORCEMENT)
 ENTRY_POINTS = "pstar.methods"
 # OpenAI's methods this service does not run: parsed, so a job asking for one is told so
-NOT_RUN = ("reinforcement",)
+NOT_RUN: tuple[str, ...] = ()
 
 
 def _registry() -> dict[str, Method]:

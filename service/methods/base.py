@@ -5,6 +5,7 @@ and how a method is added)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from service.data.datasets import FORMATS
@@ -14,15 +15,18 @@ from service.spec.resources import Body
 if TYPE_CHECKING:
     from service.spec.run_plan import RunPlan
 
-# what a method trains on: examples (chat, completion or text files) or preference pairs
-Data = Literal["examples", "preference"]
+# what a method trains on: examples (chat, completion or text files), preference pairs, or
+# prompts whose answers the model writes and a grader scores
+Data = Literal["examples", "preference", "prompts"]
 DATA_FORMATS: dict[Data, tuple[str, ...]] = {
-    "examples": tuple(f for f in FORMATS if f != "preference"),  # the upload's formats
+    "examples": tuple(f for f in FORMATS if f not in ("preference", "prompts")),
     "preference": ("preference",),
+    "prompts": ("prompts",),
 }
 DATA_WORDS: dict[Data, str] = {
     "examples": "chat, completion or text examples",
     "preference": "preference pairs ('input', 'preferred_output', 'non_preferred_output')",
+    "prompts": "prompts ('messages' ending in a user message, the grader's item beside them)",
 }
 
 
@@ -57,6 +61,18 @@ class Method:
 
     def decided(self, hp: Hyperparameters) -> dict[str, Any]:
         """This method's own hyperparameters with "auto" decided, for the stored plan."""
+        return {}
+
+    def check(
+        self,
+        section: Body | None,
+        first_lines: Callable[[], list[dict[str, Any]]],
+        python_graders: bool,
+    ) -> dict[str, Any]:
+        """At job creation, after the files: a 400 (`InvalidRequest` naming the field) for
+        what the section asks that the data or this server cannot give (`first_lines`: the
+        training file's first examples, read when called; `python_graders`: whether the
+        operator runs python graders); what the section adds to the stored plan."""
         return {}
 
     def objective(self, run: RunPlan) -> Any:

@@ -243,7 +243,7 @@ def checked(grader: Any, param: str = "grader", *, python: bool = False) -> Any:
     """`grader` once its schema holds, or a 400 for what no schema says: a metric this
     server cannot compute, a variable graders do not have, a formula that is not one,
     python graders while they are off or source with no `grade` function."""
-    for name, leaf in _leaves(grader):
+    for name, leaf in leaves(grader):
         where = f"{param}.graders.{name}" if name else param
         _check_metric(leaf, where)
         if isinstance(leaf, Python):
@@ -324,7 +324,8 @@ def _check_python(leaf: Python, where: str, on: bool) -> None:
         )
 
 
-def _leaves(grader: Any) -> list[tuple[str, Any]]:
+def leaves(grader: Any) -> list[tuple[str, Any]]:
+    """(name, grader) of each grader that scores: a multi grader's by name, or the one."""
     if isinstance(grader, Multi):
         return list(grader.graders.items())
     return [("", grader)]
@@ -332,7 +333,7 @@ def _leaves(grader: Any) -> list[tuple[str, Any]]:
 
 def _templates(grader: Any, param: str) -> list[tuple[str, str]]:
     out = []
-    for name, leaf in _leaves(grader):
+    for name, leaf in leaves(grader):
         where = f"{param}.graders.{name}" if name else param
         if isinstance(leaf, ScoreModel):
             out += [(f"{where}.input.{i}", m.text()) for i, m in enumerate(leaf.input)]

@@ -33,6 +33,9 @@ class Rows(NamedTuple):
     position_ids: torch.Tensor | None = None
     # DPO: the reference policy's log-probabilities of both answers, (pairs, 2)
     reference: torch.Tensor | None = None
+    # the rows' indices in their split (on the CPU): what an objective keeps per row beside
+    # the tokens (a reinforcement prompt's item) is found by them
+    index: torch.Tensor | None = None
 
     def slices(self, n: int) -> list[Rows]:
         """`n` consecutive slices along the batch (micro-batches)."""
@@ -85,7 +88,8 @@ class Split:
             got = t[idx]  # token ids and labels are stored int32: the model takes int64
             return got.to(device, dtype=None if got.is_floating_point() else torch.long)
 
-        return Rows(*(pick(t) for t in (self.ids, self.labels, self.position_ids, self.reference)))
+        picked = (pick(t) for t in (self.ids, self.labels, self.position_ids, self.reference))
+        return Rows(*picked, index=idx)
 
     def head(self, n: int) -> Split:
         """The first `n` rows."""

@@ -391,7 +391,10 @@ class RunLoop:
             self.objective.evaluate(self.engine, sample, self.rank, self.world, self.local)
         )
         if self.stopper is not None:
-            if self.stopper.observe(done, values["valid_loss"]) == "improved":
+            # what early stopping watches, lower being better: the validation loss, or an
+            # objective's own (the reinforcement reward, negated)
+            key, sign = getattr(self.objective, "watched", ("valid_loss", 1.0))
+            if self.stopper.observe(done, sign * values[key]) == "improved":
                 # the model to export if the run stops early
                 self.rep.phase("keeping the best checkpoint")
                 write_checkpoint(

@@ -227,10 +227,10 @@ BAD_BODIES: list[tuple[str, Body, str, str]] = [
         "invalid_value",
     ),
     (
-        "method.type reinforcement",
-        body(method={"type": "reinforcement"}),
-        "method",
-        "invalid_value",
+        "reinforcement on chat examples",
+        body(model="tiny-llama", method={"type": "reinforcement"}),
+        "training_file",
+        "invalid_file",
     ),
     (
         "a dpo section in a supervised method",

@@ -351,9 +351,18 @@ def test_text_parts_train_exactly_as_the_same_text_given_as_a_string(tmp_path: P
             assert ex["preferred_output"][0]["content"] == "a"
 
 
-def test_chat_without_an_assistant_message_is_reported():
-    _, reason = only_error(msg_line(USER))
-    assert reason.startswith("no assistant message to train on")
+def test_messages_that_end_before_the_answer_are_a_reinforcement_prompt(tmp_path):
+    # a prompt for reinforcement fine-tuning, not a chat example missing its answer: a
+    # supervised job is refused on such a file at creation, naming the format
+    f = tmp_path / "p.jsonl"
+    f.write_text(msg_line(USER, reference="apple") + "\n" + msg_line(USER) + "\n")
+    fmt, (ex, plain) = read_examples(f)
+    assert fmt == "prompts"
+    assert ex["reference"] == "apple"
+    assert "reference" not in plain
+    # an item beside a conversation that has its answer already is neither
+    _, reason = only_error(msg_line(USER, ASSISTANT, reference="apple"))
+    assert "a reinforcement prompt's item has keys of its own" in reason
 
 
 def test_chat_whose_assistant_messages_all_have_weight_0_is_reported():

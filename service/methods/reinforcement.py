@@ -1,0 +1,165 @@
+"""Reinforcement fine-tuning (OpenAI's `reinforcement`): the model answers the training
+file's prompts, a grader (`service.methods.graders`) scores each answer, and a GRPO-style
+step makes the better answers of each prompt's group more likely. The objective is
+`service.methods.rft_objective.Reinforcement`; its loss is the training primitives' own
+(`service.sessions.losses`, what the `tinker` SDK's `forward_backward` runs).
+
+The request is OpenAI's: `method.reinforcement.grader` and `.hyperparameters`
+(`n_epochs`, `batch_size` prompts a step, `learning_rate_multiplier`, `eval_interval`,
+`eval_samples`, `compute_multiplier`), plus ours: `group_size` (answers a prompt),
+`max_completion_tokens`, `temperature`, `loss`, `max_steps`, `seq_len`, and `lora` for
+adapters instead of every weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from service.errors import InvalidRequest
+from service.methods.base import Method
+from service.methods.sections import Auto, Hyperparameters, LoraSettings
+from service.spec.resources import WHOLE, Body
+
+if TYPE_CHECKING:
+    from service.spec.run_plan import RunPlan
+
+GROUP = 4  # answers a prompt at compute_multiplier 1
+MAX_COMPLETION_TOKENS = 64
+GRADER = "method.reinforcement.grader"
+
+
+class RftHyperparameters(Hyperparameters):
+    compute_multiplier: Auto | Annotated[float, Field(ge=0.5, le=16)] = Field(
+        default="auto",
+        description="scales the answers sampled per prompt (group_size auto: 4 times this, "
+        "rounded); auto: 1",
+    )
+    eval_interval: Annotated[int, Field(strict=True, ge=1, le=10_000_000), WHOLE] | None = Field(
+        default=None, description="steps between validation rewards (OpenAI's name of eval_every)"
+    )
+    eval_samples: Auto | Annotated[int, Field(strict=True, ge=1, le=16), WHOLE] = Field(
+        default="auto", description="answers sampled per validation prompt; auto: 1"
+    )
+    # ours
+    group_size: Auto | Annotated[int, Field(strict=True, ge=2, le=64), WHOLE] = Field(
+        default="auto",
+        description="answers sampled per prompt, whose rewards are compared with each other "
+        "(the group's mean is the baseline); auto: 4 times compute_multiplier",
+    )
+    max_completion_tokens: Auto | Annotated[int, Field(strict=True, ge=1, le=4096), WHOLE] = Field(
+        default="auto", description="the longest answer, in tokens; auto: 64"
+    )
+    temperature: Annotated[float, Field(gt=0, le=2)] = Field(
+        default=1.0, description="the sampling temperature of the answers trained on"
+    )
+    loss: Literal["importance_sampling", "ppo"] = Field(
+        default="importance_sampling",
+        description="the policy loss, as the training primitives define it (ppo: clipped at "
+        "0.8 and 1.2)",
+    )
+
+    @model_validator(mode="after")
+    def _eval_interval_is_eval_every(self) -> RftHyperparameters:
+        if self.eval_interval is not None:
+            if self.eval_every is not None and self.eval_every != self.eval_interval:
+                raise ValueError("give eval_interval or eval_every, not both")
+            object.__setattr__(self, "eval_every", self.eval_interval)
+        return self
+
+
+class ReinforcementSection(Body):
+    """Reinforcement fine-tuning: the grader that scores each answer, the hyperparameters,
+    and (ours) `lora` to train low-rank adapters instead of every weight."""
+
+    grader: dict[str, Any] = Field(
+        description="the grader of each sampled answer, as OpenAI's graders (string_check, "
+        "text_similarity, score_model, multi, python); POST /v1/fine_tuning/alpha/graders/"
+        "validate checks one"
+    )
+    hyperparameters: RftHyperparameters | None = None
+    lora: LoraSettings | None = Field(
+        default=None, description="train low-rank adapters instead of every weight"
+    )
+
+
+class ReinforcementMethod(Method):
+    name = "reinforcement"
+    summary = "graded answers to prompts"
+    section = ReinforcementSection
+    hyperparameters = RftHyperparameters
+    data = "prompts"
+    pretrained = "learns from the answers a pretrained model already writes"
+    adapter_settings_at = "method.reinforcement.lora"
+
+    def adapters(self, section: Body | None) -> LoraSettings | None:
+        assert section is None or isinstance(section, ReinforcementSection)
+        return section.lora if section is not None else None
+
+    def decided(self, hp: Hyperparameters) -> dict[str, Any]:
+        assert isinstance(hp, RftHyperparameters)
+        mult = 1.0 if hp.compute_multiplier == "auto" else float(hp.compute_multiplier)
+        group = max(2, round(GROUP * mult)) if hp.group_size == "auto" else hp.group_size
+        tokens = hp.max_completion_tokens
+        return {
+            "group_size": group,
+            "compute_multiplier": mult,
+            "eval_samples": 1 if hp.eval_samples == "auto" else hp.eval_samples,
+            "max_completion_tokens": MAX_COMPLETION_TOKENS if tokens == "auto" else tokens,
+            "temperature": hp.temperature,
+            "loss": hp.loss,
+        }
+
+    def check(
+        self,
+        section: Body | None,
+        first_lines: Callable[[], list[dict[str, Any]]],
+        python_graders: bool,
+    ) -> dict[str, Any]:
+        """The grader as the graders' own endpoints check it, and its templates against the
+        training file's first lines (a key they name that a line lacks is a 400 now, not a
+        zero reward for every answer later)."""
+        from service.data.datasets import prompt_item
+        from service.methods.graders import ScoreModel, check_item, leaves, parse_grader
+
+        if section is None:
+            raise InvalidRequest(
+                f"method.type 'reinforcement' needs {GRADER}: the grader that scores each "
+                "answer (string_check, text_similarity, score_model, multi or python)",
+                param=GRADER,
+            )
+        assert isinstance(section, ReinforcementSection)
+        grader = parse_grader(section.grader, GRADER, python=python_graders)
+        for name, leaf in leaves(grader):
+            if isinstance(leaf, ScoreModel):
+                where = f"{GRADER}.graders.{name}" if name else GRADER
+                raise InvalidRequest(
+                    f"{where}: score_model graders are not run in reinforcement jobs yet "
+                    "(POST /v1/fine_tuning/alpha/graders/run runs them); string_check, "
+                    "text_similarity, multi and python graders are",
+                    param=f"{where}.type",
+                )
+        for n, line in enumerate(first_lines(), start=1):
+            try:
+                check_item(grader, prompt_item(line), GRADER)
+            except InvalidRequest as e:
+                raise InvalidRequest(
+                    f"{e.message} (training_file line {n})", param=GRADER
+                ) from None
+        return {"grader": section.grader}
+
+    def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
+        out = super().echo(hp, lora)
+        if "grader" in hp:
+            out["grader"] = hp["grader"]
+        return out
+
+    def objective(self, run: RunPlan) -> Any:
+        from service.methods.rft_objective import Reinforcement
+
+        return Reinforcement.of(run)
+
+
+REINFORCEMENT = ReinforcementMethod()

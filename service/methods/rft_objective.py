@@ -1,0 +1,305 @@
+"""The reinforcement objective (`service.methods.reinforcement`): a GRPO-style step.
+
+Each step a rank takes its prompts of the batch and, for each, samples `group_size`
+answers from the model as it is now (`sample`); the grader scores every answer
+(`service.methods.graders.grade`, on this worker); an answer's advantage is its reward
+less its group's mean, over the group's standard deviation (0 when the group agrees: it
+teaches nothing). The update is the training primitives' own loss
+(`service.sessions.losses.run`, what the `tinker` SDK's `forward_backward` runs), with
+`importance_sampling` or `ppo` over the answer tokens, the sampler's log-probabilities
+being the policy's at sampling time, then the optimizer step. A rank's loss is the mean
+over its answers of their token sums; ZeRO averages the ranks.
+
+Sampling runs on the engine itself, every rank the same number of forwards (ZeRO's gathers
+are collective: decoding goes on until every rank's answers have ended), with no cache:
+each new token is a forward over the rows so far (right padding, causal attention: a row's
+pads never reach its real tokens). Seeds come from the run's seed, the step and the rank,
+so a resumed run samples what the uninterrupted one did.
+
+An evaluation samples `eval_samples` answers for each validation prompt (seeded apart from
+training) and reports their mean reward (`valid_reward_mean`, and each named grader's of a
+multi grader); early stopping watches it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.methods.objectives import Rows, Split, all_sum, eval_rounds
+
+SEED_STRIDE = 1_000_003  # the step's and the rank's places in a sampling seed
+EVAL_SEED = 7_919  # evaluations sample apart from training
+
+
+@dataclass
+class Answer:
+    tokens: list[int]  # the sampled tokens, the ending one included when there is one
+    logprobs: list[float]  # the policy's log-probability of each, at sampling time
+    ended: bool  # it ended with an end-of-turn token (not cut at the length limit)
+
+
+@torch.no_grad()
+def sample(
+    engine: Any,
+    prompts: list[list[int]],
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    stop: set[int],
+    pad: int,
+    gen: torch.Generator,
+) -> list[Answer]:
+    """`n` answers to each prompt (in order: the prompt's n, then the next prompt's), at
+    most `max_tokens` each, sampled at `temperature` (see the module docstring)."""
+    rows = [p for p in prompts for _ in range(n)]
+    b = len(rows)
+    lens = torch.tensor([len(p) for p in rows])
+    width = int(lens.max()) + max_tokens
+    buf = torch.full((b, width), pad, dtype=torch.long)
+    for i, p in enumerate(rows):
+        buf[i, : len(p)] = torch.as_tensor(p)
+    out = [Answer([], [], False) for _ in rows]
+    live = torch.ones(b, dtype=torch.bool)
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        for t in range(max_tokens):
+            if not all_sum([float(live.any())], engine.device)[0]:
+                break  # every rank's answers have ended
+            upto = int(lens.max()) + t
+            logits = engine(input_ids=buf[:, :upto].to(engine.device), use_cache=False).logits
+            last = logits[torch.arange(b), (lens + t - 1).to(logits.device)].float().cpu()
+            del logits
+            logp = torch.log_softmax(last, dim=-1)
+            probs = torch.softmax(last / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            for i in torch.nonzero(live)[:, 0].tolist():
+                k = int(tok[i])
+                out[i].tokens.append(k)
+                out[i].logprobs.append(float(logp[i, k]))
+                buf[i, int(lens[i]) + t] = k
+                if k in stop:
+                    out[i].ended = True
+                    live[i] = False
+    finally:
+        engine.train(was_training)
+    return out
+
+
+def advantages(rewards: list[float], group: int) -> list[float]:
+    """Each reward less its group's mean, over the group's standard deviation (0 for a
+    group whose rewards are all the same)."""
+    out: list[float] = []
+    for g in range(0, len(rewards), group):
+        r = torch.tensor(rewards[g : g + group], dtype=torch.float64)
+        std = float(r.std(unbiased=False))
+        out += [0.0] * len(r) if std < 1e-8 else ((r - r.mean()) / std).tolist()
+    return out
+
+
+def metric_name(name: str) -> str:
+    """A multi grader's name as a metric's part: letters, digits and underscores."""
+    return re.sub(r"[^A-Za-z0-9_]+", "_", name).strip("_") or "grader"
+
+
+@dataclass
+class Reinforcement:
+    grader_raw: dict[str, Any]
+    group: int
+    eval_samples: int
+    max_tokens: int
+    temperature: float
+    loss: str
+    seed: int
+    data_dir: Path
+    model_path: str
+    name = "reinforcement"
+    watched = ("valid_reward_mean", -1.0)  # early stopping: a higher reward is better
+    grader: Any = None
+    tok: Any = None
+    stop: set[int] = field(default_factory=set)
+    pad: int = 0
+    items: dict[str, list[Any]] = field(default_factory=dict)
+    lengths: dict[str, torch.Tensor] = field(default_factory=dict)  # each prompt's tokens
+    graders: tuple[str, ...] = ()  # a multi grader's names, in a fixed order
+
+    @classmethod
+    def of(cls, run: Any) -> Reinforcement:
+        hp = run.hyperparameters.model_extra or {}
+        return cls(
+            grader_raw=hp["grader"],
+            group=int(hp["group_size"]),
+            eval_samples=int(hp.get("eval_samples", 1)),
+            max_tokens=int(hp["max_completion_tokens"]),
+            temperature=float(hp.get("temperature", 1.0)),
+            loss=str(hp.get("loss", "importance_sampling")),
+            seed=run.seed,
+            data_dir=Path(run.data_file),
+            model_path=str(run.model.get("path") or run.tokenizer_dir),
+        )
+
+    # -- before the first step --------------------------------------------------------------
+
+    def prepare(
+        self, engine: Any, splits: dict[str, Split], rank: int, world: int, batch: int, sink: Any
+    ) -> None:
+        """The grader (checked when the job was created; python graders ran the operator's
+        check then), the tokenizer and its end-of-turn tokens, and each split's items."""
+        from transformers import AutoTokenizer
+
+        from service.data.datasets import ensure_chat_template
+        from service.data.rows import pad_id
+        from service.methods.graders import Multi, parse_grader
+        from service.serving.generation import eos_ids
+
+        self.grader = parse_grader(self.grader_raw, "method.reinforcement.grader", python=True)
+        if isinstance(self.grader, Multi):
+            self.graders = tuple(sorted(self.grader.graders))
+        self.tok = AutoTokenizer.from_pretrained(self.model_path)
+        ensure_chat_template(self.tok)
+        self.stop = eos_ids(engine.module, self.tok)
+        end = self.tok.convert_tokens_to_ids("<|im_end|>")  # the ChatML fallback's
+        if isinstance(end, int) and end != self.tok.unk_token_id:
+            self.stop.add(end)
+        self.pad = pad_id(self.tok)
+        for name, split in splits.items():
+            path = self.data_dir / f"{name}_items.jsonl"
+            with path.open(encoding="utf-8") as f:
+                self.items[name] = [json.loads(line) for line in f]
+            assert split.lengths is not None
+            self.lengths[name] = split.lengths
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def _generator(self, step: int, rank: int, salt: int = 0) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed((self.seed * SEED_STRIDE + step) * SEED_STRIDE + rank + salt)
+        return g
+
+    def _grade(self, answers: list[Answer], items: list[Any]) -> list[Any]:
+        from service.methods.graders import grade
+
+        texts = [self.tok.decode(a.tokens, skip_special_tokens=True) for a in answers]
+        return [grade(self.grader, t, item) for t, item in zip(texts, items, strict=True)]
+
+    def train_step(self, engine: Any, rows: Rows, micro_batches: int) -> dict[str, float]:
+        from service.sessions import losses
+
+        assert rows.index is not None
+        rank = _rank()
+        lengths = self.lengths["train"]
+        prompts = [
+            rows.input_ids[i, : int(lengths[int(k)])].tolist() for i, k in enumerate(rows.index)
+        ]
+        items = [self.items["train"][int(k)] for k in rows.index for _ in range(self.group)]
+        gen = self._generator(engine.global_step, rank)
+        answers = sample(
+            engine, prompts, self.group, self.max_tokens, self.temperature, self.stop,
+            self.pad, gen,
+        )  # fmt: skip
+        graded = self._grade(answers, items)
+        rewards = [g.reward for g in graded]
+        adv = advantages(rewards, self.group)
+        data = []
+        for k, (a, ad) in enumerate(zip(answers, adv, strict=True)):
+            prompt = prompts[k // self.group]
+            full = prompt + a.tokens
+            before = len(prompt) - 1  # input positions that predict prompt tokens
+            data.append(
+                losses.Datum(
+                    full[:-1],
+                    {
+                        "target_tokens": full[1:],
+                        "logprobs": [0.0] * before + a.logprobs,
+                        "advantages": [0.0] * before + [ad] * len(a.tokens),
+                    },
+                )
+            )
+        parts = max(1, min(micro_batches, len(data)))
+        size = math.ceil(len(data) / parts)
+        loss_sum = 0.0
+        for p in range(0, len(data), size):
+            out = losses.run(engine, data[p : p + size], self.loss, None, scale=1 / len(data))
+            loss_sum += out.metrics["loss:sum"]
+        engine.step()
+        sums = {
+            "reward_sum": sum(rewards),
+            "reward_sq_sum": sum(r * r for r in rewards),
+            "samples": float(len(rewards)),
+            "answer_tokens": float(sum(len(a.tokens) for a in answers)),
+            "cut": float(sum(not a.ended for a in answers)),
+            "loss_sum": loss_sum,
+            "groups": float(len(prompts)),
+            "groups_learning": float(
+                sum(any(adv[g : g + self.group]) for g in range(0, len(adv), self.group))
+            ),
+            "parse_errors": float(sum(g.sample_parse_error for g in graded)),
+        }
+        for name in self.graders:
+            sums[f"grader:{name}"] = sum(g.sub_rewards.get(name, 0.0) for g in graded)
+        return sums
+
+    def values(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["samples"], 1.0)
+        mean = sums["reward_sum"] / n
+        out = {
+            "train_reward_mean": mean,
+            "train_reward_std": math.sqrt(max(0.0, sums["reward_sq_sum"] / n - mean * mean)),
+            "train_loss": sums["loss_sum"] / n,
+            "train_answer_tokens_mean": sums["answer_tokens"] / n,
+            "train_answers_cut": sums["cut"] / n,
+            "train_groups_learning": sums["groups_learning"] / max(sums["groups"], 1.0),
+            "train_sample_parse_errors": sums["parse_errors"] / n,
+        }
+        for name in self.graders:
+            out[f"train_reward_mean_{metric_name(name)}"] = sums[f"grader:{name}"] / n
+        return out
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self, engine: Any, split: Split, rank: int, world: int, batch: int):
+        """{valid_reward_mean, each named grader's} over `eval_samples` answers to every
+        prompt of `split` (every rank its share; the same answers each time for the same
+        weights)."""
+        total = reward = 0.0
+        per = dict.fromkeys(self.graders, 0.0)
+        assert split.lengths is not None
+        for r, (idx, real) in enumerate(eval_rounds(len(split), rank, world, batch)):
+            rows = split.rows(idx, engine.device)
+            prompts = [
+                rows.input_ids[i, : int(split.lengths[int(idx[i])])].tolist()
+                for i in range(len(idx))
+            ]
+            gen = self._generator(r, rank, salt=EVAL_SEED)
+            answers = sample(
+                engine, prompts, self.eval_samples, self.max_tokens, self.temperature,
+                self.stop, self.pad, gen,
+            )  # fmt: skip
+            items = [self.items["valid"][int(k)] for k in idx for _ in range(self.eval_samples)]
+            graded = self._grade(answers, items)
+            counted = [bool(real[i // self.eval_samples]) for i in range(len(graded))]
+            for g, c in zip(graded, counted, strict=True):
+                if c:
+                    total += 1
+                    reward += g.reward
+                    for name in self.graders:
+                        per[name] += g.sub_rewards.get(name, 0.0)
+        summed = all_sum([total, reward, *per.values()], engine.device)
+        n = max(summed[0], 1.0)
+        out = {"valid_reward_mean": summed[1] / n}
+        for name, v in zip(self.graders, summed[2:], strict=True):
+            out[f"valid_reward_mean_{metric_name(name)}"] = v / n
+        return out
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

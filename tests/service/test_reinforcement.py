@@ -1,0 +1,218 @@
+"""Reinforcement fine-tuning jobs (OpenAI's `method: reinforcement`) through the unmodified
+`openai` SDK: prompts files, the grader and the templates checked at creation, and a job
+run as its driver and worker run it (in this process, on the tiny Llama): a model with
+random weights learns to name the word it is asked about, as a `string_check` grader
+scores it, its metrics and the job object as OpenAI's clients read them."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from service.methods.rft_objective import advantages
+from tests.api.conftest import api_in_process
+from tests.tiny import WORDS
+
+STEPS = 40
+GRADER = {
+    "type": "string_check",
+    "name": "names the word",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.word}}",
+    "operation": "ilike",
+}
+
+
+def prompt_lines(n: int, offset: int = 0, **extra) -> bytes:
+    lines = []
+    for i in range(offset, offset + n):
+        w = WORDS[i % len(WORDS)]
+        msgs = [{"role": "user", "content": f"What does {w} mean?"}]
+        lines.append(json.dumps({"messages": msgs, "word": w, **extra}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def upload(client, data: bytes, name: str):
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="fine-tune")
+
+
+def method(grader=GRADER, **hp) -> dict:
+    hyper = {
+        "batch_size": 4,
+        "n_epochs": 50,
+        "max_steps": STEPS,
+        "learning_rate_multiplier": 100,
+        "group_size": 8,
+        "max_completion_tokens": 8,
+        "eval_interval": 10,
+        **hp,
+    }
+    return {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hyper}}
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    with api_in_process(tmp_path_factory, "rft") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def files(api):
+    c = api.client()
+    return upload(c, prompt_lines(32), "p.jsonl").id, upload(c, prompt_lines(8, 100), "v.jsonl").id
+
+
+@pytest.fixture(scope="module")
+def trained(api, files):
+    """A reinforcement job through the SDK, run to its end as its driver and its one
+    worker run it; (the job as created, its metric series)."""
+    from service.control.driver import prepare_run
+    from service.worker.finetune import build_job_engine
+    from service.worker.loop import run_loop
+    from service.worker.reporting import Reporter
+    from service.worker.train_local import DirCheckpoints
+    from tests.service.test_store import driver_attempt
+
+    c = api.client()
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        seed=1,
+        method=method(),
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    attempt = driver_attempt(api.store, job.id)
+    run = prepare_run(api.settings, api.store, api.store.jobs.get(job.id), attempt)
+    engine = build_job_engine(run)
+    rep = Reporter({"job_id": job.id, "attempt": attempt, "run": run}, 0, api.store)
+    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / "rft-ck", run.lora))
+    got = httpx.get(f"{api.base}/fine_tuning/jobs/{job.id}/metrics", headers=api.headers())
+    return job, got.json()["series"]
+
+
+def test_prompt_files_upload_as_prompts_and_a_supervised_job_is_refused_on_them(api, files):
+    c = api.client()
+    assert c.files.retrieve(files[0]).model_extra["format"] == "prompts"
+    with pytest.raises(openai.BadRequestError, match="holds prompts examples") as e:
+        c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0])
+    assert e.value.body["param"] == "training_file"
+
+
+@pytest.mark.parametrize(
+    ("grader", "says", "param"),
+    [
+        (None, "needs method.reinforcement.grader", "method.reinforcement.grader"),
+        (
+            {**GRADER, "reference": "{{item.answer}}"},
+            "uses {{item.answer}}, and the line has no such key (training_file line 1)",
+            "method.reinforcement.grader",
+        ),
+        (
+            {**GRADER, "operation": "startswith"},
+            "method.reinforcement.grader.operation",
+            "method.reinforcement.grader.operation",
+        ),
+        (
+            {"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1.0\n"},
+            "python graders",
+            "method.reinforcement.grader",
+        ),
+        (
+            {
+                "type": "score_model",
+                "name": "judge",
+                "model": "tiny-llama",
+                "input": [{"role": "user", "content": "Score {{sample.output_text}}"}],
+            },
+            "score_model graders are not run in reinforcement jobs yet",
+            "method.reinforcement.grader.type",
+        ),
+    ],
+)
+def test_a_grader_the_job_cannot_run_is_a_400_naming_the_field(api, files, grader, says, param):
+    c = api.client()
+    m = method()
+    if grader is None:
+        del m["reinforcement"]
+    else:
+        m["reinforcement"]["grader"] = grader
+    before = len(c.fine_tuning.jobs.list().data)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0], method=m)
+    assert says in e.value.body["message"]
+    assert e.value.body["param"].startswith(param)
+    assert len(c.fine_tuning.jobs.list().data) == before  # nothing stored
+
+
+def test_group_advantages_are_normalized_within_each_group_and_zero_when_it_agrees():
+    got = advantages([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4)
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    want = ((r - r.mean()) / r.std(unbiased=False)).tolist()
+    assert got[:4] == pytest.approx(want)
+    assert got[4:] == [0.0] * 4  # every answer scored the same: nothing to learn
+
+
+def test_the_job_object_echoes_the_grader_and_the_decided_hyperparameters(api, trained):
+    job, _ = trained
+    assert job.method.type == "reinforcement"
+    assert job.method.reinforcement.grader.reference == "{{item.word}}"
+    hp = job.method.reinforcement.hyperparameters
+    assert (hp.batch_size, hp.learning_rate_multiplier, hp.compute_multiplier) == (4, 100.0, 1.0)
+    assert hp.model_extra["group_size"] == 8
+
+
+def test_a_model_learns_what_the_grader_rewards(api, trained):
+    job, series = trained
+    done = api.client().fine_tuning.jobs.retrieve(job.id)
+    assert done.model_extra["progress"] == {"step": STEPS, "total": STEPS}
+    rewards = series["train_reward_mean"]["values"]
+    assert series["train_reward_mean"]["steps"] == list(range(1, STEPS + 1))
+    # string_check scores 1 or 0: the mean reward is the share of answers that pass
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 3 * max(first, 0.02), (first, last, rewards)
+    assert last >= 0.12
+    # answers are at most max_completion_tokens long; groups that disagree teach
+    assert all(0 < v <= 8 for v in series["train_answer_tokens_mean"]["values"])
+    assert max(series["train_groups_learning"]["values"]) > 0
+    # the validation reward, before training, at each eval_interval and at the end
+    assert series["valid_reward_mean"]["steps"] == [0, 10, 20, 30]
+    assert series["full_valid_reward_mean"]["steps"] == [0, STEPS]
+
+
+def test_the_same_seed_samples_and_trains_the_same_steps(api, files, trained):
+    """Sampling is seeded by the run's seed, the step and the rank: a second job with the
+    same request trains bitwise the same first steps (what a resume relies on)."""
+    from service.control.driver import prepare_run
+    from service.worker.finetune import build_job_engine
+    from service.worker.loop import run_loop
+    from service.worker.reporting import Reporter
+    from service.worker.train_local import DirCheckpoints
+    from tests.service.test_store import driver_attempt
+
+    job, series = trained
+    c = api.client()
+    again = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        seed=1,
+        method=method(max_steps=5),
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    attempt = driver_attempt(api.store, again.id)
+    run = prepare_run(api.settings, api.store, api.store.jobs.get(again.id), attempt)
+    engine = build_job_engine(run)
+    rep = Reporter({"job_id": again.id, "attempt": attempt, "run": run}, 0, api.store)
+    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / "rft-ck2", False))
+    got = httpx.get(f"{api.base}/fine_tuning/jobs/{again.id}/metrics", headers=api.headers())
+    mine = got.json()["series"]["train_reward_mean"]["values"]
+    assert len(mine) == 5
+    del job
+    # the schedule differs (5 steps, not 40), so only the first step's samples, drawn
+    # before any update, must agree
+    assert mine[0] == series["train_reward_mean"]["values"][0]
