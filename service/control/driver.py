@@ -88,15 +88,20 @@ def prepare_run(
         if "error" in meta:
             raise DataError(meta["error"])
         tr = meta["training_file"]
-        store.events.add(
-            job.id,
-            f"Data: {tr['examples']} training examples -> {tr['rows']} rows of "
-            f"{meta['seq_len']} tokens ({meta['layout']}, {tr['fill_ratio']:.0%} filled; "
-            f"{tr['loss_tokens']} tokens trained on; {tr['truncated_examples']} truncated, "
-            f"{tr['dropped_examples']} dropped); {meta['total_steps']} steps",
-            data=meta,
-            attempt=attempt,
-        )
+        if meta["format"] == "prompts":  # no tokens of the file are trained on: answers are
+            said = (
+                f"Data: {tr['examples']} training prompts -> {tr['rows']} rows of "
+                f"{meta['seq_len']} tokens ({meta['layout']}; {tr['dropped_examples']} "
+                f"dropped as too long to leave room for an answer); {meta['total_steps']} steps"
+            )
+        else:
+            said = (
+                f"Data: {tr['examples']} training examples -> {tr['rows']} rows of "
+                f"{meta['seq_len']} tokens ({meta['layout']}, {tr['fill_ratio']:.0%} filled; "
+                f"{tr['loss_tokens']} tokens trained on; {tr['truncated_examples']} truncated, "
+                f"{tr['dropped_examples']} dropped); {meta['total_steps']} steps"
+            )
+        store.events.add(job.id, said, data=meta, attempt=attempt)
     meta = json.loads(meta_file.read_text())
     if job.data_report is None:
         store.jobs.update(

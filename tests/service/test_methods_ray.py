@@ -171,6 +171,43 @@ def test_a_dpo_job_refuses_chat_examples_and_a_supervised_job_refuses_pairs(serv
     assert not [j for j in c.fine_tuning.jobs.list() if j.training_file == pairs.id]
 
 
+# -- reinforcement ----------------------------------------------------------------------------
+
+
+def test_a_reinforcement_job_on_two_workers_learns_what_its_grader_rewards(serve):
+    """OpenAI's `method: reinforcement` on 2 Ray Train workers with chunk ZeRO: each rank
+    samples its prompts' groups on the sharded model, grades them, and the step is the
+    primitives' loss; the share of answers that pass a string_check grader rises, and the
+    job ends with a fine-tuned model like any other."""
+    from tests.service.test_reinforcement import method, prompt_lines
+
+    c = serve.client()
+    train = c.files.create(file=("p.jsonl", io.BytesIO(prompt_lines(32))), purpose="fine-tune")
+    valid = c.files.create(file=("v.jsonl", io.BytesIO(prompt_lines(8, 100))), purpose="fine-tune")
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=train.id,
+        validation_file=valid.id,
+        seed=1,
+        suffix="rft",
+        # this module's tiny Llama is larger than test_reinforcement's: more prompts a
+        # step, a lower learning rate
+        method=method(max_steps=40, eval_interval=20, batch_size=8, learning_rate_multiplier=30),
+        extra_body={"resources": {"num_workers": 2}, "engine": {"dtype": "fp32"}},
+    )
+    done = ended(serve, job.id)
+    assert done.status == "succeeded", done.error
+    assert done.fine_tuned_model == f"ft:tiny-llama:rft:{job.id}"
+    got = points(serve, job.id)
+    rewards = [got[s]["train_reward_mean"] for s in range(1, 41)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 2 * max(first, 0.02), (first, last, rewards)
+    assert last >= 0.08
+    assert "full_valid_reward_mean" in got[40]
+    assert got[40]["comm_bytes_sent"] > 0  # chunk ZeRO between the 2 workers
+    assert any(m.startswith("Data: 32 training prompts") for m in messages(serve, job.id))
+
+
 # -- early stopping ---------------------------------------------------------------------------
 
 

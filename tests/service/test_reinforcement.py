@@ -180,6 +180,8 @@ def test_a_model_learns_what_the_grader_rewards(api, trained):
     # answers are at most max_completion_tokens long; groups that disagree teach
     assert all(0 < v <= 8 for v in series["train_answer_tokens_mean"]["values"])
     assert max(series["train_groups_learning"]["values"]) > 0
+    said = [e.message for e in api.client().fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(m.startswith("Data: 32 training prompts -> 32 rows of") for m in said), said
     # the validation reward, before training, at each eval_interval and at the end
     assert series["valid_reward_mean"]["steps"] == [0, 10, 20, 30]
     assert series["full_valid_reward_mean"]["steps"] == [0, STEPS]

@@ -344,29 +344,6 @@ def _driver_pids(job_id: str, attempt: int = 1) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_a_killed_driver_becomes_a_second_attempt_that_resumes_from_the_checkpoint(serve, files):
-    c = serve.client()
-    job = create(serve, files, steps=40, max_attempts=2)
-    wait_for(lambda: checkpoint_at(serve, job.id, 10), 240, "the first checkpoint")
-    pids = _driver_pids(job.id)
-    assert pids, "no driver process found"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    done = wait_for(
-        lambda: (j := c.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
-        300,
-        "the job to end",
-    )
-    assert done.status == "succeeded", done.error
-    assert done.model_extra["attempt"] == 2
-    msgs = [e.message for e in events(c, job.id) if e.type == "message"]
-    assert any(m.startswith("Attempt 1 ended without a result") for m in msgs), msgs
-    resumed = [m for m in msgs if m.startswith("Attempt 2 resumed from the checkpoint at step")]
-    assert resumed, msgs
-    assert int(resumed[0].rsplit(" ", 1)[1]) >= 10  # not from scratch
-    assert metric_steps(serve, job.id) == list(range(0, 41))
-
-
 def test_a_job_that_cannot_get_its_resources_stays_queued(serve, files):
     c = serve.client()
     # 2 workers x 3 CPUs on a head with 4: Ray cannot place the worker group, as the dry
