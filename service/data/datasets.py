@@ -208,13 +208,11 @@ def _is_prompt(obj: dict[str, Any]) -> bool:
 
 
 def _check_prompt(obj: dict[str, Any]) -> str | None:
+    # `_is_prompt` saw a non-empty list of messages, the last an object
     problem, declared = _check_tools(obj, "")
     if problem:
         return problem
-    msgs = obj["messages"]
-    if not isinstance(msgs, list) or not msgs:
-        return "'messages' must be a non-empty list"
-    problem, _ = _check_messages(msgs, "messages", declared, weights=False)
+    problem, _ = _check_messages(obj["messages"], "messages", declared, weights=False)
     return problem
 
 

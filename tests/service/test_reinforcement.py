@@ -67,10 +67,9 @@ def files(api):
     return upload(c, prompt_lines(32), "p.jsonl").id, upload(c, prompt_lines(8, 100), "v.jsonl").id
 
 
-@pytest.fixture(scope="module")
-def trained(api, files):
-    """A reinforcement job through the SDK, run to its end as its driver and its one
-    worker run it; (the job as created, its metric series)."""
+def run_job(api, job_id: str) -> dict:
+    """The job run to its end as its driver and its one worker run it, in this process;
+    its metric series."""
     from service.control.driver import prepare_run
     from service.worker.finetune import build_job_engine
     from service.worker.loop import run_loop
@@ -78,6 +77,19 @@ def trained(api, files):
     from service.worker.train_local import DirCheckpoints
     from tests.service.test_store import driver_attempt
 
+    attempt = driver_attempt(api.store, job_id)
+    run = prepare_run(api.settings, api.store, api.store.jobs.get(job_id), attempt)
+    engine = build_job_engine(run)
+    rep = Reporter({"job_id": job_id, "attempt": attempt, "run": run}, 0, api.store)
+    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / job_id, run.lora))
+    got = httpx.get(f"{api.base}/fine_tuning/jobs/{job_id}/metrics", headers=api.headers())
+    return got.json()["series"]
+
+
+@pytest.fixture(scope="module")
+def trained(api, files):
+    """A reinforcement job through the SDK, run to its end (`run_job`); (the job as
+    created, its metric series)."""
     c = api.client()
     job = c.fine_tuning.jobs.create(
         model="tiny-llama",
@@ -87,13 +99,7 @@ def trained(api, files):
         method=method(),
         extra_body={"engine": {"dtype": "fp32"}},
     )
-    attempt = driver_attempt(api.store, job.id)
-    run = prepare_run(api.settings, api.store, api.store.jobs.get(job.id), attempt)
-    engine = build_job_engine(run)
-    rep = Reporter({"job_id": job.id, "attempt": attempt, "run": run}, 0, api.store)
-    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / "rft-ck", run.lora))
-    got = httpx.get(f"{api.base}/fine_tuning/jobs/{job.id}/metrics", headers=api.headers())
-    return job, got.json()["series"]
+    return job, run_job(api, job.id)
 
 
 def test_prompt_files_upload_as_prompts_and_a_supervised_job_is_refused_on_them(api, files):
@@ -190,14 +196,7 @@ def test_a_model_learns_what_the_grader_rewards(api, trained):
 def test_the_same_seed_samples_and_trains_the_same_steps(api, files, trained):
     """Sampling is seeded by the run's seed, the step and the rank: a second job with the
     same request trains bitwise the same first steps (what a resume relies on)."""
-    from service.control.driver import prepare_run
-    from service.worker.finetune import build_job_engine
-    from service.worker.loop import run_loop
-    from service.worker.reporting import Reporter
-    from service.worker.train_local import DirCheckpoints
-    from tests.service.test_store import driver_attempt
-
-    job, series = trained
+    _job, series = trained
     c = api.client()
     again = c.fine_tuning.jobs.create(
         model="tiny-llama",
@@ -206,15 +205,8 @@ def test_the_same_seed_samples_and_trains_the_same_steps(api, files, trained):
         method=method(max_steps=5),
         extra_body={"engine": {"dtype": "fp32"}},
     )
-    attempt = driver_attempt(api.store, again.id)
-    run = prepare_run(api.settings, api.store, api.store.jobs.get(again.id), attempt)
-    engine = build_job_engine(run)
-    rep = Reporter({"job_id": again.id, "attempt": attempt, "run": run}, 0, api.store)
-    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / "rft-ck2", False))
-    got = httpx.get(f"{api.base}/fine_tuning/jobs/{again.id}/metrics", headers=api.headers())
-    mine = got.json()["series"]["train_reward_mean"]["values"]
+    mine = run_job(api, again.id)["train_reward_mean"]["values"]
     assert len(mine) == 5
-    del job
     # the schedule differs (5 steps, not 40), so only the first step's samples, drawn
     # before any update, must agree
     assert mine[0] == series["train_reward_mean"]["values"][0]
