@@ -11,10 +11,10 @@ being the policy's at sampling time, then the optimizer step. A rank's loss is t
 over its answers of their token sums; ZeRO averages the ranks.
 
 Sampling runs on the engine itself, every rank the same number of forwards (ZeRO's gathers
-are collective: decoding goes on until every rank's answers have ended), with no cache:
-each new token is a forward over the rows so far (right padding, causal attention: a row's
-pads never reach its real tokens). Seeds come from the run's seed, the step and the rank,
-so a resumed run samples what the uninterrupted one did.
+are collective: decoding goes on until every rank's answers have ended): the prompts
+left-padded and prefilled at once, then one token a forward with the key-value cache.
+Seeds come from the run's seed, the step and the rank, so a resumed run samples what the
+uninterrupted one did.
 
 An evaluation samples `eval_samples` answers for each validation prompt (seeded apart from
 training) and reports their mean reward (`valid_reward_mean`, and each named grader's of a
@@ -60,23 +60,22 @@ def sample(
     most `max_tokens` each, sampled at `temperature` (see the module docstring)."""
     rows = [p for p in prompts for _ in range(n)]
     b = len(rows)
-    lens = torch.tensor([len(p) for p in rows])
-    width = int(lens.max()) + max_tokens
-    buf = torch.full((b, width), pad, dtype=torch.long)
+    width = max(len(p) for p in rows)
+    # left-padded: every row's next token is in the last column; the mask keeps the pads
+    # out of attention and the positions count real tokens only
+    ids = torch.full((b, width), pad, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
     for i, p in enumerate(rows):
-        buf[i, : len(p)] = torch.as_tensor(p)
+        ids[i, width - len(p) :] = torch.as_tensor(p)
+        mask[i, width - len(p) :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = [Answer([], [], False) for _ in rows]
     live = torch.ones(b, dtype=torch.bool)
     was_training = engine.module.training
     engine.eval()
     try:
+        last, cache = _next(engine, ids, mask, pos, None)
         for t in range(max_tokens):
-            if not all_sum([float(live.any())], engine.device)[0]:
-                break  # every rank's answers have ended
-            upto = int(lens.max()) + t
-            logits = engine(input_ids=buf[:, :upto].to(engine.device), use_cache=False).logits
-            last = logits[torch.arange(b), (lens + t - 1).to(logits.device)].float().cpu()
-            del logits
             logp = torch.log_softmax(last, dim=-1)
             probs = torch.softmax(last / temperature, dim=-1)
             tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
@@ -84,13 +83,30 @@ def sample(
                 k = int(tok[i])
                 out[i].tokens.append(k)
                 out[i].logprobs.append(float(logp[i, k]))
-                buf[i, int(lens[i]) + t] = k
                 if k in stop:
                     out[i].ended = True
                     live[i] = False
+            if t + 1 == max_tokens or not all_sum([float(live.any())], engine.device)[0]:
+                break  # every rank's answers have ended (ZeRO's gathers are collective)
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
+            pos = pos[:, -1:] + 1
+            last, cache = _next(engine, tok[:, None], mask, pos, cache)
     finally:
         engine.train(was_training)
     return out
+
+
+def _next(engine: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
+    """The fp32 logits of each row's next token (on the CPU), and the cache after `ids`."""
+    out = engine(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1].float().cpu(), out.cache
 
 
 def advantages(rewards: list[float], group: int) -> list[float]:

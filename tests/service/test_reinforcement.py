@@ -210,3 +210,28 @@ def test_the_same_seed_samples_and_trains_the_same_steps(api, files, trained):
     # the schedule differs (5 steps, not 40), so only the first step's samples, drawn
     # before any update, must agree
     assert mine[0] == series["train_reward_mean"]["values"][0]
+
+
+def test_the_samplers_log_probabilities_are_the_policys_under_a_whole_forward(api):
+    """Sampling prefills left-padded prompts and decodes with the key-value cache; each
+    sampled token's log-probability must be what one forward over the whole sequence (the
+    loss's) gives it, or the importance ratio of an on-policy step would not be 1."""
+    import pstar_core
+    from service.methods.rft_objective import sample
+    from service.sessions import losses
+
+    engine = pstar_core.initialize(api.settings.models_dir / "tiny-llama", {"dtype": "fp32"})
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]  # unequal: padding on the left
+    gen = torch.Generator().manual_seed(0)
+    answers = sample(engine, prompts, 2, 6, 1.0, stop=set(), pad=0, gen=gen)
+    assert [len(a.tokens) for a in answers] == [6] * 6
+    data = []
+    for k, a in enumerate(answers):
+        full = prompts[k // 2] + a.tokens
+        data.append(
+            losses.Datum(full[:-1], {"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})
+        )
+    got = losses.run(engine, data, "cross_entropy", backward=False).logprobs
+    for k, a in enumerate(answers):
+        whole = got[k][len(prompts[k // 2]) - 1 :]
+        assert whole == pytest.approx(a.logprobs, abs=1e-4), k
