@@ -55,6 +55,11 @@ class RftHyperparameters(Hyperparameters):
     temperature: Annotated[float, Field(gt=0, le=2)] = Field(
         default=1.0, description="the sampling temperature of the answers trained on"
     )
+    kl_coef: Annotated[float, Field(ge=0, le=10)] = Field(
+        default=0.0,
+        description="the weight of a KL penalty to the reference (the base model: LoRA jobs "
+        "only), taken from each answer token's advantage",
+    )
     loss: Literal["importance_sampling", "ppo"] = Field(
         default="importance_sampling",
         description="the policy loss, as the training primitives define it (ppo: clipped at "
@@ -109,6 +114,7 @@ class ReinforcementMethod(Method):
             "eval_samples": 1 if hp.eval_samples == "auto" else hp.eval_samples,
             "max_completion_tokens": MAX_COMPLETION_TOKENS if tokens == "auto" else tokens,
             "temperature": hp.temperature,
+            "kl_coef": hp.kl_coef,
             "loss": hp.loss,
         }
 
@@ -131,6 +137,14 @@ class ReinforcementMethod(Method):
                 param=GRADER,
             )
         assert isinstance(section, ReinforcementSection)
+        hp = section.hyperparameters
+        if hp is not None and hp.kl_coef > 0 and section.lora is None:
+            raise InvalidRequest(
+                "method.reinforcement.hyperparameters.kl_coef: a KL penalty needs "
+                "method.reinforcement.lora (the reference is the base model, the same engine "
+                "with its adapters off; a full fine-tune keeps no second copy of the model)",
+                param="method.reinforcement.hyperparameters.kl_coef",
+            )
         grader = parse_grader(section.grader, GRADER, python=python_graders)
         for name, leaf in leaves(grader):
             if isinstance(leaf, ScoreModel):

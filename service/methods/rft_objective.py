@@ -133,6 +133,7 @@ class Reinforcement:
     max_tokens: int
     temperature: float
     loss: str
+    kl_coef: float
     seed: int
     data_dir: Path
     model_path: str
@@ -156,6 +157,7 @@ class Reinforcement:
             max_tokens=int(hp["max_completion_tokens"]),
             temperature=float(hp.get("temperature", 1.0)),
             loss=str(hp.get("loss", "importance_sampling")),
+            kl_coef=float(hp.get("kl_coef", 0.0)),
             seed=run.seed,
             data_dir=Path(run.data_file),
             model_path=str(run.model.get("path") or run.tokenizer_dir),
@@ -223,21 +225,22 @@ class Reinforcement:
         graded = self._grade(answers, items)
         rewards = [g.reward for g in graded]
         adv = advantages(rewards, self.group)
-        data = []
-        for k, (a, ad) in enumerate(zip(answers, adv, strict=True)):
-            prompt = prompts[k // self.group]
-            full = prompt + a.tokens
-            before = len(prompt) - 1  # input positions that predict prompt tokens
-            data.append(
-                losses.Datum(
-                    full[:-1],
-                    {
-                        "target_tokens": full[1:],
-                        "logprobs": [0.0] * before + a.logprobs,
-                        "advantages": [0.0] * before + [ad] * len(a.tokens),
-                    },
-                )
+        seqs = [prompts[k // self.group] + a.tokens for k, a in enumerate(answers)]
+        # input positions that predict a prompt token: no log-probability, no advantage
+        before = [len(prompts[k // self.group]) - 1 for k in range(len(answers))]
+        token_adv = [[ad] * len(a.tokens) for a, ad in zip(answers, adv, strict=True)]
+        kl = self._kl_penalty(engine, seqs, before, answers, token_adv) if self.kl_coef else 0.0
+        data = [
+            losses.Datum(
+                full[:-1],
+                {
+                    "target_tokens": full[1:],
+                    "logprobs": [0.0] * b + a.logprobs,
+                    "advantages": [0.0] * b + ta,
+                },
             )
+            for full, b, a, ta in zip(seqs, before, answers, token_adv, strict=True)
+        ]
         parts = max(1, min(micro_batches, len(data)))
         size = math.ceil(len(data) / parts)
         loss_sum = 0.0
@@ -257,10 +260,39 @@ class Reinforcement:
                 sum(any(adv[g : g + self.group]) for g in range(0, len(adv), self.group))
             ),
             "parse_errors": float(sum(g.sample_parse_error for g in graded)),
+            "kl_sum": kl,
         }
         for name in self.graders:
             sums[f"grader:{name}"] = sum(g.sub_rewards.get(name, 0.0) for g in graded)
         return sums
+
+    def _kl_penalty(
+        self,
+        engine: Any,
+        seqs: list[list[int]],
+        before: list[int],
+        answers: list[Answer],
+        token_adv: list[list[float]],
+    ) -> float:
+        """Take `kl_coef` times each answer token's log-ratio to the reference (the base:
+        the adapters off) from its advantage (`token_adv`, in place); the summed
+        log-ratios (their mean per answer token is the KL estimate)."""
+        from service.methods.dpo_objective import adapters_disabled
+        from service.sessions import losses
+
+        plain = [
+            losses.Datum(full[:-1], {"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})
+            for full in seqs
+        ]
+        with adapters_disabled(engine):
+            ref = losses.run(engine, plain, "cross_entropy", backward=False).logprobs
+        total = 0.0
+        for k, a in enumerate(answers):
+            for j, lp in enumerate(a.logprobs):
+                gap = lp - ref[k][before[k] + j]
+                token_adv[k][j] -= self.kl_coef * gap
+                total += gap
+        return total
 
     def values(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["samples"], 1.0)
@@ -274,6 +306,8 @@ class Reinforcement:
             "train_groups_learning": sums["groups_learning"] / max(sums["groups"], 1.0),
             "train_sample_parse_errors": sums["parse_errors"] / n,
         }
+        if self.kl_coef:
+            out["train_kl"] = sums["kl_sum"] / max(sums["answer_tokens"], 1.0)
         for name in self.graders:
             out[f"train_reward_mean_{metric_name(name)}"] = sums[f"grader:{name}"] / n
         return out

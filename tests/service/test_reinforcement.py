@@ -235,3 +235,24 @@ def test_the_samplers_log_probabilities_are_the_policys_under_a_whole_forward(ap
     for k, a in enumerate(answers):
         whole = got[k][len(prompts[k // 2]) - 1 :]
         assert whole == pytest.approx(a.logprobs, abs=1e-4), k
+
+
+def test_a_kl_penalty_trains_adapters_against_the_base_and_says_how_far_they_went(api, files):
+    c = api.client()
+    m = method(max_steps=6, kl_coef=0.5)
+    with pytest.raises(openai.BadRequestError, match="a KL penalty needs") as e:
+        c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0], method=m)
+    assert e.value.body["param"] == "method.reinforcement.hyperparameters.kl_coef"
+    m["reinforcement"]["lora"] = {"r": 4, "alpha": 8}
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        seed=2,
+        method=m,
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    kl = run_job(api, job.id)["train_kl"]["values"]
+    assert len(kl) == 6
+    # the adapters start at zero (B = 0): the policy is the reference until the first step
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)
+    assert max(kl[1:]) > 1e-4  # then it moves away from it
