@@ -296,6 +296,36 @@ def bench_lora(
         _fail(str(e))
 
 
+@bench_app.command("rft")
+def bench_rft(
+    model_dir: Annotated[Path, typer.Argument(help="a HF chat model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 30,
+    batch: Annotated[int, typer.Option(help="prompts per step")] = 4,
+    group: Annotated[int, typer.Option(help="answers sampled per prompt")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="the longest answer, in tokens")] = 6,
+    lr_multiplier: Annotated[float, typer.Option(help="learning_rate_multiplier")] = 3.0,
+    full: Annotated[bool, typer.Option(help="train every weight instead of LoRA")] = False,
+    valid_prompts: Annotated[int, typer.Option(help="held-out prompts")] = 32,
+    eval_samples: Annotated[int, typer.Option(help="answers per held-out prompt")] = 2,
+    dtype: Annotated[str, typer.Option(help="the job's engine dtype")] = "fp32",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Reinforcement fine-tuning: held-out pass rate before and after, the step's parts."""
+    from benchmarks.rft import run
+
+    _need_hf_dir(model_dir)
+    try:
+        run(
+            model_dir, steps=steps, batch=batch, group=group, max_tokens=max_tokens,
+            lr_multiplier=lr_multiplier, lora=not full, valid_prompts=valid_prompts,
+            eval_samples=eval_samples, dtype=dtype, json_out=json_out,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
 @bench_app.command("serve")
 def bench_serve(
     model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(

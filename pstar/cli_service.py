@@ -518,8 +518,56 @@ def keys_hash() -> None:
     print(f"sha256:{key_hash(secret)}")
 
 
+def import_openai(
+    job_json: Annotated[
+        Path, typer.Argument(help="the job as `openai api fine_tuning.jobs.retrieve` prints it")
+    ],
+    model: Annotated[str, typer.Option(help="the model here to fine-tune (GET /v1/models)")],
+    training_file: Annotated[Path, typer.Option(help="the job's training file, exported JSONL")],
+    validation_file: Annotated[
+        Path | None, typer.Option(help="its validation file, exported JSONL")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option(help="print the request and what was left out; create nothing")
+    ] = False,
+    follow: Annotated[bool, typer.Option(help="follow the new job to its end")] = False,
+    url: Url = DEFAULT_URL,
+    data_dir: DataDir = None,
+) -> None:
+    """Recreate an OpenAI fine-tuning job here: its files uploaded, its method and
+    hyperparameters carried over, and what does not map named."""
+    from pstar.openai_import import NotAJob, request_of
+
+    try:
+        job = json.loads(job_json.read_text())
+    except (OSError, ValueError) as e:
+        _fail(f"{job_json}: not a JSON file ({e})")
+    for p in (training_file, validation_file):
+        if p is not None and not p.is_file():
+            _fail(f"{p} is not a file (give the exported JSONL)")
+    try:
+        mapped = request_of(
+            job, model, str(training_file), str(validation_file) if validation_file else None
+        )
+    except NotAJob as e:
+        _fail(f"{job_json}: {e}")
+    for note in mapped.notes:
+        console.print(f"[yellow]note[/]: {note}")
+    if dry_run:
+        console.print_json(json.dumps(mapped.body))
+        return
+    c = _client(url, data_dir)
+    body = upload_spec_files(c, mapped.body, Path.cwd())
+    created = _call(c.post, "/v1/fine_tuning/jobs", body)
+    old = job.get("id", "the OpenAI job")
+    console.print(f"{created['id']}: {created['status']} ({created['model']}), from {old}")
+    if follow:
+        follow_job(c, created["id"])
+
+
 def register(app: typer.Typer) -> None:
     app.command()(serve)
+    app.command("import-openai")(import_openai)
     app.command()(run)
     app.command()(chat)
     app.add_typer(files_app, name="files")

@@ -99,6 +99,8 @@ function cleanup() {
   state.memory = null;
   state.job = null;
   state.seenEvents = new Set();
+  state.graded = null;
+  state.gradedStep = null;
 }
 
 function mount(tpl) {
@@ -408,6 +410,9 @@ function methodFacts(job) {
   const lora = section.lora || (m.type === "lora" ? section : null);
   let what = `method ${m.type}`;
   if (m.type === "dpo") what += ` (β ${section.hyperparameters?.beta ?? "auto"})`;
+  if (m.type === "reinforcement") {
+    what += ` (${section.grader?.type} grader, ${section.hyperparameters?.group_size ?? "auto"} answers a prompt)`;
+  }
   if (lora && lora.r) what += `, LoRA r ${lora.r}`;
   out.push(what);
   const d = job.data;
@@ -415,6 +420,8 @@ function methodFacts(job) {
     const fill = d.fill_ratio != null ? `${(100 * d.fill_ratio).toFixed(0)}% filled` : "";
     if (d.format === "preference") {
       out.push(`${d.rows} preference pairs, a row of ${d.seq_len} per answer, ${fill}`);
+    } else if (d.format === "prompts") {
+      out.push(`${d.rows} prompts, rows of ${d.seq_len} with room for the answer`);
     } else {
       const layout = d.packing?.packed
         ? `packed ${Number(d.examples_per_row).toFixed(1)} examples/row`
@@ -447,9 +454,27 @@ function addEvent(e) {
   if (state.seenEvents.has(e.id)) return;
   state.seenEvents.add(e.id);
   if (e.type === "metrics") return; // those are the charts
+  if (e.data?.graded) renderGraded(e.data);
   const t = new Date(e.created_at * 1000).toLocaleTimeString();
   const li = el("li", { class: e.level, "data-event": e.id }, el("span", { class: "t" }, t), e.message);
   $("#events")?.prepend(li);
+}
+
+// a reinforcement job's evaluation: a few validation prompts, the answers sampled for them
+// and what the grader (each of a multi's graders) gave them; the newest evaluation's show
+function renderGraded(data) {
+  if (state.gradedStep != null && data.step < state.gradedStep) return;
+  state.gradedStep = data.step;
+  state.graded = data.graded;
+  const card = $("#card-graded");
+  if (!card) return;
+  card.hidden = false;
+  $("#graded-step").textContent = `at step ${data.step}`;
+  const scores = (g) => Object.entries(g.scores || {}).map(([k, v]) => `${k} ${fmtNum(v)}`).join(", ");
+  $("#graded tbody").replaceChildren(...data.graded.map((g) => el(
+    "tr", {}, el("td", {}, g.prompt), el("td", { class: "answer" }, g.answer),
+    el("td", {}, fmtNum(g.reward)), el("td", {}, scores(g)),
+  )));
 }
 
 function renderCheckpoints(page) {
@@ -491,6 +516,8 @@ const CHART_DEFS = {
   // DPO only (its card shows once a reward arrives)
   rewards: { names: (all) => ["reward_margin", "chosen_reward", "rejected_reward", "valid_reward_margin"].filter((n) => all.has(n)), fmt: fmtNum, optional: true },
   accuracy: { names: (all) => ["reward_accuracy", "valid_reward_accuracy"].filter((n) => all.has(n)), fmt: fmtNum, optional: true },
+  // reinforcement only: the mean reward of the sampled answers (and of each named grader)
+  grades: { names: (all) => [...all].filter((n) => /^(full_)?(train|valid)_reward_mean/.test(n)).sort(), fmt: fmtNum, optional: true },
 };
 
 function seriesData(names) {

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 
 from service.methods.objectives import Rows, Split, all_sum, eval_rounds
 
+SHOWN = 4  # graded answers an evaluation shows on the job page (an event of the job's own)
 SEED_STRIDE = 1_000_003  # the step's and the rank's places in a sampling seed
 EVAL_SEED = 7_919  # evaluations sample apart from training
 
@@ -146,6 +148,7 @@ class Reinforcement:
     items: dict[str, list[Any]] = field(default_factory=dict)
     lengths: dict[str, torch.Tensor] = field(default_factory=dict)  # each prompt's tokens
     graders: tuple[str, ...] = ()  # a multi grader's names, in a fixed order
+    sink: Any = None  # where an evaluation's graded answers go (rank 0's)
 
     @classmethod
     def of(cls, run: Any) -> Reinforcement:
@@ -187,6 +190,7 @@ class Reinforcement:
         if isinstance(end, int) and end != self.tok.unk_token_id:
             self.stop.add(end)
         self.pad = pad_id(self.tok)
+        self.sink = sink if rank == 0 else None
         for name, split in splits.items():
             path = self.data_dir / f"{name}_items.jsonl"
             with path.open(encoding="utf-8") as f:
@@ -218,11 +222,14 @@ class Reinforcement:
         ]
         items = [self.items["train"][int(k)] for k in rows.index for _ in range(self.group)]
         gen = self._generator(engine.global_step, rank)
+        t0 = time.perf_counter()
         answers = sample(
             engine, prompts, self.group, self.max_tokens, self.temperature, self.stop,
             self.pad, gen,
         )  # fmt: skip
+        t1 = time.perf_counter()
         graded = self._grade(answers, items)
+        t2 = time.perf_counter()
         rewards = [g.reward for g in graded]
         adv = advantages(rewards, self.group)
         seqs = [prompts[k // self.group] + a.tokens for k, a in enumerate(answers)]
@@ -261,6 +268,11 @@ class Reinforcement:
             ),
             "parse_errors": float(sum(g.sample_parse_error for g in graded)),
             "kl_sum": kl,
+            # seconds of this rank's step in each part (the loop adds the ranks)
+            "sample_s": t1 - t0,
+            "grade_s": t2 - t1,
+            "train_s": time.perf_counter() - t2,
+            "ranks": 1.0,
         }
         for name in self.graders:
             sums[f"grader:{name}"] = sum(g.sub_rewards.get(name, 0.0) for g in graded)
@@ -294,6 +306,16 @@ class Reinforcement:
                 total += gap
         return total
 
+    def _shown(self, prompt: list[int], answer: Answer, graded: Any) -> dict[str, Any]:
+        """One graded answer as the job page shows it (the tenant's own data: an event of
+        the job, never a log line)."""
+        return {
+            "prompt": self.tok.decode(prompt, skip_special_tokens=True).strip(),
+            "answer": self.tok.decode(answer.tokens, skip_special_tokens=True),
+            "reward": graded.reward,
+            "scores": dict(graded.sub_rewards),
+        }
+
     def values(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["samples"], 1.0)
         mean = sums["reward_sum"] / n
@@ -306,6 +328,9 @@ class Reinforcement:
             "train_groups_learning": sums["groups_learning"] / max(sums["groups"], 1.0),
             "train_sample_parse_errors": sums["parse_errors"] / n,
         }
+        ranks = max(sums["ranks"], 1.0)
+        for part in ("sample", "grade", "train"):
+            out[f"{part}_time_s"] = sums[f"{part}_s"] / ranks
         if self.kl_coef:
             out["train_kl"] = sums["kl_sum"] / max(sums["answer_tokens"], 1.0)
         for name in self.graders:
@@ -320,6 +345,7 @@ class Reinforcement:
         weights)."""
         total = reward = 0.0
         per = dict.fromkeys(self.graders, 0.0)
+        shown: list[dict[str, Any]] = []
         assert split.lengths is not None
         for r, (idx, real) in enumerate(eval_rounds(len(split), rank, world, batch)):
             rows = split.rows(idx, engine.device)
@@ -335,12 +361,21 @@ class Reinforcement:
             items = [self.items["valid"][int(k)] for k in idx for _ in range(self.eval_samples)]
             graded = self._grade(answers, items)
             counted = [bool(real[i // self.eval_samples]) for i in range(len(graded))]
-            for g, c in zip(graded, counted, strict=True):
+            for j, (g, c) in enumerate(zip(graded, counted, strict=True)):
+                if c and len(shown) < SHOWN and self.sink is not None:
+                    shown.append(self._shown(prompts[j // self.eval_samples], answers[j], g))
                 if c:
                     total += 1
                     reward += g.reward
                     for name in self.graders:
                         per[name] += g.sub_rewards.get(name, 0.0)
+        if shown:
+            self.sink.event(
+                f"Graded answers at step {engine.global_step}: {len(shown)} of the "
+                "validation prompts' answers and their scores",
+                graded=shown,
+                step=engine.global_step,
+            )
         summed = all_sum([total, reward, *per.values()], engine.device)
         n = max(summed[0], 1.0)
         out = {"valid_reward_mean": summed[1] / n}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +196,98 @@ def test_serve_with_an_unreachable_store_says_so_in_one_line_without_the_passwor
     assert "pw-do-not-print" not in text
     assert f"the store at postgresql+psycopg://***@127.0.0.1:{port}/pstar cannot be reached" in text
     assert "Traceback" not in text
+
+
+# a job object as `openai api fine_tuning.jobs.retrieve` prints it (OpenAI's documented
+# shape: a DPO job with a W&B integration)
+OPENAI_JOB = {
+    "object": "fine_tuning.job",
+    "id": "ftjob-abc123",
+    "model": "gpt-4o-mini-2024-07-18",
+    "created_at": 1721764800,
+    "finished_at": 1721765400,
+    "fine_tuned_model": "ft:gpt-4o-mini-2024-07-18:my-org:words:9zXy",
+    "organization_id": "org-123",
+    "result_files": ["file-res"],
+    "status": "succeeded",
+    "validation_file": "file-val",
+    "training_file": "file-abc123",
+    "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 1.8},
+    "method": {
+        "type": "dpo",
+        "dpo": {
+            "hyperparameters": {
+                "beta": 0.2,
+                "n_epochs": 2,
+                "batch_size": 4,
+                "learning_rate_multiplier": 1.8,
+            }
+        },
+    },
+    "trained_tokens": 5768,
+    "integrations": [{"type": "wandb", "wandb": {"project": "my-project"}}],
+    "seed": 42,
+    "estimated_finish": None,
+    "metadata": {"team": "words"},
+}
+
+
+def test_import_openai_recreates_the_job_here_and_names_what_it_left_out(server, tmp_path):
+    from tests.service.test_methods_ray import preference_lines
+
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(OPENAI_JOB))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(preference_lines(8)) + "\n")
+    args = ["import-openai", str(job), "--model", "tiny-llama", "--training-file", str(pairs)]
+    dry = pstar(server, *args, "--dry-run").stdout
+    assert "model: gpt-4o-mini-2024-07-18 -> tiny-llama" in dry
+    assert "integrations (wandb) left out" in dry
+    assert "validation_file: file-val left out" in dry
+    out = pstar(server, *args).stdout
+    new_id = next(w for w in out.split() if w.startswith("ftjob-") and w != "ftjob-abc123")
+    created = server.store.jobs.get(new_id.rstrip(":"))
+    assert created is not None
+    assert (created.model, created.seed, created.suffix) == ("tiny-llama", 42, "words")
+    assert created.metadata_ == {"team": "words"}
+    plan = created.plan
+    assert plan["method"]["type"] == "dpo"
+    hp = plan["hyperparameters"]
+    assert (hp["n_epochs"], hp["batch_size"], hp["learning_rate_multiplier"], hp["beta"]) == (
+        2, 4, 1.8, 0.2,
+    )  # fmt: skip
+    assert f"from {OPENAI_JOB['id']}" in out
+    # not a job: said so, nothing created
+    (tmp_path / "bad.json").write_text('{"object": "list"}')
+    bad = pstar(server, "import-openai", str(tmp_path / "bad.json"), "--model", "tiny-llama",
+                "--training-file", str(pairs), ok=False)  # fmt: skip
+    assert "not an OpenAI fine-tuning job" in bad.stdout + bad.stderr
+
+
+def test_a_reinforcement_job_keeps_its_grader_and_drops_reasoning_effort():
+    from pstar.openai_import import FIELDS, request_of
+
+    grader = {"type": "string_check", "name": "g", "operation": "eq",
+              "input": "{{sample.output_text}}", "reference": "{{item.answer}}"}  # fmt: skip
+    job = {
+        "model": "o4-mini-2025-04-16",
+        "training_file": "file-1",
+        "method": {
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": grader,
+                "hyperparameters": {"n_epochs": 1, "eval_samples": 2, "reasoning_effort": "low"},
+            },
+        },
+    }
+    got = request_of(job, "tiny-llama", "p.jsonl")
+    assert got.body["method"] == {
+        "type": "reinforcement",
+        "reinforcement": {"grader": grader, "hyperparameters": {"n_epochs": 1, "eval_samples": 2}},
+    }
+    assert any("reasoning_effort left out" in n for n in got.notes)
+    # the README's table lists every field an import knows, and no other
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Coming from OpenAI", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, re.M))
+    assert set(FIELDS) <= listed

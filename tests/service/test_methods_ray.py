@@ -174,11 +174,9 @@ def test_a_dpo_job_refuses_chat_examples_and_a_supervised_job_refuses_pairs(serv
 # -- reinforcement ----------------------------------------------------------------------------
 
 
-def test_a_reinforcement_job_on_two_workers_learns_what_its_grader_rewards(serve):
-    """OpenAI's `method: reinforcement` on 2 Ray Train workers with chunk ZeRO: each rank
-    samples its prompts' groups on the sharded model, grades them, and the step is the
-    primitives' loss; the share of answers that pass a string_check grader rises, and the
-    job ends with a fine-tuned model like any other."""
+@pytest.fixture(scope="module")
+def rft_job(serve):
+    """A reinforcement job on 2 workers through the SDK, and the job once it ended."""
     from tests.service.test_reinforcement import method, prompt_lines
 
     c = serve.client()
@@ -195,7 +193,15 @@ def test_a_reinforcement_job_on_two_workers_learns_what_its_grader_rewards(serve
         method=method(max_steps=40, eval_interval=20, batch_size=8, learning_rate_multiplier=30),
         extra_body={"resources": {"num_workers": 2}, "engine": {"dtype": "fp32"}},
     )
-    done = ended(serve, job.id)
+    return job, ended(serve, job.id)
+
+
+def test_a_reinforcement_job_on_two_workers_learns_what_its_grader_rewards(serve, rft_job):
+    """OpenAI's `method: reinforcement` on 2 Ray Train workers with chunk ZeRO: each rank
+    samples its prompts' groups on the sharded model, grades them, and the step is the
+    primitives' loss; the share of answers that pass a string_check grader rises, and the
+    job ends with a fine-tuned model like any other."""
+    job, done = rft_job
     assert done.status == "succeeded", done.error
     assert done.fine_tuned_model == f"ft:tiny-llama:rft:{job.id}"
     got = points(serve, job.id)
@@ -206,6 +212,57 @@ def test_a_reinforcement_job_on_two_workers_learns_what_its_grader_rewards(serve
     assert "full_valid_reward_mean" in got[40]
     assert got[40]["comm_bytes_sent"] > 0  # chunk ZeRO between the 2 workers
     assert any(m.startswith("Data: 32 training prompts") for m in messages(serve, job.id))
+    # each evaluation shows a few graded answers, rank 0's, in an event of the job
+    graded = [
+        e.data for e in serve.client().fine_tuning.jobs.list_events(job.id, limit=200)
+        if e.data and "graded" in e.data
+    ]  # fmt: skip
+    assert sorted(g["step"] for g in graded) == [0, 20, 40]
+    for g in graded:
+        assert len(g["graded"]) == 4
+        assert all(x["prompt"].endswith("mean?") or "What does" in x["prompt"] for x in g["graded"])
+        assert all(x["reward"] in (0.0, 1.0) for x in g["graded"])
+    # and nothing of the prompts or answers is in the job's logs
+    logs = httpx.get(
+        f"{serve.url}/v1/fine_tuning/jobs/{job.id}/logs",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    ).text
+    assert graded[0]["graded"][0]["prompt"] not in logs
+
+
+def test_the_job_page_charts_a_reinforcement_jobs_reward_and_shows_graded_answers(
+    serve, rft_job, browser
+):
+    from tests.browser import shot, sign_in, wait_page
+
+    _job, done = rft_job
+    sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{done.id}")
+    wait_page(browser, "return window.pstar.streamState === 'ended'", "the stream's end")
+    assert "method reinforcement" in browser.find_element("css selector", "#job-method").text
+    plotted = browser.execute_script("return window.pstar.plotted")["grades"]
+    r = httpx.get(
+        f"{serve.url}/v1/fine_tuning/jobs/{done.id}/metrics",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ).json()["series"]
+    for name in ("train_reward_mean", "valid_reward_mean", "full_valid_reward_mean"):
+        got = plotted["series"][name]
+        want = dict(zip(r[name]["steps"], r[name]["values"], strict=True))
+        steps = plotted["steps"]
+        assert [v for s, v in zip(steps, got, strict=True) if v is not None] == pytest.approx(
+            [want[s] for s in steps if s in want]
+        )
+    assert browser.find_element("css selector", "#card-grades").is_displayed()
+    assert browser.find_element("css selector", "#card-graded").is_displayed()
+    assert browser.find_element("css selector", "#graded-step").text == "at step 40"
+    rows = browser.find_elements("css selector", "#graded tbody tr")
+    assert len(rows) == 4
+    shown = browser.execute_script("return window.pstar.graded")
+    assert [row.find_elements("css selector", "td")[1].text for row in rows] == [
+        g["answer"].strip() for g in shown
+    ]
+    shot(browser, "job-rft")
 
 
 # -- early stopping ---------------------------------------------------------------------------

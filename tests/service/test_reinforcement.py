@@ -256,3 +256,12 @@ def test_a_kl_penalty_trains_adapters_against_the_base_and_says_how_far_they_wen
     # the adapters start at zero (B = 0): the policy is the reference until the first step
     assert kl[0] == pytest.approx(0.0, abs=1e-6)
     assert max(kl[1:]) > 1e-4  # then it moves away from it
+
+
+def test_hyperparameters_no_model_here_takes_are_a_400(api, files):
+    c = api.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(
+            model="tiny-llama", training_file=files[0], method=method(reasoning_effort="low")
+        )
+    assert e.value.body["param"] == "method.reinforcement.hyperparameters.reasoning_effort"
