@@ -249,6 +249,7 @@ class FineTuningJob(BaseModel):
             validation_file=j.validation_file,
             estimated_finish=j.estimated_finish,
             metadata=j.metadata_,
+            integrations=_integrations(spec.integrations, j.integrations) or None,
             method={"type": kind, kind: spec.training_method.echo(hp, lora)},
             user_provided_suffix=j.suffix,
             status_detail=j.status_detail,
@@ -423,3 +424,18 @@ class Health(BaseModel):
     status: str
     checks: dict[str, str] = {}
     ray_dashboard_url: str | None = None
+
+
+def _integrations(asked: list[dict[str, Any]], runs: list[dict[str, Any]] | None) -> list[Any]:
+    """OpenAI's `integrations` as the request gave them, each with its run as the driver
+    started it: `run_id`, `url`, `state` (logging, finished, paused, interrupted, failed)
+    and `error` inside the tracker's own section."""
+    by_type = {r["type"]: r for r in runs or []}
+    out = []
+    for i in asked:
+        kind = i["type"]
+        run = by_type.get(kind, {})
+        section = {**(i.get(kind) or {})}
+        section.update({k: run.get(k) for k in ("run_id", "url", "state", "error")})
+        out.append({"type": kind, kind: section})
+    return out

@@ -26,7 +26,7 @@ FIELDS: dict[str, str] = {
     "seed": "carried over",
     "suffix": "carried over (user_provided_suffix, or the one in fine_tuned_model)",
     "metadata": "carried over",
-    "integrations": "left out: no tracker integrations yet",
+    "integrations": "carried over (wandb: project, name, entity, tags)",
     "id": "read-only, describes the old job",
     "object": "read-only",
     "created_at": "read-only",
@@ -43,6 +43,7 @@ FIELDS: dict[str, str] = {
 READ_ONLY = {k for k, v in FIELDS.items() if v.startswith("read-only")}
 SUFFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 HYPER = ("batch_size", "learning_rate_multiplier", "n_epochs")
+WANDB_KEYS = ("project", "name", "entity", "tags")
 RFT_HYPER = (*HYPER, "eval_interval", "eval_samples", "compute_multiplier")
 
 
@@ -85,9 +86,16 @@ def request_of(
         body["suffix"] = suffix
     if isinstance(job.get("metadata"), dict) and job["metadata"]:
         body["metadata"] = job["metadata"]
-    if job.get("integrations"):
-        kinds = sorted({str(i.get("type")) for i in job["integrations"] if isinstance(i, dict)})
-        notes.append(f"integrations ({', '.join(kinds)}) left out: none are run here yet")
+    kept = []
+    for i in job.get("integrations") or []:
+        if isinstance(i, dict) and i.get("type") == "wandb" and isinstance(i.get("wandb"), dict):
+            own = {k: i["wandb"][k] for k in WANDB_KEYS if i["wandb"].get(k) is not None}
+            kept.append({"type": "wandb", "wandb": own})
+        else:
+            kind = i.get("type") if isinstance(i, dict) else i
+            notes.append(f"integration {kind!r} left out: this service logs to wandb and mlflow")
+    if kept:
+        body["integrations"] = kept
     body["method"] = _method(job, notes)
     unknown = sorted(set(job) - set(FIELDS))
     if unknown:

@@ -198,7 +198,7 @@ def _memory_plan(
         text += f"; does not fit: {'; '.join(plan['problems'])}"
         if change:
             text += f" (the smallest change that fits: {change['text']})"
-    store.events.add(job.id, text, level="info" if plan["fits"] else "warning", attempt=attempt)
+    store.events.add(job.id, text, level="info" if plan["fits"] else "warn", attempt=attempt)
     return plan
 
 
@@ -408,6 +408,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         run.total_steps,
         spec_of(job).resources.num_workers,
     )
+    tracking = _tracking(settings, store, job, attempt)
     paused = False
     try:
         result = run_trainer(run, job, attempt)
@@ -416,6 +417,12 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         paused = bool((getattr(result, "metrics", None) or {}).get("paused_at_step"))
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
+    if tracking is not None:
+        latest = through_outage(store.jobs.get, job_id) or job
+        if error is not None:
+            tracking.end("interrupted" if lost_cluster(error) else "failed")
+        else:
+            tracking.end("paused" if paused or latest.status == PAUSED else "finished")
     if error is not None and not through_outage(store.attempts.is_current, job_id, attempt):
         # a worker's write was refused (StaleAttempt): another attempt owns the job now
         raise StaleAttempt(job_id, attempt, "a worker's write was refused")
@@ -439,6 +446,18 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
     through_outage(finish_success, settings, store, latest, attempt)
     log.info("job %s attempt %d: succeeded", job_id, attempt)
     return 0
+
+
+def _tracking(settings: Settings, store: Store, job: Job, attempt: int) -> Any:
+    """The job's experiment trackers, logging (`service.control.tracking`); None when it
+    has none, or when they could not start (a tracker never fails the job)."""
+    from service.control.tracking import Tracking
+
+    try:
+        return Tracking.start(settings, store, job, attempt)
+    except Exception as e:
+        log.warning("job %s: the experiment trackers did not start: %s", job.id, e)
+        return None
 
 
 def lost_cluster(error: BaseException) -> bool:

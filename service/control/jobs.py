@@ -207,6 +207,7 @@ class JobService:
             resources=req.resources,
             checkpoint_every=req.checkpoint_every,
             suffix=req.suffix,
+            integrations=[i.model_dump(mode="json") for i in req.integrations or []],
             early_stopping=(
                 EarlyStoppingSpec(**req.early_stopping.model_dump())
                 if req.early_stopping is not None

@@ -101,6 +101,8 @@ class JobSpec(Frozen):
     checkpoint_every: int | None = None
     suffix: str | None = None
     early_stopping: EarlyStoppingSpec | None = None
+    # experiment trackers, as the request gave them (`service.spec.integrations`)
+    integrations: list[dict[str, Any]] = Field(default_factory=list)
 
     @property
     def training_method(self) -> methods.Method:

@@ -28,6 +28,7 @@ from service import methods
 from service.errors import InvalidRequest, describe_invalid
 from service.methods.sections import Hyperparameters, LoraSettings
 from service.settings import Limits
+from service.spec.integrations import Integration
 from service.spec.job import JobSpec
 from service.spec.resources import WHOLE, Body, Resources
 
@@ -136,8 +137,10 @@ class JobRequest(Body):
     metadata: dict[MetadataKey, MetadataValue] | None = None
     method: Method | None = None  # type: ignore[valid-type]
     hyperparameters: Hyperparameters | None = None
-    integrations: Annotated[list[Any], Field(json_schema_extra={"maxItems": 0})] | None = Field(
-        default=None, description="not supported: null or empty"
+    integrations: Annotated[list[Integration], Field(max_length=2)] | None = Field(
+        default=None,
+        description="experiment trackers the job's metrics and config go to: wandb "
+        "(OpenAI's form) and mlflow, at most one of each; where they log is the operator's",
     )
     engine: dict[str, Any] = Field(default_factory=dict, description="a pstar_core EngineConfig")
     resources: Resources = Field(default_factory=Resources)
@@ -159,9 +162,10 @@ class JobRequest(Body):
 
     @field_validator("integrations")
     @classmethod
-    def _no_integrations(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("integrations are not supported; see GET .../metrics and /metrics")
+    def _one_of_each(cls, v: list[Any] | None) -> list[Any] | None:
+        kinds = [i.type for i in v or []]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError("at most one integration of each type")
         return v
 
     @model_validator(mode="after")

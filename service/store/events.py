@@ -33,6 +33,9 @@ OPENAI_METRIC_NAMES = {
 }
 
 
+LEVELS = ("info", "warn", "error")  # OpenAI's event levels
+
+
 def new_event(
     job_id: str,
     message: str,
@@ -41,7 +44,10 @@ def new_event(
     type: str = "message",
     data: dict[str, Any] | None = None,
 ) -> Event:
-    """An event row of job `job_id`, stamped now (the other resources log through it)."""
+    """An event row of job `job_id`, stamped now (the other resources log through it);
+    `level` one of OpenAI's (`LEVELS`: the API returns no other)."""
+    if level not in LEVELS:
+        raise ValueError(f"an event's level is one of {LEVELS}, got {level!r}")
     return Event(
         job_id=job_id, created_at=time.time(), level=level, type=type, message=message, data=data
     )

@@ -145,6 +145,9 @@ class Job(Base):
     # the capacity planner's plan of the job on its cluster (service.control.estimate), written
     # by the driver once the data is prepared
     memory_plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # each experiment tracker's run (service.control.tracking): type, run_id, url, state
+    # (logging, finished, failed) and error, written by the driver
+    integrations: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     # what the ended job keeps on the shared volume (run directory and exported model),
     # counted against its tenant's quota (service.control.storage); None: not measured yet
     storage_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -278,7 +278,18 @@ BAD_BODIES: list[tuple[str, Body, str, str]] = [
         "body",
         "invalid_value",
     ),
-    ("integrations", body(integrations=[{"type": "wandb"}]), "integrations", "invalid_value"),
+    (
+        "a wandb integration without its settings",
+        body(integrations=[{"type": "wandb"}]),
+        "integrations.0.wandb.wandb",
+        "invalid_value",
+    ),
+    (
+        "an integration this service has no client for",
+        body(integrations=[{"type": "comet"}]),
+        "integrations.0",
+        "invalid_value",
+    ),
     ("a suffix with a slash", body(suffix="../x"), "suffix", "invalid_value"),
     (
         "17 metadata keys",

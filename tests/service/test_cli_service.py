@@ -242,7 +242,8 @@ def test_import_openai_recreates_the_job_here_and_names_what_it_left_out(server,
     args = ["import-openai", str(job), "--model", "tiny-llama", "--training-file", str(pairs)]
     dry = pstar(server, *args, "--dry-run").stdout
     assert "model: gpt-4o-mini-2024-07-18 -> tiny-llama" in dry
-    assert "integrations (wandb) left out" in dry
+    body = json.loads(dry[dry.index("\n{") :])  # the request, after the notes
+    assert body["integrations"] == [{"type": "wandb", "wandb": {"project": "my-project"}}]
     assert "validation_file: file-val left out" in dry
     out = pstar(server, *args).stdout
     new_id = next(w for w in out.split() if w.startswith("ftjob-") and w != "ftjob-abc123")
