@@ -326,6 +326,31 @@ def bench_rft(
         _fail(str(e))
 
 
+@bench_app.command("tools")
+def bench_tools(
+    model_dir: Annotated[Path, typer.Argument(help="a HF chat model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    steps: Annotated[int, typer.Option(help="LoRA fine-tuning steps")] = 40,
+    batch: Annotated[int, typer.Option(help="lines per step")] = 8,
+    lr_multiplier: Annotated[float, typer.Option(help="learning_rate_multiplier")] = 3.0,
+    held_out: Annotated[int, typer.Option(help="held-out asks")] = 40,
+    dtype: Annotated[str, typer.Option(help="the job's engine dtype")] = "fp32",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Function calling: held-out call accuracy of the base model and the fine-tuned one."""
+    from benchmarks.tools import run
+
+    _need_hf_dir(model_dir)
+    try:
+        run(
+            model_dir, steps=steps, batch=batch, lr_multiplier=lr_multiplier,
+            held_out=held_out, dtype=dtype, json_out=json_out,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
 @bench_app.command("serve")
 def bench_serve(
     model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
