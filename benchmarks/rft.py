@@ -31,6 +31,7 @@ import io
 import json
 import random
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -210,6 +211,7 @@ def run(
             series = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["series"]
     finally:
         serve.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
     def values(name: str) -> list[float]:
         return list(series.get(name, {}).get("values", []))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -203,6 +204,7 @@ def run(
             after = _ask_all(http, job["fine_tuned_model"], test)
     finally:
         serve.stop()
+        shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {
         "bench": "tools",
         "model": MODEL,

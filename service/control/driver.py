@@ -370,11 +370,27 @@ def watch_currency(store: Store, job_id: str, attempt: int, every_s: float = 5.0
     threading.Thread(target=watch, name="pstar-currency", daemon=True).start()
 
 
+# the running attempt's experiment trackers, which a stop by Ray ends first (`_stopped`)
+_TRACKING: list[Any] = []
+
+
+def _stopped(*_: Any) -> None:
+    """Stopped by Ray: the trackers' runs end (cancelled), for at most 10 s, then exit
+    at once, writing nothing else."""
+    import threading
+
+    for tracking in _TRACKING:
+        t = threading.Thread(target=tracking.end, args=("cancelled",), daemon=True)
+        t.start()
+        t.join(timeout=10)
+    os._exit(143)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # stopped by Ray (cancel, head shutdown): exit at once, writing nothing; the store
     # already says what happened (cancelled) or the reconciler will (a new attempt)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    signal.signal(signal.SIGTERM, _stopped)
     job_id, attempt = argv[0], int(argv[1])
     # the store's address: from the file the job's environment names, never the URL
     # itself (see service.settings.job_env)
@@ -417,7 +433,8 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         paused = bool((getattr(result, "metrics", None) or {}).get("paused_at_step"))
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
-    if tracking is not None:
+    if tracking is not None and through_outage(store.attempts.is_current, job_id, attempt):
+        # (an attempt no longer current leaves the runs to the one that is)
         latest = through_outage(store.jobs.get, job_id) or job
         if error is not None:
             tracking.end("interrupted" if lost_cluster(error) else "failed")
@@ -454,7 +471,10 @@ def _tracking(settings: Settings, store: Store, job: Job, attempt: int) -> Any:
     from service.control.tracking import Tracking
 
     try:
-        return Tracking.start(settings, store, job, attempt)
+        tracking = Tracking.start(settings, store, job, attempt)
+        if tracking is not None:
+            _TRACKING.append(tracking)
+        return tracking
     except Exception as e:
         log.warning("job %s: the experiment trackers did not start: %s", job.id, e)
         return None

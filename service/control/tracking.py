@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ class WandbTracker(Tracker):
     def __init__(self, settings: dict[str, Any], job_id: str, job_dir: Path) -> None:
         self.settings, self.job_id, self.dir = settings, job_id, job_dir / "wandb"
         self.run: Any = None
+        self.runs_dir = job_dir.parent
 
     def start(self, config: dict[str, Any]) -> None:
         import wandb
@@ -71,22 +73,33 @@ class WandbTracker(Tracker):
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
         )
         self.run_id = self.run.id
-        self.url = self.run.url if online else f"file://{self.run.dir}"
+        # offline: where the run's files are, under the service's runs directory
+        self.url = self.run.url if online else str(Path(self.run.dir).relative_to(self.runs_dir))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
     def end(self, state: str) -> None:
-        self.run.finish(exit_code=1 if state == "failed" else 0)
+        import wandb
+
+        try:
+            self.run.finish(exit_code=1 if state == "failed" else 0)
+        finally:
+            wandb.teardown()  # its service process ends with the run
 
 
 class MlflowTracker(Tracker):
     kind = "mlflow"
 
     def __init__(
-        self, settings: dict[str, Any], job_id: str, job_dir: Path, run_id: str | None
+        self,
+        settings: dict[str, Any],
+        job_id: str,
+        job_dir: Path,
+        run_id: str | None,
+        tenant: str,
     ) -> None:
-        self.settings, self.job_id, self.run_id = settings, job_id, run_id
+        self.settings, self.job_id, self.run_id, self.tenant = settings, job_id, run_id, tenant
         # MLflow's own default store: a SQLite file (its file store is frozen)
         self.uri = (
             os.environ.get("PSTAR_MLFLOW_TRACKING_URI") or f"sqlite:///{job_dir / 'mlflow.db'}"
@@ -98,13 +111,14 @@ class MlflowTracker(Tracker):
 
         self.client = MlflowClient(tracking_uri=self.uri)
         if self.run_id is None:  # the first attempt; a later one goes on in the same run
-            name = self.settings.get("experiment") or MLFLOW_EXPERIMENT
-            found = self.client.get_experiment_by_name(name)
-            exp = found.experiment_id if found else self.client.create_experiment(name)
+            # a tenant's experiments are its own: named under it
+            name = f"{self.tenant}/{self.settings.get('experiment') or MLFLOW_EXPERIMENT}"
+            exp = self._experiment(name)
+            ours = {"pstar.job_id": self.job_id, "pstar.tenant": self.tenant}
             run = self.client.create_run(
                 exp,
                 run_name=self.settings.get("run_name") or self.job_id,
-                tags={"pstar.job_id": self.job_id, **(self.settings.get("tags") or {})},
+                tags={**(self.settings.get("tags") or {}), **ours},
             )
             self.run_id = run.info.run_id
             for k, v in _flat(config).items():
@@ -112,8 +126,27 @@ class MlflowTracker(Tracker):
         else:
             self.client.update_run(self.run_id, status="RUNNING")
         exp_id = self.client.get_run(self.run_id).info.experiment_id
-        # where MLflow's UI shows the run, served at (or pointed at) the tracking URI
-        self.url = f"{self.uri.rstrip('/')}#/experiments/{exp_id}/runs/{self.run_id}"
+        # where MLflow's UI shows the run, served at (or pointed at) the tracking URI; a
+        # local store is named by the job, not by a path on the server
+        if self.uri.startswith(("http://", "https://")):
+            self.url = f"{public(self.uri).rstrip('/')}/#/experiments/{exp_id}/runs/{self.run_id}"
+        else:
+            self.url = (
+                f"mlflow.db in the job's run directory: experiment {exp_id}, run {self.run_id}"
+            )
+
+    def _experiment(self, name: str) -> str:
+        """The experiment's id, made if there is none (another job may make it first)."""
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(self.client.create_experiment(name))
+        except Exception:
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return str(found.experiment_id)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -125,6 +158,15 @@ class MlflowTracker(Tracker):
     def end(self, state: str) -> None:
         status = {"finished": "FINISHED", "failed": "FAILED"}.get(state, "KILLED")
         self.client.set_terminated(self.run_id, status=status)
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def public(text: str) -> str:
+    """`text` with the user and password of every URL in it left out (an operator's
+    tracking URI may hold them; a tenant sees the URL and the errors)."""
+    return _USERINFO.sub("", text)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -182,10 +224,10 @@ class Tracking:
                 trackers.append(WandbTracker(own, job.id, job_dir))
             else:
                 run_id = before.get("mlflow", {}).get("run_id")
-                trackers.append(MlflowTracker(own, job.id, job_dir, run_id))
+                trackers.append(MlflowTracker(own, job.id, job_dir, run_id, job.tenant))
         tracking = cls(store, job, attempt, trackers)
         # a later attempt goes on after the last step every run had logged
-        logged = [s.get("step", -1) for s in before.values() if s.get("state") == "logging"]
+        logged = [s.get("step", -1) for s in before.values() if s.get("state") != "failed"]
         tracking.after = min(logged) if logged else -1
         config = {
             "model": job.model,
@@ -224,7 +266,7 @@ class Tracking:
             log.warning("could not record the %s run of %s: %s", t.kind, self.job_id, e)
 
     def _failed(self, t: Tracker, e: BaseException) -> None:
-        why = f"{type(e).__name__}: {e}"[:500]
+        why = public(f"{type(e).__name__}: {e}")[:500]
         log.warning("%s logging of job %s stopped: %s", t.kind, self.job_id, why)
         if t in self.trackers:
             self.trackers.remove(t)
@@ -264,8 +306,10 @@ class Tracking:
                     self._record(t, "logging")
 
     def end(self, state: str) -> None:
-        """The last points, then each run's end: `finished`, `failed`, or `paused` and
-        `interrupted` (a later attempt goes on in the same run)."""
+        """The last points, then each run's end: `finished`, `failed`, `cancelled`, or
+        `paused` and `interrupted` (a later attempt goes on in the same run). Once."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)

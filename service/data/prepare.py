@@ -170,7 +170,14 @@ def prepare(
         if seq_len == "auto":
             # text is cut into full rows, so its documents' lengths do not bound a row
             longest = tokens.longest if fmt != "text" and len(tokens) else 256
-            seq_len = auto.seq_len(longest + room, limit, cap=max(512, 16 + room))
+            # a prompt's row fits it and its answer, up to the model's positions
+            cap = limit if fmt == "prompts" else 512
+            seq_len = auto.seq_len(longest + room, limit, cap=cap)
+        if room >= min(seq_len, limit):
+            raise DataError(
+                f"hyperparameters.max_completion_tokens {room} leaves no room for a prompt in "
+                f"rows of {min(seq_len, limit)} tokens (the model has {limit} positions)"
+            )
         if seq_len > limit:
             raise DataError(
                 f"hyperparameters.seq_len {seq_len} exceeds the model's {limit} positions"
@@ -183,7 +190,9 @@ def prepare(
             )
         packed = packing["packed"]
         if fmt == "prompts":
-            train = _prompts(tok, tokens, seq_len, room, train_path, sample, out, "train")
+            train = _prompts(
+                tok, tokens, seq_len, room, train_path, sample, out, "train", _grader(own)
+            )
         else:
             train = build_rows(tok, fmt, tokens, seq_len, packed, out, "train")
         _check_train_rows(train, fmt, seq_len - room)
@@ -191,7 +200,9 @@ def prepare(
         if valid_path is not None and vfmt is not None:
             vtokens = tokenize(tok, vfmt, iter_examples(valid_path, sample), _under(work, "valid"))
             if vfmt == "prompts":
-                valid = _prompts(tok, vtokens, seq_len, room, valid_path, sample, out, "valid")
+                valid = _prompts(
+                    tok, vtokens, seq_len, room, valid_path, sample, out, "valid", _grader(own)
+                )
             else:
                 valid = build_rows(tok, vfmt, vtokens, seq_len, packed, out, "valid")
             if valid.input_ids.shape[0] == 0:
@@ -221,17 +232,40 @@ def _prompts(
     sample: int | None,
     out: Path | None,
     split: str,
+    grader: Any,
 ) -> Encoded:
     """Reinforcement prompts' rows, and beside them (`<split>_items.jsonl` under `out`) the
-    item each kept prompt's grader sees, in row order."""
+    item each kept prompt's grader sees, in row order; a line whose item lacks a key the
+    grader's templates name is a `DataError` (job creation checked the first lines)."""
+    from service.errors import InvalidRequest
+    from service.methods.graders import check_item
+
     enc, kept = prompt_rows(tok, tokens, seq_len, room, out, split)
-    if out is not None:
-        wanted = set(kept.tolist())
-        with (out / f"{split}_items.jsonl").open("w", encoding="utf-8") as f:
-            for k, ex in enumerate(iter_examples(path, sample)):
-                if k in wanted:
-                    f.write(json.dumps(prompt_item(ex), ensure_ascii=False) + "\n")
+    wanted = set(kept.tolist())
+    f = (out / f"{split}_items.jsonl").open("w", encoding="ascii") if out is not None else None
+    try:
+        for k, ex in enumerate(iter_examples(path, sample)):
+            item = prompt_item(ex)
+            if grader is not None:  # every line's item against the grader's templates
+                try:
+                    check_item(grader, item, "grader")
+                except InvalidRequest as e:
+                    raise DataError(f"the {split} file's line {k + 1}: {e.message}") from None
+            if f is not None and k in wanted:
+                f.write(json.dumps(item) + "\n")  # ASCII: a lone surrogate is escaped
+    finally:
+        if f is not None:
+            f.close()
     return enc
+
+
+def _grader(own: dict[str, Any]) -> Any:
+    """The reinforcement grader a spec's hyperparameters carry, parsed (None: none)."""
+    if "grader" not in own:
+        return None
+    from service.methods.graders import parse_grader
+
+    return parse_grader(own["grader"], python=True)
 
 
 def _under(work: Path | None, name: str) -> Path | None:

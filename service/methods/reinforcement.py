@@ -109,6 +109,7 @@ class ReinforcementMethod(Method):
         group = max(2, round(GROUP * mult)) if hp.group_size == "auto" else hp.group_size
         tokens = hp.max_completion_tokens
         return {
+            "eval_interval": hp.eval_every,  # OpenAI's name of it, echoed as decided
             "group_size": group,
             "compute_multiplier": mult,
             "eval_samples": 1 if hp.eval_samples == "auto" else hp.eval_samples,

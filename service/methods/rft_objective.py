@@ -36,7 +36,6 @@ import torch
 from service.methods.objectives import Rows, Split, all_sum, eval_rounds
 
 SHOWN = 4  # graded answers an evaluation shows on the job page (an event of the job's own)
-SEED_STRIDE = 1_000_003  # the step's and the rank's places in a sampling seed
 EVAL_SEED = 7_919  # evaluations sample apart from training
 
 
@@ -111,6 +110,17 @@ def _next(engine: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
     return out.logits[:, -1].float().cpu(), out.cache
 
 
+def generator(seed: int, step: int, rank: int, salt: int = 0) -> torch.Generator:
+    """A generator seeded by (the run's seed, the step, the rank, what it is for), hashed
+    to the 63 bits torch takes, whatever the seed's size."""
+    import hashlib
+
+    key = f"{seed}:{step}:{rank}:{salt}".encode()
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
+    return g
+
+
 def advantages(rewards: list[float], group: int) -> list[float]:
     """Each reward less its group's mean, over the group's standard deviation (0 for a
     group whose rewards are all the same)."""
@@ -122,9 +132,18 @@ def advantages(rewards: list[float], group: int) -> list[float]:
     return out
 
 
-def metric_name(name: str) -> str:
-    """A multi grader's name as a metric's part: letters, digits and underscores."""
-    return re.sub(r"[^A-Za-z0-9_]+", "_", name).strip("_") or "grader"
+def metric_names(names: list[str]) -> dict[str, str]:
+    """Each multi grader's name as a metric's part: letters, digits and underscores, a
+    number after the ones that would be the same as an earlier one's."""
+    out: dict[str, str] = {}
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9_]+", "_", name).strip("_") or "grader"
+        part, k = base, 1
+        while part in out.values():
+            k += 1
+            part = f"{base}_{k}"
+        out[name] = part
+    return out
 
 
 @dataclass
@@ -148,6 +167,7 @@ class Reinforcement:
     items: dict[str, list[Any]] = field(default_factory=dict)
     lengths: dict[str, torch.Tensor] = field(default_factory=dict)  # each prompt's tokens
     graders: tuple[str, ...] = ()  # a multi grader's names, in a fixed order
+    parts: dict[str, str] = field(default_factory=dict)  # their metric names' parts
     sink: Any = None  # where an evaluation's graded answers go (rank 0's)
 
     @classmethod
@@ -183,6 +203,7 @@ class Reinforcement:
         self.grader = parse_grader(self.grader_raw, "method.reinforcement.grader", python=True)
         if isinstance(self.grader, Multi):
             self.graders = tuple(sorted(self.grader.graders))
+            self.parts = metric_names(list(self.graders))
         self.tok = AutoTokenizer.from_pretrained(self.model_path)
         ensure_chat_template(self.tok)
         self.stop = eos_ids(engine.module, self.tok)
@@ -201,9 +222,7 @@ class Reinforcement:
     # -- a step -----------------------------------------------------------------------------
 
     def _generator(self, step: int, rank: int, salt: int = 0) -> torch.Generator:
-        g = torch.Generator()
-        g.manual_seed((self.seed * SEED_STRIDE + step) * SEED_STRIDE + rank + salt)
-        return g
+        return generator(self.seed, step, rank, salt)
 
     def _grade(self, answers: list[Answer], items: list[Any]) -> list[Any]:
         from service.methods.graders import grade
@@ -334,7 +353,7 @@ class Reinforcement:
         if self.kl_coef:
             out["train_kl"] = sums["kl_sum"] / max(sums["answer_tokens"], 1.0)
         for name in self.graders:
-            out[f"train_reward_mean_{metric_name(name)}"] = sums[f"grader:{name}"] / n
+            out[f"train_reward_mean_{self.parts[name]}"] = sums[f"grader:{name}"] / n
         return out
 
     # -- evaluation -------------------------------------------------------------------------
@@ -380,7 +399,7 @@ class Reinforcement:
         n = max(summed[0], 1.0)
         out = {"valid_reward_mean": summed[1] / n}
         for name, v in zip(self.graders, summed[2:], strict=True):
-            out[f"valid_reward_mean_{metric_name(name)}"] = v / n
+            out[f"valid_reward_mean_{self.parts[name]}"] = v / n
         return out
 
 

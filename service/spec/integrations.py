@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from service.spec.resources import Body
 
@@ -38,10 +38,22 @@ class Wandb(Body):
 
 class MlflowSettings(Body):
     experiment: Name | None = Field(
-        default=None, description="the MLflow experiment; default: 'pstar-fine-tuning'"
+        default=None,
+        description="the MLflow experiment, under the tenant's name (<tenant>/<experiment>); "
+        "default: 'pstar-fine-tuning'",
     )
     run_name: Name | None = Field(default=None, description="the run's name; default: the job id")
-    tags: Tags | None = Field(default=None, description="the run's tags")
+    tags: Tags | None = Field(
+        default=None, description="the run's tags (not MLflow's own `mlflow.*`, nor `pstar.*`)"
+    )
+
+    @field_validator("tags")
+    @classmethod
+    def _not_ours(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        taken = sorted(k for k in v or {} if k.startswith(("mlflow.", "pstar.")))
+        if taken:
+            raise ValueError(f"tags {taken}: mlflow.* and pstar.* are MLflow's and the service's")
+        return v
 
 
 class Mlflow(Body):

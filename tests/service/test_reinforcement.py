@@ -171,6 +171,7 @@ def test_the_job_object_echoes_the_grader_and_the_decided_hyperparameters(api, t
     hp = job.method.reinforcement.hyperparameters
     assert (hp.batch_size, hp.learning_rate_multiplier, hp.compute_multiplier) == (4, 100.0, 1.0)
     assert hp.model_extra["group_size"] == 8
+    assert hp.eval_interval == 10  # as asked, not "auto"
 
 
 def test_a_model_learns_what_the_grader_rewards(api, trained):
@@ -265,3 +266,39 @@ def test_hyperparameters_no_model_here_takes_are_a_400(api, files):
             model="tiny-llama", training_file=files[0], method=method(reasoning_effort="low")
         )
     assert e.value.body["param"] == "method.reinforcement.hyperparameters.reasoning_effort"
+
+
+def test_any_seed_the_service_picks_seeds_sampling_and_the_same_seed_repeats():
+    from service.methods.rft_objective import generator
+
+    for seed in (0, 18_446_634, 2**31 - 1):  # the server picks seeds below 2**31
+        a, b = generator(seed, 7, 1), generator(seed, 7, 1)
+        assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    draws = {
+        tuple(torch.rand(2, generator=generator(5, s, r)).tolist()) for s in (0, 1) for r in (0, 1)
+    }
+    assert len(draws) == 4  # each step and rank its own stream
+
+
+def test_multi_grader_names_that_would_be_one_metric_get_their_own():
+    from service.methods.rft_objective import metric_names
+
+    got = metric_names(["a-b", "a_b", "ß", "é", "ok"])
+    assert got == {"a-b": "a_b", "a_b": "a_b_2", "ß": "grader", "é": "grader_2", "ok": "ok"}
+
+
+def test_a_later_line_missing_a_key_the_grader_names_fails_the_job_saying_which(api):
+    """Creation checks the first lines; the rest are checked as the data is prepared, so
+    the job fails before training with the line, not in the middle with a worker's error."""
+    from service.control.driver import prepare_run
+    from service.data.datasets import DataError
+    from tests.service.test_store import driver_attempt
+
+    c = api.client()
+    data = prompt_lines(24) + prompt_lines(1, 50).replace(b'"word"', b'"wrd"')
+    data += b'{"messages": [{"role": "user", "content": "hi"}], "word": "\\ud800x"}\n'
+    f = upload(c, data, "late.jsonl")
+    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=f.id, method=method())
+    attempt = driver_attempt(api.store, job.id)
+    with pytest.raises(DataError, match=r"the train file's line 25: .*uses \{\{item.word\}\}"):
+        prepare_run(api.settings, api.store, api.store.jobs.get(job.id), attempt)

@@ -87,13 +87,18 @@ def test_a_jobs_metrics_and_config_go_to_wandb_and_mlflow_and_the_job_shows_the_
     assert sorted(points) == list(range(1, 7))
     # MLflow: every point at its step, the config as params, the run finished
     uri = f"sqlite:///{api.settings.job_dir(job.id) / 'mlflow.db'}"
-    assert mlflow["url"].startswith(uri)
+    assert mlflow["url"].startswith("mlflow.db in the job's run directory")  # not a path
+    assert mlflow["url"].endswith(f"run {mlflow['run_id']}")
+    assert str(api.settings.data_dir) not in wandb["url"]  # no server path shown
+    assert wandb["url"].startswith(f"{job.id}/wandb/")
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(mlflow["run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["method"] == "supervised"
     assert run.data.params["hyperparameters.batch_size"] == "4"
     assert run.data.tags["team"] == "nlp"
+    assert run.data.tags["pstar.tenant"] == "acme"
+    assert client.get_experiment(run.info.experiment_id).name == "acme/words"
     history = client.get_metric_history(mlflow["run_id"], "train_loss")
     assert {m.step: m.value for m in history} == {s: v["train_loss"] for s, v in points.items()}
     # W&B, offline: the run's file (what `wandb sync` uploads) holds the config and a
@@ -170,6 +175,10 @@ def test_a_tracker_that_cannot_log_never_fails_the_job(api, train_file, monkeypa
         (
             [{"type": "mlflow", "mlflow": {"tracking_uri": "file:///etc"}}],
             "integrations.0.mlflow.mlflow.tracking_uri",
+        ),
+        (
+            [{"type": "mlflow", "mlflow": {"tags": {"mlflow.user": "root"}}}],
+            "mlflow.* and pstar.* are MLflow's and the service's",
         ),
     ],
 )
