@@ -27,13 +27,9 @@ metric series:
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import re
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +132,7 @@ def run(
     timeout_s: float = 3600.0,
     json_out: bool = False,
 ) -> dict[str, Any]:
-    import httpx
-
-    from benchmarks.serve_process import ServeProcess
+    from benchmarks.serve_process import ServedModel
 
     console = Console(stderr=json_out)
     load_before = load_avg()
@@ -147,71 +141,35 @@ def run(
     if len(pairs) < train_prompts + valid_prompts:
         raise ValueError(f"WordNet gives {len(pairs)} prompts, fewer than asked for")
     train, valid = pairs[:train_prompts], pairs[train_prompts : train_prompts + valid_prompts]
-    root = Path(tempfile.mkdtemp(prefix="pstar-rft-"))
-    data_dir = root / "data"
-    (data_dir / "models").mkdir(parents=True)
-    (data_dir / "models" / MODEL).symlink_to(model_dir.resolve())
-    serve = ServeProcess(data_dir, f"bench:{TOKEN}")
-    t0 = time.monotonic()
-    try:
-        serve.start()
-        up_s = time.monotonic() - t0
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        with httpx.Client(base_url=serve.url + "/v1", headers=headers, timeout=120) as http:
-            ids = []
-            for name, lines in (("train.jsonl", _lines(train)), ("valid.jsonl", _lines(valid))):
-                r = http.post(
-                    "/files",
-                    files={"file": (name, io.BytesIO(lines))},
-                    data={"purpose": "fine-tune"},
-                )
-                r.raise_for_status()
-                ids.append(r.json()["id"])
-            section: dict[str, Any] = {
-                "grader": GRADER,
-                "hyperparameters": {
-                    "batch_size": batch,
-                    "n_epochs": 50,
-                    "max_steps": steps,
-                    "learning_rate_multiplier": lr_multiplier,
-                    "group_size": group,
-                    "max_completion_tokens": max_tokens,
-                    "eval_samples": eval_samples,
-                    "eval_interval": steps,
-                },
-            }
-            if lora:
-                section["lora"] = {"r": 16, "alpha": 32}
-            body = {
-                "model": MODEL,
-                "training_file": ids[0],
-                "validation_file": ids[1],
-                "seed": seed,
-                "method": {"type": "reinforcement", "reinforcement": section},
-                "resources": {"num_workers": 1},
-                "engine": {"dtype": dtype},
-                "checkpoint_every": steps,
-            }
-            r = http.post("/fine_tuning/jobs", json=body)
-            if r.status_code != 200:
-                raise RuntimeError(f"the job was refused: {r.text}")
-            job_id = r.json()["id"]
-            created = time.monotonic()
-            deadline = created + timeout_s
-            while True:
-                job = http.get(f"/fine_tuning/jobs/{job_id}").json()
-                if job["status"] in ("succeeded", "failed", "cancelled"):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the job did not end in {timeout_s:.0f} s")
-                time.sleep(2)
-            wall = time.monotonic() - created
-            if job["status"] != "succeeded":
-                raise RuntimeError(f"the job {job['status']}: {job.get('error')}")
-            series = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["series"]
-    finally:
-        serve.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    section: dict[str, Any] = {
+        "grader": GRADER,
+        "hyperparameters": {
+            "batch_size": batch,
+            "n_epochs": 50,
+            "max_steps": steps,
+            "learning_rate_multiplier": lr_multiplier,
+            "group_size": group,
+            "max_completion_tokens": max_tokens,
+            "eval_samples": eval_samples,
+            "eval_interval": steps,
+        },
+    }
+    if lora:
+        section["lora"] = {"r": 16, "alpha": 32}
+    with ServedModel(model_dir, MODEL, TOKEN, "pstar-rft-") as served:
+        up_s = served.start_s
+        body = {
+            "model": MODEL,
+            "training_file": served.upload("train.jsonl", _lines(train)),
+            "validation_file": served.upload("valid.jsonl", _lines(valid)),
+            "seed": seed,
+            "method": {"type": "reinforcement", "reinforcement": section},
+            "resources": {"num_workers": 1},
+            "engine": {"dtype": dtype},
+            "checkpoint_every": steps,
+        }
+        job, wall = served.run_job(body, timeout_s)
+        series = served.http.get(f"/fine_tuning/jobs/{job['id']}/metrics").json()["series"]
 
     def values(name: str) -> list[float]:
         return list(series.get(name, {}).get("values", []))

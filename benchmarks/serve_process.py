@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 class ServeProcess:
@@ -74,3 +75,66 @@ class ServeProcess:
 
         self.terminate()
         LocalRayHead(self.data_dir / "ray").stop()
+
+
+class ServedModel:
+    """`pstar serve` on a fresh data dir holding one model (a symlink to `model_dir`), with
+    an HTTP client of its API (`http`, under `/v1`): what `pstar bench rft` and `pstar
+    bench tools` run their jobs through. A context manager: the server, its Ray head and
+    the data dir are gone after it."""
+
+    def __init__(self, model_dir: Path, name: str, token: str, prefix: str) -> None:
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        data_dir = self.root / "data"
+        (data_dir / "models").mkdir(parents=True)
+        (data_dir / "models" / name).symlink_to(model_dir.resolve())
+        self.serve = ServeProcess(data_dir, f"bench:{token}")
+        self.token = token
+        self.start_s = 0.0
+        self.http: Any = None
+
+    def __enter__(self) -> ServedModel:
+        import httpx
+
+        try:
+            self.start_s = self.serve.start()
+            headers = {"Authorization": f"Bearer {self.token}"}
+            self.http = httpx.Client(base_url=self.serve.url + "/v1", headers=headers, timeout=600)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        import shutil
+
+        if self.http is not None:
+            self.http.close()
+        self.serve.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def upload(self, name: str, data: bytes) -> str:
+        r = self.http.post("/files", files={"file": (name, data)}, data={"purpose": "fine-tune"})
+        r.raise_for_status()
+        return str(r.json()["id"])
+
+    def run_job(self, body: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], float]:
+        """Create the job and wait for its end: (the job, seconds from creation to end);
+        `RuntimeError` when it is refused, fails or outlasts `timeout_s`."""
+        r = self.http.post("/fine_tuning/jobs", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"the job was refused: {r.text}")
+        job_id = r.json()["id"]
+        t0 = time.monotonic()
+        while True:
+            job = self.http.get(f"/fine_tuning/jobs/{job_id}").json()
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"the job did not end in {timeout_s:.0f} s")
+            time.sleep(2)
+        if job["status"] != "succeeded":
+            raise RuntimeError(f"the job {job['status']}: {job.get('error')}")
+        return job, time.monotonic() - t0

@@ -21,12 +21,8 @@ share answered with any call, and the job's wall time.
 
 from __future__ import annotations
 
-import io
 import json
 import random
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +132,7 @@ def run(
     timeout_s: float = 3600.0,
     json_out: bool = False,
 ) -> dict[str, Any]:
-    import httpx
-
-    from benchmarks.serve_process import ServeProcess
+    from benchmarks.serve_process import ServedModel
 
     console = Console(stderr=json_out)
     load_before = load_avg()
@@ -148,63 +142,22 @@ def run(
         raise ValueError(f"WordNet gives {len(words)} words, fewer than asked for")
     train = asks(words[:train_words], seed)
     test = asks(words[train_words : train_words + held_out], seed + 1)
-    root = Path(tempfile.mkdtemp(prefix="pstar-tools-"))
-    data_dir = root / "data"
-    (data_dir / "models").mkdir(parents=True)
-    (data_dir / "models" / MODEL).symlink_to(model_dir.resolve())
-    serve = ServeProcess(data_dir, f"bench:{TOKEN}")
-    try:
-        serve.start()
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        with httpx.Client(base_url=serve.url + "/v1", headers=headers, timeout=600) as http:
-            before = _ask_all(http, MODEL, test)
-            up = http.post(
-                "/files",
-                files={"file": ("calls.jsonl", io.BytesIO(lines(train)))},
-                data={"purpose": "fine-tune"},
-            )
-            up.raise_for_status()
-            body = {
-                "model": MODEL,
-                "training_file": up.json()["id"],
-                "seed": seed,
-                "suffix": "tools",
-                "method": {
-                    "type": "lora",
-                    "lora": {
-                        "r": 16,
-                        "alpha": 32,
-                        "hyperparameters": {
-                            "batch_size": batch,
-                            "n_epochs": 10,
-                            "max_steps": steps,
-                            "learning_rate_multiplier": lr_multiplier,
-                        },
-                    },
-                },
-                "resources": {"num_workers": 1},
-                "engine": {"dtype": dtype},
-                "checkpoint_every": steps,
-            }
-            r = http.post("/fine_tuning/jobs", json=body)
-            if r.status_code != 200:
-                raise RuntimeError(f"the job was refused: {r.text}")
-            job_id = r.json()["id"]
-            t0 = time.monotonic()
-            while True:
-                job = http.get(f"/fine_tuning/jobs/{job_id}").json()
-                if job["status"] in ("succeeded", "failed", "cancelled"):
-                    break
-                if time.monotonic() - t0 > timeout_s:
-                    raise RuntimeError(f"the job did not end in {timeout_s:.0f} s")
-                time.sleep(2)
-            wall = time.monotonic() - t0
-            if job["status"] != "succeeded":
-                raise RuntimeError(f"the job {job['status']}: {job.get('error')}")
-            after = _ask_all(http, job["fine_tuned_model"], test)
-    finally:
-        serve.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with ServedModel(model_dir, MODEL, TOKEN, "pstar-tools-") as served:
+        before = _ask_all(served.http, MODEL, test)
+        hp = {"batch_size": batch, "n_epochs": 10, "max_steps": steps,
+              "learning_rate_multiplier": lr_multiplier}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "training_file": served.upload("calls.jsonl", lines(train)),
+            "seed": seed,
+            "suffix": "tools",
+            "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "hyperparameters": hp}},
+            "resources": {"num_workers": 1},
+            "engine": {"dtype": dtype},
+            "checkpoint_every": steps,
+        }
+        job, wall = served.run_job(body, timeout_s)
+        after = _ask_all(served.http, job["fine_tuned_model"], test)
     result: dict[str, Any] = {
         "bench": "tools",
         "model": MODEL,
