@@ -158,3 +158,17 @@ def tokenize(
         else:
             w.add(*example_tokens(tokenizer, fmt, ex))
     return w.finish()
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a turn: the generation config's (a chat model's end-of-turn
+    token, often several) and the tokenizer's EOS."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    for v in eos if isinstance(eos, list) else [eos]:
+        if v is not None:
+            ids.add(int(v))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

@@ -197,8 +197,8 @@ class Reinforcement:
 
         from service.data.datasets import ensure_chat_template
         from service.data.rows import pad_id
+        from service.data.tokens import eos_ids
         from service.methods.graders import Multi, parse_grader
-        from service.serving.generation import eos_ids
 
         self.grader = parse_grader(self.grader_raw, "method.reinforcement.grader", python=True)
         if isinstance(self.grader, Multi):

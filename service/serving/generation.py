@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from service.data.tokens import eos_ids
 from service.data.tools import JSON_LAYOUT, ToolFormatError, reads_calls, template_messages
 
 log = logging.getLogger(__name__)
@@ -171,20 +172,6 @@ class _TextStream:
         out = text[self.sent :]
         self.sent = len(text)
         return out
-
-
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The tokens that end a turn: the generation config's (a chat model's end-of-turn
-    token, often several) and the tokenizer's EOS."""
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    for v in eos if isinstance(eos, list) else [eos]:
-        if v is not None:
-            ids.add(int(v))
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
 
 
 class Generator:
