@@ -167,6 +167,7 @@ def prepare(
         # a reinforcement prompt's row holds its answer too, sampled after it
         own = hp.model_extra or {}
         room = int(own.get("max_completion_tokens", 0)) if fmt == "prompts" else 0
+        grader = _grader(own)  # parsed once, for every prompt line of both files
         if seq_len == "auto":
             # text is cut into full rows, so its documents' lengths do not bound a row
             longest = tokens.longest if fmt != "text" and len(tokens) else 256
@@ -190,9 +191,7 @@ def prepare(
             )
         packed = packing["packed"]
         if fmt == "prompts":
-            train = _prompts(
-                tok, tokens, seq_len, room, train_path, sample, out, "train", _grader(own)
-            )
+            train = _prompts(tok, tokens, seq_len, room, train_path, sample, out, "train", grader)
         else:
             train = build_rows(tok, fmt, tokens, seq_len, packed, out, "train")
         _check_train_rows(train, fmt, seq_len - room)
@@ -201,7 +200,7 @@ def prepare(
             vtokens = tokenize(tok, vfmt, iter_examples(valid_path, sample), _under(work, "valid"))
             if vfmt == "prompts":
                 valid = _prompts(
-                    tok, vtokens, seq_len, room, valid_path, sample, out, "valid", _grader(own)
+                    tok, vtokens, seq_len, room, valid_path, sample, out, "valid", grader
                 )
             else:
                 valid = build_rows(tok, vfmt, vtokens, seq_len, packed, out, "valid")
