@@ -59,7 +59,7 @@ from pydantic import (
 )
 
 from service.errors import InvalidRequest, describe_invalid
-from service.methods.python_grader import SandboxLimits, run_python
+from service.methods.python_grader import PythonScore, SandboxLimits, run_python
 from service.methods.similarity import similarity, wordnet_dir
 from service.spec.resources import WHOLE
 
@@ -475,34 +475,68 @@ class Graded:
         return "; ".join(self.python_errors) or None
 
 
-def grade(grader: Any, sample: str, item: Any, runners: Runners | None = None) -> Graded:
+def grade(
+    grader: Any,
+    sample: str,
+    item: Any,
+    runners: Runners | None = None,
+    python: dict[int, PythonScore] | None = None,
+) -> Graded:
     """Score `sample` against `item`. Deterministic but for score_model graders sampled
     without a seed: the same inputs, the same reward. A template naming an item key that
     is missing raises InvalidRequest; one asking for the sample's JSON when it is not JSON
-    scores 0 (OpenAI's `sample_parse_error`)."""
+    scores 0 (OpenAI's `sample_parse_error`). `python`: each python grader's score of this
+    sample, by the grader's id, when `grade_all` ran them already."""
     t0 = time.perf_counter()
     ns = {"item": item, "sample": {"output_text": sample, "output_json": _json_or_none(sample)}}
     out = Graded(0.0)
     run = runners or Runners()
+    ready = python or {}
     try:
         if isinstance(grader, Multi):
-            out.sub_rewards = {n: _score(g, ns, run, out) for n, g in grader.graders.items()}
+            out.sub_rewards = {n: _score(g, ns, run, out, ready) for n, g in grader.graders.items()}
             value = _evaluate(grader.calculate_output, out.sub_rewards)
             out.reward, out.formula_error = (0.0, True) if value is None else (value, False)
         else:
-            out.reward = _score(grader, ns, run, out)
+            out.reward = _score(grader, ns, run, out, ready)
     except SampleNotJson:
         out.reward, out.sub_rewards, out.sample_parse_error = 0.0, {}, True
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _score(leaf: Any, ns: dict, run: Runners, out: Graded) -> float:
+def grade_all(
+    grader: Any, samples: list[str], items: list[Any], runners: Runners | None = None
+) -> list[Graded]:
+    """`grade` of each (sample, item), with each python grader run once for them all: one
+    sandboxed process a batch (its limits are the batch's), not one an answer, which cost
+    a reinforcement step one interpreter start per sampled answer. The rewards are those
+    of grading one by one."""
+    run = runners or Runners()
+    scored: dict[int, list[PythonScore]] = {}
+    for _, leaf in leaves(grader):
+        if isinstance(leaf, Python) and samples:
+            pairs = [(_python_sample(s), it) for s, it in zip(samples, items, strict=True)]
+            scored[id(leaf)] = run_python(leaf.source, pairs, run.limits)
+    return [
+        grade(grader, s, item, run, {k: v[n] for k, v in scored.items()})
+        for n, (s, item) in enumerate(zip(samples, items, strict=True))
+    ]
+
+
+def _python_sample(text: str) -> dict[str, Any]:
+    """The `sample` a python grader's `grade(sample, item)` gets (`output_json` None for
+    an answer that is not JSON)."""
+    parsed = _json_or_none(text)
+    return {"output_text": text, "output_json": None if parsed is NOT_JSON else parsed}
+
+
+def _score(leaf: Any, ns: dict, run: Runners, out: Graded, ready: dict[int, PythonScore]) -> float:
     if isinstance(leaf, Python):
-        sample = dict(ns["sample"])
-        if sample["output_json"] is NOT_JSON:
-            sample["output_json"] = None
-        (got,) = run_python(leaf.source, [(sample, ns["item"])], run.limits)
+        got = ready.get(id(leaf))
+        if got is None:
+            sample = _python_sample(ns["sample"]["output_text"])
+            (got,) = run_python(leaf.source, [(sample, ns["item"])], run.limits)
         if got.error:
             out.python_errors.append(got.error)
             out.python_server_error |= got.kind == "server"

@@ -225,10 +225,10 @@ class Reinforcement:
         return generator(self.seed, step, rank, salt)
 
     def _grade(self, answers: list[Answer], items: list[Any]) -> list[Any]:
-        from service.methods.graders import grade
+        from service.methods.graders import grade_all
 
         texts = [self.tok.decode(a.tokens, skip_special_tokens=True) for a in answers]
-        return [grade(self.grader, t, item) for t, item in zip(texts, items, strict=True)]
+        return grade_all(self.grader, texts, items)
 
     def train_step(self, engine: Any, rows: Rows, micro_batches: int) -> dict[str, float]:
         from service.sessions import losses

@@ -195,6 +195,11 @@ async def answer(
                     if texts:
                         fin["token_texts"] = [text(t) for t in fin["tokens"]]
                         fin["top"] = [] if score_only else top_texts(ev.top)
+                        if field == "messages" and _ended_turn(gen, ev):
+                            # a chat answer's tokens are its message's, as OpenAI lists
+                            # them: the end-of-turn token that closed it is not one
+                            for key in ("logprobs", "token_texts", "top"):
+                                fin[key] = fin[key][:-1]
                 yield fin
             elif isinstance(ev, PromptLogprobs):  # NaN, not JSON: the first is null
                 got: dict[str, Any] = {"prompt_logprobs": [None, *ev.values[1:]]}
@@ -215,6 +220,11 @@ async def answer(
                 return
     finally:
         req.cancelled = True  # a client gone mid-answer frees its rows
+
+
+def _ended_turn(gen: Generator, ev: Finish) -> bool:
+    """Whether `ev`'s last token is an end-of-turn token that stopped it."""
+    return ev.reason == "stop" and bool(ev.tokens) and ev.tokens[-1] in gen.eos
 
 
 def _line(obj: dict[str, Any]) -> bytes:

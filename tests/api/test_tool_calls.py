@@ -91,6 +91,19 @@ def test_a_model_that_learned_a_call_answers_it_as_openais_tool_calls(api):
     assert choice.model_extra.get("tool_call_problems") is None
 
 
+def test_logprobs_list_the_answers_tokens_and_not_the_end_of_turn_that_closed_it(api):
+    from transformers import AutoTokenizer
+
+    choice = ask(api, tools=[WEATHER], logprobs=True).choices[0]
+    tokens = [t.token for t in choice.logprobs.content]
+    assert "".join(tokens) == ANSWER  # the answer the model learned, its last token ended it
+    tok = AutoTokenizer.from_pretrained(api.settings.models_dir / MODEL)
+    assert tok.eos_token not in tokens
+    assert choice.finish_reason == "tool_calls"
+    cut = ask(api, tools=[WEATHER], logprobs=True, max_tokens=5).choices[0]
+    assert len(cut.logprobs.content) == 5  # ended by its length: every token it sampled
+
+
 def test_streamed_calls_arrive_as_openai_streams_them(api):
     whole = ask(api, tools=[WEATHER]).choices[0].message.tool_calls[0]
     chunks = list(ask(api, tools=[WEATHER], stream=True))

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from service.errors import InvalidRequest
-from service.methods.graders import Runners, grade, parse_grader
+from service.methods.graders import Runners, grade, grade_all, parse_grader
 from service.methods.python_grader import SandboxLimits, run_python
 
 
@@ -193,3 +193,42 @@ def test_a_python_grader_is_a_400_while_off_and_its_source_is_checked_when_on():
     multi = {"type": "multi", "name": "m", "graders": {"p": raw}, "calculate_output": "p / 2"}
     got = grade(parse_grader(multi, python=True), "x", {}, Runners(limits=LIMITS))
     assert (got.reward, got.sub_rewards, got.python_error) == (0.5, {"p": 1.0}, None)
+
+
+def test_grading_a_batch_runs_each_python_grader_once_and_scores_as_one_by_one(monkeypatch):
+    import service.methods.graders as graders
+
+    runs = []
+    real = graders.run_python
+
+    def counted(source, pairs, limits=None):
+        runs.append(len(pairs))
+        return real(source, pairs, limits)
+
+    monkeypatch.setattr(graders, "run_python", counted)
+    source = """
+def grade(sample, item):
+    if item["answer"] == "boom":
+        raise ValueError("no such city")
+    got = sample["output_json"]
+    return 0.5 if got is None else float(got.get("city") == item["answer"])
+"""
+    check = {"type": "string_check", "name": "s", "operation": "ilike",
+             "input": "{{sample.output_text}}", "reference": "{{item.answer}}"}  # fmt: skip
+    multi = {
+        "type": "multi", "name": "m", "calculate_output": "p + s",
+        "graders": {"p": {"type": "python", "name": "p", "source": source}, "s": check},
+    }  # fmt: skip
+    grader = parse_grader(multi, python=True)
+    samples = ['{"city": "Paris"}', "Paris", '{"city": "Lyon"}', "boom"]
+    items = [{"answer": "Paris"}, {"answer": "Paris"}, {"answer": "Paris"}, {"answer": "boom"}]
+    batch = grade_all(grader, samples, items, Runners(limits=LIMITS))
+    assert runs == [4]  # one sandbox for the four answers
+    runs.clear()
+    alone = [
+        grade(grader, s, it, Runners(limits=LIMITS)) for s, it in zip(samples, items, strict=True)
+    ]
+    assert runs == [1, 1, 1, 1]
+    assert [g.reward for g in batch] == [g.reward for g in alone] == [2.0, 1.5, 0.0, 1.0]
+    assert [g.python_error for g in batch] == [g.python_error for g in alone]
+    assert batch[3].python_error == "ValueError: no such city"
