@@ -18,11 +18,12 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.errors import Forbidden, Unauthorized
 from service.settings import Settings
-from service.store.keys import key_hash
+from service.store.keys import GRADER, key_hash
 
 # the tenant of PSTAR_METRICS_TOKEN: it may read /metrics for every tenant, and nothing else
 OPERATOR = "~operator"
 TENANT, ADMIN = "tenant", "admin"  # the roles of a key (store.keys)
+GRADER_REACHES = ("POST", "/v1/chat/completions")  # all a GRADER key may ask
 
 
 def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
@@ -110,9 +111,16 @@ async def require_key(request: Request) -> str:
 async def require_tenant(request: Request) -> str:
     """The caller's tenant, for a route of a tenant's (an admin key manages keys only)."""
     tenant = await require_key(request)
-    if getattr(request.state, "role", TENANT) == ADMIN:
+    role = getattr(request.state, "role", TENANT)
+    if role == ADMIN:
         raise Forbidden(
             "an admin key manages keys (/v1/admin/keys) and nothing else; use a tenant's key",
+            code="permission_denied",
+        )
+    if role == GRADER and (request.method, request.url.path) != GRADER_REACHES:
+        raise Forbidden(
+            "a reinforcement job's grader key asks POST /v1/chat/completions and nothing "
+            "else; use a tenant's key",
             code="permission_denied",
         )
     return tenant

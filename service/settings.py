@@ -192,6 +192,10 @@ class Settings:
     # PSTAR_PYTHON_GRADERS=on: reinforcement graders of type python run (the tenant's code,
     # in a sandboxed process: service/methods/python_grader.py); off by default: a 400
     python_graders: bool = False
+    # PSTAR_API_URL: where a job's workers reach this API (a reinforcement job's score_model
+    # graders ask their models through its chat completions); `pstar serve` sets it to
+    # where it listens, a cluster to the control plane's service
+    api_url: str = "http://127.0.0.1:8000"
 
     @property
     def files_dir(self) -> Path:
@@ -268,7 +272,18 @@ class Settings:
             session_engines=_session_engines(env.get("PSTAR_SESSION_ENGINES", "")),
             session_ray_address=env.get("PSTAR_SESSION_RAY_ADDRESS") or None,
             python_graders=python_graders == "on",
+            api_url=_api_url(env.get("PSTAR_API_URL", "")),
         )
+
+
+def _api_url(raw: str) -> str:
+    value = raw.strip().rstrip("/") or Settings.api_url
+    if not re.fullmatch(r"https?://[^/\s@]+(/\S*)?", value):
+        raise SettingsError(
+            f"PSTAR_API_URL must be the API's http(s) address without credentials "
+            f"(http://host:port), got {raw!r}"
+        )
+    return value.removesuffix("/v1")
 
 
 def _session_engines(raw: str) -> str:
@@ -318,7 +333,7 @@ def job_env(settings: Settings) -> dict[str, str]:
     itself (with its password) is never in it: a URL other than the data dir's default
     SQLite is written to `<data dir>/secrets/db_url` (mode 0600), a path on the volume the
     workers already mount, and the job gets that path."""
-    env = {"PSTAR_DATA_DIR": str(settings.data_dir)}
+    env = {"PSTAR_DATA_DIR": str(settings.data_dir), "PSTAR_API_URL": settings.api_url}
     if settings.spill_root is not None:
         env["PSTAR_SPILL_DIR"] = str(settings.spill_root)
     if settings.db_url == default_db_url(settings.data_dir):

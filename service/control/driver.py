@@ -29,7 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from service.control import grader_access
 from service.control.files import file_path
+from service.control.grader_access import asks_models
 from service.data.datasets import DataError
 from service.data.prepare import prepare_files
 from service.registry import fine_tuned_name
@@ -117,7 +119,12 @@ def prepare_run(
     engine["memory"] = {**(engine.get("memory") or {}), "disk_dir": spill}
     store.jobs.update(job.id, attempt=attempt, progress_total=total)
     early = spec.early_stopping
+    key_file = None
+    if asks_models(hp.get("grader")):
+        key_file = grader_access.grant(settings, store, job.id, job.tenant, attempt)
     return RunPlan(
+        grader_api_url=settings.api_url if key_file is not None else None,
+        grader_key_file=str(key_file) if key_file is not None else None,
         resume_from=_newest_checkpoint(store, job.id) if attempt > 1 else None,
         model=spec.model.model_dump(),
         method=spec.method.type,
@@ -406,6 +413,8 @@ def main(argv: list[str]) -> int:
     except StaleAttempt as e:
         log.error("%s; this driver stops without writing", e)
         return 4
+    finally:  # the attempt's grader key, if its graders ask models (grader_access)
+        through_outage(grader_access.revoke, store, job_id, attempt)
 
 
 def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:

@@ -164,7 +164,12 @@ class JobService:
 
             return list(iter_examples(file_path(self.settings, train), FIRST_LINES_CHECKED))
 
-        own = method.check(req.method_section, first_lines, self.settings.python_graders)
+        def servable(model_id: str) -> None:
+            from service.serving.deployments import target_of
+
+            target_of(self.settings, self.store, tenant, model_id)
+
+        own = method.check(req.method_section, first_lines, self.settings.python_graders, servable)
         adapters = req.lora.settings() if req.lora is not None else None
         if adapters is not None:
             from service.adapters import wrap_meta

@@ -241,6 +241,13 @@ class Reconciler:
             storage.sweep(self.settings, self.store)
         except Exception as e:
             log.warning("could not measure or reclaim runs' storage: %s", e)
+        try:  # the grader keys of jobs whose driver ended without revoking them
+            from service.control import grader_access
+
+            if n := grader_access.sweep(self.store):
+                log.info("revoked %d grader key(s) of ended jobs", n)
+        except Exception as e:
+            log.warning("could not revoke ended jobs' grader keys: %s", e)
         try:  # sessions' checkpoints past their ttl_seconds
             from service.sessions.checkpoints import expire
 

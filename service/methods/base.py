@@ -68,11 +68,13 @@ class Method:
         section: Body | None,
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
+        servable: Callable[[str], None] = lambda model: None,
     ) -> dict[str, Any]:
         """At job creation, after the files: a 400 (`InvalidRequest` naming the field) for
         what the section asks that the data or this server cannot give (`first_lines`: the
         training file's first examples, read when called; `python_graders`: whether the
-        operator runs python graders); what the section adds to the stored plan."""
+        operator runs python graders; `servable`: raises the API's error for a model the
+        job's tenant cannot call); what the section adds to the stored plan."""
         return {}
 
     def objective(self, run: RunPlan) -> Any:

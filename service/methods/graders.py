@@ -44,6 +44,7 @@ import operator
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -505,6 +506,9 @@ def grade(
     return out
 
 
+ASKED_AT_ONCE = 8  # a batch's score_model questions in flight at once
+
+
 def grade_all(
     grader: Any, samples: list[str], items: list[Any], runners: Runners | None = None
 ) -> list[Graded]:
@@ -518,10 +522,15 @@ def grade_all(
         if isinstance(leaf, Python) and samples:
             pairs = [(_python_sample(s), it) for s, it in zip(samples, items, strict=True)]
             scored[id(leaf)] = run_python(leaf.source, pairs, run.limits)
-    return [
-        grade(grader, s, item, run, {k: v[n] for k, v in scored.items()})
-        for n, (s, item) in enumerate(zip(samples, items, strict=True))
-    ]
+
+    def one(n: int) -> Graded:
+        return grade(grader, samples[n], items[n], run, {k: v[n] for k, v in scored.items()})
+
+    if not any(isinstance(leaf, ScoreModel) for _, leaf in leaves(grader)):
+        return [one(n) for n in range(len(samples))]
+    # score_model questions wait on a model: several in flight, batched by its server
+    with ThreadPoolExecutor(max_workers=ASKED_AT_ONCE) as pool:
+        return list(pool.map(one, range(len(samples))))
 
 
 def _python_sample(text: str) -> dict[str, Any]:

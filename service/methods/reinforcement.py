@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, NotFound
 from service.methods.base import Method
 from service.methods.sections import Auto, Hyperparameters, LoraSettings
 from service.spec.resources import WHOLE, Body
@@ -124,10 +124,12 @@ class ReinforcementMethod(Method):
         section: Body | None,
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
+        servable: Callable[[str], None] = lambda model: None,
     ) -> dict[str, Any]:
-        """The grader as the graders' own endpoints check it, and its templates against the
-        training file's first lines (a key they name that a line lacks is a 400 now, not a
-        zero reward for every answer later)."""
+        """The grader as the graders' own endpoints check it, its score_model graders'
+        models as chat completions would take them, and its templates against the training
+        file's first lines (a key they name that a line lacks is a 400 now, not a zero
+        reward for every answer later)."""
         from service.data.datasets import prompt_item
         from service.methods.graders import ScoreModel, check_item, leaves, parse_grader
 
@@ -150,12 +152,14 @@ class ReinforcementMethod(Method):
         for name, leaf in leaves(grader):
             if isinstance(leaf, ScoreModel):
                 where = f"{GRADER}.graders.{name}" if name else GRADER
-                raise InvalidRequest(
-                    f"{where}: score_model graders are not run in reinforcement jobs yet "
-                    "(POST /v1/fine_tuning/alpha/graders/run runs them); string_check, "
-                    "text_similarity, multi and python graders are",
-                    param=f"{where}.type",
-                )
+                try:
+                    servable(leaf.model)
+                except (InvalidRequest, NotFound) as e:
+                    raise InvalidRequest(
+                        f"{where}.model: {e.message} (a score_model grader asks a model "
+                        "this service serves to its tenant)",
+                        param=f"{where}.model",
+                    ) from None
         for n, line in enumerate(first_lines(), start=1):
             try:
                 check_item(grader, prompt_item(line), GRADER)

@@ -158,6 +158,7 @@ class Reinforcement:
     seed: int
     data_dir: Path
     model_path: str
+    grader_api: tuple[str, str] | None = None  # (API URL, key file): score_model graders'
     name = "reinforcement"
     watched = ("valid_reward_mean", -1.0)  # early stopping: a higher reward is better
     grader: Any = None
@@ -169,6 +170,7 @@ class Reinforcement:
     graders: tuple[str, ...] = ()  # a multi grader's names, in a fixed order
     parts: dict[str, str] = field(default_factory=dict)  # their metric names' parts
     sink: Any = None  # where an evaluation's graded answers go (rank 0's)
+    runners: Any = None  # how the graders run (score_model's questions: `grader_api`)
 
     @classmethod
     def of(cls, run: Any) -> Reinforcement:
@@ -184,6 +186,11 @@ class Reinforcement:
             seed=run.seed,
             data_dir=Path(run.data_file),
             model_path=str(run.model.get("path") or run.tokenizer_dir),
+            grader_api=(
+                (run.grader_api_url, run.grader_key_file)
+                if run.grader_api_url and run.grader_key_file
+                else None
+            ),
         )
 
     # -- before the first step --------------------------------------------------------------
@@ -198,9 +205,14 @@ class Reinforcement:
         from service.data.datasets import ensure_chat_template
         from service.data.rows import pad_id
         from service.data.tokens import eos_ids
-        from service.methods.graders import Multi, parse_grader
+        from service.methods.api_client import api_asker
+        from service.methods.graders import Multi, Runners, parse_grader
 
         self.grader = parse_grader(self.grader_raw, "method.reinforcement.grader", python=True)
+        if self.grader_api is not None:
+            url, key_file = self.grader_api
+            key = Path(key_file).read_text().strip()
+            self.runners = Runners(ask=api_asker(url, key))
         if isinstance(self.grader, Multi):
             self.graders = tuple(sorted(self.grader.graders))
             self.parts = metric_names(list(self.graders))
@@ -228,7 +240,7 @@ class Reinforcement:
         from service.methods.graders import grade_all
 
         texts = [self.tok.decode(a.tokens, skip_special_tokens=True) for a in answers]
-        return grade_all(self.grader, texts, items)
+        return grade_all(self.grader, texts, items, self.runners)
 
     def train_step(self, engine: Any, rows: Rows, micro_batches: int) -> dict[str, float]:
         from service.sessions import losses
@@ -286,6 +298,9 @@ class Reinforcement:
                 sum(any(adv[g : g + self.group]) for g in range(0, len(adv), self.group))
             ),
             "parse_errors": float(sum(g.sample_parse_error for g in graded)),
+            # score_model graders: the tokens their models took, their answers without a score
+            "grader_tokens": float(sum(sum(g.model_tokens.values()) for g in graded)),
+            "model_parse_errors": float(sum(g.model_parse_error for g in graded)),
             "kl_sum": kl,
             # seconds of this rank's step in each part (the loop adds the ranks)
             "sample_s": t1 - t0,
@@ -352,6 +367,9 @@ class Reinforcement:
             out[f"{part}_time_s"] = sums[f"{part}_s"] / ranks
         if self.kl_coef:
             out["train_kl"] = sums["kl_sum"] / max(sums["answer_tokens"], 1.0)
+        if self.grader_api is not None:
+            out["train_grader_model_tokens"] = sums["grader_tokens"]
+            out["train_model_grader_parse_errors"] = sums["model_parse_errors"] / n
         for name in self.graders:
             out[f"train_reward_mean_{self.parts[name]}"] = sums[f"grader:{name}"] / n
         return out

@@ -54,6 +54,10 @@ class RunPlan(BaseModel):
     best_dir: str | None = None  # early stopping's best model
     early_stopping: dict[str, Any] | None = None
     storage_path: str | None = None  # Ray Train's storage (runs on Ray workers)
+    # a reinforcement job whose graders ask models: the API they ask, and the file holding
+    # the attempt's key (service.control.grader_access)
+    grader_api_url: str | None = None
+    grader_key_file: str | None = None
 
     @property
     def eval_every(self) -> int:

@@ -8,6 +8,7 @@ secret is returned once, by `create`, and never stored or logged. Secrets start 
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import secrets
 import time
@@ -17,7 +18,11 @@ from sqlalchemy import select, update
 from service.store.db import Resource
 from service.store.models import ApiKey
 
-ROLES = ("tenant", "admin")
+ROLES = ("tenant", "admin", "grader")
+# a reinforcement job's own key, for its score_model graders' questions (chat completions
+# and nothing else: api.auth); made and revoked by the control plane
+# (service.control.grader_access), never by an operator
+GRADER = "grader"
 ADMIN_TENANT = "~admin"  # the tenant of every admin key: it owns no files or jobs
 
 
@@ -58,6 +63,12 @@ class Keys(Resource):
         q = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
         if tenant is not None:
             q = q.where(ApiKey.tenant == tenant)
+        with self.db.read() as s:
+            return list(s.scalars(q))
+
+    def live(self, role: str) -> builtins.list[ApiKey]:
+        """The unrevoked keys of `role`."""
+        q = select(ApiKey).where(ApiKey.role == role, ApiKey.revoked_at.is_(None))
         with self.db.read() as s:
             return list(s.scalars(q))
 

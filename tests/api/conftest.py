@@ -84,9 +84,13 @@ def start_api(
     from service.store import Store
     from tests.tiny import make_tiny_llama
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     settings = Settings(
         data_dir=data_dir,
         db_url=db_url,
+        api_url=f"http://127.0.0.1:{port}",  # where a job's score_model graders ask
         tokens={tok: tenant for t in (TOKENS, TINKER_TOKENS) for tenant, tok in t.items()},
         max_upload_bytes=max_upload,
         **settings,
@@ -109,9 +113,6 @@ def start_api(
         reconcile_interval_s=0.1,
         backend=model_backend,
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -474,7 +474,8 @@ def test_network_policies_let_only_the_control_plane_and_ray_reach_ray_and_the_s
         (worker, db, 5432, True),  # so does rank 0
         (worker, head, 6379, True),
         (head, worker, 12345, True),  # object transfer, gloo, NCCL: any port between them
-        (worker, api, 8000, False),
+        (worker, api, 8000, True),  # a reinforcement job's score_model graders ask it
+        (worker, api, 5432, False),  # and nothing else of the control plane's
         (prometheus, worker, 8080, True),
         (prometheus, head, 8265, False),
     ]

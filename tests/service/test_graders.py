@@ -4,6 +4,7 @@ for what OpenAI or this service refuses."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -296,3 +297,32 @@ def test_odd_keys_and_deep_answers_are_scored_or_refused_never_crash():
     raw = check("eq", "{{item.answer}}") | {"input": "{{sample.output_json}}"}
     got = grade(parse_grader(raw), deep, {"answer": "x"})
     assert (got.reward, got.sample_parse_error) == (0.0, True)
+
+
+def test_a_jobs_grader_asks_the_api_again_when_it_is_busy_and_fails_saying_why_otherwise():
+    import httpx
+
+    from service.methods.api_client import GraderModelError, api_asker
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.headers["authorization"], json.loads(request.content)))
+        if len(seen) == 1:
+            return httpx.Response(429, json={"error": {"message": "busy"}})
+        if json.loads(request.content)["model"] == "gone":
+            return httpx.Response(404, json={"error": {"message": "No model with id 'gone'."}})
+        body = {"choices": [{"message": {"content": "0.5"}}], "usage": {"total_tokens": 7}}
+        return httpx.Response(200, json=body)
+
+    ask = api_asker("http://api.test", "tml-k", transport=httpx.MockTransport(answer))
+    msgs = [{"role": "user", "content": "score it"}]
+    assert ask("judge", msgs, {"max_tokens": 4, "temperature": None}) == ("0.5", 7)
+    assert len(seen) == 2  # the 429 was asked again
+    assert seen[1] == (
+        "Bearer tml-k",
+        {"model": "judge", "messages": msgs, "n": 1, "max_tokens": 4},
+    )
+    with pytest.raises(GraderModelError, match=r"model gone did not answer \(404: No model"):
+        ask("gone", msgs, {})
+    assert len(seen) == 3  # a 404 is not asked again

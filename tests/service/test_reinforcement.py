@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import httpx
 import openai
@@ -133,11 +134,11 @@ def test_prompt_files_upload_as_prompts_and_a_supervised_job_is_refused_on_them(
             {
                 "type": "score_model",
                 "name": "judge",
-                "model": "tiny-llama",
+                "model": "no-such-model",
                 "input": [{"role": "user", "content": "Score {{sample.output_text}}"}],
             },
-            "score_model graders are not run in reinforcement jobs yet",
-            "method.reinforcement.grader.type",
+            "grader.model: No model with id 'no-such-model'",
+            "method.reinforcement.grader.model",
         ),
     ],
 )
@@ -302,3 +303,92 @@ def test_a_later_line_missing_a_key_the_grader_names_fails_the_job_saying_which(
     attempt = driver_attempt(api.store, job.id)
     with pytest.raises(DataError, match=r"the train file's line 25: .*uses \{\{item.word\}\}"):
         prepare_run(api.settings, api.store, api.store.jobs.get(job.id), attempt)
+
+
+JUDGE = {
+    "type": "multi",
+    "name": "named and judged",
+    "graders": {
+        "exact": GRADER,
+        "judge": {
+            "type": "score_model",
+            "name": "judge",
+            "model": "tiny-llama",
+            "input": [
+                {
+                    "role": "system",
+                    "content": "Score from 0 to 1 how well the answer names the word.",
+                },
+                {"role": "user", "content": "Word: {{item.word}}. Answer: {{sample.output_text}}"},
+            ],
+            "range": [0, 1],
+            "sampling_params": {"temperature": 0, "max_completions_tokens": 4, "seed": 0},
+        },
+    },
+    "calculate_output": "exact + judge",
+}
+
+
+def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing_else(api, files):
+    """A job's score_model grader asks its model through this API's chat completions, as
+    /graders/run does (the same scores for the same answers), with a key of the job's own
+    that can ask nothing else and is revoked once the job has ended."""
+    import re
+
+    from service.control import grader_access
+    from service.control.driver import finish_success
+
+    c = api.client()
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        seed=3,
+        method=method(JUDGE, max_steps=2, group_size=2, eval_interval=2),
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    series = run_job(api, job.id)
+    tokens = series["train_grader_model_tokens"]["values"]
+    assert len(tokens) == 2
+    assert min(tokens) > 0
+    (key,) = api.store.keys.live("grader")
+    assert key.tenant == "acme"
+    assert key.name.startswith(f"grader of {job.id} attempt ")
+    secret = (api.settings.job_dir(job.id) / "secrets" / "grader_key").read_text().strip()
+    as_job = {"Authorization": f"Bearer {secret}"}
+    elsewhere = httpx.get(f"{api.base}/files", headers=as_job)
+    assert elsewhere.status_code == 403
+    assert "grader key" in elsewhere.json()["error"]["message"]
+    # each shown answer's judge score is what /graders/run gives the same answer
+    shown = [
+        e.data for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data
+        if e.data and "graded" in e.data
+    ]  # fmt: skip
+    assert shown
+    for x in shown[0]["graded"]:
+        word = re.search(r"What does (\S+) mean\?", x["prompt"])[1]
+        got = httpx.post(
+            f"{api.base}/fine_tuning/alpha/graders/run",
+            headers=api.headers(),
+            json={"grader": JUDGE, "model_sample": x["answer"], "item": {"word": word}},
+            timeout=120,
+        ).json()
+        assert got["sub_rewards"]["judge"] == x["scores"]["judge"], x
+        assert got["reward"] == x["reward"]
+    # the job ends: the reconciler's sweep revokes the key
+    finish_success(api.settings, api.store, api.store.jobs.get(job.id), key_attempt(key.name))
+    grader_access.sweep(api.store)  # (the server's reconciler may have swept it first)
+    assert api.store.keys.live("grader") == []
+    ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    # refused within the key cache's time to live (api.auth.KeyCache: 5 s)
+    deadline = time.monotonic() + 30
+    while (
+        after := httpx.post(f"{api.base}/chat/completions", headers=as_job, json=ask)
+    ).is_success:
+        assert time.monotonic() < deadline, "the revoked key still asks"
+        time.sleep(0.5)
+    assert after.status_code == 401
+
+
+def key_attempt(name: str) -> int:
+    return int(name.rsplit(" ", 1)[1])

@@ -135,7 +135,10 @@ def test_the_store_url_can_come_from_a_file_which_wins_over_the_variable(tmp_pat
 def test_a_ray_jobs_environment_names_where_the_url_is_never_the_url(tmp_path):
     data = tmp_path / "data"
     default = Settings.from_env({"PSTAR_DATA_DIR": str(data)})
-    assert job_env(default) == {"PSTAR_DATA_DIR": str(data)}  # the data dir says it all
+    # the data dir says it all, and where the workers reach the API (no secret in either)
+    assert job_env(default) == {
+        "PSTAR_DATA_DIR": str(data), "PSTAR_API_URL": "http://127.0.0.1:8000",
+    }  # fmt: skip
     url = "postgresql+psycopg://pstar:s3cret-pw@db:5432/pstar"
     pg = Settings.from_env({"PSTAR_DATA_DIR": str(data), "PSTAR_DB_URL": url})
     env = job_env(pg)
@@ -219,3 +222,13 @@ def test_a_ray_client_address_answers_only_where_something_listens():
         port = listening.getsockname()[1]
         assert answers(f"ray://127.0.0.1:{port}")
     assert not answers(f"ray://127.0.0.1:{port}", timeout_s=1.0)  # closed now
+
+
+def test_the_api_url_jobs_reach_is_checked_and_carried_to_their_drivers(tmp_path):
+    env = {"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_API_URL": "http://pstar-api.ns.svc:8000/v1/"}
+    got = Settings.from_env(env)
+    assert got.api_url == "http://pstar-api.ns.svc:8000"
+    assert Settings.from_env(job_env(got)).api_url == got.api_url
+    for bad in ("pstar-api:8000", "http://user:pw@host:8000", "ftp://host"):
+        with pytest.raises(SettingsError, match="PSTAR_API_URL"):
+            Settings.from_env({**env, "PSTAR_API_URL": bad})

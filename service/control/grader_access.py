@@ -1,0 +1,82 @@
+"""How a reinforcement job's `score_model` graders reach their models: through this API's
+own `/v1/chat/completions`, as the job's tenant, the way `/graders/run` asks them.
+
+Each attempt of such a job gets a key of its own (`store.keys`, role `grader`, named after
+the job) that reaches chat completions and nothing else (`api.auth.require_tenant`). Its
+secret is written to `<job dir>/secrets/grader_key` (mode 0600, on the volume the workers
+mount already, as the store's URL is: a Ray job's environment is on Ray's dashboard), and
+the run plan names that file and `PSTAR_API_URL`. The key is revoked when its attempt ends
+(`revoke`, the driver), when the next attempt takes over (`grant`), and, should a driver
+die first, once the job has ended (`sweep`, the reconciler).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from service.settings import Settings
+from service.store import Store
+from service.store.keys import GRADER
+from service.store.status import TERMINAL
+
+log = logging.getLogger(__name__)
+
+
+def key_name(job_id: str, attempt: int) -> str:
+    return f"grader of {job_id} attempt {attempt}"
+
+
+def _job_of(name: str) -> str:
+    return name.split(" ")[2]
+
+
+def asks_models(grader: dict[str, Any] | None) -> bool:
+    """Whether the (raw) grader has a score_model grader in it."""
+    if not isinstance(grader, dict):
+        return False
+    if grader.get("type") == "score_model":
+        return True
+    subs = grader.get("graders")
+    return isinstance(subs, dict) and any(asks_models(g) for g in subs.values())
+
+
+def grant(settings: Settings, store: Store, job_id: str, tenant: str, attempt: int) -> Path:
+    """A new grader key of `tenant` for attempt `attempt` of `job_id` (the earlier
+    attempts' revoked); the file holding its secret."""
+    revoke(store, job_id)
+    _, secret = store.keys.create(tenant, role=GRADER, name=key_name(job_id, attempt))
+    path = settings.job_dir(job_id) / "secrets" / "grader_key"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".grader_key.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def revoke(store: Store, job_id: str, attempt: int | None = None) -> int:
+    """Revoke the grader key of the job's attempt `attempt` (of every attempt: None);
+    how many were live. An attempt revokes only its own: a newer one may own the job."""
+    live = [
+        k
+        for k in store.keys.live(GRADER)
+        if (k.name == key_name(job_id, attempt) if attempt else _job_of(k.name) == job_id)
+    ]
+    for key in live:
+        store.keys.revoke(key.id)
+    return len(live)
+
+
+def sweep(store: Store) -> int:
+    """Revoke the grader keys of jobs that have ended (or are gone); how many."""
+    done = 0
+    for key in store.keys.live(GRADER):
+        job = store.jobs.get(_job_of(key.name))
+        if job is None or job.status in TERMINAL:
+            store.keys.revoke(key.id)
+            done += 1
+    return done

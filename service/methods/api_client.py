@@ -1,0 +1,69 @@
+"""A reinforcement job's score_model graders as clients of this service's own API: the
+one module below `api` that speaks HTTP (scripts/structure.py names it). A job's workers
+ask the models its graders name through `/v1/chat/completions`, as the job's tenant, so
+they are answered as `/fine_tuning/alpha/graders/run`'s are (service.control.grader_access
+makes the key and says where the API is).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from service.methods.graders import Ask
+
+
+class GraderModelError(RuntimeError):
+    """A score_model grader's model could not answer (a reinforcement job fails, saying
+    why)."""
+
+
+def api_asker(
+    base_url: str,
+    key: str,
+    timeout_s: float = 300.0,
+    tries: int = 5,
+    transport: httpx.BaseTransport | None = None,
+) -> Ask:
+    """`Ask` through `base_url`'s `/v1/chat/completions` with `key` (a job's grader key:
+    service.control.grader_access), so a job's graders are answered as `/graders/run`'s
+    are: any model its tenant may call, with the service's limits. A busy server (429,
+    502-504, or none answering) is asked again after a wait, up to `tries` times."""
+    client = httpx.Client(
+        base_url=base_url,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=timeout_s,
+        transport=transport,
+    )
+
+    def ask(model: str, messages: list[dict[str, str]], sampling: dict[str, Any]):
+        body = {"model": model, "messages": messages, "n": 1}
+        body.update({k: v for k, v in sampling.items() if v is not None})
+        why = ""
+        for n in range(tries):
+            try:
+                r = client.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError as e:
+                why = f"the API at {base_url} did not answer: {type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200:
+                    out = r.json()
+                    text = out["choices"][0]["message"].get("content") or ""
+                    return text, int(out["usage"]["total_tokens"])
+                why = f"{r.status_code}: {_error_message(r)}"
+                if r.status_code not in (429, 502, 503, 504):
+                    break
+            if n + 1 < tries:
+                time.sleep(min(30.0, 2.0**n))
+        raise GraderModelError(f"a score_model grader's model {model} did not answer ({why})")
+
+    return ask
+
+
+def _error_message(r: Any) -> str:
+    try:
+        return str(r.json()["error"]["message"])[:300]
+    except Exception:
+        return r.text[:300]
