@@ -202,8 +202,10 @@ class FineTuningJob(BaseModel):
     )
     early_stopping: dict[str, Any] | None = Field(
         default=None,
-        description="the early-stopping settings and what they found: evals, best_step, "
-        "best_valid_loss, evals_without_improvement, stopped (and stopped_at_step)",
+        description="the early-stopping settings and what they found: watched (the metric: "
+        "valid_loss, or a reinforcement job's valid_reward_mean), evals, best_step, "
+        "best_value (and best_valid_loss when the loss is watched), "
+        "evals_without_improvement, stopped (and stopped_at_step)",
     )
     data: dict[str, Any] | None = Field(
         default=None,

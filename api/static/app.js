@@ -432,8 +432,9 @@ function methodFacts(job) {
   const es = job.early_stopping;
   if (es) {
     let s = `early stopping (patience ${es.patience}, min Δ ${es.min_delta})`;
-    if (es.stopped) s += `: stopped at step ${es.stopped_at_step}, best step ${es.best_step} (${fmtNum(es.best_valid_loss)})`;
-    else if (es.best_step != null) s += `: best ${fmtNum(es.best_valid_loss)} at step ${es.best_step}, ${es.evals_without_improvement} eval(s) without improvement`;
+    const best = es.best_value ?? es.best_valid_loss, watched = es.watched || 'valid_loss';
+    if (es.stopped) s += `: stopped at step ${es.stopped_at_step}, best step ${es.best_step} (${watched} ${fmtNum(best)})`;
+    else if (es.best_step != null) s += `: best ${watched} ${fmtNum(best)} at step ${es.best_step}, ${es.evals_without_improvement} eval(s) without improvement`;
     else s += ": watching";
     out.push(s);
   }

@@ -321,7 +321,9 @@ class RunLoop:
         if restored is not None:
             rep.resumed(engine.global_step)
         self.stopper = EarlyStopping.of(
-            self.run_.early_stopping, (restored or {}).get("early_stopping")
+            self.run_.early_stopping,
+            (restored or {}).get("early_stopping"),
+            getattr(self.objective, "watched", ("valid_loss", 1.0)),
         )
         if self.stopper is not None and self.best_dir is None:
             raise ValueError("early stopping needs the run's best_dir for the best model")
@@ -393,7 +395,7 @@ class RunLoop:
         if self.stopper is not None:
             # what early stopping watches, lower being better: the validation loss, or an
             # objective's own (the reinforcement reward, negated)
-            key, sign = getattr(self.objective, "watched", ("valid_loss", 1.0))
+            key, sign = self.stopper.watched
             if self.stopper.observe(done, sign * values[key]) == "improved":
                 # the model to export if the run stops early
                 self.rep.phase("keeping the best checkpoint")
