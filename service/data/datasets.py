@@ -43,7 +43,13 @@ from typing import Any
 
 import torch
 
-from service.data.tools import template_messages, tool_calls_problem, tools_problem
+from service.data.tools import (
+    LegacyFunctionsError,
+    from_legacy_functions,
+    template_messages,
+    tool_calls_problem,
+    tools_problem,
+)
 
 IGNORE = -100
 FORMATS = ("chat", "completion", "text", "preference", "prompts")
@@ -156,6 +162,10 @@ def classify(obj: Any) -> tuple[str | None, str | None]:
     """(format, None) for a valid example, (None, reason) otherwise."""
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
+    try:
+        obj = from_legacy_functions(obj)
+    except LegacyFunctionsError as e:
+        return None, str(e)
     if "messages" in obj:
         if _is_prompt(obj):
             return "prompts", _check_prompt(obj)
@@ -360,14 +370,22 @@ def _check_preference(obj: dict[str, Any]) -> str | None:
         m = out[0]
         if m.get("role") != "assistant":
             return f"{key}[0].role must be 'assistant', got {m.get('role')!r}"
-        if problem := content_problem(m.get("content"), f"{key}[0].content"):
+        calls = m.get("tool_calls")
+        # an answer may call the input's tools
+        if calls is not None and (
+            problem := tool_calls_problem(calls, f"{key}[0].tool_calls", declared)
+        ):
             return problem
-        if not content_text(m["content"]):
-            return f"{key}[0].content must not be empty"
-        extra = set(m) - {"role", "content", "name"}
+        if not (calls is not None and m.get("content") is None):
+            if problem := content_problem(m.get("content"), f"{key}[0].content"):
+                return problem
+            if not calls and not content_text(m["content"]):
+                return f"{key}[0].content must not be empty"
+        extra = set(m) - {"role", "content", "name", "tool_calls"}
         if extra:
             return f"{key}[0] has unknown key(s) {sorted(extra)}"
-        answers.append(content_text(m["content"]))
+        text = content_text(m["content"]) if m.get("content") is not None else ""
+        answers.append(json.dumps([text, [c["function"] for c in calls or ()]], sort_keys=True))
     if answers[0] == answers[1]:
         return "preferred_output and non_preferred_output are the same answer"
     return None
@@ -431,7 +449,7 @@ def iter_examples(path: Path, limit: int | None = None) -> Iterator[dict[str, An
             left -= 1
         if plain is None:
             plain = not line.lstrip().startswith("{")
-        yield {"text": line} if plain else plain_content(json.loads(line))
+        yield {"text": line} if plain else plain_content(from_legacy_functions(json.loads(line)))
 
 
 def read_examples(path: Path, limit: int | None = None) -> tuple[str, list[Any]]:
@@ -557,6 +575,15 @@ def _agreeing_chars(a: str, b: str) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
+def _answer(m: dict[str, Any]) -> dict[str, Any]:
+    """A preference pair's answer as the assistant message that trains: its text, its
+    calls of the input's tools, or both."""
+    out: dict[str, Any] = {"role": "assistant", "content": m.get("content")}
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = m["tool_calls"]
+    return out
+
+
 def pair_tokens(tokenizer: Any, ex: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
     """A preference pair's two answers, each after the prompt as a chat example that trains
     on the answer only (earlier assistant turns of the prompt are context): the preferred
@@ -571,7 +598,7 @@ def pair_tokens(tokenizer: Any, ex: dict[str, Any]) -> list[tuple[list[int], lis
             tokenizer,
             "chat",
             {
-                "messages": [*prompt, {"role": "assistant", "content": ex[k][0]["content"]}],
+                "messages": [*prompt, _answer(ex[k][0])],
                 **tools,
             },
         )

@@ -103,6 +103,71 @@ def tool_calls_problem(calls: Any, where: str, declared: set[str] | None) -> str
     return None
 
 
+class LegacyFunctionsError(ValueError):
+    """A line in OpenAI's legacy function-calling form that cannot be read as tools."""
+
+
+def from_legacy_functions(obj: dict[str, Any]) -> dict[str, Any]:
+    """A chat line in OpenAI's legacy function-calling form (before `tools`: `functions`
+    beside the messages, an assistant's `function_call`, `function` messages with the
+    result) as the same line with tools: each function a tool, each call a tool call
+    (`call_<n>`, in the order made), each result a `tool` message answering the latest
+    call of its name. A line without those keys is returned as it is. Raises
+    LegacyFunctionsError for a line mixing both forms, or a result no call asked for."""
+    msgs = obj.get("messages")
+    legacy_msgs = isinstance(msgs, list) and any(
+        isinstance(m, dict) and ("function_call" in m or m.get("role") == "function") for m in msgs
+    )
+    if "functions" not in obj and not legacy_msgs:
+        return obj
+    if "tools" in obj:
+        raise LegacyFunctionsError(
+            "give 'tools' or the legacy 'functions', not both (functions are read as tools)"
+        )
+    out = {k: v for k, v in obj.items() if k != "functions"}
+    if "functions" in obj:
+        funcs = obj["functions"]
+        if not isinstance(funcs, list):
+            raise LegacyFunctionsError("'functions' must be a list of function definitions")
+        out["tools"] = [{"type": "function", "function": f} for f in funcs]
+    if not legacy_msgs or not isinstance(msgs, list):
+        return out
+    made: dict[str, str] = {}  # a function's name -> the id of its latest call
+    new: list[Any] = []
+    calls = 0
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            new.append(m)
+            continue
+        m = dict(m)
+        call = m.pop("function_call", None) if "function_call" in m else None
+        if call is not None:
+            if m.get("role") != "assistant" or "tool_calls" in m:
+                raise LegacyFunctionsError(
+                    f"messages[{i}].function_call: only an assistant message without "
+                    "tool_calls makes a legacy function call"
+                )
+            name = call.get("name") if isinstance(call, dict) else None
+            calls += 1
+            ident = f"call_{calls}"
+            m["tool_calls"] = [{"id": ident, "type": "function", "function": call}]
+            if isinstance(name, str):
+                made[name] = ident
+            if m.get("content") == "":
+                m["content"] = None
+        elif m.get("role") == "function":
+            name = m.get("name")
+            if name not in made:
+                raise LegacyFunctionsError(
+                    f"messages[{i}]: a 'function' message answers a call an earlier "
+                    f"assistant message made (its function_call.name); none called {name!r}"
+                )
+            m["role"], m["tool_call_id"] = "tool", made[name]
+        new.append(m)
+    out["messages"] = new
+    return out
+
+
 def knows_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders tools itself."""
     template = getattr(tokenizer, "chat_template", None) or ""

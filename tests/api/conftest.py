@@ -149,3 +149,24 @@ def api(request, tmp_path_factory):
     )
     yield server
     stop()
+
+
+def run_job(api, job_id: str) -> dict:
+    """The job run to its end as its driver and its one worker run it, in this process;
+    its metric series."""
+    from service.control.driver import prepare_run
+    from service.worker.finetune import build_job_engine
+    from service.worker.loop import run_loop
+    from service.worker.reporting import Reporter
+    from service.worker.train_local import DirCheckpoints
+    from tests.service.test_store import driver_attempt
+
+    attempt = driver_attempt(api.store, job_id)
+    run = prepare_run(api.settings, api.store, api.store.jobs.get(job_id), attempt)
+    engine = build_job_engine(run)
+    rep = Reporter({"job_id": job_id, "attempt": attempt, "run": run}, 0, api.store)
+    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / job_id, run.lora))
+    import httpx
+
+    got = httpx.get(f"{api.base}/fine_tuning/jobs/{job_id}/metrics", headers=api.headers())
+    return got.json()["series"]

@@ -371,8 +371,8 @@ def test_chat_whose_assistant_messages_all_have_weight_0_is_reported():
 
 
 def test_unknown_key_beside_messages_is_reported():
-    _, reason = only_error(msg_line(USER, ASSISTANT, functions=[]))
-    assert reason.startswith("unknown key(s) ['functions'] beside 'messages'")
+    _, reason = only_error(msg_line(USER, ASSISTANT, temperature=0.2))
+    assert reason.startswith("unknown key(s) ['temperature'] beside 'messages'")
 
 
 def test_unknown_key_in_a_message_is_reported():

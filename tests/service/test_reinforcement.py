@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from service.methods.rft_objective import advantages
-from tests.api.conftest import api_in_process
+from tests.api.conftest import api_in_process, run_job
 from tests.tiny import WORDS
 
 STEPS = 40
@@ -66,25 +66,6 @@ def api(tmp_path_factory):
 def files(api):
     c = api.client()
     return upload(c, prompt_lines(32), "p.jsonl").id, upload(c, prompt_lines(8, 100), "v.jsonl").id
-
-
-def run_job(api, job_id: str) -> dict:
-    """The job run to its end as its driver and its one worker run it, in this process;
-    its metric series."""
-    from service.control.driver import prepare_run
-    from service.worker.finetune import build_job_engine
-    from service.worker.loop import run_loop
-    from service.worker.reporting import Reporter
-    from service.worker.train_local import DirCheckpoints
-    from tests.service.test_store import driver_attempt
-
-    attempt = driver_attempt(api.store, job_id)
-    run = prepare_run(api.settings, api.store, api.store.jobs.get(job_id), attempt)
-    engine = build_job_engine(run)
-    rep = Reporter({"job_id": job_id, "attempt": attempt, "run": run}, 0, api.store)
-    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / job_id, run.lora))
-    got = httpx.get(f"{api.base}/fine_tuning/jobs/{job_id}/metrics", headers=api.headers())
-    return got.json()["series"]
 
 
 @pytest.fixture(scope="module")
