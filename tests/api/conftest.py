@@ -151,9 +151,9 @@ def api(request, tmp_path_factory):
     stop()
 
 
-def run_job(api, job_id: str) -> dict:
-    """The job run to its end as its driver and its one worker run it, in this process;
-    its metric series."""
+def run_job(api, job_id: str, pause_at: int | None = None) -> dict:
+    """The job run to its end as its driver and its one worker run it, in this process (or
+    paused at step `pause_at`, as its owner's pause would); its metric series."""
     from service.control.driver import prepare_run
     from service.worker.finetune import build_job_engine
     from service.worker.loop import run_loop
@@ -165,7 +165,11 @@ def run_job(api, job_id: str) -> dict:
     run = prepare_run(api.settings, api.store, api.store.jobs.get(job_id), attempt)
     engine = build_job_engine(run)
     rep = Reporter({"job_id": job_id, "attempt": attempt, "run": run}, 0, api.store)
-    run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / job_id, run.lora))
+    if pause_at is not None:
+        rep.pause_requested = lambda: engine.global_step >= pause_at  # type: ignore[method-assign]
+    out = run_loop(run, engine, 0, 1, rep, DirCheckpoints(api.settings.data_dir / job_id, run.lora))
+    if (out or {}).get("paused_at_step"):  # as the driver ends a paused attempt
+        api.store.attempts.end_paused(job_id, attempt)
     import httpx
 
     got = httpx.get(f"{api.base}/fine_tuning/jobs/{job_id}/metrics", headers=api.headers())

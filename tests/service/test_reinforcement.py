@@ -373,3 +373,34 @@ def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing
 
 def key_attempt(name: str) -> int:
     return int(name.rsplit(" ", 1)[1])
+
+
+def test_a_paused_and_resumed_reinforcement_job_trains_the_steps_of_an_uninterrupted_one(
+    api, files
+):
+    """A pause checkpoints at a step boundary; the resumed attempt samples, grades and
+    trains what the uninterrupted run did: every step's loss and reward, bit for bit."""
+    c = api.client()
+    kw = {
+        "model": "tiny-llama",
+        "training_file": files[0],
+        "seed": 5,
+        "method": method(max_steps=6, eval_interval=100),
+        "extra_body": {"engine": {"dtype": "fp32"}},
+    }
+    straight = run_job(api, c.fine_tuning.jobs.create(**kw).id)
+    job = c.fine_tuning.jobs.create(**kw)
+    run_job(api, job.id, pause_at=3)
+    got = c.fine_tuning.jobs.retrieve(job.id)
+    assert (got.status, got.model_extra["progress"]["step"]) == ("paused", 3)
+    assert c.fine_tuning.jobs.resume(job.id).status == "queued"
+    deadline = time.monotonic() + 60  # the server's reconciler starts attempt 2
+    while api.store.jobs.get(job.id).attempt < 2:
+        assert time.monotonic() < deadline, "no second attempt"
+        time.sleep(0.1)
+    resumed = run_job(api, job.id)
+    said = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data]
+    assert "Attempt 2 resumed from the checkpoint at step 3" in said  # not from scratch
+    for name in ("train_loss", "train_reward_mean"):
+        assert resumed[name]["steps"] == straight[name]["steps"] == [1, 2, 3, 4, 5, 6]
+        assert resumed[name]["values"] == straight[name]["values"], name
