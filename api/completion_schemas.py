@@ -234,8 +234,9 @@ class ChatRequest(Sampling):
             out["json_schema"] = schema
         if reading := self.reading():
             out["tools"] = reading.tools
-            if (grammar := call_grammar(reading.tools, self.tool_choice)) is not None:
-                out["lark"] = grammar  # a forced call, decoded to its tool's schema
+            grammar = call_grammar(reading.tools, self.tool_choice, reading.parallel)
+            if grammar is not None:
+                out["lark"] = grammar  # any call is decoded to its tool's schema
         return out
 
 

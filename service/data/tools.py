@@ -269,16 +269,42 @@ def choice_problem(tool_choice: Any, tools: list[dict] | None) -> str | None:
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def call_grammar(tools: list[dict], tool_choice: Any) -> str | None:
-    """The grammar (llguidance's Lark) an answer is decoded to when `tool_choice` forces a
-    call: one `<tool_call>` block whose JSON names one of the tools ("required") or the
-    named one, with arguments of that tool's parameters; None when it forces none."""
-    if tool_choice == "required":
+def call_grammar(tools: list[dict], tool_choice: Any, parallel: bool = True) -> str | None:
+    """The grammar (llguidance's Lark) an answer with tools is decoded to.
+
+    - `tool_choice` "required" or a named function: one `<tool_call>` block whose JSON
+      names one of the tools (or the named one), with arguments of that tool's parameters.
+    - `auto` (or none given): the model is free to answer in text, but a `<tool_call>` it
+      opens is decoded as a call of one of the tools, as the forced one is: either text
+      that holds no `<tool_call>`, or text (maybe none) then call blocks, one per line
+      (one only when `parallel` is false), and nothing after them. The text before the
+      first block is a lazy rule ended by the tag (llguidance's `suffix`): a greedy
+      lexeme would read the tag's first bytes as more text.
+    - "none": None (the tools are not shown)."""
+    if tool_choice == "required" or isinstance(tool_choice, dict):
         chosen = tools
-    elif isinstance(tool_choice, dict):
-        chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
-    else:
+        if isinstance(tool_choice, dict):
+            name = tool_choice["function"]["name"]
+            chosen = [t for t in tools if t["function"]["name"] == name]
+        body = f'"{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"'
+        return f"start: {body}\ncall: %json {json.dumps(_calls_schema(chosen))}"
+    if tool_choice not in (None, "auto"):
         return None
+    more = f' ("\\n{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}")*' if parallel else ""
+    not_a_call = f"/(.|\\n)*/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/"
+    return "\n".join(
+        [
+            "start: TEXT | before calls",
+            f"TEXT: {not_a_call}",
+            f'before[suffix="{CALL_OPEN}", lazy]: /(.|\\n)*/',
+            f'calls: "\\n" call "\\n{CALL_CLOSE}"{more}',
+            f"call: %json {json.dumps(_calls_schema(tools))}",
+        ]
+    )
+
+
+def _calls_schema(chosen: list[dict]) -> dict[str, Any]:
+    """The JSON of one call of one of `chosen` (name and arguments), in one layout."""
     calls = [
         {
             "type": "object",
@@ -291,8 +317,7 @@ def call_grammar(tools: list[dict], tool_choice: Any) -> str | None:
         }
         for t in chosen
     ]
-    schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
-    return f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json {json.dumps(schema)}'
+    return {"x-guidance": JSON_LAYOUT, "anyOf": calls}
 
 
 def json_schema_problem(schema: Any) -> str | None:

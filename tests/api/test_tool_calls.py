@@ -157,6 +157,42 @@ def test_a_forced_call_is_decoded_to_its_tools_schema_even_from_an_untrained_mod
     assert free.message.tool_calls is None  # left to itself, it calls nothing
 
 
+@pytest.mark.parametrize(
+    ("answer", "parallel", "taken"),
+    [
+        ("It is sunny, I think.", True, True),  # text: the model is free to answer so
+        ("a < b, and <tool is not a tag", True, True),
+        (ANSWER, True, True),
+        ("Let me look.\n" + ANSWER, True, True),  # text, then the call
+        (ANSWER + "\n" + ANSWER, True, True),
+        (ANSWER + "\n" + ANSWER, False, False),  # parallel_tool_calls false: one call
+        (ANSWER + " Done.", True, False),  # nothing after the calls
+        ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True, False),
+        (f"Sure {ANSWER.replace('city', 'town')}", True, False),  # no required city
+    ],
+    ids=["text", "a-lone-angle", "call", "text-then-call", "two-calls", "two-not-parallel",
+         "text-after", "unknown-tool", "bad-arguments"],
+)  # fmt: skip
+def test_with_tool_choice_auto_the_model_is_free_but_any_call_it_opens_is_a_valid_one(
+    api, answer, parallel, taken
+):
+    """`auto` decodes to llguidance's grammar of text or calls (service.data.tools.
+    call_grammar): a `<tool_call>` the model opens can only be a call of a declared tool
+    with its arguments' schema, so an answer's calls validate without being forced."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    from service.data.tools import call_grammar
+
+    tok = AutoTokenizer.from_pretrained(api.settings.models_dir / MODEL)
+    grammar = LLMatcher.grammar_from_lark(call_grammar([WEATHER], "auto", parallel))
+    matcher = LLMatcher(llguidance.hf.from_tokenizer(tok), grammar, log_level=0)
+    ids = tok(answer, add_special_tokens=False)["input_ids"]
+    consumed = all(matcher.consume_token(t) for t in ids)
+    assert (consumed and matcher.is_accepting()) == taken, matcher.get_error()
+
+
 def test_a_calls_result_goes_back_as_a_tool_message(api):
     call = ask(api, tools=[WEATHER]).choices[0].message.tool_calls[0]
     history = [
