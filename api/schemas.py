@@ -275,8 +275,11 @@ class FineTuningJob(BaseModel):
 
 def _early_stopping_settings(spec: JobSpec) -> dict[str, Any] | None:
     """A job's early stopping before its first evaluation: the settings, nothing found."""
+    from service import methods
+
     settings = spec.early_stopping
-    stopper = EarlyStopping.of(settings.model_dump() if settings is not None else None)
+    raw = settings.model_dump() if settings is not None else None
+    stopper = EarlyStopping.of(raw, watched=methods.get(spec.method.type).watched)
     return stopper.view() if stopper is not None else None
 
 

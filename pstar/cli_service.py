@@ -90,8 +90,9 @@ def serve(
     for noisy in ("httpx", "alembic", "ray"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # where jobs' workers reach this API (score_model graders), unless the operator said
-    loopback = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, host)
-    os.environ.setdefault("PSTAR_API_URL", f"http://{loopback}:{port}")
+    reach = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    reach = f"[{reach}]" if ":" in reach else reach  # an IPv6 address, in brackets
+    os.environ.setdefault("PSTAR_API_URL", f"http://{reach}:{port}")
     try:
         settings = Settings.from_env()
     except SettingsError as e:

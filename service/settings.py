@@ -276,6 +276,20 @@ class Settings:
         )
 
 
+def loopback(url: str) -> bool:
+    """Whether `url` (a URL, or host:port) names this machine's loopback interface."""
+    from ipaddress import ip_address
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _api_url(raw: str) -> str:
     value = raw.strip().rstrip("/") or Settings.api_url
     if not re.fullmatch(r"https?://[^/\s@]+(/\S*)?", value):

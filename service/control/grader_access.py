@@ -2,12 +2,14 @@
 own `/v1/chat/completions`, as the job's tenant, the way `/graders/run` asks them.
 
 Each attempt of such a job gets a key of its own (`store.keys`, role `grader`, named after
-the job) that reaches chat completions and nothing else (`api.auth.require_tenant`). Its
-secret is written to `<job dir>/secrets/grader_key` (mode 0600, on the volume the workers
-mount already, as the store's URL is: a Ray job's environment is on Ray's dashboard), and
-the run plan names that file and `PSTAR_API_URL`. The key is revoked when its attempt ends
-(`revoke`, the driver), when the next attempt takes over (`grant`), and, should a driver
-die first, once the job has ended (`sweep`, the reconciler).
+the job and the attempt) that reaches chat completions and nothing else
+(`api.auth.require_tenant`). Its secret is written to `<job dir>/secrets/grader_key.<n>`
+(mode 0600, on the volume the workers mount already, as the store's URL is: a Ray job's
+environment is on Ray's dashboard), and the run plan names that file and `PSTAR_API_URL`.
+The key is revoked when its attempt ends (`revoke`, the driver), when a later attempt
+takes over (`grant` revokes the earlier attempts' keys, never a later one's), and, should a
+driver die first, once its attempt is no longer the job's current one, the job is paused,
+or it has ended (`sweep`, the reconciler).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from service.settings import Settings
 from service.store import Store
 from service.store.keys import GRADER
-from service.store.status import TERMINAL
+from service.store.status import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,10 @@ def key_name(job_id: str, attempt: int) -> str:
 
 def _job_of(name: str) -> str:
     return name.split(" ")[2]
+
+
+def _attempt_of(name: str) -> int:
+    return int(name.rsplit(" ", 1)[1])
 
 
 def asks_models(grader: dict[str, Any] | None) -> bool:
@@ -45,12 +51,15 @@ def asks_models(grader: dict[str, Any] | None) -> bool:
 
 def grant(settings: Settings, store: Store, job_id: str, tenant: str, attempt: int) -> Path:
     """A new grader key of `tenant` for attempt `attempt` of `job_id` (the earlier
-    attempts' revoked); the file holding its secret."""
-    revoke(store, job_id)
+    attempts' revoked: a stale attempt's grant leaves a later one's key alone); the file
+    holding its secret."""
+    for key in store.keys.live(GRADER):
+        if _job_of(key.name) == job_id and _attempt_of(key.name) <= attempt:
+            store.keys.revoke(key.id)
     _, secret = store.keys.create(tenant, role=GRADER, name=key_name(job_id, attempt))
-    path = settings.job_dir(job_id) / "secrets" / "grader_key"
+    path = settings.job_dir(job_id) / "secrets" / f"grader_key.{attempt}"
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".grader_key.{os.getpid()}")
+    tmp = path.with_name(f".grader_key.{attempt}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
@@ -72,11 +81,18 @@ def revoke(store: Store, job_id: str, attempt: int | None = None) -> int:
 
 
 def sweep(store: Store) -> int:
-    """Revoke the grader keys of jobs that have ended (or are gone); how many."""
+    """Revoke the grader keys no running attempt holds: of jobs that have ended (or are
+    gone) or are paused, and of attempts that are no longer their job's current one (a
+    driver stopped before its own revoke); how many."""
     done = 0
     for key in store.keys.live(GRADER):
         job = store.jobs.get(_job_of(key.name))
-        if job is None or job.status in TERMINAL:
+        if (
+            job is None
+            or job.status in TERMINAL
+            or job.status == JobStatus.PAUSED
+            or _attempt_of(key.name) < job.attempt
+        ):
             store.keys.revoke(key.id)
             done += 1
     return done

@@ -21,7 +21,7 @@ from service.control import storage
 from service.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from service.methods.base import ADAPTERS_NEED_PRETRAINED
 from service.registry import ModelRef, resolve_model
-from service.settings import Limits, Settings
+from service.settings import Limits, Settings, loopback
 from service.spec import auto
 from service.spec.job import (
     AdapterSpec,
@@ -164,10 +164,24 @@ class JobService:
 
             return list(iter_examples(file_path(self.settings, train), FIRST_LINES_CHECKED))
 
-        def servable(model_id: str) -> None:
+        def servable(model_id: str, max_tokens: int | None) -> None:
             from service.serving.deployments import target_of
 
             target_of(self.settings, self.store, tenant, model_id)
+            limit = self.settings.limits.max_tokens_per_request
+            if max_tokens is not None and max_tokens > limit:
+                raise InvalidRequest(
+                    f"at most {limit} tokens an answer here (PSTAR_MAX_TOKENS_PER_REQUEST)",
+                    param="max_tokens",
+                )
+            ray = self.settings.ray_address
+            if ray and not loopback(ray) and loopback(self.settings.api_url):
+                raise InvalidRequest(
+                    f"the workers of a Ray cluster at {self.settings.ray_address} cannot reach "
+                    f"this API at {self.settings.api_url}: the operator sets PSTAR_API_URL to "
+                    "an address they reach",
+                    param="model",
+                )
 
         own = method.check(req.method_section, first_lines, self.settings.python_graders, servable)
         adapters = req.lora.settings() if req.lora is not None else None

@@ -114,6 +114,10 @@ def from_legacy_functions(obj: dict[str, Any]) -> dict[str, Any]:
     (`call_<n>`, in the order made), each result a `tool` message answering the latest
     call of its name. A line without those keys is returned as it is. Raises
     LegacyFunctionsError for a line mixing both forms, or a result no call asked for."""
+    inp = obj.get("input")
+    if isinstance(inp, dict) and "messages" in inp:  # a preference pair's prompt
+        converted = from_legacy_functions(inp)
+        obj = obj if converted is inp else {**obj, "input": converted}
     msgs = obj.get("messages")
     legacy_msgs = isinstance(msgs, list) and any(
         isinstance(m, dict) and ("function_call" in m or m.get("role") == "function") for m in msgs
@@ -127,7 +131,7 @@ def from_legacy_functions(obj: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in obj.items() if k != "functions"}
     if "functions" in obj:
         funcs = obj["functions"]
-        if not isinstance(funcs, list):
+        if not isinstance(funcs, list) or not all(isinstance(f, dict) for f in funcs):
             raise LegacyFunctionsError("'functions' must be a list of function definitions")
         out["tools"] = [{"type": "function", "function": f} for f in funcs]
     if not legacy_msgs or not isinstance(msgs, list):
@@ -147,20 +151,30 @@ def from_legacy_functions(obj: dict[str, Any]) -> dict[str, Any]:
                     f"messages[{i}].function_call: only an assistant message without "
                     "tool_calls makes a legacy function call"
                 )
-            name = call.get("name") if isinstance(call, dict) else None
+            if not (
+                isinstance(call, dict)
+                and isinstance(call.get("name"), str)
+                and isinstance(call.get("arguments"), str)
+            ):
+                raise LegacyFunctionsError(
+                    f"messages[{i}].function_call must be an object with the function's "
+                    "'name' and its 'arguments' as a JSON string"
+                )
+            name = call["name"]
             calls += 1
             ident = f"call_{calls}"
             m["tool_calls"] = [{"id": ident, "type": "function", "function": call}]
-            if isinstance(name, str):
-                made[name] = ident
+            made[name] = ident
             if m.get("content") == "":
                 m["content"] = None
         elif m.get("role") == "function":
             name = m.get("name")
-            if name not in made:
+            if not isinstance(name, str) or name not in made:
                 raise LegacyFunctionsError(
                     f"messages[{i}]: a 'function' message answers a call an earlier "
                     f"assistant message made (its function_call.name); none called {name!r}"
+                    if isinstance(name, str)
+                    else f"messages[{i}].name must be the name of the function that answered"
                 )
             m["role"], m["tool_call_id"] = "tool", made[name]
         new.append(m)

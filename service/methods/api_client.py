@@ -20,29 +20,38 @@ class GraderModelError(RuntimeError):
     why)."""
 
 
+BUSY = (429, 502, 503, 504)  # asked again: the tenant's generations are all in use, or
+# the model server is starting or restarting
+
+
 def api_asker(
     base_url: str,
     key: str,
     timeout_s: float = 300.0,
-    tries: int = 5,
+    patience_s: float = 600.0,
     transport: httpx.BaseTransport | None = None,
 ) -> Ask:
     """`Ask` through `base_url`'s `/v1/chat/completions` with `key` (a job's grader key:
     service.control.grader_access), so a job's graders are answered as `/graders/run`'s
-    are: any model its tenant may call, with the service's limits. A busy server (429,
-    502-504, or none answering) is asked again after a wait, up to `tries` times."""
+    are: any model its tenant may call, with the service's limits (its questions take the
+    tenant's share of generations as its own calls do). A busy server (429, 502-504, or
+    none answering) is asked again after a wait of up to 5 s, for `patience_s`; any other
+    answer but a 200 fails at once. The key goes to `base_url` only (no proxy from the
+    environment)."""
     client = httpx.Client(
         base_url=base_url,
         headers={"Authorization": f"Bearer {key}"},
         timeout=timeout_s,
         transport=transport,
+        trust_env=False,
     )
 
     def ask(model: str, messages: list[dict[str, str]], sampling: dict[str, Any]):
         body = {"model": model, "messages": messages, "n": 1}
         body.update({k: v for k, v in sampling.items() if v is not None})
         why = ""
-        for n in range(tries):
+        give_up, wait = time.monotonic() + patience_s, 0.25
+        while True:
             try:
                 r = client.post("/v1/chat/completions", json=body)
             except httpx.HTTPError as e:
@@ -53,10 +62,12 @@ def api_asker(
                     text = out["choices"][0]["message"].get("content") or ""
                     return text, int(out["usage"]["total_tokens"])
                 why = f"{r.status_code}: {_error_message(r)}"
-                if r.status_code not in (429, 502, 503, 504):
+                if r.status_code not in BUSY:
                     break
-            if n + 1 < tries:
-                time.sleep(min(30.0, 2.0**n))
+            if time.monotonic() + wait > give_up:
+                break
+            time.sleep(wait)
+            wait = min(5.0, wait * 2)
         raise GraderModelError(f"a score_model grader's model {model} did not answer ({why})")
 
     return ask

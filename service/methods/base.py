@@ -53,6 +53,9 @@ class Method:
     pretrained: ClassVar[str | None] = None
     # where the request gives the adapter settings, when this method can train adapters
     adapter_settings_at: ClassVar[str | None] = None
+    # what early stopping watches: a validation metric its objective's `evaluate` gives,
+    # and the sign that makes lower better
+    watched: ClassVar[tuple[str, float]] = ("valid_loss", 1.0)
 
     def adapters(self, section: Body | None) -> LoraSettings | None:
         """The adapters the job trains (its engine's `lora` section), or None when every
@@ -68,13 +71,14 @@ class Method:
         section: Body | None,
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
-        servable: Callable[[str], None] = lambda model: None,
+        servable: Callable[[str, int | None], None] = lambda model, max_tokens: None,
     ) -> dict[str, Any]:
         """At job creation, after the files: a 400 (`InvalidRequest` naming the field) for
         what the section asks that the data or this server cannot give (`first_lines`: the
         training file's first examples, read when called; `python_graders`: whether the
-        operator runs python graders; `servable`: raises the API's error for a model the
-        job's tenant cannot call); what the section adds to the stored plan."""
+        operator runs python graders; `servable(model, max_tokens)`: raises the API's error
+        (its param `model` or `max_tokens`) for a question the job's workers could not ask
+        this service's chat completions); what the section adds to the stored plan."""
         return {}
 
     def objective(self, run: RunPlan) -> Any:

@@ -45,7 +45,7 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -506,31 +506,53 @@ def grade(
     return out
 
 
-ASKED_AT_ONCE = 8  # a batch's score_model questions in flight at once
+ASKED_AT_ONCE = 4  # a batch's score_model questions in flight at once (a tenant's default
+# share of generations: PSTAR_MAX_CONCURRENT_GENERATIONS_PER_TENANT)
 
 
 def grade_all(
     grader: Any, samples: list[str], items: list[Any], runners: Runners | None = None
 ) -> list[Graded]:
     """`grade` of each (sample, item), with each python grader run once for them all: one
-    sandboxed process a batch (its limits are the batch's), not one an answer, which cost
-    a reinforcement step one interpreter start per sampled answer. The rewards are those
-    of grading one by one."""
+    sandboxed process a batch, not one an answer, which cost a reinforcement step one
+    interpreter start per sampled answer. The batch's CPU and wall limits are one answer's
+    times the answers (up to `BATCH_LIMITS_TIMES`); a batch that broke them, or whose
+    process failed, is graded again one answer at a time, so one answer cannot zero the
+    others. The rewards are those of grading one by one, but for a grader that keeps state
+    between calls (module globals live for the batch)."""
     run = runners or Runners()
     scored: dict[int, list[PythonScore]] = {}
     for _, leaf in leaves(grader):
         if isinstance(leaf, Python) and samples:
             pairs = [(_python_sample(s), it) for s, it in zip(samples, items, strict=True)]
-            scored[id(leaf)] = run_python(leaf.source, pairs, run.limits)
+            scored[id(leaf)] = _python_batch(leaf.source, pairs, run.limits)
 
     def one(n: int) -> Graded:
         return grade(grader, samples[n], items[n], run, {k: v[n] for k, v in scored.items()})
 
     if not any(isinstance(leaf, ScoreModel) for _, leaf in leaves(grader)):
         return [one(n) for n in range(len(samples))]
-    # score_model questions wait on a model: several in flight, batched by its server
-    with ThreadPoolExecutor(max_workers=ASKED_AT_ONCE) as pool:
+    # score_model questions wait on a model: several in flight, batched by its server; a
+    # question that fails stops the batch (those not started are dropped)
+    pool = ThreadPoolExecutor(max_workers=ASKED_AT_ONCE)
+    try:
         return list(pool.map(one, range(len(samples))))
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+BATCH_LIMITS_TIMES = 64  # a python batch's CPU and wall limits: at most this many answers'
+
+
+def _python_batch(source: str, pairs: list, limits: SandboxLimits) -> list[PythonScore]:
+    times = min(len(pairs), BATCH_LIMITS_TIMES)
+    batch = replace(limits, cpu_s=limits.cpu_s * times, wall_s=limits.wall_s * times)
+    got = run_python(source, pairs, batch)
+    broke = len(pairs) > 1 and len({g.error for g in got}) == 1 and got[0].error is not None
+    if not broke:
+        return got
+    # every answer failed alike: a limit or the process, most likely; one answer at a time
+    return [run_python(source, [pair], limits)[0] for pair in pairs]
 
 
 def _python_sample(text: str) -> dict[str, Any]:

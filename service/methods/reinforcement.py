@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 GROUP = 4  # answers a prompt at compute_multiplier 1
 MAX_COMPLETION_TOKENS = 64
 GRADER = "method.reinforcement.grader"
+WATCHED = ("valid_reward_mean", -1.0)  # early stopping: a higher reward is better
 
 
 class RftHyperparameters(Hyperparameters):
@@ -98,6 +99,7 @@ class ReinforcementMethod(Method):
     data = "prompts"
     pretrained = "learns from the answers a pretrained model already writes"
     adapter_settings_at = "method.reinforcement.lora"
+    watched = WATCHED
 
     def adapters(self, section: Body | None) -> LoraSettings | None:
         assert section is None or isinstance(section, ReinforcementSection)
@@ -124,7 +126,7 @@ class ReinforcementMethod(Method):
         section: Body | None,
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
-        servable: Callable[[str], None] = lambda model: None,
+        servable: Callable[[str, int | None], None] = lambda model, max_tokens: None,
     ) -> dict[str, Any]:
         """The grader as the graders' own endpoints check it, its score_model graders'
         models as chat completions would take them, and its templates against the training
@@ -152,13 +154,19 @@ class ReinforcementMethod(Method):
         for name, leaf in leaves(grader):
             if isinstance(leaf, ScoreModel):
                 where = f"{GRADER}.graders.{name}" if name else GRADER
+                sp = leaf.sampling_params
                 try:
-                    servable(leaf.model)
+                    servable(leaf.model, sp.max_completions_tokens if sp else None)
                 except (InvalidRequest, NotFound) as e:
+                    field = (
+                        "sampling_params.max_completions_tokens"
+                        if e.param == "max_tokens"
+                        else "model"
+                    )
                     raise InvalidRequest(
-                        f"{where}.model: {e.message} (a score_model grader asks a model "
-                        "this service serves to its tenant)",
-                        param=f"{where}.model",
+                        f"{where}.{field}: {e.message} (a score_model grader asks a model "
+                        "this service serves to its tenant, through its chat completions)",
+                        param=f"{where}.{field}",
                     ) from None
         for n, line in enumerate(first_lines(), start=1):
             try:

@@ -160,7 +160,6 @@ class Reinforcement:
     model_path: str
     grader_api: tuple[str, str] | None = None  # (API URL, key file): score_model graders'
     name = "reinforcement"
-    watched = ("valid_reward_mean", -1.0)  # early stopping: a higher reward is better
     grader: Any = None
     tok: Any = None
     stop: set[int] = field(default_factory=set)

@@ -323,7 +323,7 @@ class RunLoop:
         self.stopper = EarlyStopping.of(
             self.run_.early_stopping,
             (restored or {}).get("early_stopping"),
-            getattr(self.objective, "watched", ("valid_loss", 1.0)),
+            methods.get(self.run_.method).watched,
         )
         if self.stopper is not None and self.best_dir is None:
             raise ValueError("early stopping needs the run's best_dir for the best model")

@@ -27,6 +27,7 @@ TOOLS = [{"type": "function", "function": FIND_BOOK}]
 MODEL = "tiny-llama-1k"
 STEPS_TO_LEARN = 80
 ASK = "Is Middlemarch on the shelves?"
+ASKED = {"role": "user", "content": ASK}
 ARGS = json.dumps({"title": "Middlemarch"})
 CALL = {"id": "call_1", "type": "function", "function": {"name": "find_book", "arguments": ARGS}}
 
@@ -218,3 +219,30 @@ def test_a_model_fine_tuned_on_function_calling_lines_answers_with_the_call_it_l
     assert [(t.function.name, t.function.arguments) for t in streamed] == [
         (call.function.name, call.function.arguments)
     ]
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"functions": {"name": "find_book"}}, "'functions' must be a list of function"),
+        ({"messages": [ASKED, {"role": "assistant", "function_call": "find_book"}]},
+         "messages[1].function_call must be an object"),
+        ({"messages": [*LEGACY["messages"][:2], {"role": "function", "name": ["x"]}]},
+         "messages[2].name must be the name of the function that answered"),
+    ],
+    ids=["functions-not-a-list", "call-not-an-object", "name-not-a-string"],
+)  # fmt: skip
+def test_malformed_legacy_function_lines_are_refused_saying_what_is_wrong(change, says):
+    from service.data.datasets import classify
+
+    fmt, why = classify({**LEGACY, **change})
+    assert fmt is None
+    assert says in why
+
+
+def test_a_preference_pairs_legacy_functions_are_its_tools():
+    from service.data.datasets import classify
+
+    legacy = {**PREFERENCE, "input": {"messages": [{"role": "user", "content": ASK}],
+                                      "functions": [FIND_BOOK]}}  # fmt: skip
+    assert classify(legacy) == ("preference", None)

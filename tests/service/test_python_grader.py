@@ -232,3 +232,18 @@ def grade(sample, item):
     assert [g.reward for g in batch] == [g.reward for g in alone] == [2.0, 1.5, 0.0, 1.0]
     assert [g.python_error for g in batch] == [g.python_error for g in alone]
     assert batch[3].python_error == "ValueError: no such city"
+
+
+def test_an_answer_that_breaks_the_limits_in_a_batch_zeroes_only_itself():
+    source = """
+def grade(sample, item):
+    if sample["output_text"] == "spin":
+        while True:
+            pass
+    return 1.0
+"""
+    grader = parse_grader({"type": "python", "name": "p", "source": source}, python=True)
+    got = grade_all(grader, ["a", "spin", "b"], [{}, {}, {}], Runners(limits=LIMITS))
+    assert [g.reward for g in got] == [1.0, 0.0, 1.0]
+    assert got[1].python_error is not None
+    assert got[0].python_error is None
