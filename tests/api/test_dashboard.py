@@ -284,6 +284,52 @@ def test_pause_and_resume_buttons_pause_the_running_job_and_resume_it(serve, job
     assert browser.find_element("css selector", "#pause").is_displayed()
 
 
+def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_first(
+    serve, jobs, browser
+):
+    _, running = jobs
+    _sign_in(browser, serve, TOKEN)
+    browser.get(f"{serve.url}/ui/#/jobs/{running}")
+    _wait(browser, "return window.pstar.streamState === 'live'", "the live stream")
+    first = browser.execute_script("return window.pstar.plotted.loss.steps.length")
+    _wait(
+        browser,
+        f"return window.pstar.plotted.loss.steps.length > {first}",
+        "a new point on the loss chart",
+        180,
+    )
+    steps, values = _points(
+        browser.execute_script("return window.pstar.plotted.loss"), "train_loss"
+    )
+    want = _metrics(serve, running, "train_loss")
+    n = len(steps)
+    assert n > 0
+    assert steps == want["steps"][:n]
+    assert values == pytest.approx(want["values"][:n])
+    _shot(browser, "job-running")
+    # cancel asks first (once): dismissing keeps the job running
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.find_element("css selector", "#cancel").click()
+    alert = WebDriverWait(browser, 10).until(ec.alert_is_present())
+    assert "Cancel" in alert.text
+    alert.dismiss()
+    WebDriverWait(browser, 10).until_not(ec.alert_is_present())
+    assert serve.client().fine_tuning.jobs.retrieve(running).status == "running"
+    browser.find_element("css selector", "#cancel").click()
+    WebDriverWait(browser, 10).until(ec.alert_is_present()).accept()
+    _wait(
+        browser,
+        "return document.querySelector('#job-status').textContent === 'cancelled'",
+        "the cancelled status",
+        120,
+    )
+    assert serve.client().fine_tuning.jobs.retrieve(running).status == "cancelled"
+
+
+# after the running job is cancelled (above): serving the fine-tuned model is not slowed
+# by training beside it on this machine's cores
 def test_try_it_box_asks_the_fine_tuned_model_and_its_base_side_by_side(serve, jobs, browser):
     """The box streams both answers from /v1/chat/completions (Ray Serve deploys the two
     models on this first request); each equals the API's own greedy answer."""
@@ -332,50 +378,6 @@ def test_try_it_box_asks_the_fine_tuned_model_and_its_base_side_by_side(serve, j
     assert any(r.startswith(job.fine_tuned_model) for r in rows)
     assert any(r.startswith(f"{job.model} ") for r in rows)
     _shot(browser, "served-models")
-
-
-def test_a_metric_arriving_over_the_stream_extends_the_chart_and_cancel_asks_first(
-    serve, jobs, browser
-):
-    _, running = jobs
-    _sign_in(browser, serve, TOKEN)
-    browser.get(f"{serve.url}/ui/#/jobs/{running}")
-    _wait(browser, "return window.pstar.streamState === 'live'", "the live stream")
-    first = browser.execute_script("return window.pstar.plotted.loss.steps.length")
-    _wait(
-        browser,
-        f"return window.pstar.plotted.loss.steps.length > {first}",
-        "a new point on the loss chart",
-        180,
-    )
-    steps, values = _points(
-        browser.execute_script("return window.pstar.plotted.loss"), "train_loss"
-    )
-    want = _metrics(serve, running, "train_loss")
-    n = len(steps)
-    assert n > 0
-    assert steps == want["steps"][:n]
-    assert values == pytest.approx(want["values"][:n])
-    _shot(browser, "job-running")
-    # cancel asks first (once): dismissing keeps the job running
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    browser.find_element("css selector", "#cancel").click()
-    alert = WebDriverWait(browser, 10).until(ec.alert_is_present())
-    assert "Cancel" in alert.text
-    alert.dismiss()
-    WebDriverWait(browser, 10).until_not(ec.alert_is_present())
-    assert serve.client().fine_tuning.jobs.retrieve(running).status == "running"
-    browser.find_element("css selector", "#cancel").click()
-    WebDriverWait(browser, 10).until(ec.alert_is_present()).accept()
-    _wait(
-        browser,
-        "return document.querySelector('#job-status').textContent === 'cancelled'",
-        "the cancelled status",
-        120,
-    )
-    assert serve.client().fine_tuning.jobs.retrieve(running).status == "cancelled"
 
 
 def test_another_tenant_never_sees_the_jobs(serve, jobs, browser):
