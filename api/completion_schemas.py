@@ -265,9 +265,11 @@ class CompletionRequest(Sampling):
     def scoring_problem(self) -> tuple[str, str] | None:
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens: 0 generates nothing; it needs echo: true (scoring)"
-        if self.stream and (self.echo or len(self.payloads()) > 1):
-            why = "echo" if self.echo else "prompt"
-            return why, f"{why}: streaming answers one prompt without echo; ask without stream"
+        if self.stream and self.echo and self.logprobs is not None:
+            return "logprobs", (
+                "logprobs: a streamed echo carries no log-probabilities of the prompt; ask "
+                "without stream to score it"
+            )
         return None
 
     def payloads(self) -> list[dict[str, Any]]:

@@ -94,6 +94,17 @@ async def _generate(
     if isinstance(body, CompletionRequest) and not body.stream:
         answers = await _all_prompts(c, tenant, target, [{**p, **common} for p in prompts])
         return respond(text_completion(body.model, answers, _echoed(body, answers)))
+    if isinstance(body, CompletionRequest) and (len(prompts) > 1 or body.echo):
+        merged = await _streamed_prompts(
+            c, tenant, target, body, [{**p, **common} for p in prompts]
+        )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = stream_chunks(False, body.model, n, include_usage, merged)
+        return StreamingResponse(
+            c.generations.guard(tenant, chunks),
+            media_type="text/event-stream",
+            headers=STREAM_HEADERS,
+        )
     first, events = await started(c, tenant, target, {**prompts[0], **common})
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -141,6 +152,81 @@ async def _all_prompts(
         for e in opened:
             await e.aclose()  # type: ignore[attr-defined]
         c.generations.give_back(tenant)
+
+
+async def _streamed_prompts(
+    c: Context, tenant: str, target: Any, body: CompletionRequest, payloads: list[dict]
+) -> AsyncIterator[dict]:
+    """A streamed batch (or an echoed prompt): every prompt opened and started before the
+    response does (a prompt the model refuses is the request's 400), one generation slot
+    taken (the stream's guard gives it back), then the prompts' events as one stream:
+    prompt p's choice j is choice p*n + j, as OpenAI numbers a batch's choices; with
+    echo each choice's first text is its prompt; the usage is the prompts' sum."""
+    n = payloads[0]["n"]
+    c.generations.take(tenant)
+    opened: list[AsyncIterator[dict]] = []
+    firsts: list[dict] = []
+    try:
+        for p in payloads:  # each prompt joins the batch as its first event is read
+            opened.append(await c.backend.open(target, p))
+            firsts.append(await anext(opened[-1]))
+        for f in firsts:
+            if "error" in f:
+                raise refusal(f["error"])
+    except BaseException:
+        for e in opened:
+            await e.aclose()  # type: ignore[attr-defined]
+        c.generations.give_back(tenant)
+        raise
+    given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    if given and isinstance(given[0], int):
+        given = [""]  # one prompt of token ids: its text is the model's decoding
+    heads = [
+        (g if isinstance(g, str) else "") or f.get("prompt_text", "")
+        for g, f in zip(given, firsts, strict=True)
+    ]
+    return _merged(opened, n, heads if body.echo else None)
+
+
+async def _merged(
+    opened: list[AsyncIterator[dict]], n: int, heads: list[str] | None
+) -> AsyncIterator[dict]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, events: AsyncIterator[dict]) -> None:
+        try:
+            async for ev in events:
+                await queue.put((p, ev))
+        finally:
+            await queue.put((p, None))
+
+    tasks = [asyncio.create_task(pump(p, e)) for p, e in enumerate(opened)]
+    try:
+        for p, head in enumerate(heads or ()):
+            for j in range(n):
+                if head:
+                    yield {"i": p * n + j, "text": head}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        left = len(opened)
+        while left:
+            p, ev = await queue.get()
+            if ev is None:
+                left -= 1
+            elif "usage" in ev:
+                for k in usage:
+                    usage[k] += int(ev["usage"].get(k, 0))
+            elif "error" in ev:
+                yield ev
+                return
+            else:
+                yield {**ev, "i": p * n + ev["i"]} if "i" in ev else ev
+        yield {"usage": usage}
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each generator let go first
+        for e in opened:
+            await e.aclose()  # type: ignore[attr-defined]
 
 
 def _echoed(body: CompletionRequest, answers: list[Answer]) -> list[str] | None:

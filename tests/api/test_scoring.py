@@ -129,12 +129,38 @@ def test_a_stream_carries_each_choices_logprobs_on_its_last_chunk(api):
     assert streamed == [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_streamed_batch_numbers_its_choices_as_openai_and_says_what_it_says_whole(api, echo):
+    """A batch of prompts (strings and token ids) streams, with echo too: prompt p's
+    choice j is choice p*n + j, and each choice's streamed text (the prompt first, with
+    echo) is the text the same request gives whole; the usage is the prompts' sum."""
+    c = api.client()
+    for prompt in (["apple", "river stone", "a"], [[5, 6, 7], [8, 9]]):
+        kw = {"model": "tiny-llama", "prompt": prompt, "n": 2, "max_tokens": 4,
+              "temperature": 0, "echo": echo}  # fmt: skip
+        whole = c.completions.create(**kw)
+        texts: dict[int, str] = {}
+        ended: dict[int, str] = {}
+        usage = None
+        for ch in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            for choice in ch.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.finish_reason:
+                    ended[choice.index] = choice.finish_reason
+            usage = ch.usage or usage
+        want = {x.index: x.text for x in whole.choices}
+        assert sorted(texts) == sorted(want) == list(range(2 * len(prompt)))
+        assert texts == want
+        assert ended == {x.index: x.finish_reason for x in whole.choices}
+        assert usage.prompt_tokens == whole.usage.prompt_tokens
+        assert usage.completion_tokens == whole.usage.completion_tokens
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"max_tokens": 0}, "max_tokens"),  # generates nothing and echoes nothing
-        ({"echo": True, "stream": True}, "echo"),
-        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"echo": True, "stream": True, "logprobs": 1}, "logprobs"),
         ({"logprobs": 6}, "logprobs"),
         ({"prompt": ["a"] * 33}, "prompt"),
         ({"prompt": [[1, 2], []]}, "prompt"),
