@@ -133,16 +133,8 @@ async def _all_prompts(
             return [await collect(first, events, payloads[0]["n"])]
         finally:
             c.generations.give_back(tenant)
-    c.generations.take(tenant)
-    opened: list[AsyncIterator[dict]] = []
+    opened, firsts = await _opened(c, tenant, target, payloads)
     try:
-        firsts = []
-        for p in payloads:  # each prompt joins the batch as its first event is read
-            opened.append(await c.backend.open(target, p))
-            firsts.append(await anext(opened[-1]))
-        for f in firsts:
-            if "error" in f:
-                raise refusal(f["error"])
         return list(
             await asyncio.gather(
                 *(collect(f, e, p["n"]) for f, e, p in zip(firsts, opened, payloads, strict=True))
@@ -154,15 +146,12 @@ async def _all_prompts(
         c.generations.give_back(tenant)
 
 
-async def _streamed_prompts(
-    c: Context, tenant: str, target: Any, body: CompletionRequest, payloads: list[dict]
-) -> AsyncIterator[dict]:
-    """A streamed batch (or an echoed prompt): every prompt opened and started before the
-    response does (a prompt the model refuses is the request's 400), one generation slot
-    taken (the stream's guard gives it back), then the prompts' events as one stream:
-    prompt p's choice j is choice p*n + j, as OpenAI numbers a batch's choices; with
-    echo each choice's first text is its prompt; the usage is the prompts' sum."""
-    n = payloads[0]["n"]
+async def _opened(
+    c: Context, tenant: str, target: Any, payloads: list[dict[str, Any]]
+) -> tuple[list[AsyncIterator[dict]], list[dict]]:
+    """Every prompt opened and started, one generation slot taken: (their events, their
+    first events). A prompt the model refuses refuses them all (closed, the slot given
+    back); the caller closes them and gives the slot back otherwise."""
     c.generations.take(tenant)
     opened: list[AsyncIterator[dict]] = []
     firsts: list[dict] = []
@@ -178,6 +167,19 @@ async def _streamed_prompts(
             await e.aclose()  # type: ignore[attr-defined]
         c.generations.give_back(tenant)
         raise
+    return opened, firsts
+
+
+async def _streamed_prompts(
+    c: Context, tenant: str, target: Any, body: CompletionRequest, payloads: list[dict]
+) -> AsyncIterator[dict]:
+    """A streamed batch (or an echoed prompt): every prompt opened and started before the
+    response does (a prompt the model refuses is the request's 400), one generation slot
+    taken (the stream's guard gives it back), then the prompts' events as one stream:
+    prompt p's choice j is choice p*n + j, as OpenAI numbers a batch's choices; with
+    echo each choice's first text is its prompt; the usage is the prompts' sum."""
+    n = payloads[0]["n"]
+    opened, firsts = await _opened(c, tenant, target, payloads)
     given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
     if given and isinstance(given[0], int):
         given = [""]  # one prompt of token ids: its text is the model's decoding
