@@ -292,10 +292,20 @@ class CompletionRequest(Sampling):
         return [{**x, **extra} for x in prompts]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values a replica had kept
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        d = self.prompt_tokens_details
+        return d.cached_tokens if d is not None else 0
 
 
 class FunctionCall(BaseModel):

@@ -26,6 +26,7 @@ from api.completion_schemas import (
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
+    PromptTokensDetails,
     TextChoice,
     TextCompletion,
     TextLogprobs,
@@ -160,6 +161,7 @@ def usage_of(u: dict[str, int]) -> Usage:
         prompt_tokens=u["prompt_tokens"],
         completion_tokens=u["completion_tokens"],
         total_tokens=u["prompt_tokens"] + u["completion_tokens"],
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.get("cached_tokens", 0)),
     )
 
 
@@ -285,16 +287,19 @@ def text_completion(
             choices.append(
                 TextChoice(index=len(choices), text=head + t, finish_reason=r, logprobs=logprobs)
             )
-    prompt = sum(a.usage.prompt_tokens for a in answers)
-    completion = sum(a.usage.completion_tokens for a in answers)
+    usage = usage_of(
+        {
+            "prompt_tokens": sum(a.usage.prompt_tokens for a in answers),
+            "completion_tokens": sum(a.usage.completion_tokens for a in answers),
+            "cached_tokens": sum(a.usage.cached_tokens for a in answers),
+        }
+    )
     return TextCompletion(
         id=f"cmpl-{secrets.token_hex(12)}",
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        ),
+        usage=usage,
     )
 
 

@@ -351,6 +351,31 @@ def bench_tools(
         _fail(str(e))
 
 
+@bench_app.command("prefix")
+def bench_prefix(
+    model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(
+        ".cache/models/SmolLM2-135M-Instruct"
+    ),
+    system_tokens: Annotated[int, typer.Option(help="the shared system prompt's length")] = 1024,
+    questions: Annotated[int, typer.Option(help="chats sharing the system prompt")] = 8,
+    turns: Annotated[int, typer.Option(help="turns of the conversation")] = 6,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds")] = 3,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
+) -> None:
+    """Prefix caching: time to first token of chats sharing a long system prompt and of a
+    conversation's turns, a replica keeping prompts' keys and values against one keeping
+    none, and whether their greedy answers are the same."""
+    from benchmarks.prefix import run
+
+    _need_hf_dir(model_dir)
+    if min(system_tokens, questions - 1, turns, rounds) < 1:
+        _fail("--system-tokens, --turns and --rounds must be at least 1, --questions 2")
+    run(
+        model_dir, system_tokens=system_tokens, questions=min(questions, 16),
+        turns=min(turns, 16), rounds=rounds, json_out=json_out,
+    )  # fmt: skip
+
+
 @bench_app.command("serve")
 def bench_serve(
     model_dir: Annotated[Path, typer.Argument(help="a HF model directory")] = Path(

@@ -112,6 +112,9 @@ class ServeSettings:
     max_adapters: int = 8  # LoRA adapters one replica keeps loaded (LRU)
     max_replicas: int = 1
     max_batch: int = 32  # rows one replica decodes together
+    # prompts' keys and values a replica keeps across requests (prefix caching), on its
+    # device; 0 keeps none
+    prefix_cache_mb: int = 512
     replica_cpus: float = 0.0
     replica_gpus: float | None = None  # None: auto
     start_timeout_s: float = 180.0  # a model not answering by then is a 503

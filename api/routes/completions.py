@@ -208,7 +208,7 @@ async def _merged(
             for j in range(n):
                 if head:
                     yield {"i": p * n + j, "text": head}
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         left = len(opened)
         while left:
             p, ev = await queue.get()

@@ -252,6 +252,7 @@ class Serving:
                 "data_dir": str(self.settings.data_dir),
                 "max_adapters": c.max_adapters,
                 "max_batch": c.max_batch,
+                "prefix_cache_mb": c.prefix_cache_mb,
                 # the tenant whose own model it is (a full fine-tune's application), counted
                 # against its share of Serve; None for a base (adapters share it)
                 "owner": owner(target),

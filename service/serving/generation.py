@@ -45,6 +45,14 @@ import torch
 
 from service.data.tokens import eos_ids
 from service.data.tools import JSON_LAYOUT, ToolFormatError, reads_calls, template_messages
+from service.serving.kv import (
+    Match,
+    PrefixCache,
+    cut_common_padding,
+    reused_cache,
+    row_layers,
+    stack_under,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +114,7 @@ class PromptLogprobs:
 class Done:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass
@@ -118,6 +127,7 @@ class Request:
     cancelled: bool = False
     completion_tokens: int = 0
     open_choices: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -185,8 +195,11 @@ class Generator:
         device: str = "cpu",
         max_batch: int = 32,
         max_adapters: int = 8,
+        prefix_cache_bytes: int = 512 << 20,
+        prefix_min_tokens: int = 16,
     ) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         from pstar_core.hf import load_causal_lm
         from service.data.datasets import ensure_chat_template
@@ -207,6 +220,10 @@ class Generator:
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.max_batch = max_batch
+        # prompts' keys and values across requests: for caches of plain layers only (a
+        # sliding window's layer keeps its own count of what it has seen)
+        plain = all(type(x) is DynamicLayer for x in DynamicCache(config=self.model.config).layers)
+        self.prefixes = PrefixCache(prefix_cache_bytes if plain else 0, prefix_min_tokens)
         self._mergeable = True  # KV caches of requests can be stacked (DynamicLayer only)
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
@@ -262,6 +279,7 @@ class Generator:
             "steps": self.steps,
             "prefills": self.prefills,
             "busy_s": round(self.busy_s, 3),
+            **self.prefixes.stats(),
         }
 
     def close(self) -> None:
@@ -312,6 +330,7 @@ class Generator:
         else:
             self.peft.delete_adapter(peft_name(key))
         del self.adapters[key]
+        self.prefixes.forget(key)
         log.info("adapter %s unloaded", key)
 
     # -- the decode thread -----------------------------------------------------------------
@@ -406,25 +425,47 @@ class Generator:
         return out.logits[:, -1, :].float(), out.cache
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """One forward over the prompts of `reqs` (left-padded to the longest), then each
-        request's `n` rows from its one prefilled row, joined to the batch."""
+        """One forward over the prompts of `reqs`, then each request's `n` rows from its one
+        prefilled row, joined to the batch.
+
+        A prompt that begins with tokens the prefix cache holds starts from their keys and
+        values and is prefilled over the rest (`service.serving.kv`); a request asking for
+        its prompt's log-probabilities is prefilled whole. Rows are left-padded twice: the
+        reused columns to the longest reused, the new tokens to the longest rest, so a
+        row's padding may sit between its two parts (its mask and positions say which
+        columns are its own). A lone request with nothing reused is `generate`'s prefill."""
         from transformers import DynamicCache
 
-        width = max(len(r.prompt_ids) for r in reqs)
+        found: list[Match | None] = [
+            None if r.params.prompt_logprobs else self.prefixes.match(r.adapter, r.prompt_ids)
+            for r in reqs
+        ]
+        used = [m.length if m is not None else 0 for m in found]
+        reused = max(used)
+        width = max(len(r.prompt_ids) - u for r, u in zip(reqs, used, strict=True))
         ids = torch.zeros((len(reqs), width), dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for k, r in enumerate(reqs):
-            ids[k, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[k, width - len(r.prompt_ids) :] = 1
+        mask = torch.zeros((len(reqs), reused + width), dtype=torch.long)
+        for k, (r, u) in enumerate(zip(reqs, used, strict=True)):
+            rest = r.prompt_ids[u:]
+            ids[k, width - len(rest) :] = torch.tensor(rest)
+            mask[k, reused - u : reused] = 1
+            mask[k, reused + width - len(rest) :] = 1
+            r.cached_tokens = u
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)[:, reused:]
         every = any(r.params.prompt_logprobs for r in reqs)
-        logits, cache = self._forward(
-            ids, mask, pos, DynamicCache(config=self.model.config), [r.adapter for r in reqs], every
-        )
+        cache = DynamicCache(config=self.model.config)
+        if reused:
+            reused_cache(cache, found, reused)
+        logits, cache = self._forward(ids, mask, pos, cache, [r.adapter for r in reqs], every)
+        for k, r in enumerate(reqs):
+            if len(r.prompt_ids) >= self.prefixes.min_tokens and not self.prefixes.holds(
+                r.adapter, r.prompt_ids
+            ):
+                self.prefixes.store(r.adapter, r.prompt_ids, row_layers(cache, k, mask))
         if every:
             for k, req in enumerate(reqs):
-                if req.params.prompt_logprobs:  # its own positions, past the padding
+                if req.params.prompt_logprobs:  # its own positions (prefilled whole)
                     at = width - len(req.prompt_ids)
                     every_lp = torch.log_softmax(logits[k, at:-1], -1)
                     lp = every_lp.gather(-1, ids[k, at + 1 :, None])[:, 0]
@@ -621,15 +662,27 @@ class Generator:
             req.emit(
                 Finish(row.index, reason, tuple(row.text.ids), tuple(row.logprobs), tuple(row.top))
             )
+            if rows is self._rows and p.n == 1:
+                self._keep_prefix(i, row)
             req.open_choices -= 1
             if req.open_choices == 0:
-                req.emit(Done(len(req.prompt_ids), req.completion_tokens))
+                req.emit(Done(len(req.prompt_ids), req.completion_tokens, req.cached_tokens))
         if rows is self._rows:
             if len(keep) < len(rows):
                 self._keep(keep)
         elif len(keep) < len(rows):  # rows just admitted, now the batch's last ones
             start = len(self._rows) - len(rows)
             self._keep(list(range(start)) + [start + k for k in keep])
+
+    def _keep_prefix(self, i: int, row: _Row) -> None:
+        """Keep the keys and values of batch row `i`, ending now: its prompt and all but
+        its last token (never fed), where the next turn of its conversation starts."""
+        if not self.prefixes.enabled or self._mask is None:
+            return
+        ids = row.req.prompt_ids + row.text.ids[: row.generated - 1]
+        if int(self._mask[i].sum()) != len(ids) or self.prefixes.holds(row.req.adapter, ids):
+            return
+        self.prefixes.store(row.req.adapter, ids, row_layers(self._cache, i, self._mask))
 
     def _full(self, row: _Row) -> bool:
         return len(row.req.prompt_ids) + row.generated >= self.context
@@ -696,38 +749,6 @@ def narrowed(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         keep[0] = True
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return probs
-
-
-def stack_under(cache: Any, mask: torch.Tensor, more: Any, more_mask: torch.Tensor):
-    """Stack the rows of `more` (a DynamicCache and its [rows, length] mask) under those of
-    `cache`, in place, the shorter side padded on the left; the stacked mask."""
-    width = max(mask.shape[1], more_mask.shape[1])
-    for mine, theirs in zip(cache.layers, more.layers, strict=True):
-        mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-        mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
-    return torch.cat([_left_pad(mask, width), _left_pad(more_mask, width)])
-
-
-def cut_common_padding(cache: Any, mask: torch.Tensor) -> torch.Tensor:
-    """Drop the leading cache columns that every row pads (rows that needed them left);
-    the mask without them."""
-    pad = int((mask.cumsum(1) == 0).all(0).sum())
-    if pad:
-        for layer in cache.layers:
-            layer.keys = layer.keys[:, :, pad:]
-            layer.values = layer.values[:, :, pad:]
-    return mask[:, pad:]
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """`t` padded with zeros on the left of its sequence axis (2 for K/V, 1 for a mask)."""
-    axis = 2 if t.dim() == 4 else 1
-    short = width - t.shape[axis]
-    if short == 0:
-        return t
-    shape = list(t.shape)
-    shape[axis] = short
-    return torch.cat([t.new_zeros(shape), t], dim=axis)
 
 
 def default_dtype(device: str) -> torch.dtype:

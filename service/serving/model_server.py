@@ -211,6 +211,7 @@ async def answer(
                 usage = {
                     "prompt_tokens": ev.prompt_tokens,
                     "completion_tokens": 0 if score_only else ev.completion_tokens,
+                    "cached_tokens": ev.cached_tokens,
                 }
                 yield {"usage": usage}
                 return
@@ -255,6 +256,7 @@ def build(args: dict[str, Any]):
                 device=device,
                 max_batch=int(args.get("max_batch", 32)),
                 max_adapters=int(args.get("max_adapters", 8)),
+                prefix_cache_bytes=int(args.get("prefix_cache_mb", 512)) << 20,
             )
             ctx = serve.get_replica_context()
             self.replica = ctx.replica_tag if ctx else f"pid{os.getpid()}"

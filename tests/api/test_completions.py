@@ -289,3 +289,35 @@ def test_deleted_model_keeps_its_files_while_a_job_fine_tunes_from_it(api, full)
     api.store.jobs.update(job.id, status="cancelled")  # it ends (a paused job cannot succeed)
     assert delete_model_files(api.settings, api.store) == [full.job_id]
     assert not full.export.exists()
+
+
+def test_a_repeated_system_prompt_is_reported_as_cached_tokens(api):
+    """The second chat sharing a long system prompt reuses its keys and values (a replica's
+    prefix cache): `usage.prompt_tokens_details.cached_tokens`, as OpenAI reports it,
+    whole and streamed, and on text completions; the answer is still `generate`'s."""
+    system = {"role": "system", "content": "You answer in one word only. " * 3}
+    first = [system, {"role": "user", "content": "What does river mean?"}]
+    second = [system, {"role": "user", "content": "What does stone mean?"}]
+    c = api.client()
+    a = c.chat.completions.create(model="tiny-llama", messages=first, max_tokens=6, temperature=0)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    b = c.chat.completions.create(model="tiny-llama", messages=second, max_tokens=6, temperature=0)
+    assert 16 <= b.usage.prompt_tokens_details.cached_tokens < b.usage.prompt_tokens
+    assert b.choices[0].message.content == greedy(api.settings.models_dir / "tiny-llama", second, 6)
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny-llama",
+            messages=second,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
+    text = "You answer in one word only. " * 3
+    c.completions.create(model="tiny-llama", prompt=text + "river", max_tokens=2)
+    t = c.completions.create(
+        model="tiny-llama", prompt=[text + "stone", text + "cloud"], max_tokens=2
+    )
+    assert t.usage.prompt_tokens_details.cached_tokens >= 2 * 16

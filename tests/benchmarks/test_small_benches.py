@@ -219,3 +219,24 @@ def test_bench_primitives_measures_every_case_through_the_sdk_on_a_tiny_model(tm
     assert out["generate_tokens_per_s"] > 0
     assert set(out["ttft_s"]) == set(out["generate_ttft_s"]) == {"1", "2"}
     assert "Tinker primitives through the SDK" in table
+
+
+def test_bench_prefix_times_both_generators_and_compares_their_answers(tmp_path):
+    """On the tiny Llama: both cases for both generators, the kept one reusing the shared
+    system prompt (and the conversation so far), the other nothing; every greedy answer
+    the same; a bad option a clear error."""
+    model = make_tiny_llama(tmp_path / "m")
+    args = ["bench", "prefix", str(model), "--rounds", "1", "--questions", "3", "--turns", "2"]
+    got, out = invoke([*args, "--system-tokens", "40", "--json"])
+    assert got["bench"] == "prefix"
+    cases = {(c["case"], c["cache"]): c for c in got["cases"]}
+    assert set(cases) == {(c, k) for c in ("system", "turns") for k in ("kept", "none")}
+    assert cases[("system", "kept")]["cached_tokens_p50"] >= 40
+    assert cases[("turns", "kept")]["cached_tokens_p50"] >= 40
+    assert cases[("system", "none")]["cached_tokens_p50"] == 0
+    assert got["same_tokens"] == {"system": "3/3", "turns": "2/2"}
+    assert got["ttft_ratio_system"] > 0
+    assert "same greedy tokens" in out
+    bad = runner.invoke(app, [*args, "--questions", "1"])
+    assert bad.exit_code != 0
+    assert "--questions" in bad.output
