@@ -237,6 +237,9 @@ def run_zero(
         "comm_calls": [r["comm_calls"] for r in ours2],  # per rank: the engine's counter
         "comm_bytes_wire": ours2[0]["comm_bytes_wire"],
         "comm_bytes_flags": ours2[0]["comm_bytes_flags"],
+        # a step's time in the flag exchanges, per rank, and its share of the step
+        "flag_s": [r["flag_s"] for r in ours2],
+        "flag_share": max(r["flag_s"] for r in ours2) / secs[OURS_2],
         "wire": [r["wire"] for r in ours2],  # per rank: what torch.distributed was handed
         "wire_by_call": ours2[0]["wire_by_call"],
         "theory_bytes": ours2[0]["theory_bytes"],
@@ -313,7 +316,9 @@ def run_zero(
         f"{_fmt_bytes(result['comm_bytes'])}/step (from the tensors torch.distributed was "
         f"handed: {_fmt_bytes(result['comm_bytes_wire'])}, of which "
         f"{result['comm_bytes_flags']:.0f} bytes of failure flags) vs theory 3 x (N-1)/N x "
-        f"list = {_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}"
+        f"list = {_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}; "
+        f"the flag exchanges took {[round(1000 * s, 1) for s in result['flag_s']]} ms a "
+        f"step per rank ({100 * result['flag_share']:.1f}% of the step)"
     )
     return finish(console, result, load_before, load_after, json_out)
 

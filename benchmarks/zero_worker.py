@@ -242,6 +242,7 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: WireCounter)
         stats = engine.stats()
         marks["engine"] = stats["comm_bytes_sent"]
         marks["calls"] = stats["comm_calls"]
+        marks["flag_s"] = stats["comm_flag_s"]
         marks["wire"] = wire.snapshot()
 
     times, losses = _timed_loop(spec, world, _batches(spec, rank, world), step, on_warm)
@@ -264,6 +265,7 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: WireCounter)
         # of which the failure flags (an 80-byte all-reduce before each collective: the
         # flag and the collective's codes, [Note: collective order] in pstar_core/zero.py)
         "comm_bytes_flags": calls.get("failure_flag", {}).get("bytes", 0),
+        "flag_s": (stats["comm_flag_s"] - marks["flag_s"]) / spec["steps"],
         "wire": measured,  # what was handed to torch.distributed, per timed step
         "comm_bytes_wire": ring_sent(measured, nproc),
         "wire_by_call": wire.by_call,  # whole run, warm-up and set-up included

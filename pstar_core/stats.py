@@ -95,6 +95,9 @@ def engine_stats(
         "comm_evicted_under_pressure": m.groups.evicted_under_pressure,
         "host_pool": m.residency.host_pool(),
         "comm_calls": {k: {"calls": c, "bytes": b} for k, (c, b) in zero.calls.items()},
+        # in the failure flags' all-reduces ([Note: ranks fail together] in zero.py): their
+        # round trip and the wait for the slowest rank to reach the same collective
+        "comm_flag_s": zero.flag_s,
         "comm_bytes_by_list": {k: dict(v) for k, v in zero.by_list.items()},
         "overflow_count": scaler.overflows,
         "loss_scale": scaler.scale,

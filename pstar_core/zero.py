@@ -36,6 +36,7 @@ the engine issues goes through here, clipping norms and exports included.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -135,6 +136,7 @@ class ZeroGroup:
     flags: dist.ProcessGroup | None = None  # gloo: the failure flags (see the Note)
     in_collective: bool = False  # a failure raised inside a collective is not reported
     flag_checks: int = 0
+    flag_s: float = 0.0  # wall time in the flag all-reduces (waiting for the slowest rank)
     # the backend takes a list of chunks to reduce-scatter (torch 2.6's gloo does not)
     list_reduce_scatter: bool = True
 
@@ -216,7 +218,9 @@ class ZeroGroup:
         flag = torch.tensor([0, *codes, *(-c for c in codes), -int(can)], dtype=torch.int64)
         self.flag_checks += 1
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
+        t0 = time.perf_counter()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
+        self.flag_s += time.perf_counter() - t0
         failed = int(flag[0]) - 1
         if failed >= 0:
             raise RankFailed(f"rank {failed} failed: {self._message_from(failed, '')}")
