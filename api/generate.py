@@ -54,7 +54,12 @@ class LocalBackend:
         self.max_batch = max_batch
         self.gens: dict[Path, Generator] = {}
 
-    async def open(self, target: Target, payload: dict[str, Any]) -> AsyncIterator[dict]:
+    async def open(
+        self, target: Target, payload: dict[str, Any], tenant: str
+    ) -> AsyncIterator[dict]:
+        """The events of `payload` on the target's generator, asked by `tenant` (a replica
+        reuses a prompt's keys and values for the tenant that sent it only)."""
+        payload = {**payload, "tenant": tenant}
         gen = self.gens.get(target.model_dir)
         if gen is None:
             gen = await run_in_threadpool(Generator, target.model_dir, max_batch=self.max_batch)
@@ -81,10 +86,14 @@ class RayServeBackend:
             self._client = httpx.AsyncClient(timeout=self._timeout)
         return self._client
 
-    async def open(self, target: Target, payload: dict[str, Any]) -> AsyncIterator[dict]:
+    async def open(
+        self, target: Target, payload: dict[str, Any], tenant: str
+    ) -> AsyncIterator[dict]:
+        """As `LocalBackend.open`, through the target's Serve application."""
         url = await self.serving.endpoint_async(target)
         client = self.client()
-        req = client.build_request("POST", url, json={**payload, "adapter": target.adapter})
+        body = {**payload, "adapter": target.adapter, "tenant": tenant}
+        req = client.build_request("POST", url, json=body)
         try:
             resp = await client.send(req, stream=True)
         except httpx.TimeoutException:

@@ -157,7 +157,7 @@ async def _opened(
     firsts: list[dict] = []
     try:
         for p in payloads:  # each prompt joins the batch as its first event is read
-            opened.append(await c.backend.open(target, p))
+            opened.append(await c.backend.open(target, p, tenant))
             firsts.append(await anext(opened[-1]))
         for f in firsts:
             if "error" in f:
@@ -249,7 +249,7 @@ async def started(
     slots taken (given back here if the answer does not start; by the caller after)."""
     c.generations.take(tenant)
     try:
-        events = await c.backend.open(target, payload)
+        events = await c.backend.open(target, payload, tenant)
         first = await anext(events)
         if "error" in first:
             await events.aclose()

@@ -372,7 +372,7 @@ async def asample(body: SampleBody, c: Ctx, tenant: Tenant) -> dict[str, Any]:
     async def run() -> None:
         t0 = time.perf_counter()
         try:
-            got = await collect(await backend.open(target, call.payload()), call)
+            got = await collect(await backend.open(target, call.payload(), tenant), call)
             seqs = [Sampled(t, lp, reason) for t, lp, reason in got.sequences]
             done.set_result(sample_result(seqs, got.prompt_logprobs))
             s.observe("sample", time.perf_counter() - t0, sum(len(q.tokens) for q in seqs))

@@ -124,10 +124,16 @@ class Request:
     emit: Callable[[Any], None]
     adapter: str | None = None  # the adapter's key (its directory relative to the data dir)
     adapter_path: Path | None = None  # where it is, to load it if it is not in memory
+    tenant: str | None = None  # whose request: prompts are kept for their tenant only
     cancelled: bool = False
     completion_tokens: int = 0
     open_choices: int = 0
     cached_tokens: int = 0
+
+    @property
+    def owner(self) -> tuple[str | None, str | None]:
+        """Whose kept prompts this request may reuse (service.serving.kv)."""
+        return (self.tenant, self.adapter)
 
 
 @dataclass
@@ -437,7 +443,7 @@ class Generator:
         from transformers import DynamicCache
 
         found: list[Match | None] = [
-            None if r.params.prompt_logprobs else self.prefixes.match(r.adapter, r.prompt_ids)
+            None if r.params.prompt_logprobs else self.prefixes.match(r.owner, r.prompt_ids)
             for r in reqs
         ]
         used = [m.length if m is not None else 0 for m in found]
@@ -459,10 +465,8 @@ class Generator:
             reused_cache(cache, found, reused)
         logits, cache = self._forward(ids, mask, pos, cache, [r.adapter for r in reqs], every)
         for k, r in enumerate(reqs):
-            if len(r.prompt_ids) >= self.prefixes.min_tokens and not self.prefixes.holds(
-                r.adapter, r.prompt_ids
-            ):
-                self.prefixes.store(r.adapter, r.prompt_ids, row_layers(cache, k, mask))
+            if self.prefixes.wants(r.owner, r.prompt_ids):
+                self.prefixes.store(r.owner, r.prompt_ids, row_layers(cache, k, mask))
         if every:
             for k, req in enumerate(reqs):
                 if req.params.prompt_logprobs:  # its own positions (prefilled whole)
@@ -677,12 +681,12 @@ class Generator:
     def _keep_prefix(self, i: int, row: _Row) -> None:
         """Keep the keys and values of batch row `i`, ending now: its prompt and all but
         its last token (never fed), where the next turn of its conversation starts."""
-        if not self.prefixes.enabled or self._mask is None:
-            return
         ids = row.req.prompt_ids + row.text.ids[: row.generated - 1]
-        if int(self._mask[i].sum()) != len(ids) or self.prefixes.holds(row.req.adapter, ids):
+        if self._mask is None or not self.prefixes.wants(row.req.owner, ids):
             return
-        self.prefixes.store(row.req.adapter, ids, row_layers(self._cache, i, self._mask))
+        if int(self._mask[i].sum()) != len(ids):
+            return
+        self.prefixes.store(row.req.owner, ids, row_layers(self._cache, i, self._mask))
 
     def _full(self, row: _Row) -> bool:
         return len(row.req.prompt_ids) + row.generated >= self.context
@@ -778,6 +782,7 @@ def complete(
     params: SamplingParams,
     adapter: str | None = None,
     adapter_path: Path | None = None,
+    tenant: str | None = None,
 ) -> Collected:
     """Run one request to its end on `gen` and collect it (blocking)."""
     got = Collected()
@@ -799,6 +804,6 @@ def complete(
             got.error = str(ev)
             done.set()
 
-    gen.submit(Request(prompt_ids, params, emit, adapter, adapter_path))
+    gen.submit(Request(prompt_ids, params, emit, adapter, adapter_path, tenant))
     done.wait()
     return got

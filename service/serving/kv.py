@@ -9,12 +9,14 @@ conversation's earlier turns, an agent loop's growing transcript, or an RL group
 separate requests are computed once. OpenAI reports the reused tokens as
 `usage.prompt_tokens_details.cached_tokens`, and so do we.
 
-An entry is the key and value tensors of every layer for one token sequence, under one
-adapter (a LoRA changes the keys and values: entries are never shared across adapters),
-on the generator's device. Entries are bounded by bytes and dropped least recently used
-first; an entry whose tokens begin another's is dropped for the longer one. A match reuses
-at most all but the last prompt token, whose logits the prefill needs, and only when it
-covers `min_tokens`.
+An entry is the key and value tensors of every layer for one token sequence, owned by
+one tenant and one adapter, on the generator's device: a LoRA changes the keys and
+values, and a tenant must not learn from `cached_tokens` (or from the time to a first
+token) how another tenant's prompts begin, so entries are shared by neither (OpenAI
+scopes its prompt cache to an organization likewise). Entries are bounded by bytes and
+dropped least recently used first; an entry whose tokens begin another's is dropped for
+the longer one. A match reuses at most all but the last prompt token, whose logits the
+prefill needs, and only when it covers `min_tokens`.
 
 Reused keys and values were computed over the same tokens at the same positions, so the
 answer is the one a full prefill gives up to float rounding (the prefill's matmuls have
@@ -29,10 +31,12 @@ from typing import Any
 
 import torch
 
+Owner = tuple[str | None, str | None]  # (tenant, adapter key): whose keys and values
+
 
 @dataclass
 class Entry:
-    adapter: str | None
+    owner: Owner
     ids: torch.Tensor  # [length] on the CPU
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # keys, values: [1, heads, length, dim]
     nbytes: int
@@ -64,15 +68,15 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def match(self, adapter: str | None, ids: list[int]) -> Match | None:
-        """The entry sharing the longest beginning with `ids` under `adapter`, if it covers
+    def match(self, owner: Owner, ids: list[int]) -> Match | None:
+        """The entry of `owner` sharing the longest beginning with `ids`, if it covers
         `min_tokens` (the prompt's last token is never reused)."""
         if not self.enabled or len(ids) <= self.min_tokens:
             return None
         want = torch.tensor(ids, dtype=torch.long)
         best: tuple[int, int] | None = None  # (length, key)
         for key, e in self._entries.items():
-            if e.adapter != adapter:
+            if e.owner != owner:
                 continue
             n = min(len(e.ids), len(ids) - 1)
             same = e.ids[:n] == want[:n]
@@ -87,17 +91,21 @@ class PrefixCache:
         self.reused_tokens += best[0]
         return Match(self._entries[best[1]], best[0])
 
+    def wants(self, owner: Owner, ids: list[int]) -> bool:
+        """Whether `store` would keep `ids` of `owner` (ask before copying them out)."""
+        return self.enabled and len(ids) >= self.min_tokens and not self.holds(owner, ids)
+
     def store(
-        self, adapter: str | None, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]
+        self, owner: Owner, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         """Keep `layers` (each [1, heads, len(ids), dim], owned by the cache from here) as
-        the keys and values of `ids` under `adapter`."""
+        the keys and values of `ids` for `owner`."""
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if not self.enabled or len(ids) < self.min_tokens or nbytes > self.max_bytes:
             return
         new = torch.tensor(ids, dtype=torch.long)
         for key, e in list(self._entries.items()):
-            if e.adapter != adapter:
+            if e.owner != owner:
                 continue
             n = min(len(e.ids), len(new))
             if torch.equal(e.ids[:n], new[:n]):
@@ -107,21 +115,21 @@ class PrefixCache:
                 self._drop(key)  # the new entry holds it whole
         while self._entries and self.bytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        self._entries[self._next] = Entry(adapter, new, layers, nbytes)
+        self._entries[self._next] = Entry(owner, new, layers, nbytes)
         self._next += 1
         self.bytes += nbytes
 
-    def holds(self, adapter: str | None, ids: list[int]) -> bool:
-        """Whether an entry under `adapter` begins with all of `ids`."""
+    def holds(self, owner: Owner, ids: list[int]) -> bool:
+        """Whether an entry of `owner` begins with all of `ids`."""
         want = torch.tensor(ids, dtype=torch.long)
         return any(
-            e.adapter == adapter and len(e.ids) >= len(ids) and torch.equal(e.ids[: len(ids)], want)
+            e.owner == owner and len(e.ids) >= len(ids) and torch.equal(e.ids[: len(ids)], want)
             for e in self._entries.values()
         )
 
     def forget(self, adapter: str | None) -> None:
-        """Drop every entry of `adapter` (its weights left memory)."""
-        for key in [k for k, e in self._entries.items() if e.adapter == adapter]:
+        """Drop every entry made with `adapter` (its weights left memory), any tenant's."""
+        for key in [k for k, e in self._entries.items() if e.owner[1] == adapter]:
             self._drop(key)
 
     def _drop(self, key: int) -> None:

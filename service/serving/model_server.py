@@ -172,7 +172,8 @@ async def answer(
         loop.call_soon_threadsafe(events.put_nowait, ev)
 
     params = sampling(body, len(ids), gen.context)
-    req = Request(ids, params, emit, adapter, adapter_path)
+    tenant = body.get("tenant")  # the backend's (api.generate): whose prompts it may reuse
+    req = Request(ids, params, emit, adapter, adapter_path, str(tenant) if tenant else None)
     gen.submit(req)
     first: dict[str, Any] = {"prompt_tokens": len(ids)}
     if body.get("echo"):

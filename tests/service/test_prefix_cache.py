@@ -14,6 +14,8 @@ import torch
 
 from service.serving.kv import PrefixCache
 
+ME = ("acme", None)  # a tenant's prompts on the base model
+
 
 def kv(n: int, fill: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Two layers' keys and values for `n` tokens (2 heads of 4): 128 bytes a token."""
@@ -22,46 +24,47 @@ def kv(n: int, fill: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def test_a_prompt_reuses_the_longest_shared_beginning_but_never_its_last_token():
     c = PrefixCache(1 << 20, min_tokens=4)
-    c.store(None, [1, 2, 3, 4, 5, 6], kv(6, 1.0))
-    c.store(None, [1, 2, 3, 9, 9, 9, 9], kv(7, 2.0))
-    m = c.match(None, [1, 2, 3, 4, 5, 7, 8])
+    c.store(ME, [1, 2, 3, 4, 5, 6], kv(6, 1.0))
+    c.store(ME, [1, 2, 3, 9, 9, 9, 9], kv(7, 2.0))
+    m = c.match(ME, [1, 2, 3, 4, 5, 7, 8])
     assert m is not None
     assert m.length == 5
     assert float(m.entry.layers[0][0].max()) == 1.0
     assert m.layers()[1][0].shape == (1, 2, 5, 4)
-    same = c.match(None, [1, 2, 3, 4, 5, 6])  # the whole prompt held: its last token is not
+    same = c.match(ME, [1, 2, 3, 4, 5, 6])  # the whole prompt held: its last token is not
     assert same is not None
     assert same.length == 5
-    assert c.match(None, [1, 2, 3, 8, 8, 8]) is None  # 3 shared < min_tokens
-    assert c.match("lora-a", [1, 2, 3, 4, 5, 7]) is None  # another adapter's keys differ
-    assert (c.hits, c.misses, c.reused_tokens) == (2, 2, 10)
+    assert c.match(ME, [1, 2, 3, 8, 8, 8]) is None  # 3 shared < min_tokens
+    assert c.match(("acme", "lora-a"), [1, 2, 3, 4, 5, 7]) is None  # another adapter's
+    assert c.match(("rival", None), [1, 2, 3, 4, 5, 7]) is None  # another tenant's
+    assert (c.hits, c.misses, c.reused_tokens) == (2, 3, 10)
 
 
 def test_entries_are_bounded_in_bytes_least_recently_used_out_and_a_longer_one_replaces():
     c = PrefixCache(128 * 20, min_tokens=2)  # room for 20 tokens
-    c.store(None, [1] * 8, kv(8))
-    c.store(None, [2] * 8, kv(8))
-    assert c.match(None, [1] * 8 + [5]) is not None  # [1]* now the most recently used
-    c.store(None, [3] * 8, kv(8))  # 24 tokens: the least recently used ([2]*) goes
+    c.store(ME, [1] * 8, kv(8))
+    c.store(ME, [2] * 8, kv(8))
+    assert c.match(ME, [1] * 8 + [5]) is not None  # [1]* now the most recently used
+    c.store(ME, [3] * 8, kv(8))  # 24 tokens: the least recently used ([2]*) goes
     assert c.bytes == 128 * 16
-    assert c.match(None, [2] * 9) is None
-    assert c.match(None, [1] * 9) is not None
-    c.store(None, [3] * 12, kv(12))  # holds [3]*8 whole: replaces it
+    assert c.match(ME, [2] * 9) is None
+    assert c.match(ME, [1] * 9) is not None
+    c.store(ME, [3] * 12, kv(12))  # holds [3]*8 whole: replaces it
     assert c.stats()["prefix_entries"] == 2
     assert c.bytes == 128 * 20
-    c.store(None, [3] * 6, kv(6))  # already within [3]*12: nothing added
-    assert c.holds(None, [3] * 6)
+    c.store(ME, [3] * 6, kv(6))  # already within [3]*12: nothing added
+    assert c.holds(ME, [3] * 6)
     assert c.bytes == 128 * 20
-    c.store(None, [4] * 30, kv(30))  # over the whole budget: not kept
-    assert not c.holds(None, [4] * 30)
-    c.store("a", [5] * 4, kv(4))  # the least recently used ([1]*) makes room
-    assert c.holds("a", [5] * 4)
-    assert not c.holds(None, [5] * 4)
-    assert not c.holds(None, [1] * 8)
+    c.store(ME, [4] * 30, kv(30))  # over the whole budget: not kept
+    assert not c.holds(ME, [4] * 30)
+    c.store(("acme", "a"), [5] * 4, kv(4))  # the least recently used ([1]*) makes room
+    assert c.holds(("acme", "a"), [5] * 4)
+    assert not c.holds(ME, [5] * 4)
+    assert not c.holds(ME, [1] * 8)
     c.forget("a")
-    assert not c.holds("a", [5] * 4)
-    assert c.holds(None, [3] * 12)
-    assert PrefixCache(0).match(None, [1] * 40) is None  # off
+    assert not c.holds(("acme", "a"), [5] * 4)
+    assert c.holds(ME, [3] * 12)
+    assert PrefixCache(0).match(ME, [1] * 40) is None  # off
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +186,66 @@ def test_an_adapters_prompts_are_its_own_and_go_with_it(tmp_path):
         tuned = complete(gen, ids, greedy, "a", tmp_path / "a")
         assert tuned.usage is not None
         assert tuned.usage.cached_tokens == 0
-        assert gen.prefixes.holds("a", ids)
+        assert gen.prefixes.holds((None, "a"), ids)
         gen.unload_adapter("a").result(timeout=30)
-        assert not gen.prefixes.holds("a", ids)
-        assert gen.prefixes.holds(None, ids)
+        assert not gen.prefixes.holds((None, "a"), ids)
+        assert gen.prefixes.holds((None, None), ids)
+    finally:
+        gen.close()
+
+
+def test_a_tenants_kept_prompts_are_not_reused_for_another_tenant(gens):
+    """The same system prompt from a second tenant reuses nothing of the first's (its
+    cached_tokens would tell how another tenant's prompts begin), then its own."""
+    from service.serving.generation import SamplingParams, complete
+
+    kept, _ = gens
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    complete(kept, prompt(kept, "window"), greedy, tenant="acme")
+    other = complete(kept, prompt(kept, "candle"), greedy, tenant="rival")
+    assert other.usage is not None
+    assert other.usage.cached_tokens == 0
+    mine = complete(kept, prompt(kept, "candle"), greedy, tenant="acme")
+    assert mine.usage is not None
+    assert mine.usage.cached_tokens > 16
+    again = complete(kept, prompt(kept, "lantern"), greedy, tenant="rival")
+    assert again.usage is not None
+    assert again.usage.cached_tokens > 16
+
+
+def test_a_sliding_window_model_keeps_nothing_and_answers_past_its_window(tmp_path):
+    """A cache layer that keeps only its window (a sliding-window Mistral) cannot give a
+    prompt's columns back: nothing is kept, and a prompt longer than the window answers
+    as transformers' greedy generate does (the prefill once failed copying them out)."""
+    import torch
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from service.serving.generation import Generator, SamplingParams, complete
+    from tests.tiny import make_tiny_llama
+
+    llama = make_tiny_llama(tmp_path / "llama")
+    tok = AutoTokenizer.from_pretrained(llama)
+    cfg = MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+        max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path / "mistral"
+    MistralForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    gen = Generator(out, prefix_min_tokens=4)
+    try:
+        assert not gen.prefixes.enabled
+        ids = prompt(gen, "apple")
+        assert len(ids) > 8
+        got = complete(gen, ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert got.error is None
+        model = MistralForCausalLM.from_pretrained(out).eval()
+        want = model.generate(
+            torch.tensor([ids]), max_new_tokens=4, do_sample=False, min_new_tokens=4
+        )[0, len(ids) :].tolist()
+        assert list(got.tokens[0]) == want
+        assert gen.prefixes.stats()["prefix_entries"] == 0
     finally:
         gen.close()
