@@ -4,6 +4,7 @@ has them, so a user tries a grader before a reinforcement job pays for it
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -145,6 +146,8 @@ def _asker(c: Context, tenant: str):
             "seed": sampling.get("seed"),
             "stop": None,
         }
+        if (rf := sampling.get("response_format")) is not None:  # a label_model's labels
+            payload["json_schema"] = json.dumps(rf["json_schema"]["schema"])
         return anyio.from_thread.run(_answer, c, tenant, target, payload)
 
     return ask

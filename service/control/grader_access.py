@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from service.methods.graders import MODEL_GRADERS
 from service.settings import Settings
 from service.store import Store
 from service.store.keys import GRADER
@@ -40,12 +41,14 @@ def _attempt_of(name: str) -> int:
 
 
 def asks_models(grader: dict[str, Any] | None) -> bool:
-    """Whether the (raw) grader has a score_model grader in it."""
+    """Whether the (raw) grader has a model grader (score_model, label_model) in it."""
     if not isinstance(grader, dict):
         return False
-    if grader.get("type") == "score_model":
+    if grader.get("type") in MODEL_GRADERS:
         return True
     subs = grader.get("graders")
+    if isinstance(subs, dict) and isinstance(subs.get("type"), str):
+        return asks_models(subs)  # a multi grader's one grader, as the SDK's types show it
     return isinstance(subs, dict) and any(asks_models(g) for g in subs.values())
 
 

@@ -32,7 +32,11 @@ What each grader computes, and with which library:
   answers the grader's messages through the same path as `/v1/chat/completions`; the
   first number in its answer is the score, kept within `range` (default [0, 1]). An
   answer with no number scores the range's low end (OpenAI's `model_grader_parse_error`).
-- `label_model`: a 400 saying so (not run by this service yet).
+- `label_model`: the same, asked with a JSON schema (`{"label": one of labels}`), so the
+  judge's answer is decoded to one of the `labels` (constrained decoding, as OpenAI asks
+  for a model that supports structured outputs); it scores 1 when that label is one of
+  `passing_labels`, else 0. An answer that is not a label (a model whose tokenizer cannot
+  be constrained) scores 0 with `model_grader_parse_error`.
 """
 
 from __future__ import annotations
@@ -68,15 +72,13 @@ SIMILARITY_METRICS = (
     "fuzzy_match", "bleu", "gleu", "meteor", "cosine",
     "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l",
 )  # fmt: skip
+MODEL_GRADERS = ("score_model", "label_model")  # graders that ask a served model
 PYTHON_OFF = (
     "python graders run the caller's code, and they are off on this server (an operator "
     "turns them on with PSTAR_PYTHON_GRADERS=on); express the check as string_check, "
     "text_similarity or multi"
 )
-NOT_RUN = {
-    "label_model": "label_model graders are not run by this service yet; use "
-    "string_check, text_similarity or multi",
-}
+NOT_RUN: dict[str, str] = {}  # grader types OpenAI has and this service does not run
 MAX_RENDERED_CHARS = 1 << 20  # what one template may render to
 _TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 
@@ -115,7 +117,7 @@ _KIND = Discriminator(
     _kind,
     custom_error_type="grader_type",
     custom_error_message="Input should be a grader: 'type' one of string_check, "
-    "text_similarity, python, score_model, multi",
+    "text_similarity, python, score_model, label_model, multi",
 )
 
 
@@ -133,7 +135,7 @@ class TextPart(BaseModel):
 
 
 class ModelMessage(BaseModel):
-    """One of a score_model grader's messages; text only (no model here sees images)."""
+    """One of a model grader's messages; text only (no model here sees images)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -174,11 +176,44 @@ class ScoreModel(_Grader):
         return v
 
 
+class LabelModel(_Grader):
+    type: Literal["label_model"]
+    model: str = Field(min_length=1)
+    input: list[ModelMessage] = Field(min_length=1)
+    labels: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=256)
+    passing_labels: list[str] = Field(min_length=1)
+
+    @field_validator("labels")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) < len(v):
+            raise ValueError(f"labels must differ, got {v}")
+        return v
+
+    @field_validator("passing_labels")
+    @classmethod
+    def _among_labels(cls, v: list[str], info: Any) -> list[str]:
+        labels = info.data.get("labels")
+        if labels is not None and (strays := [x for x in v if x not in labels]):
+            raise ValueError(f"{strays} are not among labels {labels}")
+        return v
+
+    def answer_schema(self) -> dict[str, Any]:
+        """The answer's JSON schema: one label."""
+        return {
+            "type": "object",
+            "properties": {"label": {"type": "string", "enum": self.labels}},
+            "required": ["label"],
+            "additionalProperties": False,
+        }
+
+
 Leaf = Annotated[
     Annotated[StringCheck, Tag("type[string_check]")]
     | Annotated[TextSimilarity, Tag("type[text_similarity]")]
     | Annotated[Python, Tag("type[python]")]
-    | Annotated[ScoreModel, Tag("type[score_model]")],
+    | Annotated[ScoreModel, Tag("type[score_model]")]
+    | Annotated[LabelModel, Tag("type[label_model]")],
     _KIND,
 ]
 
@@ -194,6 +229,7 @@ Grader = Annotated[
     | Annotated[TextSimilarity, Tag("type[text_similarity]")]
     | Annotated[Python, Tag("type[python]")]
     | Annotated[ScoreModel, Tag("type[score_model]")]
+    | Annotated[LabelModel, Tag("type[label_model]")]
     | Annotated[Multi, Tag("type[multi]")],
     _KIND,
 ]
@@ -250,7 +286,7 @@ def _refuse_not_run(raw: dict, param: str) -> None:
     kind = raw.get("type")
     if isinstance(kind, str) and kind in NOT_RUN:
         raise InvalidRequest(f"{param}: {NOT_RUN[kind]}", param=f"{param}.type")
-    if kind == "score_model" and isinstance(raw.get("input"), list):
+    if kind in MODEL_GRADERS and isinstance(raw.get("input"), list):
         _refuse_media(raw["input"], f"{param}.input")
     if kind == "multi" and isinstance(raw.get("graders"), dict):
         inner = raw["graders"]
@@ -269,7 +305,7 @@ def _refuse_not_run(raw: dict, param: str) -> None:
 
 
 def _refuse_media(messages: list, param: str) -> None:
-    """Images and audio in a score_model grader's messages: a 400 that says why."""
+    """Images and audio in a model grader's messages: a 400 that says why."""
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         parts = content if isinstance(content, list) else [content]
@@ -278,7 +314,7 @@ def _refuse_media(messages: list, param: str) -> None:
             if kind is not None and kind not in ("input_text", "output_text"):
                 where = f"{param}.{i}.content" + (f".{j}" if isinstance(content, list) else "")
                 raise InvalidRequest(
-                    f"{where}.type: {kind!r}: score_model graders take text only here (no "
+                    f"{where}.type: {kind!r}: model graders take text only here (no "
                     "model this service serves reads images or audio)",
                     param=f"{where}.type",
                 )
@@ -325,7 +361,7 @@ def _templates(grader: Any, param: str) -> list[tuple[str, str]]:
     out = []
     for name, leaf in leaves(grader):
         where = f"{param}.graders.{name}" if name else param
-        if isinstance(leaf, ScoreModel):
+        if isinstance(leaf, ScoreModel | LabelModel):
             out += [(f"{where}.input.{i}", m.text()) for i, m in enumerate(leaf.input)]
         elif not isinstance(leaf, Python):  # python graders read `item` themselves
             out += [(f"{where}.input", leaf.input), (f"{where}.reference", leaf.reference)]
@@ -384,7 +420,7 @@ class SampleNotJson(Exception):
     """A template asks for `sample.output_json` (or a key of it) that the answer lacks."""
 
 
-# a score_model grader's question: (model, [{"role", "content"}], sampling) -> (answer,
+# a model grader's question: (model, [{"role", "content"}], sampling) -> (answer,
 # tokens used); the caller answers it the way its chat completions do
 Ask = Callable[[str, list[dict[str, str]], dict[str, Any]], tuple[str, int]]
 
@@ -392,7 +428,7 @@ Ask = Callable[[str, list[dict[str, str]], dict[str, Any]], tuple[str, int]]
 @dataclass(frozen=True)
 class Runners:
     """What grading needs beyond the grader: the python sandbox's limits, and how to ask
-    a served model (None: a score_model grader cannot be run here)."""
+    a served model (None: model graders cannot be run here)."""
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     ask: Ask | None = None
@@ -409,7 +445,9 @@ class Graded:
     python_errors: list[str] = field(default_factory=list)  # why a python grader scored 0
     python_server_error: bool = False  # the sandbox failed (not the grader's code)
     formula_error: bool = False  # calculate_output had no value (e.g. a division by 0)
-    model_parse_error: bool = False  # a score_model's answer held no number
+    model_parse_error: bool = (
+        False  # a score_model's answer held no number, a label_model's no label
+    )
     model_tokens: dict[str, int] = field(default_factory=dict)  # model -> tokens used
     seconds: float = 0.0
 
@@ -425,7 +463,7 @@ def grade(
     runners: Runners | None = None,
     python: dict[int, PythonScore] | None = None,
 ) -> Graded:
-    """Score `sample` against `item`. Deterministic but for score_model graders sampled
+    """Score `sample` against `item`. Deterministic but for model graders sampled
     without a seed: the same inputs, the same reward. A template naming an item key that
     is missing raises InvalidRequest; one asking for the sample's JSON when it is not JSON
     scores 0 (OpenAI's `sample_parse_error`). `python`: each python grader's score of this
@@ -448,7 +486,7 @@ def grade(
     return out
 
 
-ASKED_AT_ONCE = 4  # a batch's score_model questions in flight at once (a tenant's default
+ASKED_AT_ONCE = 4  # a batch's model graders' questions in flight at once (a tenant's default
 # share of generations: PSTAR_MAX_CONCURRENT_GENERATIONS_PER_TENANT)
 
 
@@ -472,9 +510,9 @@ def grade_all(
     def one(n: int) -> Graded:
         return grade(grader, samples[n], items[n], run, {k: v[n] for k, v in scored.items()})
 
-    if not any(isinstance(leaf, ScoreModel) for _, leaf in leaves(grader)):
+    if not any(isinstance(leaf, ScoreModel | LabelModel) for _, leaf in leaves(grader)):
         return [one(n) for n in range(len(samples))]
-    # score_model questions wait on a model: several in flight, batched by its server; a
+    # model graders' questions wait on a model: several in flight, batched by its server; a
     # question that fails stops the batch (those not started are dropped)
     pool = ThreadPoolExecutor(max_workers=ASKED_AT_ONCE)
     try:
@@ -516,6 +554,8 @@ def _score(leaf: Any, ns: dict, run: Runners, out: Graded, ready: dict[int, Pyth
         return got.score
     if isinstance(leaf, ScoreModel):
         return _ask_model(leaf, ns, run, out)
+    if isinstance(leaf, LabelModel):
+        return _ask_label(leaf, ns, run, out)
     text, ref = render(leaf.input, ns), render(leaf.reference, ns)
     if isinstance(leaf, StringCheck):
         return float(_STRING_OPS[leaf.operation](text, ref))
@@ -525,22 +565,43 @@ def _score(leaf: Any, ns: dict, run: Runners, out: Graded, ready: dict[int, Pyth
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-def _ask_model(leaf: ScoreModel, ns: dict, run: Runners, out: Graded) -> float:
+def _asked(leaf: ScoreModel | LabelModel, ns: dict, run: Runners, out: Graded, **more: Any) -> str:
+    """A model grader's answer to its rendered messages (`more`: sampling settings)."""
     if run.ask is None:
-        raise InvalidRequest("score_model graders cannot be run here", param="grader.type")
+        raise InvalidRequest(f"{leaf.type} graders cannot be run here", param="grader.type")
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": render(m.text(), ns)}
         for m in leaf.input
     ]
-    sp = leaf.sampling_params or ModelSampling()
-    sampling = {
-        "max_tokens": sp.max_completions_tokens,
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "seed": sp.seed,
-    }
-    answer, tokens = run.ask(leaf.model, messages, sampling)
+    answer, tokens = run.ask(leaf.model, messages, more)
     out.model_tokens[leaf.model] = out.model_tokens.get(leaf.model, 0) + tokens
+    return answer
+
+
+def _ask_label(leaf: LabelModel, ns: dict, run: Runners, out: Graded) -> float:
+    schema = {"name": "label", "strict": True, "schema": leaf.answer_schema()}
+    answer = _asked(
+        leaf,
+        ns,
+        run,
+        out,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": schema},
+    )
+    label = _json_or_none(answer)
+    if not isinstance(label, dict) or label.get("label") not in leaf.labels:
+        out.model_parse_error = True
+        return 0.0
+    return float(label["label"] in leaf.passing_labels)
+
+
+def _ask_model(leaf: ScoreModel, ns: dict, run: Runners, out: Graded) -> float:
+    sp = leaf.sampling_params or ModelSampling()
+    answer = _asked(
+        leaf, ns, run, out,
+        max_tokens=sp.max_completions_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        seed=sp.seed,
+    )  # fmt: skip
     low, high = leaf.range
     found = _NUMBER.search(answer)
     if found is None:

@@ -133,12 +133,19 @@ class ReinforcementMethod(Method):
         file's first lines (a key they name that a line lacks is a 400 now, not a zero
         reward for every answer later)."""
         from service.data.datasets import prompt_item
-        from service.methods.graders import ScoreModel, check_item, leaves, parse_grader
+        from service.methods.graders import (
+            LabelModel,
+            ScoreModel,
+            check_item,
+            leaves,
+            parse_grader,
+        )
 
         if section is None:
             raise InvalidRequest(
                 f"method.type 'reinforcement' needs {GRADER}: the grader that scores each "
-                "answer (string_check, text_similarity, score_model, multi or python)",
+                "answer (string_check, text_similarity, score_model, label_model, multi or "
+                "python)",
                 param=GRADER,
             )
         assert isinstance(section, ReinforcementSection)
@@ -152,9 +159,9 @@ class ReinforcementMethod(Method):
             )
         grader = parse_grader(section.grader, GRADER, python=python_graders)
         for name, leaf in leaves(grader):
-            if isinstance(leaf, ScoreModel):
+            if isinstance(leaf, ScoreModel | LabelModel):
                 where = f"{GRADER}.graders.{name}" if name else GRADER
-                sp = leaf.sampling_params
+                sp = leaf.sampling_params if isinstance(leaf, ScoreModel) else None
                 try:
                     servable(leaf.model, sp.max_completions_tokens if sp else None)
                 except (InvalidRequest, NotFound) as e:
@@ -164,7 +171,7 @@ class ReinforcementMethod(Method):
                         else "model"
                     )
                     raise InvalidRequest(
-                        f"{where}.{field}: {e.message} (a score_model grader asks a model "
+                        f"{where}.{field}: {e.message} (a {leaf.type} grader asks a model "
                         "this service serves to its tenant, through its chat completions)",
                         param=f"{where}.{field}",
                     ) from None

@@ -130,3 +130,44 @@ def test_a_score_model_grader_asks_a_served_model_as_chat_completions_would(clie
     assert got.model_grader_token_usage_per_model == {"tiny-llama": answer.usage.total_tokens}
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.alpha.graders.run(grader={**judge, "model": "nope"}, model_sample="x")
+
+
+def test_a_label_model_grader_gets_one_label_from_a_served_model_by_structured_output(client):
+    """The tiny random model answers in free text with no label in it; asked by a
+    label_model grader its answer is decoded to the labels' schema, so it names one label
+    (the same as chat completions with that response_format, greedy) and scores 1 exactly
+    when the label passes, with no parse error."""
+    import json
+
+    labels = ["yes", "no", "unsure"]
+    grader = {
+        "type": "label_model", "name": "tone", "model": "tiny-llama", "labels": labels,
+        "input": [{"role": "user", "content": "Is {{sample.output_text}} polite?"}],
+    }  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"label": {"type": "string", "enum": labels}},
+        "required": ["label"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Is Thanks polite?"}],
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "label", "strict": True, "schema": schema},
+        },
+    )
+    label = json.loads(answer.choices[0].message.content)["label"]
+    assert label in labels
+    for passing in (["yes"], ["no"], ["unsure"]):
+        got = client.fine_tuning.alpha.graders.run(
+            grader={**grader, "passing_labels": passing}, model_sample="Thanks"
+        )
+        assert got.reward == float(label in passing)
+        assert not got.metadata.errors.model_grader_parse_error
+        assert got.metadata.type == "label_model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.alpha.graders.validate(grader={**grader, "passing_labels": ["maybe"]})
+    assert e.value.body["param"] == "grader.passing_labels"

@@ -52,3 +52,14 @@ def test_the_sweep_revokes_the_keys_no_running_attempt_holds(tmp_path):
     store.jobs.update(ended.id, status=JobStatus.CANCELLED)
     assert grader_access.sweep(store) == 3  # the paused, the ended, the stale attempt 0
     assert live(store) == [f"grader of {running.id} attempt 1"]
+
+
+def test_model_graders_anywhere_in_the_grader_need_a_key():
+    judge = {"type": "label_model", "name": "l", "model": "m"}
+    check = {"type": "string_check", "name": "s"}
+    assert grader_access.asks_models(judge)
+    assert grader_access.asks_models({**judge, "type": "score_model"})
+    assert not grader_access.asks_models(check)
+    assert grader_access.asks_models({"type": "multi", "graders": {"a": check, "b": judge}})
+    assert grader_access.asks_models({"type": "multi", "graders": judge})  # the SDK's shape
+    assert not grader_access.asks_models({"type": "multi", "graders": check})

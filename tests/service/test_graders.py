@@ -141,8 +141,15 @@ def test_templates_reach_nested_item_keys_and_the_samples_json():
     [
         ({"type": "python", "name": "p", "source": "def grade(s, i): return 1"},
          "grader.type", "off on this server"),
-        ({"type": "label_model", "name": "s", "model": "m", "input": []},
-         "grader.type", "not run by this service"),
+        ({"type": "label_model", "name": "s", "model": "m", "input": [{"role": "user",
+          "content": "x"}], "labels": ["a", "b"], "passing_labels": ["c"]},
+         "grader.passing_labels", "not among labels"),
+        ({"type": "label_model", "name": "s", "model": "m", "input": [{"role": "user",
+          "content": "x"}], "labels": ["a", "a"], "passing_labels": ["a"]},
+         "grader.labels", "must differ"),
+        ({"type": "label_model", "name": "s", "model": "m", "input": [{"role": "user",
+          "content": [{"type": "input_audio", "input_audio": {}}]}], "labels": ["a"],
+          "passing_labels": ["a"]}, "grader.input.0.content.0.type", "text only"),
         ({"type": "score_model", "name": "s", "model": "m", "range": [1, 0],
           "input": [{"role": "user", "content": "x"}]}, "grader.range", "low < high"),
         ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "user",
@@ -214,6 +221,44 @@ def test_score_model_asks_the_model_and_reads_the_first_number_within_the_range(
         {"role": "user", "content": "Q: Capital of Norway? A: Oslo"},
     ]
     assert sampling == {"max_tokens": 5, "temperature": 0, "top_p": None, "seed": 3}
+
+
+def test_label_model_asks_for_one_label_by_its_schema_and_passes_the_passing_ones():
+    """The judge is asked at temperature 0 with a JSON schema whose only answer is one of
+    the labels; a passing label scores 1, another 0, an answer that is no label 0 with the
+    parse error (a judge whose answer could not be constrained)."""
+    asked = []
+
+    def ask(model, messages, sampling):
+        asked.append((model, messages, sampling))
+        return answers.pop(0), 5
+
+    raw = {
+        "type": "label_model", "name": "tone", "model": "judge-model",
+        "labels": ["polite", "neutral", "rude"], "passing_labels": ["polite", "neutral"],
+        "input": [{"role": "user", "content": "Label the tone of: {{sample.output_text}}"}],
+    }  # fmt: skip
+    grader = parse_grader(raw)
+    answers = ['{"label": "neutral"}', '{"label": "rude"}', "polite!", '{"label": "angry"}']
+    got = [grade(grader, "Thanks.", {}, Runners(ask=ask)) for _ in range(4)]
+    assert [g.reward for g in got] == [1.0, 0.0, 0.0, 0.0]
+    assert [g.model_parse_error for g in got] == [False, False, True, True]
+    model, messages, sampling = asked[0]
+    assert (model, messages) == ("judge-model", [
+        {"role": "user", "content": "Label the tone of: Thanks."}
+    ])  # fmt: skip
+    assert sampling["temperature"] == 0
+    schema = sampling["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["label"]["enum"] == ["polite", "neutral", "rude"]
+    assert schema["required"] == ["label"]
+    multi = {"type": "multi", "name": "m", "calculate_output": "tone",
+             "graders": raw}  # fmt: skip  # the SDK's single-grader shape
+    assert (
+        grade(
+            parse_grader(multi), "x", {}, Runners(ask=lambda *a: ('{"label": "polite"}', 1))
+        ).reward
+        == 1.0
+    )
 
 
 def _multi(formula: str) -> dict:
