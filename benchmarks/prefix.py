@@ -6,6 +6,8 @@ one keeping none, asked the same requests in interleaved rounds, greedy:
 - `system`: `questions` chats that share one long system prompt (numbered house rules,
   about `system_tokens` tokens), each a different question, one after another; the first
   of a round fills the cache, so the figures are over the rest;
+- `together`: the same many chats (each question asked differently) sent at once after
+  those, prefilled together: with the cache, each row reuses the system prompt;
 - `turns`: one conversation of `turns` turns, each prompt the whole transcript so far
   (the model's own answers sent back, as a chat client or an agent loop does).
 Measured per request: the time to its first token (`max_tokens` 1 for `system`, the
@@ -51,6 +53,15 @@ def system_prompt(tokenizer: Any, tokens: int) -> str:
 
 def first_token(gen: Any, ids: list[int], max_tokens: int) -> tuple[float, Any]:
     """Seconds from submitting to the first token, and the whole answer."""
+    return first_tokens(gen, [ids], max_tokens)[0]
+
+
+def first_tokens(gen: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, Any]]:
+    """`prompts` submitted at once: each one's seconds to its first token and its answer."""
+    return [wait() for wait in [_submit(gen, ids, max_tokens) for ids in prompts]]
+
+
+def _submit(gen: Any, ids: list[int], max_tokens: int) -> Any:
     from service.serving.generation import (
         Done,
         Finish,
@@ -80,10 +91,14 @@ def first_token(gen: Any, ids: list[int], max_tokens: int) -> tuple[float, Any]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     gen.submit(Request(ids, params, emit))
-    done.wait()
-    if "error" in got:
-        raise RuntimeError(got["error"])
-    return seen[0] - t0, got
+
+    def wait() -> tuple[float, Any]:
+        done.wait()
+        if "error" in got:
+            raise RuntimeError(got["error"])
+        return seen[0] - t0, got
+
+    return wait
 
 
 def run(
@@ -106,8 +121,8 @@ def run(
     times: dict[tuple[str, str], list[float]] = {}
     cached: dict[tuple[str, str], list[int]] = {}
     answers: dict[tuple[str, str], list[tuple[int, ...]]] = {}
-    same = {"system": 0, "turns": 0}
-    asked = {"system": 0, "turns": 0}
+    same = {"system": 0, "together": 0, "turns": 0}
+    asked = dict.fromkeys(same, 0)
     try:
         for _ in range(rounds):
             for name, gen in gens.items():
@@ -123,6 +138,19 @@ def run(
                         times.setdefault(("system", name), []).append(s)
                         cached.setdefault(("system", name), []).append(got["cached"])
                     answers.setdefault(("system", name), []).append(got["tokens"])
+                batch = [
+                    gen.render(
+                        [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": f"Briefly: {q}"},
+                        ]
+                    )
+                    for q in qs
+                ]
+                for s, got in first_tokens(gen, batch, 1):
+                    times.setdefault(("together", name), []).append(s)
+                    cached.setdefault(("together", name), []).append(got["cached"])
+                    answers.setdefault(("together", name), []).append(got["tokens"])
                 msgs = [{"role": "system", "content": system}]
                 for q in QUESTIONS[:turns]:
                     msgs.append({"role": "user", "content": q})
@@ -152,8 +180,7 @@ def run(
         )
     by = {(r["case"], r["cache"]): r for r in rows}
     ratio = {
-        c: round(by[(c, "kept")]["ttft_p50_ms"] / by[(c, "none")]["ttft_p50_ms"], 3)
-        for c in ("system", "turns")
+        c: round(by[(c, "kept")]["ttft_p50_ms"] / by[(c, "none")]["ttft_p50_ms"], 3) for c in same
     }
     table = Table(
         title=f"prefix cache on {model_dir.name}: {rounds} interleaved rounds, system prompt "
@@ -176,6 +203,7 @@ def run(
         "rounds": rounds,
         "cases": rows,
         "ttft_ratio_system": ratio["system"],
+        "ttft_ratio_together": ratio["together"],
         "ttft_ratio_turns": ratio["turns"],
         "same_tokens": {c: f"{same[c]}/{asked[c]}" for c in same},
     }

@@ -362,8 +362,8 @@ def bench_prefix(
     rounds: Annotated[int, typer.Option(help="interleaved rounds")] = 3,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
-    """Prefix caching: time to first token of chats sharing a long system prompt and of a
-    conversation's turns, a replica keeping prompts' keys and values against one keeping
+    """Prefix caching: time to first token of chats sharing a long system prompt (one by one
+    and all at once) and of a conversation's turns, a replica keeping prompts' keys and values against one keeping
     none, and whether their greedy answers are the same."""
     from benchmarks.prefix import run
 

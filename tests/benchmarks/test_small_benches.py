@@ -230,11 +230,12 @@ def test_bench_prefix_times_both_generators_and_compares_their_answers(tmp_path)
     got, out = invoke([*args, "--system-tokens", "40", "--json"])
     assert got["bench"] == "prefix"
     cases = {(c["case"], c["cache"]): c for c in got["cases"]}
-    assert set(cases) == {(c, k) for c in ("system", "turns") for k in ("kept", "none")}
+    assert set(cases) == {(c, k) for c in ("system", "together", "turns") for k in ("kept", "none")}
     assert cases[("system", "kept")]["cached_tokens_p50"] >= 40
     assert cases[("turns", "kept")]["cached_tokens_p50"] >= 40
+    assert cases[("together", "kept")]["cached_tokens_p50"] >= 40
     assert cases[("system", "none")]["cached_tokens_p50"] == 0
-    assert got["same_tokens"] == {"system": "3/3", "turns": "2/2"}
+    assert got["same_tokens"] == {"system": "3/3", "together": "3/3", "turns": "2/2"}
     assert got["ttft_ratio_system"] > 0
     assert "same greedy tokens" in out
     bad = runner.invoke(app, [*args, "--questions", "1"])
