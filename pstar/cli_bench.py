@@ -363,8 +363,8 @@ def bench_prefix(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Prefix caching: time to first token of chats sharing a long system prompt (one by one
-    and all at once) and of a conversation's turns, a replica keeping prompts' keys and values against one keeping
-    none, and whether their greedy answers are the same."""
+    and all at once) and of a conversation's turns, a replica keeping prompts' keys and
+    values against one keeping none, and whether their greedy answers are the same."""
     from benchmarks.prefix import run
 
     _need_hf_dir(model_dir)

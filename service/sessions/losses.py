@@ -14,7 +14,15 @@ summed loss (`loss:sum`). The losses are sums over tokens, never means, as Tinke
 - `ppo`: the clipped surrogate, token by token:
   `-min(ratio * advantages, clamp(ratio, low, high) * advantages).sum()`, the thresholds
   from `loss_fn_config` (`clip_low_threshold` 0.8 and `clip_high_threshold` 1.2 unless
-  given).
+  given);
+- `cispo`: the clipped ratio as a coefficient, without its gradient:
+  `-(sg(clamp(ratio, low, high)) * logprobs * advantages).sum()` (Tinker's defaults: no
+  lower bound, 0.0, and 4.0 above);
+- `dro`: `-(logprobs * advantages - beta / 2 * (logprobs - sampling_logprobs) ** 2).sum()`,
+  `beta` from `loss_fn_config` (asked for: Tinker's documents give no default).
+
+The policy losses' inputs are those of `importance_sampling`; their formulas are Tinker's
+documented ones.
 
 Anything else (another loss, a custom one, images) is refused by name before the engine
 runs (`Unsupported`), and malformed inputs with what was wrong (`BadInput`).
@@ -33,8 +41,12 @@ NEEDS = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
 }
-CONFIG_KEYS = {"ppo": ("clip_low_threshold", "clip_high_threshold")}
+CLIPS = ("clip_low_threshold", "clip_high_threshold")
+CONFIG_KEYS = {"ppo": CLIPS, "cispo": CLIPS, "dro": ("beta",)}
+CISPO_LOW, CISPO_HIGH = 0.0, 4.0
 
 
 class Unsupported(ValueError):
@@ -68,6 +80,7 @@ def check(data: Sequence[Datum], loss_fn: str, config: Mapping[str, Any] | None)
     if unknown:
         takes = ", ".join(CONFIG_KEYS.get(loss_fn, ())) or "none"
         raise BadInput(f"loss_fn_config keys {sorted(unknown)} are not used by {loss_fn}: {takes}")
+    _settings(loss_fn, config or {})
     if not data:
         raise BadInput("no data: pass at least one datum")
     for k, d in enumerate(data):
@@ -148,13 +161,40 @@ def _loss(name: str, logp: torch.Tensor, padded: Any, config: Mapping[str, Any])
     f32 = torch.float32
     if name == "cross_entropy":
         return -padded("weights", f32) * logp
-    ratio = torch.exp(logp - padded("logprobs", f32))
-    advantages = padded("advantages", f32)
+    sampled, advantages = padded("logprobs", f32), padded("advantages", f32)
+    ratio = torch.exp(logp - sampled)
+    got = _settings(name, config)
     if name == "importance_sampling":
         return -ratio * advantages
-    low = float(config.get("clip_low_threshold", CLIP_LOW))
-    high = float(config.get("clip_high_threshold", CLIP_HIGH))
-    if not 0 < low <= 1 <= high:
-        raise BadInput(f"ppo clip thresholds must satisfy 0 < low <= 1 <= high, got {low}, {high}")
-    clipped = torch.clamp(ratio, low, high)
+    if name == "dro":
+        return -(logp * advantages - 0.5 * got["beta"] * (logp - sampled) ** 2)
+    clipped = torch.clamp(ratio, got["clip_low_threshold"], got["clip_high_threshold"])
+    if name == "cispo":
+        return -clipped.detach() * logp * advantages
     return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def _settings(name: str, config: Mapping[str, Any]) -> dict[str, float]:
+    """The loss's settings from `loss_fn_config`, defaults filled in; a BadInput for one
+    that is missing or out of its range."""
+    values = {}
+    for key in CONFIG_KEYS.get(name, ()):
+        if key in config:
+            try:
+                values[key] = float(config[key])
+            except (TypeError, ValueError):
+                raise BadInput(f"loss_fn_config[{key!r}] must be a number") from None
+    if name == "dro":
+        if "beta" not in values:
+            raise BadInput("dro needs loss_fn_config {'beta': ...}: the quadratic penalty's weight")
+        if not values["beta"] >= 0:
+            raise BadInput(f"dro's beta must be >= 0, got {values['beta']}")
+    elif name in ("ppo", "cispo"):
+        low, high = (CLIP_LOW, CLIP_HIGH) if name == "ppo" else (CISPO_LOW, CISPO_HIGH)
+        low = values.setdefault("clip_low_threshold", low)
+        high = values.setdefault("clip_high_threshold", high)
+        ok = 0 < low <= 1 <= high if name == "ppo" else 0 <= low <= high
+        if not ok:
+            rule = "0 < low <= 1 <= high" if name == "ppo" else "0 <= low <= high"
+            raise BadInput(f"{name} clip thresholds must satisfy {rule}, got {low}, {high}")
+    return values

@@ -229,5 +229,5 @@ def check_unsupported(body: Any) -> None:
     if body.record_stability_info:
         raise Unsupported(
             "record_stability_info (StableReinforce) is not supported; sample without it and "
-            "train with importance_sampling or ppo"
+            "train with importance_sampling, ppo, cispo or dro"
         )

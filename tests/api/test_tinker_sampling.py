@@ -215,7 +215,7 @@ def rl_datum(prompt: list[int], seq, advantage: float):
     )
 
 
-@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo"])
 def test_an_rl_loop_through_the_sdk_raises_its_reward(server, loss_fn):
     """rl_loop's shape on the tiny model: sample a group per prompt from the latest
     weights, reward each sample (its share of GOOD tokens), group-centred advantages,

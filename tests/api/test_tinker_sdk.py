@@ -106,7 +106,11 @@ def test_requests_the_engine_cannot_run_fail_with_what_is_missing(server):
         .create_lora_training_client(base_model="tiny-llama", rank=2, train_unembed=False)
         .result()
     )
-    with pytest.raises(tinker.RequestFailedError, match="loss_fn 'dro' is not supported"):
+    with pytest.raises(
+        tinker.RequestFailedError, match="loss_fn 'stable_reinforce' is not supported"
+    ):
+        tc.forward_backward([datum(SEQS[0])], "stable_reinforce").result()
+    with pytest.raises(tinker.RequestFailedError, match="dro needs loss_fn_config"):
         tc.forward_backward([datum(SEQS[0])], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="not a base model here"):
         client(server).create_lora_training_client(base_model="no-such-model", rank=2).result()

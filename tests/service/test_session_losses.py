@@ -129,6 +129,69 @@ def test_policy_losses_equal_their_formulas_from_the_returned_logprobs(loss_fn):
         assert clipped > 0  # the clip was exercised
 
 
+def _policy_formula(loss_fn: str, lp: torch.Tensor, q: torch.Tensor, a: torch.Tensor, cfg):
+    """Tinker's documented per-sequence loss (autograd through `lp`)."""
+    ratio = torch.exp(lp - q)
+    if loss_fn == "cispo":
+        low, high = cfg.get("clip_low_threshold", 0.0), cfg.get("clip_high_threshold", 4.0)
+        return -(torch.clamp(ratio, low, high).detach() * lp * a).sum()
+    return -(lp * a - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()  # dro
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "cfg"),
+    [("cispo", {}), ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+     ("dro", {"beta": 0.5})],
+)  # fmt: skip
+def test_cispo_and_dro_equal_their_formulas_and_step_as_torch_adamw_on_them(loss_fn, cfg):
+    """The loss from the returned log-probabilities, and three steps against torch's AdamW
+    on the same formula by autograd (CISPO's clipped ratio carries no gradient: a wrong
+    detach changes the update, not the loss)."""
+    m, seqs = model(), sequences()
+    g = torch.Generator().manual_seed(5)
+    base = reference_logprobs(m, seqs)
+    sampled = [(b + (torch.rand(len(b), generator=g) - 0.5)).tolist() for b in base]
+    adv = [torch.randn(len(b), generator=g).tolist() for b in base]
+    data = [
+        shifted(s, logprobs=q, advantages=a) for s, q, a in zip(seqs, sampled, adv, strict=True)
+    ]
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(
+        ref.parameters(), lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=0.0,
+        foreach=False,
+    )  # fmt: skip
+    clipped = 0
+    with engine_of(m) as engine:
+        for _ in range(3):
+            out = run(engine, data, loss_fn, cfg)
+            engine.step(ADAM)
+            got = sum(
+                float(
+                    _policy_formula(
+                        loss_fn, torch.tensor(lp), torch.tensor(q), torch.tensor(a), cfg
+                    )
+                )
+                for lp, q, a in zip(out.logprobs, sampled, adv, strict=True)
+            )
+            assert out.metrics["loss:sum"] == pytest.approx(got, rel=1e-5)
+            total = torch.zeros(())
+            for s, q, a in zip(seqs, sampled, adv, strict=True):
+                logits = ref(input_ids=torch.tensor([s[:-1]])).logits[0]
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s[1:])[:, None])[:, 0]
+                total = total + _policy_formula(loss_fn, lp, torch.tensor(q), torch.tensor(a), cfg)
+                if loss_fn == "cispo" and cfg:
+                    r = torch.exp(lp.detach() - torch.tensor(q))
+                    clipped += int((torch.clamp(r, 0.9, 1.1) != r).sum())
+            total.backward()
+            opt.step()
+            opt.zero_grad()
+        after = run(engine, data, loss_fn, cfg, backward=False)
+    for got_lp, w in zip(after.logprobs, reference_logprobs(ref, seqs), strict=True):
+        torch.testing.assert_close(torch.tensor(got_lp), w, rtol=1e-4, atol=1e-5)
+    if loss_fn == "cispo" and cfg:
+        assert clipped > 0  # the clip was exercised
+
+
 def test_what_cannot_run_is_refused_by_name_before_the_engine_runs():
     seq = sequences(1)[0]
     with engine_of(model()) as engine:
@@ -138,6 +201,13 @@ def test_what_cannot_run_is_refused_by_name_before_the_engine_runs():
             run(engine, [shifted(seq, weights=[1.0] * (len(seq) - 1))], "custom")
         with pytest.raises(BadInput, match=r"needs loss_fn_inputs \['advantages'\]"):
             run(engine, [shifted(seq, logprobs=[0.0] * (len(seq) - 1))], "ppo")
+        policy = shifted(seq, logprobs=[0.0] * (len(seq) - 1), advantages=[1.0] * (len(seq) - 1))
+        with pytest.raises(BadInput, match="dro needs loss_fn_config"):
+            run(engine, [policy], "dro")
+        with pytest.raises(BadInput, match="must satisfy 0 <= low <= high"):
+            run(engine, [policy], "cispo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0})
+        with pytest.raises(BadInput, match="must be a number"):
+            run(engine, [policy], "dro", {"beta": "x"})
         with pytest.raises(BadInput, match="has 2 entries for"):
             run(engine, [shifted(seq, weights=[1.0, 1.0])], "cross_entropy")
         with pytest.raises(BadInput, match="not used by cross_entropy"):
