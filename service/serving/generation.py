@@ -46,7 +46,6 @@ import torch
 from service.data.tokens import eos_ids
 from service.data.tools import JSON_LAYOUT, ToolFormatError, reads_calls, template_messages
 from service.serving.kv import (
-    Match,
     PrefixCache,
     cut_common_padding,
     reused_cache,
@@ -83,6 +82,9 @@ class SamplingParams:
     # distribution (no temperature), as (token id, log-probability) pairs
     top_logprobs: int = 0
     grammar: str | None = None  # each choice decoded to it (llguidance's; see grammar_of)
+    # with prompt_logprobs: only the last n are wanted, so the tokens before them may come
+    # from the prefix cache (the others are NaN, as the first always is)
+    prompt_logprobs_last_n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -442,10 +444,7 @@ class Generator:
         columns are its own). A lone request with nothing reused is `generate`'s prefill."""
         from transformers import DynamicCache
 
-        found: list[Match | None] = [
-            None if r.params.prompt_logprobs else self.prefixes.match(r.owner, r.prompt_ids)
-            for r in reqs
-        ]
+        found = [self.prefixes.match(r.owner, self._reusable(r)) for r in reqs]
         used = [m.length if m is not None else 0 for m in found]
         reused = max(used)
         width = max(len(r.prompt_ids) - u for r, u in zip(reqs, used, strict=True))
@@ -469,14 +468,14 @@ class Generator:
                 self.prefixes.store(r.owner, r.prompt_ids, row_layers(cache, k, mask))
         if every:
             for k, req in enumerate(reqs):
-                if req.params.prompt_logprobs:  # its own positions (prefilled whole)
-                    at = width - len(req.prompt_ids)
+                if req.params.prompt_logprobs:  # its own positions, past what was reused
+                    at = width - (len(req.prompt_ids) - used[k])
                     every_lp = torch.log_softmax(logits[k, at:-1], -1)
                     lp = every_lp.gather(-1, ids[k, at + 1 :, None])[:, 0]
                     top = likeliest(every_lp, req.params.top_logprobs)
-                    req.emit(
-                        PromptLogprobs((float("nan"), *lp.tolist()), ((), *top) if top else ())
-                    )
+                    unknown = used[k] + 1  # the first token, and those reused
+                    values = (float("nan"),) * unknown + tuple(lp.tolist())
+                    req.emit(PromptLogprobs(values, ((),) * unknown + tuple(top) if top else ()))
             logits = logits[:, -1]
         rows: list[_Row] = []
         of: list[int] = []  # the prefilled row each new row copies
@@ -502,6 +501,18 @@ class Generator:
         lengths = torch.tensor([len(reqs[k].prompt_ids) for k in of], device=self.device)
         self._join(rows, cache, mask[of], first, lengths)
         self._emit_tokens(rows, first.tolist())
+
+    @staticmethod
+    def _reusable(req: Request) -> list[int]:
+        """The tokens of `req`'s prompt whose keys and values may come from the prefix
+        cache (all but the last, `PrefixCache.match`'s rule): none for a request asking for
+        every prompt token's log-probability, those before the last n it asks for."""
+        p, ids = req.params, req.prompt_ids
+        if not p.prompt_logprobs:
+            return ids
+        if p.prompt_logprobs_last_n is None:
+            return []
+        return ids[: max(0, len(ids) - p.prompt_logprobs_last_n)]
 
     def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Each row's next token from its fp32 logits ([rows, vocab]), in one batched pass:

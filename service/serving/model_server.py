@@ -80,6 +80,7 @@ def sampling(body: dict[str, Any], prompt_tokens: int, context: int) -> Sampling
         ignore_eos=bool(body.get("ignore_eos", False)),
         logprobs=bool(body.get("token_logprobs", False)),
         prompt_logprobs=bool(body.get("prompt_logprobs", False)),
+        prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
         top_logprobs=int(body.get("top_logprobs") or 0),
         grammar=grammar_of(body),
     )

@@ -76,6 +76,8 @@ class SampleCall:
         }
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
+        if self.prompt_logprobs_last_n is not None:  # the rest may come from the prefix cache
+            body["prompt_logprobs_last_n"] = self.prompt_logprobs_last_n
         return body
 
 

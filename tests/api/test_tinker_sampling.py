@@ -70,6 +70,18 @@ def test_a_base_sampler_answers_as_transformers_greedy_with_logprobs(server):
     torch.testing.assert_close(
         torch.tensor(got[1:]), logprobs_of(model, PROMPT), rtol=1e-5, atol=1e-5
     )
+    # only the last n: the context before them may come from the prefix cache (the second
+    # call's does); the last n are transformers', the rest None
+    for end in ([5, 9, 13], [7, 11]):
+        seq = PROMPT + want + end
+        last = sampler.compute_logprobs(
+            T.ModelInput.from_ints(seq), prompt_logprobs_last_n=len(end)
+        ).result()
+        assert last[: -len(end)] == [None] * (len(seq) - len(end))
+        torch.testing.assert_close(
+            torch.tensor(last[-len(end) :]), logprobs_of(model, seq)[-len(end) :],
+            rtol=1e-4, atol=1e-4,
+        )  # fmt: skip
 
 
 def test_stop_tokens_end_a_sample_and_the_stop_token_is_its_last(server):

@@ -249,3 +249,37 @@ def test_a_sliding_window_model_keeps_nothing_and_answers_past_its_window(tmp_pa
         assert gen.prefixes.stats()["prefix_entries"] == 0
     finally:
         gen.close()
+
+
+def test_only_the_last_n_prompt_logprobs_asked_reuse_the_context_before_them(gens):
+    """Tinker's compute_logprobs(prompt, prompt_logprobs_last_n=n): log P(completion |
+    context) for several completions of one long context. The context's keys and values
+    come from the cache; the last n values equal a whole prefill's, the others are NaN;
+    asking for every position reuses nothing."""
+    import math
+
+    from service.serving.generation import SamplingParams, complete
+
+    kept, plain = gens
+    context = prompt(kept, "ocean")
+    ends = [kept.encode(" blue and deep"), kept.encode(" cold at night, mostly")]
+    for end in ends:
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True,
+                                prompt_logprobs_last_n=len(end))  # fmt: skip
+        got = complete(kept, context + end, params)
+        whole = complete(plain, context + end, SamplingParams(max_tokens=1, prompt_logprobs=True))
+        assert got.usage is not None
+        n = len(end)
+        assert got.prompt_logprobs is not None
+        assert whole.prompt_logprobs is not None
+        assert len(got.prompt_logprobs) == len(context) + n
+        assert got.prompt_logprobs[-n:] == pytest.approx(whole.prompt_logprobs[-n:], abs=1e-4)
+        if end is ends[1]:  # the first stored the context (and its own end); the
+            # context's last token is fed again, for the first asked token's logits
+            assert got.usage.cached_tokens == len(context) - 1
+            assert all(math.isnan(v) for v in got.prompt_logprobs[: len(context)])
+    every = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True)
+    got = complete(kept, context + ends[0], every)
+    assert got.usage is not None
+    assert got.usage.cached_tokens == 0
+    assert not any(math.isnan(v) for v in got.prompt_logprobs[1:])
