@@ -26,6 +26,10 @@ What the thread emits to a request, through its `emit` callback (called on the t
 the caller hops to its own loop): `Token(index, text)` pieces of text as they become
 final (held back while they could still be the start of a stop string, or end in the
 middle of a UTF-8 character), `Finish(index, reason)` per choice, then `Done(usage)`.
+
+Beside it: the batch's KV caches and the prompts kept across requests (`kv`), constrained
+decoding (`guided`), a choice's released text (`text`), and a blocking run of one request
+(`collect.complete`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from typing import Any
 import torch
 
 from service.data.tokens import eos_ids
-from service.data.tools import JSON_LAYOUT, ToolFormatError, reads_calls, template_messages
+from service.data.tools import ToolFormatError, reads_calls, template_messages
+from service.serving.guided import Guide
 from service.serving.kv import (
     PrefixCache,
     cut_common_padding,
@@ -52,6 +57,7 @@ from service.serving.kv import (
     row_layers,
     stack_under,
 )
+from service.serving.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -144,52 +150,12 @@ class _Row:
 
     req: Request
     index: int
-    text: _TextStream
+    text: TextStream
     rng: torch.Generator | None
     generated: int = 0
     logprobs: list[float] = field(default_factory=list)
     top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     matcher: Any = None  # the row's JSON-schema matcher (llguidance) when it has a schema
-
-
-class _TextStream:
-    """The text of one choice, released as it becomes final: decoded from all its tokens
-    so far (so multi-token characters come out whole), cut at the first stop string."""
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already emitted
-
-    def add(self, token: int) -> tuple[str, bool]:
-        """(the text now final, whether a stop string was reached)."""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            at = text.find(s, max(0, self.sent - len(s) + 1))
-            if at >= 0:
-                out = text[self.sent : at]
-                self.sent = at
-                return out, True
-        safe = len(text)
-        if text.endswith("\ufffd"):  # a character still arriving in later tokens
-            safe = len(text.rstrip("\ufffd"))
-        for s in self.stop:  # hold back what could still become a stop string
-            for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
-                if text[safe - k : safe] == s[:k]:
-                    safe -= k
-                    break
-        out = text[self.sent : safe]
-        self.sent = max(self.sent, safe)
-        return out, False
-
-    def rest(self) -> str:
-        """What was held back, at the end of a choice that did not stop on a stop string."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        out = text[self.sent :]
-        self.sent = len(text)
-        return out
 
 
 class Generator:
@@ -224,8 +190,8 @@ class Generator:
         self.max_adapters = max_adapters
         self._unload: set[str] = set()  # adapters to drop once no row uses them
         self.eos = eos_ids(self.model, self.tokenizer)
-        self._guide: Any = None  # llguidance's tokenizer, made at the first schema
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.guide = Guide(self.tokenizer, self.vocab_size)  # constrained decoding
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.max_batch = max_batch
         # prompts' keys and values across requests: for caches of plain layers only (a
@@ -489,9 +455,9 @@ class Generator:
                         rng.manual_seed((p.seed * 1000003 + i) % (1 << 63))  # any int
                     else:
                         rng.seed()
-                row = _Row(req, i, _TextStream(self.tokenizer, p.stop), rng)
+                row = _Row(req, i, TextStream(self.tokenizer, p.stop), rng)
                 if p.grammar is not None:
-                    row.matcher = self._matcher(p.grammar)
+                    row.matcher = self.guide.matcher(p.grammar)
                 rows.append(row)
                 of.append(k)
             req.open_choices = p.n
@@ -525,12 +491,12 @@ class Generator:
         params = [r.req.params for r in rows]
         guided = [i for i, r in enumerate(rows) if r.matcher is not None]
         if guided:
-            self._constrain(logits, [rows[i].matcher for i in guided], guided)
+            self.guide.constrain(logits, [rows[i].matcher for i in guided], guided)
         toks = logits.argmax(-1)
         draw = [i for i, p in enumerate(params) if p.temperature > 0]
         want = [i for i, p in enumerate(params) if p.logprobs]
         if not draw and not want:  # all greedy, no log-probabilities asked: the argmax
-            self._consume(rows, guided, toks)
+            self.guide.consume([rows[i].matcher for i in guided], [int(toks[i]) for i in guided])
             return toks
         temps = torch.tensor(
             [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
@@ -565,55 +531,8 @@ class Generator:
                 tops = likeliest(torch.log_softmax(logits[at], -1), k)
                 for i, top in zip(want, tops, strict=True):
                     rows[i].top.append(top[: params[i].top_logprobs])
-        self._consume(rows, guided, toks)
+        self.guide.consume([rows[i].matcher for i in guided], [int(toks[i]) for i in guided])
         return toks
-
-    # -- JSON-schema constrained decoding (response_format) --------------------------------
-
-    def _guide_tokenizer(self) -> Any:
-        """llguidance's view of the tokenizer, made once (about a second)."""
-        if self._guide is None:
-            import llguidance.hf
-
-            self._guide = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
-        return self._guide
-
-    def _matcher(self, grammar: str) -> Any:
-        from llguidance import LLMatcher
-
-        return LLMatcher(self._guide_tokenizer(), grammar, log_level=0)
-
-    def grammar_problem(self, grammar: str) -> str | None:
-        """Why the decoder cannot hold answers to `grammar` (`grammar_of`'s), or None."""
-        if not getattr(self.tokenizer, "is_fast", False):
-            return (
-                "this model's tokenizer is not a fast tokenizer, which constrained decoding needs"
-            )
-        try:
-            matcher = self._matcher(grammar)
-        except ValueError as e:
-            return str(e)
-        return matcher.get_error() if matcher.is_error() else None
-
-    def _constrain(self, logits: torch.Tensor, matchers: list[Any], at: list[int]) -> None:
-        """Rows `at` of `logits` keep only the tokens their schema allows next."""
-        from llguidance.torch import fill_next_token_bitmask
-
-        words = (logits.shape[-1] + 31) // 32
-        bitmask = torch.full((len(at), words), -1, dtype=torch.int32)
-        for j, m in enumerate(matchers):
-            fill_next_token_bitmask(m, bitmask, j)
-        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.reshape(len(at), -1)[:, : logits.shape[-1]].bool().to(logits.device)
-        rows = torch.tensor(at, device=logits.device)
-        with torch.inference_mode():  # the logits are the forward's inference tensor
-            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-    def _consume(self, rows: list[_Row], guided: list[int], toks: torch.Tensor) -> None:
-        if guided:
-            chosen = toks.tolist()
-            for i in guided:
-                rows[i].matcher.consume_token(chosen[i])
 
     def _join(self, rows, cache, mask, last, pos) -> None:
         """Stack new rows (their cache, mask, next token, position) under the batch."""
@@ -729,19 +648,6 @@ class Generator:
         self._clear()
 
 
-def grammar_of(body: dict[str, Any]) -> str | None:
-    """The grammar a request's answer is decoded to: its `lark` (a forced tool call) or its
-    `json_schema` (response_format, JSON text) as llguidance takes it; None without.
-    A value that is not JSON is a ValueError."""
-    from llguidance import LLMatcher
-
-    if body.get("lark"):
-        return str(LLMatcher.grammar_from_lark(body["lark"]))
-    if body.get("json_schema") is not None:
-        return str(LLMatcher.grammar_from_json_schema(body["json_schema"], defaults=JSON_LAYOUT))
-    return None
-
-
 def likeliest(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
     """Each row's `k` likeliest tokens and their log-probabilities ([rows, vocab] in)."""
     if k <= 0:
@@ -772,49 +678,3 @@ def default_dtype(device: str) -> torch.dtype:
     if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
-
-
-@dataclass
-class Collected:
-    """A whole completion (the non-streaming path and tests)."""
-
-    texts: dict[int, str] = field(default_factory=dict)
-    reasons: dict[int, str] = field(default_factory=dict)
-    tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    logprobs: dict[int, tuple[float, ...]] = field(default_factory=dict)
-    prompt_logprobs: tuple[float, ...] | None = None
-    usage: Done | None = None
-    error: str | None = None
-
-
-def complete(
-    gen: Generator,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    adapter: str | None = None,
-    adapter_path: Path | None = None,
-    tenant: str | None = None,
-) -> Collected:
-    """Run one request to its end on `gen` and collect it (blocking)."""
-    got = Collected()
-    done = threading.Event()
-
-    def emit(ev: Any) -> None:
-        if isinstance(ev, Token):
-            got.texts[ev.index] = got.texts.get(ev.index, "") + ev.text
-        elif isinstance(ev, Finish):
-            got.reasons[ev.index] = ev.reason
-            got.tokens[ev.index] = ev.tokens
-            got.logprobs[ev.index] = ev.logprobs
-        elif isinstance(ev, PromptLogprobs):
-            got.prompt_logprobs = ev.values
-        elif isinstance(ev, Done):
-            got.usage = ev
-            done.set()
-        else:
-            got.error = str(ev)
-            done.set()
-
-    gen.submit(Request(prompt_ids, params, emit, adapter, adapter_path, tenant))
-    done.wait()
-    return got

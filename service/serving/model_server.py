@@ -46,8 +46,8 @@ from service.serving.generation import (
     Request,
     SamplingParams,
     Token,
-    grammar_of,
 )
+from service.serving.guided import grammar_of
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ async def answer(
         ids, field = gen.encode(body.get("prompt", "")), "prompt"
     try:
         grammar = grammar_of(body)
-        why = gen.grammar_problem(grammar) if grammar is not None else None
+        why = gen.guide.problem(grammar) if grammar is not None else None
     except ValueError as e:
         why = str(e)
     if why:

@@ -95,7 +95,8 @@ def assert_same(got, want) -> None:
 
 
 def test_a_shared_system_prompt_is_prefilled_once_and_answers_as_prefilled_whole(gens):
-    from service.serving.generation import SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import SamplingParams
 
     kept, plain = gens
     greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=True, n=2)
@@ -119,7 +120,8 @@ def test_a_shared_system_prompt_is_prefilled_once_and_answers_as_prefilled_whole
 def test_the_next_turn_reuses_the_kept_answer_too(gens):
     """One choice's prompt and answer are kept as it ends: a follow-up that sends them
     back reuses all but the answer's last token (the one never fed)."""
-    from service.serving.generation import SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import SamplingParams
 
     kept, plain = gens
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
@@ -137,7 +139,8 @@ def test_a_group_mixing_reused_and_fresh_prompts_answers_each_as_alone(gens):
     """Queued together: a prompt with kept keys and values (padding between its two
     parts) and one with none, in one prefill; each answers as on the generator that keeps
     nothing, and the fresh one's prompt log-probabilities are its whole prompt's."""
-    from service.serving.generation import SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import SamplingParams
 
     kept, plain = gens
     greedy = SamplingParams(max_tokens=6, temperature=0, logprobs=True)
@@ -173,7 +176,8 @@ def test_a_group_mixing_reused_and_fresh_prompts_answers_each_as_alone(gens):
 
 def test_an_adapters_prompts_are_its_own_and_go_with_it(tmp_path):
     from benchmarks.models_made import _adapter
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
@@ -197,7 +201,8 @@ def test_an_adapters_prompts_are_its_own_and_go_with_it(tmp_path):
 def test_a_tenants_kept_prompts_are_not_reused_for_another_tenant(gens):
     """The same system prompt from a second tenant reuses nothing of the first's (its
     cached_tokens would tell how another tenant's prompts begin), then its own."""
-    from service.serving.generation import SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import SamplingParams
 
     kept, _ = gens
     greedy = SamplingParams(max_tokens=2, temperature=0)
@@ -220,7 +225,8 @@ def test_a_sliding_window_model_keeps_nothing_and_answers_past_its_window(tmp_pa
     import torch
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
 
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     llama = make_tiny_llama(tmp_path / "llama")
@@ -258,7 +264,8 @@ def test_only_the_last_n_prompt_logprobs_asked_reuse_the_context_before_them(gen
     asking for every position reuses nothing."""
     import math
 
-    from service.serving.generation import SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import SamplingParams
 
     kept, plain = gens
     context = prompt(kept, "ocean")

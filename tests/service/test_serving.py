@@ -21,7 +21,7 @@ from service.serving.deployments import (
     delete_model_files,
     target_of,
 )
-from service.serving.generation import _TextStream
+from service.serving.text import TextStream
 from service.settings import ServeSettings
 from tests.service.test_store import add_job
 
@@ -235,7 +235,7 @@ class Letters:
 
 
 def test_text_is_held_back_while_it_could_still_become_a_stop_string():
-    s = _TextStream(Letters(["ab", "cE", "N", "D", "x"]), ("END",))
+    s = TextStream(Letters(["ab", "cE", "N", "D", "x"]), ("END",))
     assert s.add(0) == ("ab", False)
     assert s.add(1) == ("c", False)  # "E" could start "END"
     assert s.add(2) == ("", False)  # "EN" too
@@ -243,7 +243,7 @@ def test_text_is_held_back_while_it_could_still_become_a_stop_string():
 
 
 def test_held_back_text_is_released_when_it_turns_out_not_to_stop():
-    s = _TextStream(Letters(["ab", "E", "x", "\ufffd"]), ("END",))
+    s = TextStream(Letters(["ab", "E", "x", "\ufffd"]), ("END",))
     s.add(0)
     assert s.add(1) == ("", False)
     assert s.add(2) == ("Ex", False)
@@ -263,7 +263,8 @@ def test_a_replica_keeps_its_most_recently_used_adapters_and_never_drops_a_busy_
     """max_adapters=2: a third adapter pushes out the least recently used one that no row
     decodes with; the answers stay each adapter's own."""
     from benchmarks.models_made import _adapter
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
@@ -295,7 +296,8 @@ def test_unloading_the_last_adapter_leaves_the_base_answering_as_before(tmp_path
     then raised a KeyError (each request a 500, once a replica's last adapter was
     deleted): the base answers as it did before, and the adapter loads again."""
     from benchmarks.models_made import _adapter
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
@@ -318,7 +320,8 @@ def test_a_vanishing_top_p_or_temperature_samples_the_likeliest_token(tmp_path):
     """top_p 5e-324 is 0 in float32, and kept no token at all; a temperature of 1e-300
     overflows the division: each was a 500 (multinomial of no probability). Both sample
     the likeliest token, as greedy decoding does."""
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     gen = Generator(make_tiny_llama(tmp_path / "base"))
@@ -342,7 +345,8 @@ def test_requests_queued_together_are_prefilled_together_and_answer_as_alone(tmp
     import threading
     import time
 
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     gen = Generator(make_tiny_llama(tmp_path / "base"))
@@ -392,7 +396,8 @@ def test_a_group_prefilled_together_keeps_every_adapter_it_needs(tmp_path):
     import time
 
     from benchmarks.models_made import _adapter
-    from service.serving.generation import Generator, SamplingParams, complete
+    from service.serving.collect import complete
+    from service.serving.generation import Generator, SamplingParams
     from tests.tiny import make_tiny_llama
 
     base = make_tiny_llama(tmp_path / "base")
