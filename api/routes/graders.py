@@ -51,8 +51,9 @@ class GraderRunRequest(GraderValidateRequest):
 class GraderErrors(BaseModel):
     """OpenAI's error flags of a run. Set here: `sample_parse_error` (the answer is not
     the JSON a template asks for), the python grader's runtime and server (sandbox) errors,
-    `model_grader_parse_error` (a score_model's answer held no number) and `other_error`
-    (a multi grader's formula had no value, e.g. a division by zero)."""
+    `model_grader_parse_error` (a score_model's answer held no number, a label_model's no
+    label) and `other_error` (a multi grader's formula had no value, e.g. a division by
+    zero)."""
 
     formula_parse_error: bool = False
     invalid_variable_error: bool = False
@@ -128,7 +129,7 @@ def graders_run(body: GraderRunRequest, c: Ctx, tenant: Tenant) -> Response:
 
 
 def _asker(c: Context, tenant: str):
-    """A score_model grader's question answered as `/v1/chat/completions` answers: any
+    """A model grader's question answered as `/v1/chat/completions` answers: any
     model the tenant may call, within the per-request token limit and its share of
     concurrent generations. Called from the route's worker thread."""
 

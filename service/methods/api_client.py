@@ -1,5 +1,6 @@
-"""A reinforcement job's score_model graders as clients of this service's own API: the
-one module below `api` that speaks HTTP (scripts/structure.py names it). A job's workers
+"""A reinforcement job's model graders (score_model, label_model) as clients of this
+service's own API: the one module below `api` that speaks HTTP (scripts/structure.py
+names it). A job's workers
 ask the models its graders name through `/v1/chat/completions`, as the job's tenant, so
 they are answered as `/fine_tuning/alpha/graders/run`'s are (service.control.grader_access
 makes the key and says where the API is).
@@ -16,7 +17,7 @@ from service.methods.graders import Ask
 
 
 class GraderModelError(RuntimeError):
-    """A score_model grader's model could not answer (a reinforcement job fails, saying
+    """A model grader's model could not answer (a reinforcement job fails, saying
     why)."""
 
 
@@ -68,7 +69,7 @@ def api_asker(
                 break
             time.sleep(wait)
             wait = min(5.0, wait * 2)
-        raise GraderModelError(f"a score_model grader's model {model} did not answer ({why})")
+        raise GraderModelError(f"a model grader's model {model} did not answer ({why})")
 
     return ask
 

@@ -35,8 +35,10 @@ What each grader computes, and with which library:
 - `label_model`: the same, asked with a JSON schema (`{"label": one of labels}`), so the
   judge's answer is decoded to one of the `labels` (constrained decoding, as OpenAI asks
   for a model that supports structured outputs); it scores 1 when that label is one of
-  `passing_labels`, else 0. An answer that is not a label (a model whose tokenizer cannot
-  be constrained) scores 0 with `model_grader_parse_error`.
+  `passing_labels`, else 0. A judge whose tokenizer cannot be constrained (not a fast
+  tokenizer) is refused by the model server: `/graders/run` is a 400, a job fails at its
+  first graded batch naming the model. An answer that is still no label scores 0 with
+  `model_grader_parse_error`.
 """
 
 from __future__ import annotations

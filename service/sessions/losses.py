@@ -30,6 +30,7 @@ runs (`Unsupported`), and malformed inputs with what was wrong (`BadInput`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,15 +181,15 @@ def _settings(name: str, config: Mapping[str, Any]) -> dict[str, float]:
     values = {}
     for key in CONFIG_KEYS.get(name, ()):
         if key in config:
-            try:
-                values[key] = float(config[key])
-            except (TypeError, ValueError):
-                raise BadInput(f"loss_fn_config[{key!r}] must be a number") from None
+            v = config[key]
+            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
+                raise BadInput(f"loss_fn_config[{key!r}] must be a number, got {v!r}")
+            values[key] = float(v)
     if name == "dro":
         if "beta" not in values:
             raise BadInput("dro needs loss_fn_config {'beta': ...}: the quadratic penalty's weight")
-        if not values["beta"] >= 0:
-            raise BadInput(f"dro's beta must be >= 0, got {values['beta']}")
+        if not 0 <= values["beta"] < math.inf:
+            raise BadInput(f"dro's beta must be finite and >= 0, got {values['beta']}")
     elif name in ("ppo", "cispo"):
         low, high = (CLIP_LOW, CLIP_HIGH) if name == "ppo" else (CISPO_LOW, CISPO_HIGH)
         low = values.setdefault("clip_low_threshold", low)

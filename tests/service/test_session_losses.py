@@ -206,8 +206,11 @@ def test_what_cannot_run_is_refused_by_name_before_the_engine_runs():
             run(engine, [policy], "dro")
         with pytest.raises(BadInput, match="must satisfy 0 <= low <= high"):
             run(engine, [policy], "cispo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0})
-        with pytest.raises(BadInput, match="must be a number"):
-            run(engine, [policy], "dro", {"beta": "x"})
+        for beta in ("x", True, float("nan")):
+            with pytest.raises(BadInput, match="must be a number"):
+                run(engine, [policy], "dro", {"beta": beta})
+        with pytest.raises(BadInput, match="finite and >= 0"):
+            run(engine, [policy], "dro", {"beta": float("inf")})
         with pytest.raises(BadInput, match="has 2 entries for"):
             run(engine, [shifted(seq, weights=[1.0, 1.0])], "cross_entropy")
         with pytest.raises(BadInput, match="not used by cross_entropy"):
