@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,7 +70,7 @@ def prepare_run(
     prepare_with: PrepareFiles = prepare_files,
 ) -> RunPlan:
     """Tokenize (or reuse the cached rows) and decide everything the workers need. The
-    driver prepares `on_a_worker`; by default (tests, tools) in this process."""
+    driver prepares where `preparer` says; by default (tests, tools) in this process."""
     job_dir = settings.job_dir(job.id)
     spec = spec_of(job)
     train = store.files.get(job.tenant, job.training_file)
@@ -106,12 +107,7 @@ def prepare_run(
         store.events.add(job.id, said, data=meta, attempt=attempt)
     meta = json.loads(meta_file.read_text())
     if job.data_report is None:
-        store.jobs.update(
-            job.id,
-            attempt=attempt,
-            data_report=_data_report(meta),
-            memory_plan=_memory_plan(store, job, meta, attempt),
-        )
+        store.jobs.update(job.id, attempt=attempt, data_report=_data_report(meta))
     total = meta["total_steps"]
     hp = dict(spec.hyperparameters.model_dump(), seq_len=meta["seq_len"])
     engine = spec.engine_config()
@@ -146,6 +142,48 @@ def prepare_run(
         export_dir=str(settings.finetuned_dir(job.id)),
         storage_path=str(job_dir / "ray"),
     )
+
+
+# [Note: the start of an attempt] A tiny job's attempt took about 22 s from its submission
+# to its first step on 2 cores: the driver's start 2.6, the data prepared on a worker 3.5,
+# the memory plan 3, then Ray Train's controller, its workers and their engines 11. Files
+# up to PREPARE_HERE_BYTES together are prepared in the driver (no task, no process to
+# start for them: under a second of tokenizing, where the driver runs, the head in a
+# cluster; larger files never are), and the memory plan is made beside the trainer's
+# start (it only informs: the dashboard and an event). Now about 19 s, most of it the
+# workers' start.
+PREPARE_HERE_BYTES = 1 << 20
+
+
+def preparer(store: Store, job: Job) -> PrepareFiles:
+    """Where the job's files are prepared: in this process when they are small, else on a
+    worker (`on_a_worker`)."""
+    size = 0
+    for file_id in (job.training_file, job.validation_file):
+        f = store.files.get(job.tenant, file_id) if file_id else None
+        size += f.bytes if f is not None else 0
+    return prepare_files if size <= PREPARE_HERE_BYTES else on_a_worker(spec_of(job), job.id)
+
+
+def plan_memory(store: Store, job: Job, attempt: int, run: RunPlan) -> threading.Thread | None:
+    """The capacity planner's plan of the job, made on a thread of its own beside the
+    trainer's start (see [Note: the start of an attempt]) and stored with its event; None
+    when the job has one."""
+    if job.memory_plan is not None:
+        return None
+    meta = json.loads(Path(run.data_file).with_suffix(".json").read_text())
+
+    def make() -> None:
+        try:
+            plan = _memory_plan(store, job, meta, attempt)
+            if plan is not None:
+                through_outage(store.jobs.update, job.id, attempt=attempt, memory_plan=plan)
+        except Exception as e:  # a stale attempt, a store gone for good: it only informs
+            log.warning("job %s: the memory plan was not stored: %s", job.id, e)
+
+    thread = threading.Thread(target=make, name="memory plan", daemon=True)
+    thread.start()
+    return thread
 
 
 def on_a_worker(spec: JobSpec, job_id: str) -> PrepareFiles:
@@ -421,7 +459,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
     job_id = job.id
     log.info("job %s attempt %d: preparing", job_id, attempt)
     try:
-        where = on_a_worker(spec_of(job), job_id)
+        where = preparer(store, job)
         run = through_outage(prepare_run, settings, store, job, attempt, where)
     except DataError as e:
         through_outage(fail, store, job_id, attempt, "invalid_training_data", str(e))
@@ -433,6 +471,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         run.total_steps,
         spec_of(job).resources.num_workers,
     )
+    planning = plan_memory(store, job, attempt, run)
     tracking = _tracking(settings, store, job, attempt)
     paused = False
     try:
@@ -442,6 +481,8 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         paused = bool((getattr(result, "metrics", None) or {}).get("paused_at_step"))
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
+    if planning is not None:
+        planning.join(timeout=120)
     if tracking is not None and through_outage(store.attempts.is_current, job_id, attempt):
         # (an attempt no longer current leaves the runs to the one that is)
         latest = through_outage(store.jobs.get, job_id) or job

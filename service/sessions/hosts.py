@@ -41,6 +41,7 @@ class ModelSpec:
     targets: tuple[str, ...]
     engine_config: dict[str, Any]
     workers: int = 1  # engines with chunk ZeRO between them (Ray hosts only)
+    seed: int | None = None  # the adapters' random start (Tinker's `seed`; None: any)
 
 
 class Host(Protocol):
@@ -99,6 +100,10 @@ class EngineHost:
             cfg["lora"] = {"r": spec.rank, "alpha": LORA_ALPHA, "target_modules": spec.targets}
         if spec.base_path is None:  # base_models() are HF directories; zoo models are not
             raise InvalidRequest(f"{spec.base_id} has no weights to start a session from")
+        if spec.seed is not None:  # the adapters' init draws from torch's generator
+            import torch
+
+            torch.manual_seed(spec.seed)
         self.engine = pstar_core.initialize(spec.base_path, cfg)
 
     def load(self, where: Path, optimizer: bool) -> None:

@@ -444,7 +444,8 @@ class Sessions:
                 self.session(tenant, sid)
             self._check_room(tenant, workers, in_jobs)  # again: another may have come first
             cfg = dict(self.engine_defaults)
-            spec = ModelSpec(mid, base.id, base.path, rank, targets, cfg, workers)
+            seed = lora.get("seed")
+            spec = ModelSpec(mid, base.id, base.path, rank, targets, cfg, workers, seed)
             try:
                 host, where = self.hosts(spec)
             except Exception as e:  # Ray not reachable, a name taken: not the caller's

@@ -100,6 +100,32 @@ def test_a_lora_client_starts_at_the_base_and_its_nll_falls_step_by_step(server)
     assert all(b < a for a, b in itertools.pairwise(losses)), losses  # NLL falls
 
 
+def test_the_seed_fixes_the_adapters_start(server):
+    """create_lora_training_client(seed=...): two clients with one seed train alike (the
+    same losses after a step), another seed differently; the seed was taken and ignored."""
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+    data = [datum(s) for s in SEQS]
+
+    def losses(seed: int) -> list[float]:
+        tc = (
+            client(server)
+            .create_lora_training_client(
+                base_model="tiny-llama", rank=4, seed=seed, train_unembed=False
+            )
+            .result()
+        )
+        out = []
+        for _ in range(2):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(adam).result()
+            out.append(fb.result().metrics["loss:sum"])
+        return out
+
+    a, b, c = losses(7), losses(7), losses(8)
+    assert a == b
+    assert a[1] != c[1]  # the step moved B from zero along a different A
+
+
 def test_requests_the_engine_cannot_run_fail_with_what_is_missing(server):
     tc = (
         client(server)
