@@ -70,7 +70,7 @@ def prepare_run(
     prepare_with: PrepareFiles = prepare_files,
 ) -> RunPlan:
     """Tokenize (or reuse the cached rows) and decide everything the workers need. The
-    driver prepares where `preparer` says; by default (tests, tools) in this process."""
+    driver prepares `on_a_worker`; by default (tests, tools) in this process."""
     job_dir = settings.job_dir(job.id)
     spec = spec_of(job)
     train = store.files.get(job.tenant, job.training_file)
@@ -146,23 +146,10 @@ def prepare_run(
 
 # [Note: the start of an attempt] A tiny job's attempt took about 22 s from its submission
 # to its first step on 2 cores: the driver's start 2.6, the data prepared on a worker 3.5,
-# the memory plan 3, then Ray Train's controller, its workers and their engines 11. Files
-# up to PREPARE_HERE_BYTES together are prepared in the driver (no task, no process to
-# start for them: under a second of tokenizing, where the driver runs, the head in a
-# cluster; larger files never are), and the memory plan is made beside the trainer's
-# start (it only informs: the dashboard and an event). Now about 19 s, most of it the
-# workers' start.
-PREPARE_HERE_BYTES = 1 << 20
-
-
-def preparer(store: Store, job: Job) -> PrepareFiles:
-    """Where the job's files are prepared: in this process when they are small, else on a
-    worker (`on_a_worker`)."""
-    size = 0
-    for file_id in (job.training_file, job.validation_file):
-        f = store.files.get(job.tenant, file_id) if file_id else None
-        size += f.bytes if f is not None else 0
-    return prepare_files if size <= PREPARE_HERE_BYTES else on_a_worker(spec_of(job), job.id)
+# the memory plan 3, then Ray Train's controller, its workers and their engines 11. The
+# memory plan only informs (the dashboard and an event), so it is made beside the
+# trainer's start. The data stays on a worker, however small: tenants' files are never
+# tokenized where the driver runs (the head, in a cluster, which every tenant shares).
 
 
 def plan_memory(store: Store, job: Job, attempt: int, run: RunPlan) -> threading.Thread | None:
@@ -459,7 +446,7 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
     job_id = job.id
     log.info("job %s attempt %d: preparing", job_id, attempt)
     try:
-        where = preparer(store, job)
+        where = on_a_worker(spec_of(job), job_id)
         run = through_outage(prepare_run, settings, store, job, attempt, where)
     except DataError as e:
         through_outage(fail, store, job_id, attempt, "invalid_training_data", str(e))
