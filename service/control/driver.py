@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -107,7 +106,12 @@ def prepare_run(
         store.events.add(job.id, said, data=meta, attempt=attempt)
     meta = json.loads(meta_file.read_text())
     if job.data_report is None:
-        store.jobs.update(job.id, attempt=attempt, data_report=_data_report(meta))
+        store.jobs.update(
+            job.id,
+            attempt=attempt,
+            data_report=_data_report(meta),
+            memory_plan=_memory_plan(store, job, meta, attempt),
+        )
     total = meta["total_steps"]
     hp = dict(spec.hyperparameters.model_dump(), seq_len=meta["seq_len"])
     engine = spec.engine_config()
@@ -142,35 +146,6 @@ def prepare_run(
         export_dir=str(settings.finetuned_dir(job.id)),
         storage_path=str(job_dir / "ray"),
     )
-
-
-# [Note: the start of an attempt] A tiny job's attempt took about 22 s from its submission
-# to its first step on 2 cores: the driver's start 2.6, the data prepared on a worker 3.5,
-# the memory plan 3, then Ray Train's controller, its workers and their engines 11. The
-# memory plan only informs (the dashboard and an event), so it is made beside the
-# trainer's start. The data stays on a worker, however small: tenants' files are never
-# tokenized where the driver runs (the head, in a cluster, which every tenant shares).
-
-
-def plan_memory(store: Store, job: Job, attempt: int, run: RunPlan) -> threading.Thread | None:
-    """The capacity planner's plan of the job, made on a thread of its own beside the
-    trainer's start (see [Note: the start of an attempt]) and stored with its event; None
-    when the job has one."""
-    if job.memory_plan is not None:
-        return None
-    meta = json.loads(Path(run.data_file).with_suffix(".json").read_text())
-
-    def make() -> None:
-        try:
-            plan = _memory_plan(store, job, meta, attempt)
-            if plan is not None:
-                through_outage(store.jobs.update, job.id, attempt=attempt, memory_plan=plan)
-        except Exception as e:  # a stale attempt, a store gone for good: it only informs
-            log.warning("job %s: the memory plan was not stored: %s", job.id, e)
-
-    thread = threading.Thread(target=make, name="memory plan", daemon=True)
-    thread.start()
-    return thread
 
 
 def on_a_worker(spec: JobSpec, job_id: str) -> PrepareFiles:
@@ -458,7 +433,6 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         run.total_steps,
         spec_of(job).resources.num_workers,
     )
-    planning = plan_memory(store, job, attempt, run)
     tracking = _tracking(settings, store, job, attempt)
     paused = False
     try:
@@ -468,8 +442,6 @@ def _run(settings: Settings, store: Store, job: Job, attempt: int) -> int:
         paused = bool((getattr(result, "metrics", None) or {}).get("paused_at_step"))
     except Exception as e:  # Ray Train raises when the worker group fails for good
         error = e
-    if planning is not None:
-        planning.join(timeout=120)
     if tracking is not None and through_outage(store.attempts.is_current, job_id, attempt):
         # (an attempt no longer current leaves the runs to the one that is)
         latest = through_outage(store.jobs.get, job_id) or job
