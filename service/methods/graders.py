@@ -80,7 +80,6 @@ PYTHON_OFF = (
     "turns them on with PSTAR_PYTHON_GRADERS=on); express the check as string_check, "
     "text_similarity or multi"
 )
-NOT_RUN: dict[str, str] = {}  # grader types OpenAI has and this service does not run
 MAX_RENDERED_CHARS = 1 << 20  # what one template may render to
 _TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 
@@ -256,12 +255,13 @@ def parse_grader(raw: Any, param: str = "grader", *, python: bool = False) -> An
 
 
 def prepared(raw: Any, param: str = "grader") -> Any:
-    """`raw` before its schema is checked: the graders this service does not run are a 400
-    that says so (not "no such type"), and a multi grader's single grader (as the SDK's
-    types show it) is named by its own name."""
+    """`raw` before its schema is checked: images or audio in a model grader's messages
+    and a multi grader inside a multi grader are 400s that say why (not a schema's "no
+    such type"), and a multi grader's single grader (as the SDK's types show it) is named
+    by its own name."""
     if not isinstance(raw, dict):
         return raw  # the schema's own error
-    _refuse_not_run(raw, param)
+    _refuse_unrun_parts(raw, param)
     if raw.get("type") == "multi":
         raw = {**raw, "graders": _named_graders(raw.get("graders"), f"{param}.graders")}
     return raw
@@ -284,10 +284,8 @@ def checked(grader: Any, param: str = "grader", *, python: bool = False) -> Any:
     return grader
 
 
-def _refuse_not_run(raw: dict, param: str) -> None:
+def _refuse_unrun_parts(raw: dict, param: str) -> None:
     kind = raw.get("type")
-    if isinstance(kind, str) and kind in NOT_RUN:
-        raise InvalidRequest(f"{param}: {NOT_RUN[kind]}", param=f"{param}.type")
     if kind in MODEL_GRADERS and isinstance(raw.get("input"), list):
         _refuse_media(raw["input"], f"{param}.input")
     if kind == "multi" and isinstance(raw.get("graders"), dict):
@@ -295,8 +293,6 @@ def _refuse_not_run(raw: dict, param: str) -> None:
         single = "type" in inner and isinstance(inner.get("type"), str)
         for name, sub in ({"": inner} if single else inner).items():
             where = f"{param}.graders{'.' + name if name else ''}"
-            if isinstance(sub, dict) and str(sub.get("type")) in NOT_RUN:
-                raise InvalidRequest(f"{where}: {NOT_RUN[sub['type']]}", param=f"{where}.type")
             if isinstance(sub, dict) and isinstance(sub.get("input"), list):
                 _refuse_media(sub["input"], f"{where}.input")
             if isinstance(sub, dict) and sub.get("type") == "multi":

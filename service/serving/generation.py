@@ -611,10 +611,10 @@ class Generator:
     def _keep_prefix(self, i: int, row: _Row) -> None:
         """Keep the keys and values of batch row `i`, ending now: its prompt and all but
         its last token (never fed), where the next turn of its conversation starts."""
-        ids = row.req.prompt_ids + row.text.ids[: row.generated - 1]
-        if self._mask is None or not self.prefixes.wants(row.req.owner, ids):
+        if not self.prefixes.enabled or self._mask is None:
             return
-        if int(self._mask[i].sum()) != len(ids):
+        ids = row.req.prompt_ids + row.text.ids[: row.generated - 1]
+        if not self.prefixes.wants(row.req.owner, ids) or int(self._mask[i].sum()) != len(ids):
             return
         self.prefixes.store(row.req.owner, ids, row_layers(self._cache, i, self._mask))
 
