@@ -164,10 +164,14 @@ class JobService:
 
             return list(iter_examples(file_path(self.settings, train), FIRST_LINES_CHECKED))
 
-        def servable(model_id: str, max_tokens: int | None) -> None:
+        def servable(model_id: str, max_tokens: int | None, grammar: bool) -> None:
             from service.serving.deployments import target_of
+            from service.serving.guided import tokenizer_problem
 
-            target_of(self.settings, self.store, tenant, model_id)
+            target = target_of(self.settings, self.store, tenant, model_id)
+            why = tokenizer_problem(target.model_dir) if grammar else None
+            if why is not None:  # a label_model's answer is decoded to its labels
+                raise InvalidRequest(f"{why}: give it one (a tokenizer.json)", param="model")
             limit = self.settings.limits.max_tokens_per_request
             if max_tokens is not None and max_tokens > limit:
                 raise InvalidRequest(

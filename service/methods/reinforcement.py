@@ -126,7 +126,7 @@ class ReinforcementMethod(Method):
         section: Body | None,
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
-        servable: Callable[[str, int | None], None] = lambda model, max_tokens: None,
+        servable: Callable[[str, int | None, bool], None] = lambda model, tokens, grammar: None,
     ) -> dict[str, Any]:
         """The grader as the graders' own endpoints check it, its score_model graders'
         models as chat completions would take them, and its templates against the training
@@ -163,7 +163,8 @@ class ReinforcementMethod(Method):
                 where = f"{GRADER}.graders.{name}" if name else GRADER
                 sp = leaf.sampling_params if isinstance(leaf, ScoreModel) else None
                 try:
-                    servable(leaf.model, sp.max_completions_tokens if sp else None)
+                    tokens = sp.max_completions_tokens if sp else None
+                    servable(leaf.model, tokens, isinstance(leaf, LabelModel))
                 except (InvalidRequest, NotFound) as e:
                     field = (
                         "sampling_params.max_completions_tokens"

@@ -9,6 +9,8 @@ matchers."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,26 @@ def grammar_of(body: dict[str, Any]) -> str | None:
         layout: Any = JSON_LAYOUT  # llguidance's JsonCompileOptions, a TypedDict of it
         return str(LLMatcher.grammar_from_json_schema(body["json_schema"], defaults=layout))
     return None
+
+
+NOT_FAST = "this model's tokenizer is not a fast tokenizer, which constrained decoding needs"
+
+
+@functools.lru_cache(maxsize=64)
+def tokenizer_problem(model_dir: Path) -> str | None:
+    """Why the answers of the model in `model_dir` could not be decoded to a grammar (as
+    `Guide.problem` would say at the first request), or None. A `tokenizer.json` is a fast
+    tokenizer without loading it; otherwise the tokenizer is loaded to see. One that does
+    not load is left to the model's own start, which says why."""
+    if (model_dir / "tokenizer.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+    return None if getattr(tokenizer, "is_fast", False) else NOT_FAST
 
 
 class Guide:
@@ -53,9 +75,7 @@ class Guide:
     def problem(self, grammar: str) -> str | None:
         """Why answers cannot be decoded to `grammar` (`grammar_of`'s), or None."""
         if not getattr(self.tokenizer, "is_fast", False):
-            return (
-                "this model's tokenizer is not a fast tokenizer, which constrained decoding needs"
-            )
+            return NOT_FAST
         try:
             matcher = self.matcher(grammar)
         except ValueError as e:

@@ -138,6 +138,41 @@ def test_a_grader_the_job_cannot_run_is_a_400_naming_the_field(api, files, grade
     assert len(c.fine_tuning.jobs.list().data) == before  # nothing stored
 
 
+def test_a_label_model_judge_whose_tokenizer_cannot_constrain_answers_is_a_400(api, files):
+    """A label_model grader's answers are decoded to its labels, which needs a fast
+    tokenizer: a judge without one is refused when the job is created, not at its first
+    graded batch; the same model as a score_model judge (free text) is taken."""
+    import shutil
+
+    from transformers import ByT5Tokenizer
+
+    from tests.tiny import make_tiny_llama
+
+    judge = api.settings.models_dir / "byte-llama"
+    make_tiny_llama(judge)
+    for f in judge.glob("tokenizer*"):
+        f.unlink()
+    ByT5Tokenizer().save_pretrained(judge)  # a tokenizer transformers has no fast form of
+    c = api.client()
+    ask = [{"role": "user", "content": "Is {{sample.output_text}} kind?"}]
+    label = {"type": "label_model", "name": "tone", "model": "byte-llama", "input": ask,
+             "labels": ["kind", "rude"], "passing_labels": ["kind"]}  # fmt: skip
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.fine_tuning.jobs.create(
+                model="tiny-llama", training_file=files[0], method=method(grader=label)
+            )
+        assert "not a fast tokenizer" in e.value.body["message"]
+        assert e.value.body["param"] == "method.reinforcement.grader.model"
+        score = {"type": "score_model", "name": "s", "model": "byte-llama", "input": ask}
+        job = c.fine_tuning.jobs.create(
+            model="tiny-llama", training_file=files[0], method=method(grader=score)
+        )
+        c.fine_tuning.jobs.cancel(job.id)
+    finally:
+        shutil.rmtree(judge)
+
+
 def test_group_advantages_are_normalized_within_each_group_and_zero_when_it_agrees():
     got = advantages([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4)
     r = torch.tensor([1.0, 0.0, 0.0, 0.0])
