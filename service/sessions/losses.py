@@ -19,7 +19,12 @@ summed loss (`loss:sum`). The losses are sums over tokens, never means, as Tinke
   `-(sg(clamp(ratio, low, high)) * logprobs * advantages).sum()` (Tinker's defaults: no
   lower bound, 0.0, and 4.0 above);
 - `dro`: `-(logprobs * advantages - beta / 2 * (logprobs - sampling_logprobs) ** 2).sum()`,
-  `beta` from `loss_fn_config` (asked for: Tinker's documents give no default).
+  `beta` from `loss_fn_config` (asked for: Tinker's documents give no default);
+- `gspo` (GSPO-token): `ppo`'s clipped surrogate with every token's ratio the sequence's:
+  `exp(mean over the marked tokens of (logprobs - sampling_logprobs))`, the mean without
+  its gradient, each token's own log-probability with its own (input
+  `sequence_ratio_mask`, nonzero on the tokens the mean takes, besides `importance_
+  sampling`'s); both thresholds asked for (Tinker's documents give no defaults).
 
 The policy losses' inputs are those of `importance_sampling`; their formulas are Tinker's
 documented ones.
@@ -44,9 +49,10 @@ NEEDS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
 }
 CLIPS = ("clip_low_threshold", "clip_high_threshold")
-CONFIG_KEYS = {"ppo": CLIPS, "cispo": CLIPS, "dro": ("beta",)}
+CONFIG_KEYS = {"ppo": CLIPS, "cispo": CLIPS, "gspo": CLIPS, "dro": ("beta",)}
 CISPO_LOW, CISPO_HIGH = 0.0, 4.0
 
 
@@ -97,6 +103,11 @@ def check(data: Sequence[Datum], loss_fn: str, config: Mapping[str, Any] | None)
                     f"data[{k}]: loss_fn_inputs[{name!r}] has {len(values)} entries for "
                     f"{n} input tokens (position i of the input predicts target i)"
                 )
+        if loss_fn == "gspo" and not any(d.inputs["sequence_ratio_mask"]):
+            raise BadInput(
+                f"data[{k}]: sequence_ratio_mask marks no token (gspo's ratio is the mean "
+                "over the tokens it marks: the sampled ones)"
+            )
 
 
 def validate(
@@ -165,6 +176,10 @@ def _loss(name: str, logp: torch.Tensor, padded: Any, config: Mapping[str, Any])
     sampled, advantages = padded("logprobs", f32), padded("advantages", f32)
     ratio = torch.exp(logp - sampled)
     got = _settings(name, config)
+    if name == "gspo":  # the sequence's ratio, each token with its own gradient
+        marked = padded("sequence_ratio_mask", f32) != 0
+        mean = ((logp.detach() - sampled) * marked).sum(-1) / marked.sum(-1)
+        ratio = torch.exp(mean[:, None] + logp - logp.detach())
     if name == "importance_sampling":
         return -ratio * advantages
     if name == "dro":
@@ -190,12 +205,18 @@ def _settings(name: str, config: Mapping[str, Any]) -> dict[str, float]:
             raise BadInput("dro needs loss_fn_config {'beta': ...}: the quadratic penalty's weight")
         if not 0 <= values["beta"] < math.inf:
             raise BadInput(f"dro's beta must be finite and >= 0, got {values['beta']}")
-    elif name in ("ppo", "cispo"):
+    elif name in ("ppo", "cispo", "gspo"):
+        if name == "gspo" and len(values) < 2:
+            raise BadInput(
+                "gspo needs loss_fn_config {'clip_low_threshold': ..., 'clip_high_threshold': "
+                "...}: Tinker's documents give no defaults (GSPO's paper clipped the sequence "
+                "ratio to 1 - 3e-4 and 1 + 4e-4)"
+            )
         low, high = (CLIP_LOW, CLIP_HIGH) if name == "ppo" else (CISPO_LOW, CISPO_HIGH)
         low = values.setdefault("clip_low_threshold", low)
         high = values.setdefault("clip_high_threshold", high)
-        ok = 0 < low <= 1 <= high if name == "ppo" else 0 <= low <= high
+        ok = 0 <= low <= high if name == "cispo" else 0 < low <= 1 <= high
         if not ok:
-            rule = "0 < low <= 1 <= high" if name == "ppo" else "0 <= low <= high"
+            rule = "0 <= low <= high" if name == "cispo" else "0 < low <= 1 <= high"
             raise BadInput(f"{name} clip thresholds must satisfy {rule}, got {low}, {high}")
     return values

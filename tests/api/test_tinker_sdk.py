@@ -138,8 +138,39 @@ def test_requests_the_engine_cannot_run_fail_with_what_is_missing(server):
         tc.forward_backward([datum(SEQS[0])], "stable_reinforce").result()
     with pytest.raises(tinker.RequestFailedError, match="dro needs loss_fn_config"):
         tc.forward_backward([datum(SEQS[0])], "dro").result()
+    with pytest.raises(tinker.RequestFailedError, match="gspo needs loss_fn_config"):
+        tc.forward_backward([datum(SEQS[0])], "gspo").result()  # as the cookbook's rl_loop
     with pytest.raises(tinker.BadRequestError, match="not a base model here"):
         client(server).create_lora_training_client(base_model="no-such-model", rank=2).result()
+
+
+def test_gspo_through_the_sdk_is_tinkers_formula_over_the_marked_tokens(server):
+    """gspo's loss from the SDK: every token's ratio is its sequence's, the mean log-ratio
+    over the tokens sequence_ratio_mask marks (here all but the first two)."""
+    tc = client(server).create_lora_training_client(base_model="tiny-llama", rank=2).result()
+    data, sampled, adv = [], [], []
+    for k, seq in enumerate(SEQS):
+        n = len(seq) - 1
+        q = [-4.0 - 0.1 * i for i in range(n)]
+        a = [1.0 if k == 0 else -0.5] * n
+        sampled.append(q)
+        adv.append(a)
+        inputs = {"target_tokens": seq[1:], "logprobs": q, "advantages": a,
+                  "sequence_ratio_mask": [0.0, 0.0] + [1.0] * (n - 2)}  # fmt: skip
+        data.append(
+            tinker.types.Datum(
+                model_input=tinker.types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs
+            )
+        )
+    clips = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}
+    out = tc.forward(data, "gspo", clips).result()
+    want = 0.0
+    for o, q, a in zip(out.loss_fn_outputs, sampled, adv, strict=True):
+        lp = torch.tensor(o["logprobs"].tolist())
+        ratio = torch.exp((lp - torch.tensor(q))[2:].mean())
+        clipped = ratio.clamp(0.5, 1.5)
+        want -= float(torch.minimum(ratio * torch.tensor(a), clipped * torch.tensor(a)).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
 
 
 def test_another_tenant_never_reaches_a_model_or_its_results(server):

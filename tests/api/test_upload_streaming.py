@@ -13,7 +13,7 @@ from tests.api.conftest import TOKENS, start_api
 from tests.tiny import chat_lines
 
 BOUNDARY = "pstar-test-boundary"
-FILE_BYTES = 24 << 20
+FILE_BYTES = 12 << 20  # its time is tracemalloc's; the peak (~5 MiB measured) is not the size's
 
 
 def _body(line_block: bytes, blocks: int):
@@ -67,11 +67,11 @@ def test_a_large_upload_is_stored_without_holding_it_in_memory(tmp_path):
             poller.join(30)
         assert rep.status_code == 200, rep.text
         f = rep.json()
-        assert f["bytes"] == len(block) * blocks > 20 << 20
+        assert f["bytes"] == len(block) * blocks > 10 << 20
         assert f["sha256"] == digest
         assert f["examples"] == 200 * blocks
         # every Python allocation of this process (server, client, poller) together peaked
-        # far below the file's size
+        # below the file's size
         assert peak < 8 << 20, f"peak traced memory {peak / 2**20:.1f} MiB"
         # the event loop was free to answer others during the upload
         assert len(answered) >= 3

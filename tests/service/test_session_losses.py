@@ -132,21 +132,31 @@ def test_policy_losses_equal_their_formulas_from_the_returned_logprobs(loss_fn):
 def _policy_formula(loss_fn: str, lp: torch.Tensor, q: torch.Tensor, a: torch.Tensor, cfg):
     """Tinker's documented per-sequence loss (autograd through `lp`)."""
     ratio = torch.exp(lp - q)
+    if loss_fn == "gspo":  # GSPO-token, as Tinker's page writes it
+        log_ratio = (lp.detach() - q)[_marked(len(lp))].mean()
+        ratio = torch.exp(log_ratio + lp - lp.detach())
+        clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+        return -torch.minimum(ratio * a, clipped * a).sum()
     if loss_fn == "cispo":
         low, high = cfg.get("clip_low_threshold", 0.0), cfg.get("clip_high_threshold", 4.0)
         return -(torch.clamp(ratio, low, high).detach() * lp * a).sum()
     return -(lp * a - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()  # dro
 
 
+def _marked(n: int) -> torch.Tensor:
+    """A gspo datum's sequence_ratio_mask: its first two positions are the prompt's."""
+    return torch.arange(n) >= 2
+
+
 @pytest.mark.parametrize(
     ("loss_fn", "cfg"),
     [("cispo", {}), ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
-     ("dro", {"beta": 0.5})],
+     ("dro", {"beta": 0.5}), ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.03})],
 )  # fmt: skip
-def test_cispo_and_dro_equal_their_formulas_and_step_as_torch_adamw_on_them(loss_fn, cfg):
+def test_cispo_dro_and_gspo_equal_their_formulas_and_step_as_torch_adamw_on_them(loss_fn, cfg):
     """The loss from the returned log-probabilities, and three steps against torch's AdamW
-    on the same formula by autograd (CISPO's clipped ratio carries no gradient: a wrong
-    detach changes the update, not the loss)."""
+    on the same formula by autograd (CISPO's clipped ratio and GSPO's sequence mean carry
+    no gradient: a wrong detach changes the update, not the loss)."""
     m, seqs = model(), sequences()
     g = torch.Generator().manual_seed(5)
     base = reference_logprobs(m, seqs)
@@ -155,6 +165,9 @@ def test_cispo_and_dro_equal_their_formulas_and_step_as_torch_adamw_on_them(loss
     data = [
         shifted(s, logprobs=q, advantages=a) for s, q, a in zip(seqs, sampled, adv, strict=True)
     ]
+    if loss_fn == "gspo":
+        for d in data:
+            d.inputs["sequence_ratio_mask"] = _marked(len(d.tokens)).float().tolist()
     ref = copy.deepcopy(m)
     opt = torch.optim.AdamW(
         ref.parameters(), lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=0.0,
@@ -182,13 +195,16 @@ def test_cispo_and_dro_equal_their_formulas_and_step_as_torch_adamw_on_them(loss
                 if loss_fn == "cispo" and cfg:
                     r = torch.exp(lp.detach() - torch.tensor(q))
                     clipped += int((torch.clamp(r, 0.9, 1.1) != r).sum())
+                if loss_fn == "gspo":
+                    r = torch.exp((lp.detach() - torch.tensor(q))[_marked(len(lp))].mean())
+                    clipped += int(not 0.97 <= float(r) <= 1.03)
             total.backward()
             opt.step()
             opt.zero_grad()
         after = run(engine, data, loss_fn, cfg, backward=False)
     for got_lp, w in zip(after.logprobs, reference_logprobs(ref, seqs), strict=True):
         torch.testing.assert_close(torch.tensor(got_lp), w, rtol=1e-4, atol=1e-5)
-    if loss_fn == "cispo" and cfg:
+    if loss_fn in ("cispo", "gspo") and cfg:
         assert clipped > 0  # the clip was exercised
 
 
@@ -204,6 +220,15 @@ def test_what_cannot_run_is_refused_by_name_before_the_engine_runs():
         policy = shifted(seq, logprobs=[0.0] * (len(seq) - 1), advantages=[1.0] * (len(seq) - 1))
         with pytest.raises(BadInput, match="dro needs loss_fn_config"):
             run(engine, [policy], "dro")
+        with pytest.raises(BadInput, match=r"needs loss_fn_inputs \['sequence_ratio_mask'\]"):
+            run(engine, [policy], "gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+        n = len(seq) - 1
+        unmasked = shifted(seq, logprobs=[0.0] * n, advantages=[1.0] * n)
+        unmasked.inputs["sequence_ratio_mask"] = [0.0] * n
+        with pytest.raises(BadInput, match=r"data\[0\]: sequence_ratio_mask marks no token"):
+            run(engine, [unmasked], "gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+        with pytest.raises(BadInput, match="gspo needs loss_fn_config"):
+            run(engine, [unmasked], "gspo", {"clip_low_threshold": 0.9})
         with pytest.raises(BadInput, match="must satisfy 0 <= low <= high"):
             run(engine, [policy], "cispo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0})
         for beta in ("x", True, float("nan")):
