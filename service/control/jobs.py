@@ -170,8 +170,12 @@ class JobService:
 
             target = target_of(self.settings, self.store, tenant, model_id)
             why = tokenizer_problem(target.model_dir) if grammar else None
-            if why is not None:  # a label_model's answer is decoded to its labels
-                raise InvalidRequest(f"{why}: give it one (a tokenizer.json)", param="model")
+            if why is not None:
+                raise InvalidRequest(
+                    f"{why}, and a label_model's answer is decoded to its labels: save the "
+                    "model with a tokenizer.json, or grade with score_model",
+                    param="model",
+                )
             limit = self.settings.limits.max_tokens_per_request
             if max_tokens is not None and max_tokens > limit:
                 raise InvalidRequest(

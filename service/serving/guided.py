@@ -35,21 +35,25 @@ def grammar_of(body: dict[str, Any]) -> str | None:
 NOT_FAST = "this model's tokenizer is not a fast tokenizer, which constrained decoding needs"
 
 
-@functools.lru_cache(maxsize=64)
 def tokenizer_problem(model_dir: Path) -> str | None:
     """Why the answers of the model in `model_dir` could not be decoded to a grammar (as
     `Guide.problem` would say at the first request), or None. A `tokenizer.json` is a fast
-    tokenizer without loading it; otherwise the tokenizer is loaded to see. One that does
-    not load is left to the model's own start, which says why."""
+    tokenizer without loading it; otherwise the tokenizer is loaded to see (once per
+    directory). One that does not load is left to the model's own start, which says why."""
     if (model_dir / "tokenizer.json").is_file():
         return None
+    return None if _loads_fast(model_dir) else NOT_FAST
+
+
+@functools.lru_cache(maxsize=64)
+def _loads_fast(model_dir: Path) -> bool:
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
-        return None
-    return None if getattr(tokenizer, "is_fast", False) else NOT_FAST
+        return True
+    return bool(getattr(tokenizer, "is_fast", False))
 
 
 class Guide:

@@ -22,9 +22,9 @@ summed loss (`loss:sum`). The losses are sums over tokens, never means, as Tinke
   `beta` from `loss_fn_config` (asked for: Tinker's documents give no default);
 - `gspo` (GSPO-token): `ppo`'s clipped surrogate with every token's ratio the sequence's:
   `exp(mean over the marked tokens of (logprobs - sampling_logprobs))`, the mean without
-  its gradient, each token's own log-probability with its own (input
-  `sequence_ratio_mask`, nonzero on the tokens the mean takes, besides `importance_
-  sampling`'s); both thresholds asked for (Tinker's documents give no defaults).
+  its gradient, each token's own log-probability with its own; its inputs are those of
+  `importance_sampling` and `sequence_ratio_mask` (nonzero on the tokens the mean takes);
+  both thresholds asked for (Tinker's documents give no defaults).
 
 The policy losses' inputs are those of `importance_sampling`; their formulas are Tinker's
 documented ones.
