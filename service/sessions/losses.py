@@ -174,12 +174,13 @@ def _loss(name: str, logp: torch.Tensor, padded: Any, config: Mapping[str, Any])
     if name == "cross_entropy":
         return -padded("weights", f32) * logp
     sampled, advantages = padded("logprobs", f32), padded("advantages", f32)
-    ratio = torch.exp(logp - sampled)
     got = _settings(name, config)
     if name == "gspo":  # the sequence's ratio, each token with its own gradient
         marked = padded("sequence_ratio_mask", f32) != 0
         mean = ((logp.detach() - sampled) * marked).sum(-1) / marked.sum(-1)
         ratio = torch.exp(mean[:, None] + logp - logp.detach())
+    else:
+        ratio = torch.exp(logp - sampled)
     if name == "importance_sampling":
         return -ratio * advantages
     if name == "dro":
