@@ -65,7 +65,17 @@ def create_app(
 ) -> FastAPI:
     from api.generate import RayServeBackend
     from api.metrics import ApiMetrics
-    from api.routes import admin, completions, files, graders, jobs, models, system, tinker
+    from api.routes import (
+        admin,
+        completions,
+        embeddings,
+        files,
+        graders,
+        jobs,
+        models,
+        system,
+        tinker,
+    )
     from service.control import storage
     from service.control.reconciler import job_workers
     from service.serving.deployments import Serving
@@ -87,6 +97,10 @@ def create_app(
         training_waiting=lambda: store.jobs.count_by_status().get("queued", 0),
     )
     ctx.backend = backend or RayServeBackend(ctx.serving)
+    if settings.embedding_model is not None:
+        from service.serving.embeddings import Embedder
+
+        ctx.embedder = Embedder(settings.embedding_model)
     ctx.sessions = Sessions(
         settings,
         check_quota=lambda tenant: storage.check_quota(settings, store, tenant, ctx.jobs.usage),
@@ -169,6 +183,7 @@ def create_app(
     app.include_router(files.router, prefix="/v1")
     app.include_router(models.router, prefix="/v1")
     app.include_router(completions.router, prefix="/v1")
+    app.include_router(embeddings.router, prefix="/v1")
     app.include_router(graders.router, prefix="/v1")
     app.include_router(admin.router, prefix="/v1")
     app.include_router(tinker.router)

@@ -23,7 +23,8 @@ from service.store.keys import GRADER, key_hash
 # the tenant of PSTAR_METRICS_TOKEN: it may read /metrics for every tenant, and nothing else
 OPERATOR = "~operator"
 TENANT, ADMIN = "tenant", "admin"  # the roles of a key (store.keys)
-GRADER_REACHES = ("POST", "/v1/chat/completions")  # all a GRADER key may ask
+# all a GRADER key may ask: its model graders' questions, its cosine metric's embeddings
+GRADER_REACHES = {("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings")}
 
 
 def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
@@ -117,10 +118,10 @@ async def require_tenant(request: Request) -> str:
             "an admin key manages keys (/v1/admin/keys) and nothing else; use a tenant's key",
             code="permission_denied",
         )
-    if role == GRADER and (request.method, request.url.path) != GRADER_REACHES:
+    if role == GRADER and (request.method, request.url.path) not in GRADER_REACHES:
         raise Forbidden(
-            "a reinforcement job's grader key asks POST /v1/chat/completions and nothing "
-            "else; use a tenant's key",
+            "a reinforcement job's grader key asks POST /v1/chat/completions and "
+            "/v1/embeddings and nothing else; use a tenant's key",
             code="permission_denied",
         )
     return tenant

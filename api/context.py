@@ -72,3 +72,4 @@ class Context:
     keys: Any = None  # api.auth.KeyCache: the store's API keys, as the gate asks for them
     readiness: Any = None  # (when, checks) of the last /readyz that asked the store and Ray
     sessions: Any = None  # service.sessions.runtime.Sessions: Tinker's training sessions
+    embedder: Any = None  # service.serving.embeddings.Embedder, where one is configured

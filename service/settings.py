@@ -199,6 +199,15 @@ class Settings:
     # graders ask their models through its chat completions); `pstar serve` sets it to
     # where it listens, a cluster to the control plane's service
     api_url: str = "http://127.0.0.1:8000"
+    # PSTAR_EMBEDDING_MODEL: a directory holding the model `/v1/embeddings` runs (and the
+    # `cosine` text-similarity grader with it): service/serving/embeddings.py; None: no
+    # embeddings (those requests are 404s, cosine graders 400s)
+    embedding_model: Path | None = None
+
+    @property
+    def embedding_model_name(self) -> str | None:
+        """The name requests give the embedding model: its directory's name."""
+        return self.embedding_model.name if self.embedding_model is not None else None
 
     @property
     def files_dir(self) -> Path:
@@ -260,6 +269,7 @@ class Settings:
                 f"PSTAR_PYTHON_GRADERS must be 'on' or 'off', got {python_graders!r}"
             )
         return cls(
+            embedding_model=_embedding_model(env.get("PSTAR_EMBEDDING_MODEL", "")),
             data_dir=data_dir,
             db_url=db_url,
             tokens=parse_tokens(env.get("PSTAR_API_TOKENS", "")),
@@ -301,6 +311,18 @@ def _api_url(raw: str) -> str:
             f"(http://host:port), got {raw!r}"
         )
     return value.removesuffix("/v1")
+
+
+def _embedding_model(raw: str) -> Path | None:
+    if not raw.strip():
+        return None
+    path = Path(raw.strip()).expanduser().resolve()
+    if not path.is_dir():
+        raise SettingsError(
+            f"PSTAR_EMBEDDING_MODEL must be a directory, and {raw!r} is not one; name the "
+            "directory of a sentence-transformers (or transformers) model, or leave it unset"
+        )
+    return path
 
 
 def _session_engines(raw: str) -> str:

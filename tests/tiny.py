@@ -92,3 +92,56 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, context: int =
     model.save_pretrained(str(out))
     fast.save_pretrained(str(out))
     return out
+
+
+def make_tiny_embedder(out: Path, hidden: int = 32, window: int = 24) -> Path:
+    """A sentence-transformers directory: a 1-layer random BERT with a WordPiece tokenizer
+    trained here, mean-pooled and normalized, its window `window` tokens."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as st
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(
+        [" ".join(WORDS), *(json.loads(x)["messages"][1]["content"] for x in chat_lines(20))],
+        trainers.WordPieceTrainer(vocab_size=200, special_tokens=special, show_progress=False),
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+    cfg = BertConfig(
+        vocab_size=len(fast),
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=hidden * 2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    raw = out.with_name(out.name + "-bert")
+    BertModel(cfg).save_pretrained(str(raw))
+    fast.save_pretrained(str(raw))
+    model = SentenceTransformer(
+        modules=[
+            st.Transformer(str(raw), max_seq_length=window),
+            st.Pooling(hidden, pooling_mode="mean"),
+            st.Normalize(),
+        ],
+        device="cpu",
+    )
+    model.save(str(out))
+    return out

@@ -95,10 +95,12 @@ class GraderValidateResponse(BaseModel):
 @router.post("/run", response_model=GraderRunResponse)
 def graders_run(body: GraderRunRequest, c: Ctx, tenant: Tenant) -> Response:
     """The reward `grader` gives `model_sample` for the dataset line `item`."""
-    grader = checked(body.grader, python=c.settings.python_graders)
+    grader = checked(
+        body.grader, python=c.settings.python_graders, embeddings=c.embedder is not None
+    )
     item = {} if body.item is None else body.item
     check_item(grader, item, "item")
-    got = grade(grader, body.model_sample, item, Runners(ask=_asker(c, tenant)))
+    got = grade(grader, body.model_sample, item, Runners(ask=_asker(c, tenant), embed=_embed(c)))
     scores = got.sub_rewards or {grader.name: got.reward}
     meta = GraderRunMetadata(
         name=grader.name,
@@ -154,6 +156,14 @@ def _asker(c: Context, tenant: str):
     return ask
 
 
+def _embed(c: Context):
+    """The cosine metric's embeddings, by the configured model (None: none is), cut to its
+    window as a job's are (service.methods.api_client.api_embedder)."""
+    if c.embedder is None:
+        return None
+    return lambda texts: c.embedder.embed(texts, truncate=True).vectors
+
+
 async def _answer(c: Context, tenant: str, target: Any, payload: dict) -> tuple[str, int]:
     first, events = await started(c, tenant, target, payload)
     try:
@@ -166,5 +176,7 @@ async def _answer(c: Context, tenant: str, target: Any, payload: dict) -> tuple[
 @router.post("/validate", response_model=GraderValidateResponse)
 def graders_validate(body: GraderValidateRequest, c: Ctx, _tenant: Tenant) -> Response:
     """`grader` as this service will run it, or a 400 naming what it would refuse."""
-    grader = checked(body.grader, python=c.settings.python_graders)
+    grader = checked(
+        body.grader, python=c.settings.python_graders, embeddings=c.embedder is not None
+    )
     return respond(GraderValidateResponse(grader=grader))

@@ -125,6 +125,7 @@ def prepare_run(
     return RunPlan(
         grader_api_url=settings.api_url if key_file is not None else None,
         grader_key_file=str(key_file) if key_file is not None else None,
+        embedding_model=settings.embedding_model_name if key_file is not None else None,
         resume_from=_newest_checkpoint(store, job.id) if attempt > 1 else None,
         model=spec.model.model_dump(),
         method=spec.method.type,

@@ -1,5 +1,7 @@
-"""How a reinforcement job's `score_model` graders reach their models: through this API's
-own `/v1/chat/completions`, as the job's tenant, the way `/graders/run` asks them.
+"""How a reinforcement job's model graders (`score_model`, `label_model`) reach their
+models, and its `cosine` metric the embedding model: through this API's own
+`/v1/chat/completions` and `/v1/embeddings`, as the job's tenant, the way `/graders/run`
+asks them.
 
 Each attempt of such a job gets a key of its own (`store.keys`, role `grader`, named after
 the job and the attempt) that reaches chat completions and nothing else
@@ -19,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from service.methods.graders import MODEL_GRADERS
+from service.methods.graders import EMBEDDED, MODEL_GRADERS
 from service.settings import Settings
 from service.store import Store
 from service.store.keys import GRADER
@@ -41,10 +43,13 @@ def _attempt_of(name: str) -> int:
 
 
 def asks_models(grader: dict[str, Any] | None) -> bool:
-    """Whether the (raw) grader has a model grader (score_model, label_model) in it."""
+    """Whether the (raw) grader has a model grader (score_model, label_model) in it, or a
+    text similarity by embeddings (`cosine`)."""
     if not isinstance(grader, dict):
         return False
     if grader.get("type") in MODEL_GRADERS:
+        return True
+    if grader.get("type") == "text_similarity" and grader.get("evaluation_metric") == EMBEDDED:
         return True
     subs = grader.get("graders")
     if isinstance(subs, dict) and isinstance(subs.get("type"), str):

@@ -191,7 +191,13 @@ class JobService:
                     param="model",
                 )
 
-        own = method.check(req.method_section, first_lines, self.settings.python_graders, servable)
+        own = method.check(
+            req.method_section,
+            first_lines,
+            self.settings.python_graders,
+            servable,
+            embeddings=self.settings.embedding_model is not None,
+        )
         adapters = req.lora.settings() if req.lora is not None else None
         if adapters is not None:
             from service.adapters import wrap_meta

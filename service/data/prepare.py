@@ -264,7 +264,7 @@ def _grader(own: dict[str, Any]) -> Any:
         return None
     from service.methods.graders import parse_grader
 
-    return parse_grader(own["grader"], python=True)
+    return parse_grader(own["grader"], python=True, embeddings=True)
 
 
 def _under(work: Path | None, name: str) -> Path | None:

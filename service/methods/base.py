@@ -72,6 +72,7 @@ class Method:
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
         servable: Callable[[str, int | None, bool], None] = lambda model, tokens, grammar: None,
+        embeddings: bool = False,
     ) -> dict[str, Any]:
         """At job creation, after the files: a 400 (`InvalidRequest` naming the field) for
         what the section asks that the data or this server cannot give (`first_lines`: the
@@ -79,7 +80,8 @@ class Method:
         operator runs python graders; `servable(model, max_tokens, grammar)`: raises the
         API's error (its param `model` or `max_tokens`) for a question the job's workers
         could not ask this service's chat completions, `grammar` if its answer is decoded to
-        a schema); what the section adds to the stored plan."""
+        a schema; `embeddings`: whether an embedding model is configured); what the section
+        adds to the stored plan."""
         return {}
 
     def objective(self, run: RunPlan) -> Any:

@@ -19,7 +19,11 @@ What each grader computes, and with which library:
     wordnet-base) for synonym matches (NLTK looks them up by a word's Porter stem);
   - `rouge_1` ... `rouge_5`, `rouge_l`: the F-measure of Google's `rouge-score`
     (its tokenizer: lower case, alphanumeric tokens), the package most papers cite;
-  - `cosine`: needs an embedding model, and this service has none configured: a 400.
+  - `cosine`: the cosine of the angle between the two texts' embeddings, by the model
+    the operator configured (PSTAR_EMBEDDING_MODEL, run by sentence-transformers:
+    service/serving/embeddings.py), asked through this service's `/v1/embeddings`; a 400
+    where none is configured. Texts longer than its window are cut to it; an empty text
+    scores 1 against an empty one, else 0.
   BLEU, GLEU and METEOR split text into words and punctuation marks (a regex; NLTK's
   own tokenizer needs data files downloaded from the internet).
 - `multi`: named graders, and `calculate_output`, a formula over their scores
@@ -44,7 +48,6 @@ What each grader computes, and with which library:
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import re
 import time
@@ -67,7 +70,15 @@ from pydantic import (
 from service.errors import InvalidRequest, describe_invalid
 from service.methods.formula import evaluate, formula
 from service.methods.python_grader import PythonScore, SandboxLimits, run_python
-from service.methods.similarity import similarity, wordnet_dir
+from service.methods.similarity import cosine, similarity, wordnet_dir
+from service.methods.templates import (
+    NOT_JSON,
+    TEMPLATE,
+    SampleNotJson,
+    json_or_none,
+    lookup,
+    render,
+)
 from service.spec.resources import WHOLE
 
 SIMILARITY_METRICS = (
@@ -75,13 +86,12 @@ SIMILARITY_METRICS = (
     "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l",
 )  # fmt: skip
 MODEL_GRADERS = ("score_model", "label_model")  # graders that ask a served model
+EMBEDDED = "cosine"  # the similarity metric that asks the embedding model
 PYTHON_OFF = (
     "python graders run the caller's code, and they are off on this server (an operator "
     "turns them on with PSTAR_PYTHON_GRADERS=on); express the check as string_check, "
     "text_similarity or multi"
 )
-MAX_RENDERED_CHARS = 1 << 20  # what one template may render to
-_TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 
 
 class _Grader(BaseModel):
@@ -240,9 +250,13 @@ _GRADER: TypeAdapter[Any] = TypeAdapter(Grader)
 # -- parsing -----------------------------------------------------------------------------
 
 
-def parse_grader(raw: Any, param: str = "grader", *, python: bool = False) -> Any:
+def parse_grader(
+    raw: Any, param: str = "grader", *, python: bool = False, embeddings: bool = False
+) -> Any:
     """The grader `raw` (a JSON object as OpenAI takes it), or a 400 naming the field;
-    `python`: whether python graders are on (Settings.python_graders)."""
+    `python`: whether python graders are on (Settings.python_graders); `embeddings`:
+    whether an embedding model is configured (Settings.embedding_model), which `cosine`
+    needs."""
     raw = prepared(raw, param)
     try:
         grader = _GRADER.validate_python(raw)
@@ -251,7 +265,7 @@ def parse_grader(raw: Any, param: str = "grader", *, python: bool = False) -> An
         where = ".".join([param, *loc])
         more = f" (and {others} more)" if others else ""
         raise InvalidRequest(f"{where}: {msg}{more}", param=where) from None
-    return checked(grader, param, python=python)
+    return checked(grader, param, python=python, embeddings=embeddings)
 
 
 def prepared(raw: Any, param: str = "grader") -> Any:
@@ -267,17 +281,19 @@ def prepared(raw: Any, param: str = "grader") -> Any:
     return raw
 
 
-def checked(grader: Any, param: str = "grader", *, python: bool = False) -> Any:
+def checked(
+    grader: Any, param: str = "grader", *, python: bool = False, embeddings: bool = False
+) -> Any:
     """`grader` once its schema holds, or a 400 for what no schema says: a metric this
     server cannot compute, a variable graders do not have, a formula that is not one,
     python graders while they are off or source with no `grade` function."""
     for name, leaf in leaves(grader):
         where = f"{param}.graders.{name}" if name else param
-        _check_metric(leaf, where)
+        _check_metric(leaf, where, embeddings)
         if isinstance(leaf, Python):
             _check_python(leaf, where, python)
     for where, text in _templates(grader, param):
-        for ref in _TEMPLATE.findall(text):
+        for ref in TEMPLATE.findall(text):
             _check_reference(ref, where)
     if isinstance(grader, Multi):
         formula(grader.calculate_output, set(grader.graders), f"{param}.calculate_output")
@@ -366,12 +382,13 @@ def _templates(grader: Any, param: str) -> list[tuple[str, str]]:
     return out
 
 
-def _check_metric(leaf: Any, where: str) -> None:
+def _check_metric(leaf: Any, where: str, embeddings: bool) -> None:
     if isinstance(leaf, TextSimilarity):
-        if leaf.evaluation_metric == "cosine":
+        if leaf.evaluation_metric == EMBEDDED and not embeddings:
             raise InvalidRequest(
                 f"{where}.evaluation_metric: cosine needs an embedding model, and none is "
-                "configured on this server; choose fuzzy_match, bleu, gleu, meteor or a rouge",
+                "configured on this server (an operator names one with "
+                "PSTAR_EMBEDDING_MODEL); choose fuzzy_match, bleu, gleu, meteor or a rouge",
                 param=f"{where}.evaluation_metric",
             )
         if leaf.evaluation_metric == "meteor" and wordnet_dir() is None:
@@ -400,10 +417,10 @@ def _check_reference(ref: str, where: str) -> None:
 def check_item(grader: Any, item: Any, param: str) -> None:
     """A 400 if a template names a key of `item` that it does not have (a training line)."""
     for where, text in _templates(grader, "grader"):
-        for ref in _TEMPLATE.findall(text):
+        for ref in TEMPLATE.findall(text):
             if ref.startswith("item."):
                 try:
-                    _lookup(item, ref.split(".")[1:])
+                    lookup(item, ref.split(".")[1:])
                 except KeyError:
                     raise InvalidRequest(
                         f"{param}: {where} uses {{{{{ref}}}}}, and the line has no such key",
@@ -414,22 +431,23 @@ def check_item(grader: Any, item: Any, param: str) -> None:
 # -- grading -----------------------------------------------------------------------------
 
 
-class SampleNotJson(Exception):
-    """A template asks for `sample.output_json` (or a key of it) that the answer lacks."""
-
-
 # a model grader's question: (model, [{"role", "content"}], sampling) -> (answer,
 # tokens used); the caller answers it the way its chat completions do
 Ask = Callable[[str, list[dict[str, str]], dict[str, Any]], tuple[str, int]]
+# the cosine metric's question: texts -> their embeddings, in order (longer ones cut to the
+# model's window), as `/v1/embeddings` answers
+Embed = Callable[[list[str]], list[list[float]]]
 
 
 @dataclass(frozen=True)
 class Runners:
-    """What grading needs beyond the grader: the python sandbox's limits, and how to ask
-    a served model (None: model graders cannot be run here)."""
+    """What grading needs beyond the grader: the python sandbox's limits, how to ask a
+    served model and how to embed texts (None: model graders, or `cosine`, cannot be run
+    here)."""
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     ask: Ask | None = None
+    embed: Embed | None = None
 
 
 @dataclass
@@ -467,7 +485,7 @@ def grade(
     scores 0 (OpenAI's `sample_parse_error`). `python`: each python grader's score of this
     sample, by the grader's id, when `grade_all` ran them already."""
     t0 = time.perf_counter()
-    ns = {"item": item, "sample": {"output_text": sample, "output_json": _json_or_none(sample)}}
+    ns = {"item": item, "sample": {"output_text": sample, "output_json": json_or_none(sample)}}
     out = Graded(0.0)
     run = runners or Runners()
     ready = python or {}
@@ -508,7 +526,7 @@ def grade_all(
     def one(n: int) -> Graded:
         return grade(grader, samples[n], items[n], run, {k: v[n] for k, v in scored.items()})
 
-    if not any(isinstance(leaf, ScoreModel | LabelModel) for _, leaf in leaves(grader)):
+    if not any(_asks(leaf) for _, leaf in leaves(grader)):
         return [one(n) for n in range(len(samples))]
     # model graders' questions wait on a model: several in flight, batched by its server; a
     # question that fails stops the batch (those not started are dropped)
@@ -517,6 +535,13 @@ def grade_all(
         return list(pool.map(one, range(len(samples))))
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+def _asks(leaf: Any) -> bool:
+    """Whether grading with `leaf` waits on a model (a served one, or the embedder)."""
+    return isinstance(leaf, ScoreModel | LabelModel) or (
+        isinstance(leaf, TextSimilarity) and leaf.evaluation_metric == EMBEDDED
+    )
 
 
 BATCH_LIMITS_TIMES = 64  # a python batch's CPU and wall limits: at most this many answers'
@@ -536,7 +561,7 @@ def _python_batch(source: str, pairs: list, limits: SandboxLimits) -> list[Pytho
 def _python_sample(text: str) -> dict[str, Any]:
     """The `sample` a python grader's `grade(sample, item)` gets (`output_json` None for
     an answer that is not JSON)."""
-    parsed = _json_or_none(text)
+    parsed = json_or_none(text)
     return {"output_text": text, "output_json": None if parsed is NOT_JSON else parsed}
 
 
@@ -557,7 +582,18 @@ def _score(leaf: Any, ns: dict, run: Runners, out: Graded, ready: dict[int, Pyth
     text, ref = render(leaf.input, ns), render(leaf.reference, ns)
     if isinstance(leaf, StringCheck):
         return float(_STRING_OPS[leaf.operation](text, ref))
+    if leaf.evaluation_metric == EMBEDDED:
+        return _embedded_cosine(text, ref, run)
     return similarity(leaf.evaluation_metric, text, ref)
+
+
+def _embedded_cosine(text: str, ref: str, run: Runners) -> float:
+    if not text.strip() or not ref.strip():  # nothing to embed on one side
+        return float(text.strip() == ref.strip())
+    if run.embed is None:
+        raise RuntimeError("cosine needs an embedding model, and this grading has none")
+    a, b = run.embed([text, ref])
+    return cosine(a, b)
 
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -586,7 +622,7 @@ def _ask_label(leaf: LabelModel, ns: dict, run: Runners, out: Graded) -> float:
         temperature=0,
         response_format={"type": "json_schema", "json_schema": schema},
     )
-    label = _json_or_none(answer)
+    label = json_or_none(answer)
     if not isinstance(label, dict) or label.get("label") not in leaf.labels:
         out.model_parse_error = True
         return 0.0
@@ -614,66 +650,3 @@ _STRING_OPS = {
     "like": lambda a, b: b in a,
     "ilike": lambda a, b: b.casefold() in a.casefold(),
 }
-
-
-def render(template: str, ns: dict) -> str:
-    """`template` with each {{name.path}} replaced by its value (JSON for objects)."""
-
-    size = 0
-
-    def one(m: re.Match) -> str:
-        nonlocal size
-        parts = m.group(1).split(".")
-        in_json = parts[:2] == ["sample", "output_json"]
-        if in_json and ns["sample"]["output_json"] is NOT_JSON:
-            raise SampleNotJson
-        try:
-            value = _lookup(ns, parts)
-        except KeyError:
-            if in_json:  # the answer's JSON lacks the key: the answer's fault, scored 0
-                raise SampleNotJson from None
-            raise InvalidRequest(
-                f"{{{{{m.group(1)}}}}} names a key the item does not have", param="item"
-            ) from None
-        text = value if isinstance(value, str) else json.dumps(value)
-        size += len(text)
-        if size > MAX_RENDERED_CHARS:
-            raise InvalidRequest(
-                f"a grader's template renders to more than {MAX_RENDERED_CHARS:,} characters; "
-                "name smaller values, or fewer of them",
-                param="grader",
-            )
-        return text
-
-    return _TEMPLATE.sub(one, template)
-
-
-def _lookup(value: Any, path: list[str]) -> Any:
-    for key in path:
-        if isinstance(value, dict) and key in value:
-            value = value[key]
-        elif (
-            isinstance(value, list)
-            and key.isascii()
-            and key.isdigit()
-            and len(key) < 10
-            and int(key) < len(value)
-        ):
-            value = value[int(key)]
-        else:
-            raise KeyError(key)
-    return value
-
-
-NOT_JSON = object()  # `sample.output_json` of an answer that is not JSON (null is JSON)
-
-
-def _json_or_none(text: str) -> Any:
-    """The answer read as JSON, or NOT_JSON; JSON nested too deeply to be written back
-    (the python sandbox's input, a template's value) counts as not JSON."""
-    try:
-        value = json.loads(text)
-        json.dumps(value)
-        return value
-    except (ValueError, RecursionError):
-        return NOT_JSON

@@ -127,6 +127,7 @@ class ReinforcementMethod(Method):
         first_lines: Callable[[], list[dict[str, Any]]],
         python_graders: bool,
         servable: Callable[[str, int | None, bool], None] = lambda model, tokens, grammar: None,
+        embeddings: bool = False,
     ) -> dict[str, Any]:
         """The grader as the graders' own endpoints check it, its score_model graders'
         models as chat completions would take them, and its templates against the training
@@ -157,7 +158,7 @@ class ReinforcementMethod(Method):
                 "with its adapters off; a full fine-tune keeps no second copy of the model)",
                 param="method.reinforcement.hyperparameters.kl_coef",
             )
-        grader = parse_grader(section.grader, GRADER, python=python_graders)
+        grader = parse_grader(section.grader, GRADER, python=python_graders, embeddings=embeddings)
         for name, leaf in leaves(grader):
             if isinstance(leaf, ScoreModel | LabelModel):
                 where = f"{GRADER}.graders.{name}" if name else GRADER

@@ -159,6 +159,7 @@ class Reinforcement:
     data_dir: Path
     model_path: str
     grader_api: tuple[str, str] | None = None  # (API URL, key file): score_model graders'
+    embedding_model: str | None = None  # what a cosine metric embeds with (through the API)
     name = "reinforcement"
     grader: Any = None
     tok: Any = None
@@ -190,6 +191,7 @@ class Reinforcement:
                 if run.grader_api_url and run.grader_key_file
                 else None
             ),
+            embedding_model=run.embedding_model,
         )
 
     # -- before the first step --------------------------------------------------------------
@@ -204,14 +206,18 @@ class Reinforcement:
         from service.data.datasets import ensure_chat_template
         from service.data.rows import pad_id
         from service.data.tokens import eos_ids
-        from service.methods.api_client import api_asker
+        from service.methods.api_client import api_asker, api_embedder
         from service.methods.graders import Multi, Runners, parse_grader
 
-        self.grader = parse_grader(self.grader_raw, "method.reinforcement.grader", python=True)
+        self.grader = parse_grader(
+            self.grader_raw, "method.reinforcement.grader", python=True, embeddings=True
+        )
         if self.grader_api is not None:
             url, key_file = self.grader_api
             key = Path(key_file).read_text().strip()
-            self.runners = Runners(ask=api_asker(url, key))
+            model = self.embedding_model
+            embed = api_embedder(url, key, model) if model else None
+            self.runners = Runners(ask=api_asker(url, key), embed=embed)
         if isinstance(self.grader, Multi):
             self.graders = tuple(sorted(self.grader.graders))
             self.parts = metric_names(list(self.graders))

@@ -6,6 +6,7 @@ side; and the machine's WordNet made readable by NLTK, for METEOR's synonyms."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import shutil
@@ -55,6 +56,13 @@ def similarity(metric: str, text: str, ref: str) -> float:
         with _WORDNET_READS:  # NLTK's reader seeks and reads one shared file handle
             return float(meteor_score(refs, hyp, wordnet=wordnet))
     raise ValueError(f"no similarity metric {metric!r}")  # parse_grader refused it
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine of the angle between embeddings `a` and `b`; 0 when either is all zeros."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(y * y for y in b))
+    return dot / (na * nb) if na > 0 and nb > 0 else 0.0
 
 
 @functools.cache

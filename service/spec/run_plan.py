@@ -58,6 +58,7 @@ class RunPlan(BaseModel):
     # the attempt's key (service.control.grader_access)
     grader_api_url: str | None = None
     grader_key_file: str | None = None
+    embedding_model: str | None = None  # the model a `cosine` metric embeds with, by name
 
     @property
     def eval_every(self) -> int:

@@ -19,6 +19,7 @@ from tests.conftest import fresh_database
 TOKENS = {"acme": "tok-acme-0123456789", "rival": "tok-rival-0123456789"}
 # the `tinker` SDK takes only keys that start with "tml-"
 TINKER_TOKENS = {"acme": "tml-acme-0123456789", "rival": "tml-rival-0123456789"}
+EMBEDDER = "tiny-embedder"  # the embedding model of the shared `api` fixture
 
 
 @dataclass
@@ -56,11 +57,16 @@ class ApiServer:
 
 
 @contextlib.contextmanager
-def api_in_process(tmp_path_factory, name: str) -> Iterator[ApiServer]:
-    """An API on SQLite whose models answer from this process (no Ray Serve)."""
+def api_in_process(tmp_path_factory, name: str, **settings: object) -> Iterator[ApiServer]:
+    """An API on SQLite whose models answer from this process (no Ray Serve); `settings`:
+    Settings fields."""
     data_dir = tmp_path_factory.mktemp(name)
     server, stop = start_api(
-        data_dir, f"sqlite:///{data_dir / 'store.db'}", "sqlite", models_in_process=True
+        data_dir,
+        f"sqlite:///{data_dir / 'store.db'}",
+        "sqlite",
+        models_in_process=True,
+        **settings,
     )
     try:
         yield server
@@ -145,10 +151,23 @@ def api(request, tmp_path_factory):
     else:
         url = fresh_database(request.getfixturevalue("pg_server"))
     server, stop = start_api(
-        data_dir, url, request.param, max_upload=64 * 1024, models_in_process=True
+        data_dir,
+        url,
+        request.param,
+        max_upload=64 * 1024,
+        models_in_process=True,
+        embedding_model=request.getfixturevalue("embedder_dir"),
     )
     yield server
     stop()
+
+
+@pytest.fixture(scope="session")
+def embedder_dir(tmp_path_factory) -> Path:
+    """A tiny embedding model (`EMBEDDER`), made once for the session's APIs."""
+    from tests.tiny import make_tiny_embedder
+
+    return make_tiny_embedder(tmp_path_factory.mktemp("embedder") / EMBEDDER)
 
 
 def run_job(api, job_id: str, pause_at: int | None = None) -> dict:

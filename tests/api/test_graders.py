@@ -81,6 +81,12 @@ def test_refusals_are_400s_naming_the_field(client, call, param):
     assert e.value.body["param"] == param
 
 
+def test_without_an_embedding_model_embeddings_are_a_404_that_says_so(client):
+    with pytest.raises(openai.NotFoundError, match="PSTAR_EMBEDDING_MODEL") as e:
+        client.embeddings.create(model="text-embedding-3-small", input="hello")
+    assert e.value.body["param"] == "model"
+
+
 def test_a_python_grader_runs_sandboxed_once_the_operator_turns_them_on(tmp_path):
     from tests.service.test_python_grader import pytestmark as needs_landlock
 

@@ -37,7 +37,7 @@ import pytest
 import schemathesis
 from hypothesis import strategies as st
 
-from tests.api.conftest import TOKENS
+from tests.api.conftest import EMBEDDER, TOKENS
 from tests.service.test_store import driver_attempt
 from tests.tiny import chat_lines
 
@@ -60,6 +60,8 @@ SEMANTIC_400 = {
     # a model that exists, max_tokens within a setting and the model's context
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    # texts within the embedding model's window, dimensions within its width, no token ids
+    "POST /v1/embeddings",
     # Tinker's: a name or a sampler to save for; tokens to sample from and a sampler,
     # weights or base model to sample with
     "POST /api/v1/save_weights_for_sampler",
@@ -170,6 +172,8 @@ def _aim(label: str, o: Objects) -> tuple[dict[str, list[Any]], dict[str, list[A
     if label in ("POST /v1/chat/completions", "POST /v1/completions"):
         # the tiny Llama answers (in the test process): short answers keep the module fast
         body = {"model": ["tiny-llama"], "max_tokens": [4, DROP], "stream": [KEEP, False]}
+    if label == "POST /v1/embeddings":
+        body = {"model": [EMBEDDER, KEEP]}  # the configured model (api's), or any name
     return path, body
 
 
@@ -261,13 +265,14 @@ def test_schemathesis_coverage_phase_finds_nothing(api, objects, tmp_path):
         for m, p in (label.split(" ", 1) for label in sorted(SEMANTIC_400))
     )
     # its config names path and query values, not body fields: every case of a completion
-    # would name a model that does not exist (a 404); those two are fuzzed above instead,
-    # with bodies aimed at the served model. Tinker's routes name their session, model and
-    # request in the body too (the SDK's protocol): fuzzed above, and driven by the SDK
+    # or an embedding would name a model that does not exist (a 404); those are fuzzed
+    # above instead, with bodies aimed at the served models. Tinker's routes name their
+    # session, model and request in the body too (the SDK's protocol): fuzzed above, and
+    # driven by the SDK
     skipped = (
         "".join(
             f'\n[[operations]]\ninclude-path = "{p}"\nenabled = false\n'
-            for p in ("/v1/chat/completions", "/v1/completions")
+            for p in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
         )
         + '\n[[operations]]\ninclude-path-regex = "^/api/v1/"\nenabled = false\n'
     )

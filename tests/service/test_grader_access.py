@@ -63,3 +63,8 @@ def test_model_graders_anywhere_in_the_grader_need_a_key():
     assert grader_access.asks_models({"type": "multi", "graders": {"a": check, "b": judge}})
     assert grader_access.asks_models({"type": "multi", "graders": judge})  # the SDK's shape
     assert not grader_access.asks_models({"type": "multi", "graders": check})
+    # the cosine metric embeds through the API; the other metrics compute in the worker
+    near = {"type": "text_similarity", "name": "n", "evaluation_metric": "cosine"}
+    assert grader_access.asks_models(near)
+    assert grader_access.asks_models({"type": "multi", "graders": {"a": check, "n": near}})
+    assert not grader_access.asks_models({**near, "evaluation_metric": "bleu"})

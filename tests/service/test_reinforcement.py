@@ -17,7 +17,7 @@ import torch
 
 from service.methods.rft_objective import advantages
 from tests.api.conftest import api_in_process, run_job
-from tests.tiny import WORDS
+from tests.tiny import WORDS, make_tiny_embedder
 
 STEPS = 40
 GRADER = {
@@ -58,7 +58,9 @@ def method(grader=GRADER, **hp) -> dict:
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    with api_in_process(tmp_path_factory, "rft") as server:
+    # an embedding model, for the cosine metric
+    embedder = make_tiny_embedder(tmp_path_factory.mktemp("emb") / "tiny-embedder")
+    with api_in_process(tmp_path_factory, "rft", embedding_model=embedder) as server:
         yield server
 
 
@@ -382,6 +384,11 @@ def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing
     ]:  # fmt: skip
         elsewhere = httpx.request(verb, root + path, headers=as_job, json={})
         assert elsewhere.status_code == 403, (path, elsewhere.text)
+    # besides chat completions, it embeds (a cosine metric's texts)
+    embedded = httpx.post(
+        f"{api.base}/embeddings", headers=as_job, json={"model": "tiny-embedder", "input": "apple"}
+    )
+    assert embedded.status_code == 200, embedded.text
     # each shown answer's judge score is what /graders/run gives the same answer
     shown = [
         e.data for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data
@@ -411,6 +418,51 @@ def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing
         assert time.monotonic() < deadline, "the revoked key still asks"
         time.sleep(0.5)
     assert after.status_code == 401
+
+
+NEAR = {
+    "type": "multi",
+    "name": "near",
+    "graders": {
+        "exact": GRADER,
+        "near": {
+            "type": "text_similarity", "name": "near", "evaluation_metric": "cosine",
+            "input": "{{sample.output_text}}", "reference": "{{item.word}} is a word",
+        },
+    },
+    "calculate_output": "0.5 * exact + 0.5 * near",
+}  # fmt: skip
+
+
+def test_a_cosine_metric_embeds_through_the_api_as_graders_run_does(api, files):
+    """A job's cosine metric embeds its answers with the configured model through this
+    API's /v1/embeddings, with the job's grader key: each shown answer's score is what
+    /graders/run gives it."""
+    import re
+
+    c = api.client()
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        seed=5,
+        method=method(NEAR, max_steps=2, group_size=2, eval_interval=2),
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    series = run_job(api, job.id)
+    assert len(series["train_reward_mean_near"]["values"]) == 2
+    shown = [
+        e.data for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data
+        if e.data and "graded" in e.data
+    ]  # fmt: skip
+    assert shown
+    for x in shown[0]["graded"]:
+        word = re.search(r"What does (\S+) mean\?", x["prompt"])[1]
+        got = c.fine_tuning.alpha.graders.run(
+            grader=NEAR, model_sample=x["answer"], item={"word": word}
+        )
+        assert got.sub_rewards["near"] == pytest.approx(x["scores"]["near"], abs=1e-6), x
+        assert -1.0 <= x["scores"]["near"] <= 1.0
 
 
 def key_attempt(name: str) -> int:

@@ -51,6 +51,15 @@ def test_defaults_and_overrides_from_the_environment(tmp_path):
         False,
     )
     assert s.tokens == {"tok-acme-123": "acme"}
+    assert s.embedding_model is None
+    (tmp_path / "mini-embedder").mkdir()
+    s = Settings.from_env(
+        {"PSTAR_DATA_DIR": str(tmp_path), "PSTAR_EMBEDDING_MODEL": str(tmp_path / "mini-embedder")}
+    )
+    assert (s.embedding_model, s.embedding_model_name) == (
+        tmp_path / "mini-embedder",
+        "mini-embedder",
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,6 +69,7 @@ def test_defaults_and_overrides_from_the_environment(tmp_path):
         ("PSTAR_MAX_UPLOAD_BYTES", "0", "must be positive"),
         ("PSTAR_API_DOCS", "maybe", "'on' or 'off'"),
         ("PSTAR_SESSION_ENGINES", "gpu", "'local'"),
+        ("PSTAR_EMBEDDING_MODEL", "/no/such/dir", "a directory"),
     ],
 )
 def test_bad_values_name_the_variable(tmp_path, name, value, says):
