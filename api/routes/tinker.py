@@ -22,7 +22,8 @@ from api.tinker_wire import Sampled, forward_backward_result, read_forward_backw
 from pstar_core import StepHyper
 from service.errors import InvalidRequest, NotFound
 from service.sessions.losses import BadInput, Unsupported
-from service.sessions.runtime import SaveOptions, Sessions, TrainingModel, error_of
+from service.sessions.model import SaveOptions, TrainingModel
+from service.sessions.runtime import Sessions, error_of
 from service.sessions.sampling import SampleCall, check_unsupported, collect, stops
 
 router = APIRouter(

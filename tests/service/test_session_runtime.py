@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from service.errors import Gone, InvalidRequest, NotFound
-from service.sessions.runtime import Ordered
+from service.sessions.model import Ordered
 
 
 def test_requests_run_in_seq_order_whatever_order_they_arrive_in():
