@@ -77,6 +77,7 @@ def create_app(
         tinker,
     )
     from service.control import storage
+    from service.control.heavy import HeavyWork
     from service.control.reconciler import job_workers
     from service.serving.deployments import Serving
     from service.sessions.runtime import Sessions
@@ -101,6 +102,17 @@ def create_app(
         from service.serving.embeddings import Embedder
 
         ctx.embedder = Embedder(settings.embedding_model)
+        # one batch at a time (the embedder's own lock), a bounded queue before it (a 503
+        # past it), and a tenant's share of it (a 429 past it), so neither a burst of
+        # embeddings nor one tenant's job's grading holds the server's threads
+        ctx.embedding_work = HeavyWork(
+            workers=1,
+            queue=16,
+            timeout_s=120.0,
+            per_tenant=8,
+            what="embedding requests",
+            smaller="fewer or shorter texts",
+        )
     ctx.sessions = Sessions(
         settings,
         check_quota=lambda tenant: storage.check_quota(settings, store, tenant, ctx.jobs.usage),
@@ -148,6 +160,8 @@ def create_app(
             ctx.streams.closing = ctx.generations.closing = True
             await ctx.backend.aclose()
             ctx.sessions.close()
+            if ctx.embedding_work is not None:
+                ctx.embedding_work.shutdown()
             if ctx.reconciler is not None:
                 ctx.reconciler.stop()
             if on_shutdown is not None:

@@ -73,3 +73,4 @@ class Context:
     readiness: Any = None  # (when, checks) of the last /readyz that asked the store and Ray
     sessions: Any = None  # service.sessions.runtime.Sessions: Tinker's training sessions
     embedder: Any = None  # service.serving.embeddings.Embedder, where one is configured
+    embedding_work: Any = None  # service.control.heavy.HeavyWork: where its batches run

@@ -112,7 +112,7 @@ def embeddings(body: EmbeddingRequest, c: Ctx, tenant: Tenant) -> Response:
             param="input",
             code="invalid_value",
         )
-    got = c.jobs.heavy.run(c.embedder.embed, texts, body.truncate, tenant=tenant)
+    got = c.embedding_work.run(c.embedder.embed, texts, body.truncate, tenant=tenant)
     vectors = got.vectors
     if body.dimensions is not None:
         width = len(vectors[0])

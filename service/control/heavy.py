@@ -22,10 +22,17 @@ T = TypeVar("T")
 
 class HeavyWork:
     def __init__(
-        self, workers: int = 2, queue: int = 8, timeout_s: float = 60.0, per_tenant: int = 2
+        self,
+        workers: int = 2,
+        queue: int = 8,
+        timeout_s: float = 60.0,
+        per_tenant: int = 2,
+        what: str = "model checks or dry runs",
+        smaller: str = "a smaller file",
     ) -> None:
         self.timeout_s = timeout_s
         self.per_tenant = per_tenant
+        self.what, self.smaller = what, smaller  # named in its 503s and 429s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pstar-heavy")
         self._slots = threading.BoundedSemaphore(workers + queue)
         self._inside = threading.local()
@@ -39,7 +46,7 @@ class HeavyWork:
         if not self._slots.acquire(blocking=False):
             self._give(tenant)
             raise Unavailable(
-                "the server is busy with other model checks and dry runs; retry in a few seconds",
+                f"the server is busy with other {self.what}; retry in a few seconds",
                 code="server_busy",
             )
 
@@ -62,8 +69,8 @@ class HeavyWork:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise Unavailable(
-                f"checking this request took longer than {self.timeout_s:.0f} s; retry later "
-                "or with a smaller file",
+                f"this request took longer than {self.timeout_s:.0f} s; retry later "
+                f"or with {self.smaller}",
                 code="timeout",
             ) from None
 
@@ -74,8 +81,8 @@ class HeavyWork:
             n = self._held.get(tenant, 0)
             if n >= self.per_tenant:
                 raise QuotaExceeded(
-                    f"tenant {tenant} has {n} model checks or dry runs in progress, as many "
-                    "as one tenant may; retry when they have answered",
+                    f"tenant {tenant} has {n} {self.what} in progress, as many as one tenant "
+                    "may; retry when they have answered",
                     code="too_many_requests",
                 )
             self._held[tenant] = n + 1
