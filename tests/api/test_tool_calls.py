@@ -50,7 +50,7 @@ def learn_the_call(model_dir, steps: int = 400) -> None:
     labels = torch.tensor([[-100] * len(p) + a])
     torch.manual_seed(0)
     model = load_causal_lm(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the loss is under 1e-3 in ~180 steps
     for _ in range(steps):
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
