@@ -56,6 +56,15 @@ class NotAvailable(NotFound):
         ServiceError.__init__(self, message, param=param, code=code)
 
 
+class NotServedHere(NotFound):
+    """A model this route does not serve (404): `/v1/embeddings` naming another model than
+    the embedding model, or asked where none is configured; the message says which it
+    serves."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        ServiceError.__init__(self, message, param=param, code="model_not_found")
+
+
 class Forbidden(ServiceError):
     """The tenant sees the object but may not do this to it (403): delete a base model."""
 

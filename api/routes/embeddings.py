@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 
 from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
-from service.errors import InvalidRequest, NotAvailable
+from service.errors import InvalidRequest, NotServedHere
 from service.serving.embeddings import MAX_INPUTS, shortened
 
 router = APIRouter(
@@ -100,11 +100,7 @@ def embeddings(body: EmbeddingRequest, c: Ctx, tenant: Tenant) -> Response:
             else "no embedding model is configured on this server (an operator names one "
             "with PSTAR_EMBEDDING_MODEL)"
         )
-        raise NotAvailable(
-            f"No embedding model '{body.model}': {configured}.",
-            param="model",
-            code="model_not_found",
-        )
+        raise NotServedHere(f"No embedding model '{body.model}': {configured}.", param="model")
     texts = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(t, str) for t in texts):
         raise InvalidRequest(

@@ -591,7 +591,10 @@ def _embedded_cosine(text: str, ref: str, run: Runners) -> float:
     if not text.strip() or not ref.strip():  # nothing to embed on one side
         return float(text.strip() == ref.strip())
     if run.embed is None:
-        raise RuntimeError("cosine needs an embedding model, and this grading has none")
+        raise RuntimeError(
+            "a cosine metric needs an embedding model, and this server has none configured "
+            "now (PSTAR_EMBEDDING_MODEL was unset after the job was created)"
+        )
     a, b = run.embed([text, ref])
     return cosine(a, b)
 
