@@ -39,6 +39,10 @@ HEAD_ENV = {
     # drains: this head's one node is never drained (see service.worker.trainer)
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # the head asks each node's raylet how it is every second, not every 3 s: a node that
+    # joined this head and died is declared dead after 5 failed checks, ~5 s instead of
+    # ~14 s (measured), and its jobs' workers are restarted that much sooner
+    "RAY_health_check_period_ms": "1000",
 }
 
 
