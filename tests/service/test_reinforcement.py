@@ -347,25 +347,42 @@ JUDGE = {
 }
 
 
+def two_graded_steps(api, files, grader: dict, seed: int):
+    """A job of 2 steps (2 answers a prompt, an evaluation at step 2) graded by `grader`,
+    run to its end; (the job, its metric series)."""
+    job = api.client().fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        seed=seed,
+        method=method(grader, max_steps=2, group_size=2, eval_interval=2),
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    return job, run_job(api, job.id)
+
+
+def shown_answers(client, job_id: str) -> list[tuple[dict, str]]:
+    """The first evaluation's graded answers the job shows, each with its prompt's word."""
+    import re
+
+    shown = [
+        e.data for e in client.fine_tuning.jobs.list_events(job_id, limit=100).data
+        if e.data and "graded" in e.data
+    ]  # fmt: skip
+    assert shown
+    return [(x, re.search(r"What does (\S+) mean\?", x["prompt"])[1]) for x in shown[0]["graded"]]
+
+
 def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing_else(api, files):
     """A job's score_model grader asks its model through this API's chat completions, as
     /graders/run does (the same scores for the same answers), with a key of the job's own
     that can ask nothing else and is revoked once the job has ended."""
-    import re
 
     from service.control import grader_access
     from service.control.driver import finish_success
 
     c = api.client()
-    job = c.fine_tuning.jobs.create(
-        model="tiny-llama",
-        training_file=files[0],
-        validation_file=files[1],
-        seed=3,
-        method=method(JUDGE, max_steps=2, group_size=2, eval_interval=2),
-        extra_body={"engine": {"dtype": "fp32"}},
-    )
-    series = run_job(api, job.id)
+    job, series = two_graded_steps(api, files, JUDGE, seed=3)
     tokens = series["train_grader_model_tokens"]["values"]
     assert len(tokens) == 2
     assert min(tokens) > 0
@@ -390,13 +407,7 @@ def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing
     )
     assert embedded.status_code == 200, embedded.text
     # each shown answer's judge score is what /graders/run gives the same answer
-    shown = [
-        e.data for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data
-        if e.data and "graded" in e.data
-    ]  # fmt: skip
-    assert shown
-    for x in shown[0]["graded"]:
-        word = re.search(r"What does (\S+) mean\?", x["prompt"])[1]
+    for x, word in shown_answers(c, job.id):
         got = httpx.post(
             f"{api.base}/fine_tuning/alpha/graders/run",
             headers=api.headers(),
@@ -438,26 +449,10 @@ def test_a_cosine_metric_embeds_through_the_api_as_graders_run_does(api, files):
     """A job's cosine metric embeds its answers with the configured model through this
     API's /v1/embeddings, with the job's grader key: each shown answer's score is what
     /graders/run gives it."""
-    import re
-
     c = api.client()
-    job = c.fine_tuning.jobs.create(
-        model="tiny-llama",
-        training_file=files[0],
-        validation_file=files[1],
-        seed=5,
-        method=method(NEAR, max_steps=2, group_size=2, eval_interval=2),
-        extra_body={"engine": {"dtype": "fp32"}},
-    )
-    series = run_job(api, job.id)
+    job, series = two_graded_steps(api, files, NEAR, seed=5)
     assert len(series["train_reward_mean_near"]["values"]) == 2
-    shown = [
-        e.data for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data
-        if e.data and "graded" in e.data
-    ]  # fmt: skip
-    assert shown
-    for x in shown[0]["graded"]:
-        word = re.search(r"What does (\S+) mean\?", x["prompt"])[1]
+    for x, word in shown_answers(c, job.id):
         got = c.fine_tuning.alpha.graders.run(
             grader=NEAR, model_sample=x["answer"], item={"word": word}
         )
