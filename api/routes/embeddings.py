@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from api.errors import responses
 from api.routes import V1_DEPENDENCIES, Ctx, Tenant, respond
 from service.errors import InvalidRequest, NotServedHere
-from service.serving.embeddings import MAX_INPUTS, shortened
+from service.serving.embeddings import MAX_INPUTS
 
 router = APIRouter(
     tags=["embeddings"],
@@ -108,18 +108,9 @@ def embeddings(body: EmbeddingRequest, c: Ctx, tenant: Tenant) -> Response:
             param="input",
             code="invalid_value",
         )
-    got = c.embedding_work.run(c.embedder.embed, texts, body.truncate, tenant=tenant)
-    vectors = got.vectors
-    if body.dimensions is not None:
-        width = len(vectors[0])
-        if body.dimensions > width:
-            raise InvalidRequest(
-                f"dimensions: {body.dimensions} is more than the model {c.embedder.name}'s "
-                f"{width}; ask for {width} or fewer",
-                param="dimensions",
-                code="invalid_value",
-            )
-        vectors = [shortened(v, body.dimensions) for v in vectors]
+    got = c.embedding_work.run(
+        c.embedder.embed, texts, body.truncate, "input", body.dimensions, tenant=tenant
+    )
     data = [
         Embedding(
             index=i,
@@ -129,7 +120,7 @@ def embeddings(body: EmbeddingRequest, c: Ctx, tenant: Tenant) -> Response:
                 else base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
             ),
         )
-        for i, v in enumerate(vectors)
+        for i, v in enumerate(got.vectors)
     ]
     usage = EmbeddingUsage(prompt_tokens=got.tokens, total_tokens=got.tokens)
     return respond(EmbeddingList(data=data, model=c.embedder.name, usage=usage))

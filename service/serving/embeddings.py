@@ -71,9 +71,17 @@ class Embedder:
         ids = tok(texts, add_special_tokens=True, verbose=False)["input_ids"]
         return [len(one) for one in ids]
 
-    def embed(self, texts: list[str], truncate: bool = False, param: str = "input") -> Embedded:
+    def embed(
+        self,
+        texts: list[str],
+        truncate: bool = False,
+        param: str = "input",
+        dimensions: int | None = None,
+    ) -> Embedded:
         """The texts' embeddings; a 400 naming `param` for a text the limits refuse
-        (`truncate`: a text longer than the window is cut to it instead)."""
+        (`truncate`: a text longer than the window is cut to it instead). `dimensions`:
+        each shortened to its first values, made unit length (`shortened`); more than the
+        model has is a 400, before anything is embedded."""
         if not texts:
             raise InvalidRequest(f"{param}: give at least one text", param=param)
         if len(texts) > MAX_INPUTS:
@@ -92,9 +100,24 @@ class Embedder:
                     f"{self.window} tokens can hold; shorten it or set truncate",
                     param=param,
                 )
+        if dimensions is not None:
+            model = self.model()
+            width = (
+                getattr(model, "get_embedding_dimension", None)
+                or model.get_sentence_embedding_dimension
+            )()
+            if width is not None and dimensions > width:
+                raise InvalidRequest(
+                    f"dimensions: {dimensions} is more than the model {self.name}'s {width}; "
+                    f"ask for {width} or fewer",
+                    param="dimensions",
+                )
         texts = [t[:MAX_INPUT_CHARS] for t in texts]
         with self._busy:
-            return self._embedded(texts, truncate, param)
+            got = self._embedded(texts, truncate, param)
+        if dimensions is None:
+            return got
+        return Embedded([shortened(v, dimensions) for v in got.vectors], got.tokens)
 
     def _embedded(self, texts: list[str], truncate: bool, param: str) -> Embedded:
         lengths, window = self.lengths(texts), self.window
