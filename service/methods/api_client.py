@@ -36,10 +36,12 @@ def _client(base_url: str, key: str, timeout_s: float, transport: Any) -> httpx.
     )
 
 
-def _post(client: httpx.Client, path: str, body: dict[str, Any], patience_s: float) -> Any:
+def _post(
+    client: httpx.Client, path: str, body: dict[str, Any], patience_s: float, who: str
+) -> Any:
     """The JSON of a 200 to `body` at `path`, asked again while the server is busy (429,
-    502-504, or none answering) after a wait of up to 5 s, for `patience_s`; else the
-    reason it failed (a str)."""
+    502-504, or none answering) after a wait of up to 5 s, for `patience_s`; else
+    GraderModelError saying that `who` did not answer, and why."""
     why = ""
     give_up, wait = time.monotonic() + patience_s, 0.25
     while True:
@@ -52,11 +54,12 @@ def _post(client: httpx.Client, path: str, body: dict[str, Any], patience_s: flo
                 return r.json()
             why = f"{r.status_code}: {_error_message(r)}"
             if r.status_code not in BUSY:
-                return why
+                break
         if time.monotonic() + wait > give_up:
-            return why
+            break
         time.sleep(wait)
         wait = min(5.0, wait * 2)
+    raise GraderModelError(f"{who} did not answer ({why})")
 
 
 def api_asker(
@@ -76,9 +79,8 @@ def api_asker(
     def ask(model: str, messages: list[dict[str, str]], sampling: dict[str, Any]):
         body = {"model": model, "messages": messages, "n": 1}
         body.update({k: v for k, v in sampling.items() if v is not None})
-        out = _post(client, "/v1/chat/completions", body, patience_s)
-        if isinstance(out, str):
-            raise GraderModelError(f"a model grader's model {model} did not answer ({out})")
+        who = f"a model grader's model {model}"
+        out = _post(client, "/v1/chat/completions", body, patience_s, who)
         text = out["choices"][0]["message"].get("content") or ""
         return text, int(out["usage"]["total_tokens"])
 
@@ -100,9 +102,7 @@ def api_embedder(
 
     def embed(texts: list[str]) -> list[list[float]]:
         body = {"model": model, "input": texts, "encoding_format": "float", "truncate": True}
-        out = _post(client, "/v1/embeddings", body, patience_s)
-        if isinstance(out, str):
-            raise GraderModelError(f"the embedding model {model} did not answer ({out})")
+        out = _post(client, "/v1/embeddings", body, patience_s, f"the embedding model {model}")
         return [d["embedding"] for d in sorted(out["data"], key=lambda d: d["index"])]
 
     return embed
