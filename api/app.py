@@ -73,6 +73,7 @@ def create_app(
         graders,
         jobs,
         models,
+        rollouts,
         system,
         tinker,
     )
@@ -198,6 +199,7 @@ def create_app(
     app.include_router(models.router, prefix="/v1")
     app.include_router(completions.router, prefix="/v1")
     app.include_router(embeddings.router, prefix="/v1")
+    app.include_router(rollouts.router, prefix="/v1")
     app.include_router(graders.router, prefix="/v1")
     app.include_router(admin.router, prefix="/v1")
     app.include_router(tinker.router)

@@ -9,6 +9,7 @@ it found (`require_tenant`).
 from __future__ import annotations
 
 import hmac
+import re
 import time
 from collections import OrderedDict
 from typing import Any
@@ -23,8 +24,10 @@ from service.store.keys import GRADER, key_hash
 # the tenant of PSTAR_METRICS_TOKEN: it may read /metrics for every tenant, and nothing else
 OPERATOR = "~operator"
 TENANT, ADMIN = "tenant", "admin"  # the roles of a key (store.keys)
-# all a GRADER key may ask: its model graders' questions, its cosine metric's embeddings
+# all a GRADER key may ask: its model graders' questions, its cosine metric's embeddings,
+# and its job's answers from the model server (the route checks the job is the key's)
 GRADER_REACHES = {("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings")}
+ROLLOUTS = re.compile(r"/v1/internal/jobs/[^/]+/rollouts")
 
 
 def tenant_of(tokens: dict[str, str], presented: str) -> str | None:
@@ -53,6 +56,10 @@ def authenticate(settings: Settings, path: str, presented: str | None) -> str | 
     ):
         tenant = OPERATOR
     return tenant
+
+
+def _grader_reaches(method: str, path: str) -> bool:
+    return (method, path) in GRADER_REACHES or (method == "POST" and bool(ROLLOUTS.fullmatch(path)))
 
 
 def bearer_secret(authorization: str | None) -> str | None:
@@ -109,6 +116,10 @@ async def require_key(request: Request) -> str:
     return tenant
 
 
+def _grader_reaches(method: str, path: str) -> bool:
+    return (method, path) in GRADER_REACHES or (method == "POST" and bool(ROLLOUTS.fullmatch(path)))
+
+
 async def require_tenant(request: Request) -> str:
     """The caller's tenant, for a route of a tenant's (an admin key manages keys only)."""
     tenant = await require_key(request)
@@ -118,10 +129,14 @@ async def require_tenant(request: Request) -> str:
             "an admin key manages keys (/v1/admin/keys) and nothing else; use a tenant's key",
             code="permission_denied",
         )
-    if role == GRADER and (request.method, request.url.path) not in GRADER_REACHES:
+    if role == GRADER and not _grader_reaches(request.method, request.url.path):
         raise Forbidden(
             "a reinforcement job's grader key asks POST /v1/chat/completions and "
-            "/v1/embeddings and nothing else; use a tenant's key",
+            "/v1/embeddings, and its job's rollouts, and nothing else; use a tenant's key",
             code="permission_denied",
         )
     return tenant
+
+
+def _grader_reaches(method: str, path: str) -> bool:
+    return (method, path) in GRADER_REACHES or (method == "POST" and bool(ROLLOUTS.fullmatch(path)))

@@ -133,7 +133,7 @@ async def _all_prompts(
             return [await collect(first, events, payloads[0]["n"])]
         finally:
             c.generations.give_back(tenant)
-    opened, firsts = await _opened(c, tenant, target, payloads)
+    opened, firsts = await open_all(c, tenant, target, payloads)
     try:
         return list(
             await asyncio.gather(
@@ -146,7 +146,7 @@ async def _all_prompts(
         c.generations.give_back(tenant)
 
 
-async def _opened(
+async def open_all(
     c: Context, tenant: str, target: Any, payloads: list[dict[str, Any]]
 ) -> tuple[list[AsyncIterator[dict]], list[dict]]:
     """Every prompt opened and started, one generation slot taken: (their events, their
@@ -179,7 +179,7 @@ async def _streamed_prompts(
     prompt p's choice j is choice p*n + j, as OpenAI numbers a batch's choices; with
     echo each choice's first text is its prompt; the usage is the prompts' sum."""
     n = payloads[0]["n"]
-    opened, firsts = await _opened(c, tenant, target, payloads)
+    opened, firsts = await open_all(c, tenant, target, payloads)
     given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
     if given and isinstance(given[0], int):
         given = [""]  # one prompt of token ids: its text is the model's decoding

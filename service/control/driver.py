@@ -120,12 +120,16 @@ def prepare_run(
     store.jobs.update(job.id, attempt=attempt, progress_total=total)
     early = spec.early_stopping
     key_file = None
-    if asks_models(hp.get("grader")):
+    on_server = hp.get("sampler") == "server"
+    if asks_models(hp.get("grader")) or on_server:
         key_file = grader_access.grant(settings, store, job.id, job.tenant, attempt)
     return RunPlan(
         grader_api_url=settings.api_url if key_file is not None else None,
         grader_key_file=str(key_file) if key_file is not None else None,
         embedding_model=settings.embedding_model_name if key_file is not None else None,
+        sampler_dir=str(job_dir / "sampler" / f"attempt-{attempt}") if on_server else None,
+        job_id=job.id,
+        attempt=attempt,
         resume_from=_newest_checkpoint(store, job.id) if attempt > 1 else None,
         model=spec.model.model_dump(),
         method=spec.method.type,

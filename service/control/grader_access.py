@@ -34,6 +34,12 @@ def key_name(job_id: str, attempt: int) -> str:
     return f"grader of {job_id} attempt {attempt}"
 
 
+def job_of_key(name: str) -> str | None:
+    """The job a grader key was granted for, by its name (None for another key's)."""
+    parts = name.split(" ")
+    return parts[2] if len(parts) == 5 and parts[0] == "grader" else None
+
+
 def _job_of(name: str) -> str:
     return name.split(" ")[2]
 

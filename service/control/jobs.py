@@ -71,6 +71,18 @@ class JobService:
         self.heavy = HeavyWork()
         self.usage = storage.Usage(settings, store)  # each tenant's stored bytes, for the quota
 
+    def _unreachable(self) -> str | None:
+        """Why a job's workers could not reach this API (a Ray cluster elsewhere, the API
+        at a loopback address), or None."""
+        ray = self.settings.ray_address
+        if ray and not loopback(ray) and loopback(self.settings.api_url):
+            return (
+                f"the workers of a Ray cluster at {ray} cannot reach this API at "
+                f"{self.settings.api_url}: the operator sets PSTAR_API_URL to an address "
+                "they reach"
+            )
+        return None
+
     def resolve(self, tenant: str, req: JobRequest) -> tuple[ModelRef, JobSpec]:
         """Check everything a client can get wrong; the spec the driver will run."""
         req = self._with_default_resources(req)
@@ -182,14 +194,8 @@ class JobService:
                     f"at most {limit} tokens an answer here (PSTAR_MAX_TOKENS_PER_REQUEST)",
                     param="max_tokens",
                 )
-            ray = self.settings.ray_address
-            if ray and not loopback(ray) and loopback(self.settings.api_url):
-                raise InvalidRequest(
-                    f"the workers of a Ray cluster at {self.settings.ray_address} cannot reach "
-                    f"this API at {self.settings.api_url}: the operator sets PSTAR_API_URL to "
-                    "an address they reach",
-                    param="model",
-                )
+            if (why := self._unreachable()) is not None:
+                raise InvalidRequest(why, param="model")
 
         own = method.check(
             req.method_section,
@@ -197,6 +203,7 @@ class JobService:
             self.settings.python_graders,
             servable,
             embeddings=self.settings.embedding_model is not None,
+            unreachable=self._unreachable(),
         )
         adapters = req.lora.settings() if req.lora is not None else None
         if adapters is not None:

@@ -1,14 +1,16 @@
 """A reinforcement job's model graders (score_model, label_model, and the `cosine` metric's
-embeddings) as clients of this service's own API: the one module below `api` that speaks
-HTTP (scripts/structure.py names it). A job's workers ask the models its graders name
-through `/v1/chat/completions`, and embed through `/v1/embeddings`, as the job's tenant,
-so they are answered as `/fine_tuning/alpha/graders/run`'s are
+embeddings) and its model-server sampler as clients of this service's own API: the one
+module below `api` that speaks HTTP (scripts/structure.py names it). A job's workers ask
+the models its graders name through `/v1/chat/completions`, embed through
+`/v1/embeddings`, and sample their answers through the job's rollouts route, as the
+job's tenant, so they are answered as `/fine_tuning/alpha/graders/run`'s are
 (service.control.grader_access makes the key and says where the API is).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -106,6 +108,26 @@ def api_embedder(
         return [d["embedding"] for d in sorted(out["data"], key=lambda d: d["index"])]
 
     return embed
+
+
+def api_rollouts(
+    base_url: str,
+    key: str,
+    path: str,
+    timeout_s: float = 3600.0,
+    patience_s: float = 600.0,
+    transport: httpx.BaseTransport | None = None,
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A reinforcement job's answers from the model server: `body` posted to `path` (its
+    rollouts route: service.methods.rollouts) with the job's key, as `api_asker` asks (a
+    server still starting its model is waited for); the reply's JSON. `timeout_s` is the
+    longest a step's sampling may take."""
+    client = _client(base_url, key, timeout_s, transport)
+
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        return _post(client, path, body, patience_s, "the model server sampling the answers")
+
+    return post
 
 
 def _error_message(r: Any) -> str:

@@ -73,6 +73,7 @@ class Method:
         python_graders: bool,
         servable: Callable[[str, int | None, bool], None] = lambda model, tokens, grammar: None,
         embeddings: bool = False,
+        unreachable: str | None = None,
     ) -> dict[str, Any]:
         """At job creation, after the files: a 400 (`InvalidRequest` naming the field) for
         what the section asks that the data or this server cannot give (`first_lines`: the
@@ -80,7 +81,8 @@ class Method:
         operator runs python graders; `servable(model, max_tokens, grammar)`: raises the
         API's error (its param `model` or `max_tokens`) for a question the job's workers
         could not ask this service's chat completions, `grammar` if its answer is decoded to
-        a schema; `embeddings`: whether an embedding model is configured); what the section
+        a schema; `embeddings`: whether an embedding model is configured; `unreachable`:
+        why a job's workers could not reach this API, None when they can); what the section
         adds to the stored plan."""
         return {}
 

@@ -7,8 +7,14 @@ step makes the better answers of each prompt's group more likely. The objective 
 The request is OpenAI's: `method.reinforcement.grader` and `.hyperparameters`
 (`n_epochs`, `batch_size` prompts a step, `learning_rate_multiplier`, `eval_interval`,
 `eval_samples`, `compute_multiplier`), plus ours: `group_size` (answers a prompt),
-`max_completion_tokens`, `temperature`, `loss`, `max_steps`, `seq_len`, and `lora` for
-adapters instead of every weight.
+`max_completion_tokens`, `temperature`, `loss`, `sampler`, `max_steps`, `seq_len`, and
+`lora` for adapters instead of every weight.
+
+`sampler` says what samples the answers: `server`, the model server that answers chat
+completions, with the job's adapters synced to it each step (`service.methods.rollouts`;
+LoRA jobs only), or `engine`, the training engine itself (what a full fine-tune does: a
+model larger than the GPU has no second home). `auto`: `server` for a LoRA job whose
+workers reach this API, else `engine`.
 """
 
 from __future__ import annotations
@@ -60,6 +66,12 @@ class RftHyperparameters(Hyperparameters):
         default=0.0,
         description="the weight of a KL penalty to the reference (the base model: LoRA jobs "
         "only), taken from each answer token's advantage",
+    )
+    sampler: Literal["auto", "server", "engine"] = Field(
+        default="auto",
+        description="what samples the answers: server (the model server that answers chat "
+        "completions, the job's adapters synced to it each step; LoRA jobs) or engine (the "
+        "training engine itself); auto: server for a LoRA job, else engine",
     )
     loss: Literal["importance_sampling", "ppo"] = Field(
         default="importance_sampling",
@@ -128,11 +140,13 @@ class ReinforcementMethod(Method):
         python_graders: bool,
         servable: Callable[[str, int | None, bool], None] = lambda model, tokens, grammar: None,
         embeddings: bool = False,
+        unreachable: str | None = None,
     ) -> dict[str, Any]:
         """The grader as the graders' own endpoints check it, its score_model graders'
         models as chat completions would take them, and its templates against the training
         file's first lines (a key they name that a line lacks is a 400 now, not a zero
-        reward for every answer later)."""
+        reward for every answer later); the sampler decided (`unreachable`: why the
+        workers could not reach this API, when they could not)."""
         from service.data.datasets import prompt_item
         from service.methods.graders import (
             LabelModel,
@@ -184,7 +198,7 @@ class ReinforcementMethod(Method):
                 raise InvalidRequest(
                     f"{e.message} (training_file line {n})", param=GRADER
                 ) from None
-        return {"grader": section.grader}
+        return {"grader": section.grader, "sampler": _sampler(section, unreachable)}
 
     def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
         out = super().echo(hp, lora)
@@ -199,3 +213,22 @@ class ReinforcementMethod(Method):
 
 
 REINFORCEMENT = ReinforcementMethod()
+
+
+def _sampler(section: ReinforcementSection, unreachable: str | None) -> str:
+    """`server` or `engine`, as the request asks or `auto` decides (see the module
+    docstring); a 400 for a server the job cannot sample on."""
+    asked = section.hyperparameters.sampler if section.hyperparameters else "auto"
+    param = "method.reinforcement.hyperparameters.sampler"
+    if asked == "server" and section.lora is None:
+        raise InvalidRequest(
+            f"{param}: 'server' samples by the model server with the job's adapters synced to "
+            "it each step, so it needs method.reinforcement.lora; a full fine-tune samples on "
+            "its engine ('engine', or leave it 'auto')",
+            param=param,
+        )
+    if asked == "server" and unreachable is not None:
+        raise InvalidRequest(f"{param}: 'server': {unreachable}", param=param)
+    if asked == "auto":
+        return "server" if section.lora is not None and unreachable is None else "engine"
+    return asked

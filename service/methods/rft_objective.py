@@ -10,11 +10,17 @@ teaches nothing). The update is the training primitives' own loss
 being the policy's at sampling time, then the optimizer step. A rank's loss is the mean
 over its answers of their token sums; ZeRO averages the ranks.
 
-Sampling runs on the engine itself, every rank the same number of forwards (ZeRO's gathers
-are collective: decoding goes on until every rank's answers have ended): the prompts
-left-padded and prefilled at once, then one token a forward with the key-value cache.
-Seeds come from the run's seed, the step and the rank, so a resumed run samples what the
-uninterrupted one did.
+Answers are sampled where the job's `sampler` says:
+- `engine` (a full fine-tune's): on the engine itself, every rank the same number of
+  forwards (ZeRO's gathers are collective: decoding goes on until every rank's answers
+  have ended), the prompts left-padded and prefilled at once, then one token a forward
+  with the key-value cache. Seeds come from the run's seed, the step and the rank, so a
+  resumed run samples what the uninterrupted one did, bit for bit.
+- `server` (a LoRA job's by default): by the model server that answers chat completions,
+  the job's adapters synced to it each step (`service.methods.rollouts`).
+Either way the step reports `train_sampler_kl`: the mean over answer tokens of the
+sampler's log-probability less the trained policy's (0 when the sampler has the policy's
+weights and samples at temperature 1).
 
 An evaluation samples `eval_samples` answers for each validation prompt (seeded apart from
 training) and reports their mean reward (`valid_reward_mean`, and each named grader's of a
@@ -110,14 +116,19 @@ def _next(engine: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
     return out.logits[:, -1].float().cpu(), out.cache
 
 
-def generator(seed: int, step: int, rank: int, salt: int = 0) -> torch.Generator:
-    """A generator seeded by (the run's seed, the step, the rank, what it is for), hashed
-    to the 63 bits torch takes, whatever the seed's size."""
+def seed_of(seed: int, step: int, rank: int, salt: int = 0) -> int:
+    """A seed of (the run's seed, the step, the rank, what it is for), hashed to the 63
+    bits torch takes, whatever the seed's size."""
     import hashlib
 
     key = f"{seed}:{step}:{rank}:{salt}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1
+
+
+def generator(seed: int, step: int, rank: int, salt: int = 0) -> torch.Generator:
+    """A generator seeded by `seed_of` the same."""
     g = torch.Generator()
-    g.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
+    g.manual_seed(seed_of(seed, step, rank, salt))
     return g
 
 
@@ -160,6 +171,12 @@ class Reinforcement:
     model_path: str
     grader_api: tuple[str, str] | None = None  # (API URL, key file): score_model graders'
     embedding_model: str | None = None  # what a cosine metric embeds with (through the API)
+    # `server`: answers from the model server (service.methods.rollouts): where the job's
+    # adapters go each step, and the job and attempt its requests name
+    sampler: str = "engine"
+    sampler_dir: Path | None = None
+    job_id: str = ""
+    attempt: int = 1
     name = "reinforcement"
     grader: Any = None
     tok: Any = None
@@ -171,6 +188,7 @@ class Reinforcement:
     parts: dict[str, str] = field(default_factory=dict)  # their metric names' parts
     sink: Any = None  # where an evaluation's graded answers go (rank 0's)
     runners: Any = None  # how the graders run (score_model's questions: `grader_api`)
+    server: Any = None  # the model server's sampler (`sampler: server`), once prepared
 
     @classmethod
     def of(cls, run: Any) -> Reinforcement:
@@ -192,6 +210,10 @@ class Reinforcement:
                 else None
             ),
             embedding_model=run.embedding_model,
+            sampler=str(hp.get("sampler", "engine")),
+            sampler_dir=Path(run.sampler_dir) if run.sampler_dir else None,
+            job_id=run.job_id or "",
+            attempt=run.attempt,
         )
 
     # -- before the first step --------------------------------------------------------------
@@ -218,6 +240,17 @@ class Reinforcement:
             model = self.embedding_model
             embed = api_embedder(url, key, model) if model else None
             self.runners = Runners(ask=api_asker(url, key), embed=embed)
+        if self.sampler == "server":
+            from service.methods.rollouts import ServerSampler
+
+            if self.grader_api is None or self.sampler_dir is None or not self.job_id:
+                raise RuntimeError(
+                    "sampler 'server' needs the API's address, the job's key and its sampler "
+                    "directory in the run plan (a job the service launched has them)"
+                )
+            self.server = ServerSampler(
+                self.grader_api[0], key, self.job_id, self.attempt, self.sampler_dir
+            )
         if isinstance(self.grader, Multi):
             self.graders = tuple(sorted(self.grader.graders))
             self.parts = metric_names(list(self.graders))
@@ -238,8 +271,20 @@ class Reinforcement:
 
     # -- a step -----------------------------------------------------------------------------
 
-    def _generator(self, step: int, rank: int, salt: int = 0) -> torch.Generator:
-        return generator(self.seed, step, rank, salt)
+    def _answers(
+        self, engine: Any, prompts: list[list[int]], n: int, at: int, rank: int, salt: int = 0
+    ) -> list[Answer]:
+        """`n` answers to each prompt, where `sampler` says, seeded by the run's seed, `at`
+        (the step, or an evaluation's round), the rank and `salt`."""
+        if self.server is not None:
+            seed = seed_of(self.seed, at, rank, salt)
+            return self.server.sample(
+                engine, prompts, n, self.max_tokens, self.temperature, self.stop, rank, seed
+            )
+        gen = generator(self.seed, at, rank, salt)
+        return sample(
+            engine, prompts, n, self.max_tokens, self.temperature, self.stop, self.pad, gen
+        )
 
     def _grade(self, answers: list[Answer], items: list[Any]) -> list[Any]:
         from service.methods.graders import grade_all
@@ -257,12 +302,8 @@ class Reinforcement:
             rows.input_ids[i, : int(lengths[int(k)])].tolist() for i, k in enumerate(rows.index)
         ]
         items = [self.items["train"][int(k)] for k in rows.index for _ in range(self.group)]
-        gen = self._generator(engine.global_step, rank)
         t0 = time.perf_counter()
-        answers = sample(
-            engine, prompts, self.group, self.max_tokens, self.temperature, self.stop,
-            self.pad, gen,
-        )  # fmt: skip
+        answers = self._answers(engine, prompts, self.group, engine.global_step, rank)
         t1 = time.perf_counter()
         graded = self._grade(answers, items)
         t2 = time.perf_counter()
@@ -286,10 +327,12 @@ class Reinforcement:
         ]
         parts = max(1, min(micro_batches, len(data)))
         size = math.ceil(len(data) / parts)
-        loss_sum = 0.0
+        loss_sum = gap = 0.0
         for p in range(0, len(data), size):
             out = losses.run(engine, data[p : p + size], self.loss, None, scale=1 / len(data))
             loss_sum += out.metrics["loss:sum"]
+            for k, policy in enumerate(out.logprobs, start=p):  # the sampler's less the policy's
+                gap += sum(answers[k].logprobs) - sum(policy[before[k] :])
         engine.step()
         sums = {
             "reward_sum": sum(rewards),
@@ -307,6 +350,7 @@ class Reinforcement:
             "grader_tokens": float(sum(sum(g.model_tokens.values()) for g in graded)),
             "model_parse_errors": float(sum(g.model_parse_error for g in graded)),
             "kl_sum": kl,
+            "sampler_gap": gap,
             # seconds of this rank's step in each part (the loop adds the ranks)
             "sample_s": t1 - t0,
             "grade_s": t2 - t1,
@@ -370,6 +414,7 @@ class Reinforcement:
         ranks = max(sums["ranks"], 1.0)
         for part in ("sample", "grade", "train"):
             out[f"{part}_time_s"] = sums[f"{part}_s"] / ranks
+        out["train_sampler_kl"] = sums["sampler_gap"] / max(sums["answer_tokens"], 1.0)
         if self.kl_coef:
             out["train_kl"] = sums["kl_sum"] / max(sums["answer_tokens"], 1.0)
         if self.grader_api is not None:
@@ -395,11 +440,7 @@ class Reinforcement:
                 rows.input_ids[i, : int(split.lengths[int(idx[i])])].tolist()
                 for i in range(len(idx))
             ]
-            gen = self._generator(r, rank, salt=EVAL_SEED)
-            answers = sample(
-                engine, prompts, self.eval_samples, self.max_tokens, self.temperature,
-                self.stop, self.pad, gen,
-            )  # fmt: skip
+            answers = self._answers(engine, prompts, self.eval_samples, r, rank, EVAL_SEED)
             items = [self.items["valid"][int(k)] for k in idx for _ in range(self.eval_samples)]
             graded = self._grade(answers, items)
             counted = [bool(real[i // self.eval_samples]) for i in range(len(graded))]

@@ -35,7 +35,14 @@ from typing import Any
 
 from service import ray_auth
 from service.adapters import adapter_dir
-from service.errors import Forbidden, InvalidRequest, NotFound, QuotaExceeded, Unavailable
+from service.errors import (
+    Conflict,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    QuotaExceeded,
+    Unavailable,
+)
 from service.registry import ModelRef, resolve_model
 from service.settings import Settings
 from service.store import Store
@@ -170,6 +177,38 @@ def _checkpoint_target(
         param="model",
         code="model_not_servable",
     )
+
+
+def rollout_target(
+    settings: Settings, store: Store, tenant: str, job_id: str, attempt: int, step: int
+) -> Target:
+    """What samples a reinforcement job's answers by its adapters of `step` (exported by
+    its attempt `attempt`: service.methods.rollouts): the base model's application, which
+    every tenant's adapters share. A 404 for a job or weights that are not there, a 409
+    for an attempt that is not the job's current one."""
+    from service.spec.job import spec_of
+
+    job = store.jobs.get(job_id, tenant)
+    if job is None:
+        raise NotFound("fine-tuning job", job_id, param="job_id")
+    if job.attempt != attempt:
+        raise Conflict(
+            f"job {job_id} runs attempt {job.attempt}, not {attempt}: an earlier attempt's "
+            "workers sample no more"
+        )
+    if not spec_of(job).trains_adapters:
+        raise InvalidRequest(
+            f"job {job_id} trains every weight: its answers are sampled on its own engine",
+            param="job_id",
+        )
+    where = settings.job_dir(job_id) / "sampler" / f"attempt-{attempt}" / f"step-{step}"
+    base = _base_dir(settings, store, tenant, job.model)
+    if base is None:
+        raise NotFound("base model", job.model, param="job_id")
+    if not (where / "adapter_config.json").is_file():
+        raise NotFound("sampler weights", f"{job_id}/attempt-{attempt}/step-{step}", param="step")
+    app = base_app(base, job.model)
+    return Target(job.model, app, base, data_relative(settings, where), tenant)
 
 
 def data_relative(settings: Settings, path: Path) -> str:

@@ -54,11 +54,17 @@ class RunPlan(BaseModel):
     best_dir: str | None = None  # early stopping's best model
     early_stopping: dict[str, Any] | None = None
     storage_path: str | None = None  # Ray Train's storage (runs on Ray workers)
-    # a reinforcement job whose graders ask models: the API they ask, and the file holding
-    # the attempt's key (service.control.grader_access)
+    # a reinforcement job whose graders ask models, or whose answers the model server
+    # samples: the API they ask, and the file holding the attempt's key
+    # (service.control.grader_access)
     grader_api_url: str | None = None
     grader_key_file: str | None = None
     embedding_model: str | None = None  # the model a `cosine` metric embeds with, by name
+    # a reinforcement job sampling on the model server (`sampler: server`): where its
+    # adapters go each step (service.methods.rollouts), and the job and attempt it is
+    sampler_dir: str | None = None
+    job_id: str | None = None
+    attempt: int = 1
 
     @property
     def eval_every(self) -> int:

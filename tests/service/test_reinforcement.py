@@ -278,6 +278,100 @@ def test_a_kl_penalty_trains_adapters_against_the_base_and_says_how_far_they_wen
     assert max(kl[1:]) > 1e-4  # then it moves away from it
 
 
+def test_a_lora_jobs_answers_come_from_the_model_server_with_each_steps_adapters(api, files):
+    """`sampler: auto` on a LoRA job: the model server that answers chat completions
+    samples every step's answers with the adapters the step starts from (exported each
+    step, loaded by the server beside its others). The sampler's log-probabilities are
+    the trained policy's (`train_sampler_kl` 0 at every step while the adapters move),
+    and the last step's, asked of the route again, are what peft gives those adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    c = api.client()
+    m = method(max_steps=4, eval_interval=100, group_size=4)
+    m["reinforcement"]["lora"] = {"r": 4, "alpha": 8}
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0],
+        validation_file=files[1],
+        seed=4,
+        method=m,
+        extra_body={"engine": {"dtype": "fp32"}},
+    )
+    assert job.method.reinforcement.hyperparameters.model_extra["sampler"] == "server"
+    series = run_job(api, job.id)
+    gaps = series["train_sampler_kl"]["values"]
+    assert len(gaps) == 4
+    assert max(abs(g) for g in gaps) < 1e-4, gaps
+    # the server loaded the job's adapters of each step: 0 (and the first evaluation),
+    # 1, 2, 3, and 4 (the final evaluation's); the directories of all but the last are gone
+    where = api.settings.job_dir(job.id) / "sampler" / "attempt-1"
+    (gen,) = api.models.gens.values()
+    mine = str(where.relative_to(api.settings.data_dir))
+    loaded = [k for k in gen.adapters if k.startswith(mine)]
+    assert [k.rsplit("-", 1)[1] for k in loaded] == ["0", "1", "2", "3", "4"], loaded
+    assert sorted(p.name for p in where.iterdir()) == ["step-4"]
+
+    # the route again, with a key of the job's: answers by the last adapters
+    from service.control.grader_access import key_name
+
+    _, secret = api.store.keys.create("acme", role="grader", name=key_name(job.id, 1))
+    as_job = {"Authorization": f"Bearer {secret}"}
+    url = f"{api.base}/internal/jobs/{job.id}/rollouts"
+    prompt = [1, 5, 9, 14, 20]
+    ask = {"attempt": 1, "step": 4, "prompts": [prompt], "n": 2, "max_tokens": 5, "seed": 3}
+    got = httpx.post(url, headers=as_job, json=ask, timeout=60)
+    assert got.status_code == 200, got.text
+    samples = got.json()["samples"]
+    assert len(samples) == 2
+    assert all(len(x["tokens"]) == len(x["logprobs"]) for x in samples)
+    base = AutoModelForCausalLM.from_pretrained(api.settings.models_dir / "tiny-llama")
+    tuned = PeftModel.from_pretrained(base, where / "step-4").eval()
+    for x in samples:
+        ids = torch.tensor([prompt + x["tokens"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(tuned(ids).logits[0].float(), -1)
+        k = len(prompt)
+        want = [float(logp[k - 1 + j, t]) for j, t in enumerate(x["tokens"])]
+        assert x["logprobs"] == pytest.approx(want, abs=1e-4)
+        with torch.no_grad(), tuned.disable_adapter():
+            plain = torch.log_softmax(tuned(ids).logits[0].float(), -1)
+        moved = max(
+            abs(float(plain[k - 1 + j, t]) - w)
+            for j, (t, w) in enumerate(zip(x["tokens"], want, strict=True))
+        )
+        assert moved > 1e-3  # the adapters trained: the base would have answered otherwise
+    # the same seed repeats; what the route refuses
+    assert httpx.post(url, headers=as_job, json=ask, timeout=60).json()["samples"] == samples
+    refused = {
+        "a tenant's own key": (api.headers(), ask, 403),
+        "another job's key": (
+            {"Authorization": "Bearer " + api.store.keys.create(
+                "acme", role="grader", name=key_name("ftjob-other", 1))[1]},
+            ask, 403,
+        ),
+        "weights never exported": (as_job, {**ask, "step": 3}, 404),
+        "an earlier attempt": (as_job, {**ask, "attempt": 2}, 409),
+        "no prompt": (as_job, {**ask, "prompts": []}, 400),
+    }  # fmt: skip
+    for why, (headers, body, status) in refused.items():
+        r = httpx.post(url, headers=headers, json=body, timeout=60)
+        assert r.status_code == status, (why, r.text)
+        assert r.json()["error"]["message"], why
+
+
+def test_a_full_fine_tune_cannot_sample_on_the_server(api, files):
+    m = method(sampler="server")
+    with pytest.raises(openai.BadRequestError, match=r"needs method\.reinforcement\.lora") as e:
+        api.client().fine_tuning.jobs.create(model="tiny-llama", training_file=files[0], method=m)
+    assert e.value.body["param"] == "method.reinforcement.hyperparameters.sampler"
+    job = api.client().fine_tuning.jobs.create(
+        model="tiny-llama", training_file=files[0], method=method(max_steps=1)
+    )
+    assert job.method.reinforcement.hyperparameters.model_extra["sampler"] == "engine"
+    api.client().fine_tuning.jobs.cancel(job.id)
+
+
 def test_hyperparameters_no_model_here_takes_are_a_400(api, files):
     c = api.client()
     with pytest.raises(openai.BadRequestError) as e:
@@ -386,7 +480,7 @@ def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing
     tokens = series["train_grader_model_tokens"]["values"]
     assert len(tokens) == 2
     assert min(tokens) > 0
-    (key,) = api.store.keys.live("grader")
+    (key,) = [k for k in api.store.keys.live("grader") if job.id in k.name]
     assert key.tenant == "acme"
     assert key.name.startswith(f"grader of {job.id} attempt ")
     attempt = key_attempt(key.name)
@@ -419,7 +513,7 @@ def test_score_model_graders_ask_through_the_api_with_a_key_that_reaches_nothing
     # the job ends: the reconciler's sweep revokes the key
     finish_success(api.settings, api.store, api.store.jobs.get(job.id), key_attempt(key.name))
     grader_access.sweep(api.store)  # (the server's reconciler may have swept it first)
-    assert api.store.keys.live("grader") == []
+    assert not [k for k in api.store.keys.live("grader") if job.id in k.name]
     ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     # refused within the key cache's time to live (api.auth.KeyCache: 5 s)
     deadline = time.monotonic() + 30
