@@ -198,7 +198,11 @@ class ReinforcementMethod(Method):
                 raise InvalidRequest(
                     f"{e.message} (training_file line {n})", param=GRADER
                 ) from None
-        return {"grader": section.grader, "sampler": _sampler(section, unreachable)}
+        sampler = _sampler(section, unreachable)
+        asked = section.hyperparameters.sampler if section.hyperparameters else "auto"
+        # `auto`'s server gives way to the engine when it cannot answer (rft_objective)
+        fallback = {"sampler_fallback": True} if sampler == "server" and asked == "auto" else {}
+        return {"grader": section.grader, "sampler": sampler, **fallback}
 
     def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
         out = super().echo(hp, lora)

@@ -17,7 +17,10 @@ Answers are sampled where the job's `sampler` says:
   with the key-value cache. Seeds come from the run's seed, the step and the rank, so a
   resumed run samples what the uninterrupted one did, bit for bit.
 - `server` (a LoRA job's by default): by the model server that answers chat completions,
-  the job's adapters synced to it each step (`service.methods.rollouts`).
+  the job's adapters synced to it each step (`service.methods.rollouts`). Decided by
+  `auto`, a server that cannot answer (no replica could start: its GPU is training) is
+  left for the engine for the rest of the attempt, every rank together, and the job says
+  so in an event; asked for by name, it fails the job.
 Either way the step reports `train_sampler_kl`: the mean over answer tokens of the
 sampler's log-probability less the trained policy's (0 when the sampler has the policy's
 weights and samples at temperature 1).
@@ -43,6 +46,9 @@ from service.methods.objectives import Rows, Split, all_sum, eval_rounds
 
 SHOWN = 4  # graded answers an evaluation shows on the job page (an event of the job's own)
 EVAL_SEED = 7_919  # evaluations sample apart from training
+# how long a model server that does not answer is asked again (`sampler: server`): when
+# the engine can take over (`auto`), not for long
+SERVER_PATIENCE_S, FALLBACK_PATIENCE_S = 600.0, 60.0
 
 
 @dataclass
@@ -174,6 +180,7 @@ class Reinforcement:
     # `server`: answers from the model server (service.methods.rollouts): where the job's
     # adapters go each step, and the job and attempt its requests name
     sampler: str = "engine"
+    sampler_fallback: bool = False  # `auto` decided `server`: the engine when it fails
     sampler_dir: Path | None = None
     job_id: str = ""
     attempt: int = 1
@@ -211,6 +218,7 @@ class Reinforcement:
             ),
             embedding_model=run.embedding_model,
             sampler=str(hp.get("sampler", "engine")),
+            sampler_fallback=bool(hp.get("sampler_fallback", False)),
             sampler_dir=Path(run.sampler_dir) if run.sampler_dir else None,
             job_id=run.job_id or "",
             attempt=run.attempt,
@@ -249,7 +257,12 @@ class Reinforcement:
                     "directory in the run plan (a job the service launched has them)"
                 )
             self.server = ServerSampler(
-                self.grader_api[0], key, self.job_id, self.attempt, self.sampler_dir
+                self.grader_api[0],
+                key,
+                self.job_id,
+                self.attempt,
+                self.sampler_dir,
+                patience_s=FALLBACK_PATIENCE_S if self.sampler_fallback else SERVER_PATIENCE_S,
             )
         if isinstance(self.grader, Multi):
             self.graders = tuple(sorted(self.grader.graders))
@@ -277,14 +290,37 @@ class Reinforcement:
         """`n` answers to each prompt, where `sampler` says, seeded by the run's seed, `at`
         (the step, or an evaluation's round), the rank and `salt`."""
         if self.server is not None:
+            from service.methods.api_client import GraderModelError
+
             seed = seed_of(self.seed, at, rank, salt)
-            return self.server.sample(
-                engine, prompts, n, self.max_tokens, self.temperature, self.stop, rank, seed
-            )
+            why, got = "", []
+            try:
+                got = self.server.sample(
+                    engine, prompts, n, self.max_tokens, self.temperature, self.stop, rank, seed
+                )
+            except GraderModelError as e:
+                why = str(e)
+            # every rank leaves the server together: sampling on the engine is collective
+            if not all_sum([float(bool(why))], engine.device)[0]:
+                return got
+            self._leave_server(engine, why or "another rank's model server did not answer")
         gen = generator(self.seed, at, rank, salt)
         return sample(
             engine, prompts, n, self.max_tokens, self.temperature, self.stop, self.pad, gen
         )
+
+    def _leave_server(self, engine: Any, why: str) -> None:
+        """Sample on the engine from now on (`auto`'s fallback), saying why; fail the job
+        when the server was asked for by name."""
+        if not self.sampler_fallback:
+            raise RuntimeError(f"sampler 'server': {why}")
+        self.server = None
+        if self.sink is not None:
+            self.sink.event(
+                f"The model server could not sample the answers at step {engine.global_step} "
+                f"({why}); the engine samples them for the rest of this attempt",
+                step=engine.global_step,
+            )
 
     def _grade(self, answers: list[Answer], items: list[Any]) -> list[Any]:
         from service.methods.graders import grade_all

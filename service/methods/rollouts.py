@@ -47,6 +47,7 @@ class ServerSampler:
     job_id: str
     attempt: int
     sampler_dir: Path  # <job dir>/sampler/attempt-<n>
+    patience_s: float = 600.0  # how long a server that does not answer is asked again
     synced: int | None = None  # the step whose adapters the server was last given
     post: Any = field(default=None, repr=False)  # api_client.api_rollouts's call
 
@@ -54,7 +55,8 @@ class ServerSampler:
         if self.post is None:
             from service.methods.api_client import api_rollouts
 
-            self.post = api_rollouts(self.url, self.key, ROLLOUTS.format(job=self.job_id))
+            path = ROLLOUTS.format(job=self.job_id)
+            self.post = api_rollouts(self.url, self.key, path, patience_s=self.patience_s)
 
     def sync(self, engine: Any, rank: int) -> int:
         """Export the engine's adapters for the server unless this step's already are

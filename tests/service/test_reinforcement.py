@@ -360,6 +360,45 @@ def test_a_lora_jobs_answers_come_from_the_model_server_with_each_steps_adapters
         assert r.json()["error"]["message"], why
 
 
+def test_a_server_that_cannot_answer_leaves_auto_to_the_engine_and_fails_one_asked_for(
+    api, files, monkeypatch
+):
+    """`auto` decided the server: when it cannot answer, the engine samples for the rest
+    of the attempt and an event says why. Asked for by name, the job fails saying so."""
+    from service.errors import Unavailable
+    from service.methods import rft_objective
+
+    async def no_replica(*_a, **_k):
+        raise Unavailable("model tiny-llama did not answer within 180 s (no replica could start?)")
+
+    monkeypatch.setattr(api.models, "open", no_replica)
+    monkeypatch.setattr(rft_objective, "FALLBACK_PATIENCE_S", 0.5)
+    monkeypatch.setattr(rft_objective, "SERVER_PATIENCE_S", 0.5)
+    c = api.client()
+    lora = {"r": 4, "alpha": 8}
+    m = method(max_steps=2, group_size=2, eval_interval=100)
+    m["reinforcement"]["lora"] = lora
+    kw = {"model": "tiny-llama", "training_file": files[0], "seed": 6}
+    job = c.fine_tuning.jobs.create(**kw, method=m, extra_body={"engine": {"dtype": "fp32"}})
+    series = run_job(api, job.id)
+    assert series["train_sampler_kl"]["steps"] == [1, 2]
+    assert max(abs(v) for v in series["train_sampler_kl"]["values"]) < 1e-4  # the engine's
+    said = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data]
+    left = [x for x in said if x.startswith("The model server could not sample the answers")]
+    assert len(left) == 1, said
+    assert "no replica could start" in left[0]
+    assert "the engine samples them for the rest of this attempt" in left[0]
+    c.fine_tuning.jobs.cancel(job.id)
+
+    m = method(max_steps=2, group_size=2, eval_interval=100, sampler="server")
+    m["reinforcement"]["lora"] = lora
+    job = c.fine_tuning.jobs.create(**kw, method=m, extra_body={"engine": {"dtype": "fp32"}})
+    with pytest.raises(RuntimeError, match="sampler 'server': the model server sampling") as e:
+        run_job(api, job.id)
+    assert "no replica could start" in str(e.value)
+    c.fine_tuning.jobs.cancel(job.id)
+
+
 def test_a_full_fine_tune_cannot_sample_on_the_server(api, files):
     m = method(sampler="server")
     with pytest.raises(openai.BadRequestError, match=r"needs method\.reinforcement\.lora") as e:
