@@ -231,6 +231,47 @@ def test_a_reinforcement_job_on_two_workers_learns_what_its_grader_rewards(serve
     assert graded[0]["graded"][0]["prompt"] not in logs
 
 
+def test_a_lora_reinforcement_job_on_two_workers_samples_on_the_base_models_serve_app(serve):
+    """`sampler: auto` on a LoRA job: each step both ranks export the adapters together
+    (ZeRO), then each asks the API's rollouts route for its prompts' answers, which the
+    base model's Serve application samples with those adapters loaded by path; the
+    sampler's log-probabilities are the trained policy's at every step."""
+    from service.serving.deployments import base_app
+    from tests.service.test_reinforcement import method, prompt_lines
+
+    c = serve.client()
+    train = c.files.create(file=("p.jsonl", io.BytesIO(prompt_lines(16))), purpose="fine-tune")
+    m = method(max_steps=3, batch_size=4, group_size=2, max_completion_tokens=4)
+    m["reinforcement"]["lora"] = {"r": 4, "alpha": 8}
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=train.id,
+        seed=2,
+        method=m,
+        extra_body={"resources": {"num_workers": 2}, "engine": {"dtype": "fp32"}},
+    )
+    assert job.method.reinforcement.hyperparameters.model_extra["sampler"] == "server"
+    done = ended(serve, job.id)
+    assert done.status == "succeeded", done.error
+    got = points(serve, job.id)
+    assert [abs(got[s]["train_sampler_kl"]) < 1e-4 for s in (1, 2, 3)] == [True] * 3, got
+    assert got[3]["comm_bytes_sent"] > 0  # chunk ZeRO between the 2 workers
+    said = messages(serve, job.id)
+    assert not [x for x in said if "could not sample" in x], said  # no fallback to the engine
+    # the base's application answered with the adapters of step 2 (what step 3 sampled
+    # with) loaded; the earlier steps' went with their directories
+    app = base_app(serve.data_dir / "models" / "tiny-llama", "tiny-llama")
+    (status,) = (serve.data_dir / "serving" / app).glob("*.json")
+    mine = f"runs/{job.id}/sampler/attempt-1/step-"
+    assert (serve.data_dir / f"{mine}2").is_dir()
+    assert not (serve.data_dir / f"{mine}1").exists()
+
+    def held() -> list[str]:
+        return [a for a in json.loads(status.read_text())["adapters"] if a.startswith(mine)]
+
+    wait_for(lambda: held() == [f"{mine}2"], 10, "the replica to hold step 2's adapters only")
+
+
 def test_the_job_page_charts_a_reinforcement_jobs_reward_and_shows_graded_answers(
     serve, rft_job, browser
 ):
