@@ -124,6 +124,7 @@ def run(
     max_tokens: int = 6,
     lr_multiplier: float = 3.0,
     lora: bool = True,
+    sampler: str = "auto",
     train_prompts: int = 512,
     valid_prompts: int = 32,
     eval_samples: int = 2,
@@ -152,6 +153,7 @@ def run(
             "max_completion_tokens": max_tokens,
             "eval_samples": eval_samples,
             "eval_interval": steps,
+            "sampler": sampler,
         },
     }
     if lora:
@@ -169,6 +171,10 @@ def run(
             "checkpoint_every": steps,
         }
         job, wall = served.run_job(body, timeout_s)
+        decided = job["method"]["reinforcement"]["hyperparameters"]["sampler"]
+        said = served.http.get(f"/fine_tuning/jobs/{job['id']}/events?limit=100").json()
+        if any("could not sample" in e["message"] for e in said["data"]):
+            decided += ", then the engine"  # auto's server gave way (its event says why)
         series = served.http.get(f"/fine_tuning/jobs/{job['id']}/metrics").json()["series"]
 
     def values(name: str) -> list[float]:
@@ -183,6 +189,7 @@ def run(
         "bench": "rft",
         "model": MODEL,
         "lora": lora,
+        "sampler": decided,
         "steps": steps,
         "prompts_per_step": batch,
         "group_size": group,
@@ -206,11 +213,14 @@ def run(
         "share_sampling": parts["sample"] / step_s,
         "share_grading": parts["grade"] / step_s,
         "share_training": parts["train"] / step_s,
+        # the sampler's log-probabilities less the policy's, per answer token
+        "sampler_kl_max": max((abs(v) for v in values("train_sampler_kl")), default=0.0),
         **machine(dtype),
         "load_before": load_before,
     }
     table = Table(
-        title=f"RFT: WordNet synonyms, {MODEL}, {'LoRA' if lora else 'full'}, {steps} steps"
+        title=f"RFT: WordNet synonyms, {MODEL}, {'LoRA' if lora else 'full'}, {steps} steps, "
+        f"sampled on the {decided}"
     )
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -219,7 +229,7 @@ def run(
         "valid_reward_after", "train_pass_rate_first5", "train_pass_rate_last5",
         "train_reward_first5", "train_reward_last5", "answer_tokens_first5",
         "answer_tokens_last5", "job_wall_s", "step_s_median", "share_sampling",
-        "share_grading", "share_training",
+        "share_grading", "share_training", "sampler_kl_max",
     ):  # fmt: skip
         v = result[key]
         table.add_row(key, f"{v:.3f}" if isinstance(v, float) else str(v))

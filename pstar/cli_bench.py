@@ -307,6 +307,9 @@ def bench_rft(
     max_tokens: Annotated[int, typer.Option(help="the longest answer, in tokens")] = 6,
     lr_multiplier: Annotated[float, typer.Option(help="learning_rate_multiplier")] = 3.0,
     full: Annotated[bool, typer.Option(help="train every weight instead of LoRA")] = False,
+    sampler: Annotated[
+        str, typer.Option(help="what samples the answers: auto, server or engine")
+    ] = "auto",
     valid_prompts: Annotated[int, typer.Option(help="held-out prompts")] = 32,
     eval_samples: Annotated[int, typer.Option(help="answers per held-out prompt")] = 2,
     dtype: Annotated[str, typer.Option(help="the job's engine dtype")] = "fp32",
@@ -319,8 +322,9 @@ def bench_rft(
     try:
         run(
             model_dir, steps=steps, batch=batch, group=group, max_tokens=max_tokens,
-            lr_multiplier=lr_multiplier, lora=not full, valid_prompts=valid_prompts,
-            eval_samples=eval_samples, dtype=dtype, json_out=json_out,
+            lr_multiplier=lr_multiplier, lora=not full, sampler=sampler,
+            valid_prompts=valid_prompts, eval_samples=eval_samples, dtype=dtype,
+            json_out=json_out,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         _fail(str(e))
