@@ -23,7 +23,8 @@ Answers are sampled where the job's `sampler` says:
   so in an event; asked for by name, it fails the job.
 Either way the step reports `train_sampler_kl`: the mean over answer tokens of the
 sampler's log-probability less the trained policy's (0 when the sampler has the policy's
-weights and samples at temperature 1).
+weights and samples at temperature 1), and `train_clip_fraction`: the share of answer
+tokens whose ratio of the two falls outside `ppo`'s clip range (0.8, 1.2).
 
 An evaluation samples `eval_samples` answers for each validation prompt (seeded apart from
 training) and reports their mean reward (`valid_reward_mean`, and each named grader's of a
@@ -38,11 +39,12 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from service.methods.objectives import Rows, Split, all_sum, eval_rounds
+from service.sessions.losses import CLIP_HIGH, CLIP_LOW
 
 SHOWN = 4  # graded answers an evaluation shows on the job page (an event of the job's own)
 EVAL_SEED = 7_919  # evaluations sample apart from training
@@ -185,6 +187,8 @@ class Reinforcement:
     job_id: str = ""
     attempt: int = 1
     name = "reinforcement"
+    # OpenAI's names of full-validation metrics, reported beside ours (the worker loop)
+    full_names: ClassVar[dict[str, str]] = {"full_valid_reward_mean": "full_valid_mean_reward"}
     grader: Any = None
     tok: Any = None
     stop: set[int] = field(default_factory=set)
@@ -363,12 +367,17 @@ class Reinforcement:
         ]
         parts = max(1, min(micro_batches, len(data)))
         size = math.ceil(len(data) / parts)
-        loss_sum = gap = 0.0
+        loss_sum = gap = clipped = 0.0
         for p in range(0, len(data), size):
             out = losses.run(engine, data[p : p + size], self.loss, None, scale=1 / len(data))
             loss_sum += out.metrics["loss:sum"]
-            for k, policy in enumerate(out.logprobs, start=p):  # the sampler's less the policy's
-                gap += sum(answers[k].logprobs) - sum(policy[before[k] :])
+            for k, policy in enumerate(out.logprobs, start=p):
+                mine = policy[before[k] :]
+                gap += sum(answers[k].logprobs) - sum(mine)  # the sampler's less the policy's
+                clipped += sum(
+                    not CLIP_LOW <= math.exp(lp - sampled) <= CLIP_HIGH
+                    for lp, sampled in zip(mine, answers[k].logprobs, strict=True)
+                )
         engine.step()
         sums = {
             "reward_sum": sum(rewards),
@@ -387,6 +396,7 @@ class Reinforcement:
             "model_parse_errors": float(sum(g.model_parse_error for g in graded)),
             "kl_sum": kl,
             "sampler_gap": gap,
+            "clipped": clipped,
             # seconds of this rank's step in each part (the loop adds the ranks)
             "sample_s": t1 - t0,
             "grade_s": t2 - t1,
@@ -450,7 +460,9 @@ class Reinforcement:
         ranks = max(sums["ranks"], 1.0)
         for part in ("sample", "grade", "train"):
             out[f"{part}_time_s"] = sums[f"{part}_s"] / ranks
-        out["train_sampler_kl"] = sums["sampler_gap"] / max(sums["answer_tokens"], 1.0)
+        tokens = max(sums["answer_tokens"], 1.0)
+        out["train_sampler_kl"] = sums["sampler_gap"] / tokens
+        out["train_clip_fraction"] = sums["clipped"] / tokens
         if self.kl_coef:
             out["train_kl"] = sums["kl_sum"] / max(sums["answer_tokens"], 1.0)
         if self.grader_api is not None:

@@ -409,7 +409,11 @@ class RunLoop:
         t0 = time.perf_counter()
         got = self.objective.evaluate(self.engine, self.valid, self.rank, self.world, self.local)
         self.eta.full_eval(time.perf_counter() - t0)
-        return {f"full_{k}": v for k, v in got.items()}
+        out = {f"full_{k}": v for k, v in got.items()}
+        for ours, theirs in getattr(self.objective, "full_names", {}).items():
+            if ours in out:  # OpenAI's name too (a reinforcement job's full_valid_mean_reward)
+                out[theirs] = out[ours]
+        return out
 
     def _state(self) -> dict[str, Any]:
         """What the loop keeps in a checkpoint beside the engine's state."""
