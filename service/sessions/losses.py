@@ -24,7 +24,8 @@ summed loss (`loss:sum`). The losses are sums over tokens, never means, as Tinke
   `exp(mean over the marked tokens of (logprobs - sampling_logprobs))`, the mean without
   its gradient, each token's own log-probability with its own; its inputs are those of
   `importance_sampling` and `sequence_ratio_mask` (nonzero on the tokens the mean takes);
-  both thresholds asked for (Tinker's documents give no defaults).
+  thresholds 1 - 3e-4 and 1 + 4e-4 unless given, the GSPO paper's (Tinker's documents
+  give none, and the cookbook's `rl_loop` sends none).
 
 The policy losses' inputs are those of `importance_sampling`; their formulas are Tinker's
 documented ones.
@@ -54,6 +55,7 @@ NEEDS = {
 CLIPS = ("clip_low_threshold", "clip_high_threshold")
 CONFIG_KEYS = {"ppo": CLIPS, "cispo": CLIPS, "gspo": CLIPS, "dro": ("beta",)}
 CISPO_LOW, CISPO_HIGH = 0.0, 4.0
+GSPO_LOW, GSPO_HIGH = 1 - 3e-4, 1 + 4e-4  # the GSPO paper's clip range of sequence ratios
 
 
 class Unsupported(ValueError):
@@ -207,13 +209,11 @@ def _settings(name: str, config: Mapping[str, Any]) -> dict[str, float]:
         if not 0 <= values["beta"] < math.inf:
             raise BadInput(f"dro's beta must be finite and >= 0, got {values['beta']}")
     elif name in ("ppo", "cispo", "gspo"):
-        if name == "gspo" and len(values) < 2:
-            raise BadInput(
-                "gspo needs loss_fn_config {'clip_low_threshold': ..., 'clip_high_threshold': "
-                "...}: Tinker's documents give no defaults (GSPO's paper clipped the sequence "
-                "ratio to 1 - 3e-4 and 1 + 4e-4)"
-            )
-        low, high = (CLIP_LOW, CLIP_HIGH) if name == "ppo" else (CISPO_LOW, CISPO_HIGH)
+        low, high = {
+            "ppo": (CLIP_LOW, CLIP_HIGH),
+            "cispo": (CISPO_LOW, CISPO_HIGH),
+            "gspo": (GSPO_LOW, GSPO_HIGH),
+        }[name]
         low = values.setdefault("clip_low_threshold", low)
         high = values.setdefault("clip_high_threshold", high)
         ok = 0 <= low <= high if name == "cispo" else 0 < low <= 1 <= high

@@ -227,8 +227,8 @@ def test_what_cannot_run_is_refused_by_name_before_the_engine_runs():
         unmasked.inputs["sequence_ratio_mask"] = [0.0] * n
         with pytest.raises(BadInput, match=r"data\[0\]: sequence_ratio_mask marks no token"):
             run(engine, [unmasked], "gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
-        with pytest.raises(BadInput, match="gspo needs loss_fn_config"):
-            run(engine, [unmasked], "gspo", {"clip_low_threshold": 0.9})
+        with pytest.raises(BadInput, match="must satisfy 0 < low <= 1 <= high"):
+            run(engine, [policy], "gspo", {"clip_low_threshold": 1.01})  # above 1 + 4e-4
         with pytest.raises(BadInput, match="must satisfy 0 <= low <= high"):
             run(engine, [policy], "cispo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0})
         for beta in ("x", True, float("nan")):
