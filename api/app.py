@@ -129,11 +129,25 @@ def create_app(
         session engines' Ray client follows it there if that head was where it went."""
         head = getattr(ray_supervisor, "head", None)
         before = head.info.get("client_address") if head is not None else None
-        ray_supervisor()
-        after = head.info.get("client_address") if head is not None else None
-        if settings.session_engines == "ray" and after and session_ray["at"] == before != after:
-            session_ray["at"] = after
-            ctx.sessions.hosts = session_hosts(settings, after)
+        ours = settings.session_engines == "ray" and before and session_ray["at"] == before
+        moving = bool(ours and head is not None and not head.running())
+        if moving:
+            # their requests fail at once from now on, not after Ray's client has waited
+            # 30 s for the dead head; new models wait for the new one (seconds)
+            lost = ctx.sessions.lose_engines("their Ray head died")
+            if lost:
+                log.warning("training models whose engines died with the Ray head: %s", lost)
+            ctx.sessions.hosts_moving()
+        new_hosts = None
+        try:
+            ray_supervisor()
+        finally:
+            after = head.info.get("client_address") if head is not None else None
+            if ours and after and before != after:
+                session_ray["at"] = after
+                new_hosts = session_hosts(settings, after)
+            if moving or new_hosts is not None:
+                ctx.sessions.hosts_moved(new_hosts)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

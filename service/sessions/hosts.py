@@ -270,7 +270,25 @@ def local_hosts(spec: ModelSpec) -> tuple[Host, str]:
     return LocalHost(spec), "the control plane's process"
 
 
-class RayHost:
+class Lost:
+    """What a host on a Ray cluster that is gone does: every request fails at once,
+    saying so (not after Ray's client has waited for the cluster to come back, 30 s)."""
+
+    name: str
+    lost: str | None = None  # why its engines are gone
+
+    def lose(self, why: str) -> None:
+        self.lost = why
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise Unavailable(
+                f"an engine of {self.name} is gone ({self.lost}); create the training client "
+                "again from a saved state"
+            )
+
+
+class RayHost(Lost):
     """An `EngineHost` in a Ray actor of its own (`options`: its `num_cpus`, `memory`,
     ...), called synchronously (the model's own thread waits for each result)."""
 
@@ -283,6 +301,7 @@ class RayHost:
         self.actor: Any = actor.remote(spec)
 
     def _call(self, op: str, *args: Any) -> Any:
+        self._check()
         return results([getattr(self.actor, op).remote(*args)], op, self.name)[0]
 
     def build(self) -> None:
@@ -314,6 +333,8 @@ class RayHost:
     def close(self) -> None:
         import ray
 
+        if self.lost is not None:
+            return  # nothing left to close
         try:
             ray.get(self.actor.close.remote(), timeout=60)
         except Exception as e:  # gone already, or stuck: killed either way
@@ -322,7 +343,7 @@ class RayHost:
             ray.kill(self.actor)
 
 
-class RayGroupHost:
+class RayGroupHost(Lost):
     """`spec.workers` `EngineHost`s in Ray actors of their own, joined in one gloo group:
     the model's chunks are sharded over them (chunk ZeRO, as a job's workers). Every
     operation runs on all of them at once; a batch is dealt out a datum at a time (the
@@ -343,9 +364,11 @@ class RayGroupHost:
         ]
 
     def _one(self, r: int, op: str, *args: Any) -> Any:
+        self._check()
         return self._gather([getattr(self.actors[r], op).remote(*args)], op)[0]
 
     def _all(self, op: str, args: Any = lambda r: ()) -> list[Any]:
+        self._check()
         refs = [getattr(a, op).remote(*args(r)) for r, a in enumerate(self.actors)]
         return self._gather(refs, op)
 
@@ -405,6 +428,8 @@ class RayGroupHost:
     def close(self) -> None:
         import ray
 
+        if self.lost is not None:
+            return  # nothing left to close
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=60)
         except Exception as e:  # gone already, or stuck: killed either way

@@ -49,6 +49,7 @@ UNEMBED = ("lm_head",)
 KEEP_READ_S = 120.0
 KEEP_UNREAD_S = 3600.0  # a result nobody asked for (its client gone) is dropped after this
 ENDED_KEPT = 10_000  # ended sessions remembered (a 410 for their heartbeats, not a 404)
+HOSTS_WAIT_S = 120.0  # how long a new model waits for its Ray head to be started again
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Sessions:
         self.pending: dict[str, Pending] = {}
         self._request_ids: dict[Future, str] = {}
         self._lock = threading.RLock()  # create_model answers a repeat under it
+        # cleared while the cluster engines run on is being replaced (hosts_moving)
+        self._hosts_ready = threading.Event()
+        self._hosts_ready.set()
         self._ids = itertools.count()
         self.samplers = Samplers(settings, self.states)
 
@@ -184,6 +188,28 @@ class Sessions:
         if m is not None:
             self._close(m)
 
+    def hosts_moving(self) -> None:
+        """The cluster engines run on is being replaced (the embedded head died): new
+        models wait for `hosts_moved` (a model made meanwhile would go to the dead one)."""
+        self._hosts_ready.clear()
+
+    def hosts_moved(self, hosts: Callable[[ModelSpec], tuple[Host, str]] | None) -> None:
+        """Models go to `hosts` from now on (None: where they went), and may be made."""
+        if hosts is not None:
+            self.hosts = hosts
+        self._hosts_ready.set()
+
+    def lose_engines(self, why: str) -> list[str]:
+        """The models whose engines ran on a Ray cluster that is gone (the embedded head
+        died and another was started): their requests fail at once from now on, saying
+        `why` and to start again from a saved state. Their ids."""
+        with self._lock:
+            models = list(self.models.values())
+        lost = [m for m in models if hasattr(m.host, "lose")]
+        for m in lost:
+            m.host.lose(why)  # type: ignore[attr-defined]
+        return [m.id for m in lost]
+
     def close(self) -> None:
         """End every session (the control plane is stopping): their engines are closed."""
         for session in list(self.sessions.values()):
@@ -246,6 +272,11 @@ class Sessions:
                 param="user_metadata",
             )
         planned = fit.check(base.id, base.path, rank, targets, dtype, budget, workers)
+        if not self._hosts_ready.wait(HOSTS_WAIT_S):
+            raise Unavailable(
+                f"no engine could be placed for {mid}: the Ray head engines run on is still "
+                f"being started again after {HOSTS_WAIT_S:.0f} s; retry later"
+            )
         try:  # Ray's client connects once, in seconds: not under the lock
             getattr(self.hosts, "connect", lambda: None)()
         except Exception as e:  # Ray not reachable: not the caller's

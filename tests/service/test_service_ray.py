@@ -737,6 +737,41 @@ def test_a_lost_node_costs_its_worker_and_the_job_resumes_from_its_checkpoint_on
             second.kill()
 
 
+def test_a_session_outlives_a_killed_ray_head_through_its_saved_state(serve):
+    """A real head killed under a live training session (SIGKILL to its processes): the
+    server starts another head, the model's next request fails at once saying its engine
+    is gone and to start again from a saved state, and a training client made from that
+    state on the new head computes what the lost one would have, bit for bit."""
+    import tinker
+
+    seq = [5, 9, 14, 3, 22, 7, 11]
+    datum = tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+    )
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+    with tinker.ServiceClient(base_url=serve.url, api_key=TINKER_TOKEN) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
+        for _ in range(2):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(adam).result()
+        saved = tc.save_state("before-the-kill").result().path
+        want = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+        head = serve.head_pid()
+        os.killpg(head, signal.SIGKILL)
+        wait_for(lambda: serve.head_pid() != head, 120, "the server to start another head")
+        t0 = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError, match="is gone") as lost:
+            tc.forward_backward([datum], "cross_entropy").result()
+        assert "from a saved state" in str(lost.value)
+        # at once: the server knows its head died (not after Ray's client gave up, 30 s)
+        assert time.monotonic() - t0 < 10
+        again = sc.create_training_client_from_state_with_optimizer(saved).result()
+        got = again.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+        assert got == want
+        again.optim_step(adam).result()  # and it trains on
+
+
 def test_a_graceful_restart_stops_ray_and_the_job_resumes_in_a_new_attempt(serve, files):
     c = serve.client()
     # 150 steps: the job trains on while the API and then the head stop (60 steps were

@@ -180,6 +180,59 @@ def test_a_create_sent_again_gets_the_same_model_even_after_its_result_was_dropp
     assert len(s.models) == 1
 
 
+def test_models_on_a_dead_head_fail_at_once_and_new_ones_wait_for_the_next_head(
+    tmp_path, monkeypatch
+):
+    """While the embedded head is started again: a lost model's requests fail at once
+    saying to start again from a saved state (a local engine is not touched); a new model
+    waits for the new head's hosts, and past the wait is refused saying why."""
+    from service.errors import Unavailable
+    from service.sessions import runtime
+    from service.sessions.hosts import Lost, local_hosts
+    from service.sessions.runtime import Sessions
+    from service.settings import Limits, Settings
+    from tests.tiny import make_tiny_llama
+
+    limits = Limits(max_session_models_per_tenant=4)
+    settings = Settings(data_dir=tmp_path, db_url="sqlite://", tokens={}, limits=limits)
+    settings.ensure_dirs()
+    make_tiny_llama(settings.models_dir / "tiny-llama")
+    made: list[str] = []
+
+    class Remote(Lost):  # a host on a Ray cluster, as RayHost is
+        name = "session-engine x"
+
+        def build(self) -> None:
+            self._check()
+
+        def forward_backward(self, *a):
+            self._check()
+
+        def close(self) -> None:
+            pass
+
+    def hosts(spec):
+        made.append(spec.id)
+        return (Remote() if len(made) == 1 else local_hosts(spec)[0]), "here"
+
+    s = Sessions(settings, engine={"dtype": "fp32"}, hosts=hosts)
+    sid = s.create_session("acme")
+    for k in range(2):
+        rid = s.create_model("acme", sid, k, "tiny-llama", {"rank": 2})
+        s.future("acme", rid).future.result(timeout=60)
+    assert s.lose_engines("their Ray head died") == [f"{sid}:train:0"]  # not the local one
+    with pytest.raises(Unavailable, match=r"is gone \(their Ray head died\); create the"):
+        s.models[f"{sid}:train:0"].host.forward_backward([], "cross_entropy", {}, True)
+    s.hosts_moving()
+    monkeypatch.setattr(runtime, "HOSTS_WAIT_S", 0.2)
+    with pytest.raises(Unavailable, match="still being started again after 0 s"):
+        s.create_model("acme", sid, 2, "tiny-llama", {"rank": 2})
+    s.hosts_moved(None)
+    s.create_model("acme", sid, 2, "tiny-llama", {"rank": 2})
+    assert made == [f"{sid}:train:{k}" for k in range(3)]
+    s.close()
+
+
 def test_session_engines_reconnect_when_their_ray_cluster_moved(monkeypatch):
     """A Ray connection made for session engines is kept while the address stays; when the
     hosts are made for another address (the embedded head started again, on new ports)
@@ -234,6 +287,9 @@ def test_the_apps_session_engines_follow_the_embedded_head_to_its_new_ports(tmp_
     class Head:
         def __init__(self) -> None:
             self.info = {"client_address": "ray://127.0.0.1:1111"}
+
+        def running(self) -> bool:
+            return False  # it died: the supervisor starts another
 
     class Supervisor:
         def __init__(self) -> None:
