@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import torch
 
 from service.methods.objectives import Rows, Split, all_sum, eval_rounds
+from service.methods.rollouts import Answer
 from service.sessions.losses import CLIP_HIGH, CLIP_LOW
 
 SHOWN = 4  # graded answers an evaluation shows on the job page (an event of the job's own)
@@ -51,13 +52,6 @@ EVAL_SEED = 7_919  # evaluations sample apart from training
 # how long a model server that does not answer is asked again (`sampler: server`): when
 # the engine can take over (`auto`), not for long
 SERVER_PATIENCE_S, FALLBACK_PATIENCE_S = 600.0, 60.0
-
-
-@dataclass
-class Answer:
-    tokens: list[int]  # the sampled tokens, the ending one included when there is one
-    logprobs: list[float]  # the policy's log-probability of each, at sampling time
-    ended: bool  # it ended with an end-of-turn token (not cut at the length limit)
 
 
 @torch.no_grad()

@@ -28,9 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.methods.rft_objective import Answer
-
 ROLLOUTS = "/v1/internal/jobs/{job}/rollouts"
+
+
+@dataclass
+class Answer:
+    """One sampled answer, by the engine or the model server."""
+
+    tokens: list[int]  # the sampled tokens, the ending one included when there is one
+    logprobs: list[float]  # the sampler's log-probability of each, at sampling time
+    ended: bool  # it ended with an end-of-turn token (not cut at the length limit)
 
 
 def weights_dir(sampler_dir: Path, step: int) -> Path:
