@@ -1,11 +1,12 @@
 """How a reinforcement job's model graders (`score_model`, `label_model`) reach their
-models, and its `cosine` metric the embedding model: through this API's own
-`/v1/chat/completions` and `/v1/embeddings`, as the job's tenant, the way `/graders/run`
-asks them.
+models, its `cosine` metric the embedding model, and its workers the model server that
+samples their answers (`sampler: server`): through this API's own
+`/v1/chat/completions`, `/v1/embeddings` and the job's rollouts route, as the job's
+tenant, the way `/graders/run` asks them.
 
 Each attempt of such a job gets a key of its own (`store.keys`, role `grader`, named after
-the job and the attempt) that reaches chat completions and nothing else
-(`api.auth.require_tenant`). Its secret is written to `<job dir>/secrets/grader_key.<n>`
+the job and the attempt) that reaches those and nothing else (`api.auth.require_tenant`;
+the rollouts route answers its own job's key only). Its secret is written to `<job dir>/secrets/grader_key.<n>`
 (mode 0600, on the volume the workers mount already, as the store's URL is: a Ray job's
 environment is on Ray's dashboard), and the run plan names that file and `PSTAR_API_URL`.
 The key is revoked when its attempt ends (`revoke`, the driver), when a later attempt
