@@ -58,10 +58,6 @@ def authenticate(settings: Settings, path: str, presented: str | None) -> str | 
     return tenant
 
 
-def _grader_reaches(method: str, path: str) -> bool:
-    return (method, path) in GRADER_REACHES or (method == "POST" and bool(ROLLOUTS.fullmatch(path)))
-
-
 def bearer_secret(authorization: str | None) -> str | None:
     scheme, _, presented = (authorization or "").partition(" ")
     presented = presented.strip()
@@ -114,10 +110,6 @@ async def require_key(request: Request) -> str:
         raise Unauthorized(unauthorized(), code="invalid_api_key")
     request.state.tenant = tenant
     return tenant
-
-
-def _grader_reaches(method: str, path: str) -> bool:
-    return (method, path) in GRADER_REACHES or (method == "POST" and bool(ROLLOUTS.fullmatch(path)))
 
 
 async def require_tenant(request: Request) -> str:
