@@ -6,9 +6,10 @@ tenant, the way `/graders/run` asks them.
 
 Each attempt of such a job gets a key of its own (`store.keys`, role `grader`, named after
 the job and the attempt) that reaches those and nothing else (`api.auth.require_tenant`;
-the rollouts route answers its own job's key only). Its secret is written to `<job dir>/secrets/grader_key.<n>`
-(mode 0600, on the volume the workers mount already, as the store's URL is: a Ray job's
-environment is on Ray's dashboard), and the run plan names that file and `PSTAR_API_URL`.
+the rollouts route answers its own job's key only). Its secret is written to
+`<job dir>/secrets/grader_key.<n>` (mode 0600, on the volume the workers mount already, as
+the store's URL is: a Ray job's environment is on Ray's dashboard), and the run plan names
+that file and `PSTAR_API_URL`.
 The key is revoked when its attempt ends (`revoke`, the driver), when a later attempt
 takes over (`grant` revokes the earlier attempts' keys, never a later one's), and, should a
 driver die first, once its attempt is no longer the job's current one, the job is paused,
