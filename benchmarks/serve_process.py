@@ -27,6 +27,9 @@ class ServeProcess:
             **os.environ,
             "PSTAR_DATA_DIR": str(data_dir),
             "PSTAR_API_TOKENS": tokens,
+            # where its jobs' workers reach it: its own address, whatever this process's
+            # environment says (a stale one there sent workers to an API long gone)
+            "PSTAR_API_URL": self.url,
             **(env or {}),
         }
         self.proc: subprocess.Popen | None = None

@@ -92,9 +92,10 @@ def serve(
     # where jobs' workers reach this API (score_model graders), unless the operator said
     reach = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     reach = f"[{reach}]" if ":" in reach else reach  # an IPv6 address, in brackets
-    os.environ.setdefault("PSTAR_API_URL", f"http://{reach}:{port}")
+    env = dict(os.environ)  # this process's own is left as it was
+    env.setdefault("PSTAR_API_URL", f"http://{reach}:{port}")
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env(env)
     except SettingsError as e:
         _fail(str(e))
 

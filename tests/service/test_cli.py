@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -183,11 +184,15 @@ def test_serve_on_a_port_in_use_fails_at_once_naming_it_and_starts_no_ray(monkey
 
     monkeypatch.setattr(pstar.server, "build", no_ray)
     monkeypatch.setenv("PSTAR_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("PSTAR_API_URL", raising=False)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         result = runner.invoke(app, ["serve", "--port", str(port)])
+    # this process's environment is left alone (a PSTAR_API_URL left there once sent the
+    # workers of every later `pstar serve` started from it to this dead port)
+    assert "PSTAR_API_URL" not in os.environ
     assert result.exit_code == 2, result.output
     assert f"cannot listen on 127.0.0.1:{port}" in result.output
     assert "--port" in result.output
