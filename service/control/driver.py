@@ -34,6 +34,7 @@ from service.control.files import file_path
 from service.control.grader_access import asks_models
 from service.data.datasets import DataError
 from service.data.prepare import prepare_files
+from service.methods import rollouts
 from service.registry import fine_tuned_name
 from service.settings import Settings
 from service.spec import auto
@@ -127,7 +128,7 @@ def prepare_run(
         grader_api_url=settings.api_url if key_file is not None else None,
         grader_key_file=str(key_file) if key_file is not None else None,
         embedding_model=settings.embedding_model_name if key_file is not None else None,
-        sampler_dir=str(job_dir / "sampler" / f"attempt-{attempt}") if on_server else None,
+        sampler_dir=str(rollouts.sampler_dir(job_dir, attempt)) if on_server else None,
         job_id=job.id,
         attempt=attempt,
         resume_from=_newest_checkpoint(store, job.id) if attempt > 1 else None,

@@ -42,10 +42,6 @@ def job_of_key(name: str) -> str | None:
     return parts[2] if len(parts) == 5 and parts[0] == "grader" else None
 
 
-def _job_of(name: str) -> str:
-    return name.split(" ")[2]
-
-
 def _attempt_of(name: str) -> int:
     return int(name.rsplit(" ", 1)[1])
 
@@ -70,7 +66,7 @@ def grant(settings: Settings, store: Store, job_id: str, tenant: str, attempt: i
     attempts' revoked: a stale attempt's grant leaves a later one's key alone); the file
     holding its secret."""
     for key in store.keys.live(GRADER):
-        if _job_of(key.name) == job_id and _attempt_of(key.name) <= attempt:
+        if job_of_key(key.name) == job_id and _attempt_of(key.name) <= attempt:
             store.keys.revoke(key.id)
     _, secret = store.keys.create(tenant, role=GRADER, name=key_name(job_id, attempt))
     path = settings.job_dir(job_id) / "secrets" / f"grader_key.{attempt}"
@@ -89,7 +85,7 @@ def revoke(store: Store, job_id: str, attempt: int | None = None) -> int:
     live = [
         k
         for k in store.keys.live(GRADER)
-        if (k.name == key_name(job_id, attempt) if attempt else _job_of(k.name) == job_id)
+        if (k.name == key_name(job_id, attempt) if attempt else job_of_key(k.name) == job_id)
     ]
     for key in live:
         store.keys.revoke(key.id)
@@ -102,7 +98,8 @@ def sweep(store: Store) -> int:
     driver stopped before its own revoke); how many."""
     done = 0
     for key in store.keys.live(GRADER):
-        job = store.jobs.get(_job_of(key.name))
+        job_id = job_of_key(key.name)
+        job = store.jobs.get(job_id) if job_id is not None else None
         if (
             job is None
             or job.status in TERMINAL

@@ -198,11 +198,7 @@ class ReinforcementMethod(Method):
                 raise InvalidRequest(
                     f"{e.message} (training_file line {n})", param=GRADER
                 ) from None
-        sampler = _sampler(section, unreachable)
-        asked = section.hyperparameters.sampler if section.hyperparameters else "auto"
-        # `auto`'s server gives way to the engine when it cannot answer (rft_objective)
-        fallback = {"sampler_fallback": True} if sampler == "server" and asked == "auto" else {}
-        return {"grader": section.grader, "sampler": sampler, **fallback}
+        return {"grader": section.grader, **_sampler(section, unreachable)}
 
     def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
         out = super().echo(hp, lora)
@@ -219,9 +215,11 @@ class ReinforcementMethod(Method):
 REINFORCEMENT = ReinforcementMethod()
 
 
-def _sampler(section: ReinforcementSection, unreachable: str | None) -> str:
-    """`server` or `engine`, as the request asks or `auto` decides (see the module
-    docstring); a 400 for a server the job cannot sample on."""
+def _sampler(section: ReinforcementSection, unreachable: str | None) -> dict[str, Any]:
+    """The stored plan's `sampler`, `server` or `engine`, as the request asks or `auto`
+    decides (see the module docstring), with `sampler_fallback` when `auto` chose the
+    server (it gives way to the engine if it cannot answer: rft_objective); a 400 for a
+    server the job cannot sample on."""
     asked = section.hyperparameters.sampler if section.hyperparameters else "auto"
     param = "method.reinforcement.hyperparameters.sampler"
     if asked == "server" and section.lora is None:
@@ -233,6 +231,8 @@ def _sampler(section: ReinforcementSection, unreachable: str | None) -> str:
         )
     if asked == "server" and unreachable is not None:
         raise InvalidRequest(f"{param}: 'server': {unreachable}", param=param)
-    if asked == "auto":
-        return "server" if section.lora is not None and unreachable is None else "engine"
-    return asked
+    if asked != "auto":
+        return {"sampler": asked}
+    if section.lora is not None and unreachable is None:
+        return {"sampler": "server", "sampler_fallback": True}
+    return {"sampler": "engine"}

@@ -40,6 +40,11 @@ class Answer:
     ended: bool  # it ended with an end-of-turn token (not cut at the length limit)
 
 
+def sampler_dir(job_dir: Path, attempt: int) -> Path:
+    """Where an attempt of a job exports its adapters for the model server."""
+    return job_dir / "sampler" / f"attempt-{attempt}"
+
+
 def weights_dir(sampler_dir: Path, step: int) -> Path:
     """Where the adapters of `step` are exported for the model server."""
     return sampler_dir / f"step-{step}"

@@ -186,6 +186,7 @@ def rollout_target(
     its attempt `attempt`: service.methods.rollouts): the base model's application, which
     every tenant's adapters share. A 404 for a job or weights that are not there, a 409
     for an attempt that is not the job's current one."""
+    from service.methods import rollouts
     from service.spec.job import spec_of
 
     job = store.jobs.get(job_id, tenant)
@@ -201,7 +202,7 @@ def rollout_target(
             f"job {job_id} trains every weight: its answers are sampled on its own engine",
             param="job_id",
         )
-    where = settings.job_dir(job_id) / "sampler" / f"attempt-{attempt}" / f"step-{step}"
+    where = rollouts.weights_dir(rollouts.sampler_dir(settings.job_dir(job_id), attempt), step)
     base = _base_dir(settings, store, tenant, job.model)
     if base is None:
         raise NotFound("base model", job.model, param="job_id")
