@@ -49,6 +49,7 @@ class IterationGuard:
         m = self.manager
         if m.zero.enabled:
             m.zero.report_failure(error)
+        self.optimizer.beside.abandon()  # before anything moves the chunks it holds
         m.tracer.abort()
         m.groups.drop_all()
         m.release_all(TensorState.HOLD)

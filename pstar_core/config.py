@@ -161,6 +161,12 @@ class MemoryConfig(_Frozen):
         description="a chunk prefetched to the device with no room sends chunks needed "
         "later than it to the host ahead (OPT's choice), on the copy stream",
     )
+    adam_beside_backward: bool = Field(
+        default=True,
+        description="in Engine.backward_and_step, Adam on the host updates each chunk "
+        "backward is done with while backward goes on (where that is exact: no fp16 "
+        "loss scale, no gradient clipping); off: all Adam after backward, as step()",
+    )
     keep_host_copies: bool = Field(
         default=True,
         description="a chunk moved to the device keeps its host buffer while the host "

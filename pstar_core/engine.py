@@ -189,6 +189,7 @@ class Engine:
         self.optimizer = ChunkAdamW(self.manager, cfg, groups)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
         self._guard = IterationGuard(self.manager, self.optimizer, self.excluded)
+        self.manager.backward_operator = self.optimizer.beside.poll
         self._hooks = install_hooks(module, self.slots, self.spans, self.manager)
         self._saved_tensor_hooks = saved_tensor_hooks(self.manager, list(self.spans.values()))
         return_freed_host_memory()  # what loading the weights left behind
@@ -238,6 +239,27 @@ class Engine:
             self.manager.release_all(TensorState.HOLD)
             self.manager.finish_backward()
 
+    def backward_and_step(self, loss: torch.Tensor, hyper: StepHyper | None = None) -> bool:
+        """`backward(loss)` then `step(hyper)`, with the same result to the bit; where that
+        is exact, Adam on the host runs beside backward: each host-Adam chunk is updated
+        as soon as backward is done with it, while backward goes on (see [Note: Adam
+        beside backward] in beside.py). Use it for the step's last backward when the step
+        follows at once. Exact, so it runs so, when: the trace is followed (not the
+        warm-up), a device apart from the host computes, no fp16 loss scale is checked
+        and no gradient clipping needs the global norm first. Otherwise it is plainly
+        backward, then step. False if the step was skipped (fp16 overflow)."""
+        self._check_open()
+        clip = self.config.gradient_clipping if hyper is None else hyper.max_grad_norm
+        if (
+            self.config.memory.adam_beside_backward
+            and self.device.type != "cpu"
+            and not self.scaler.enabled
+            and clip is None
+        ):
+            self.optimizer.beside.arm(hyper)
+        self.backward(loss)
+        return self.step(hyper)
+
     def step(self, hyper: StepHyper | None = None) -> bool:
         """One AdamW step over the accumulated gradients; False if skipped for fp16 overflow.
         `hyper` gives this step's learning rate, betas, eps and weight decay instead of the
@@ -249,13 +271,14 @@ class Engine:
 
     def _step(self, hyper: StepHyper | None = None) -> bool:
         opt = self.optimizer
-        opt.fold_grads()
+        opt.beside.step_begins()
         if self.zero.enabled:
             self.excluded.average_grads(self.zero)
         inv_scale = 1.0 / self.scaler.scale
         clip = self.config.gradient_clipping if hyper is None else hyper.max_grad_norm
         coef = 1.0
         if self.scaler.enabled or clip is not None:
+            opt.fold_grads()  # without a norm, each chunk's at its Adam moment
             norm_sq = opt.grad_norm_sq()
             if self.zero.enabled:
                 norm_sq = self.zero.all_reduce_sum(norm_sq)
@@ -312,6 +335,7 @@ class Engine:
             self._guard.abandon(RuntimeError("the engine was closed inside an iteration"))
         for h in self._hooks:
             h.remove()
+        self.optimizer.beside.close()
         self.manager.close()
         self._closed = True
 
@@ -324,6 +348,8 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this engine was closed: build a new one with initialize()")
+        if self.optimizer.beside.torn is not None:
+            raise RuntimeError(self.optimizer.beside.torn)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -339,7 +365,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Measured numbers: chunks per list and tier, bytes, utilization, bytes moved."""
-        return stats.engine_stats(
+        out = stats.engine_stats(
             self.manager,
             self.excluded,
             self.precision,
@@ -348,6 +374,9 @@ class Engine:
             global_step=self.global_step,
             lr=self.lr,
         )
+        # chunks whose host Adam ran beside the last step's backward (backward_and_step)
+        out["adam_beside_backward_chunks"] = self.optimizer.beside.last_step_chunks
+        return out
 
     # -- state (see `tensors` and `checkpoint`) -------------------------------------------
 
@@ -433,6 +462,7 @@ class Engine:
         again from these weights)."""
         self._require_no_pending_grads("load_checkpoint")
         checkpoint.load_checkpoint(self, Path(directory), optimizer)
+        self.optimizer.beside.torn = None
 
     def training_state(self) -> TrainingState:
         """What a checkpoint keeps beside the chunks (see `pstar_core.checkpoint`)."""
@@ -456,6 +486,7 @@ class Engine:
         self.global_step = state.global_step
         self.optimizer.lr_scale = state.lr_scale
         self.scaler.load_state_dict(state.scaler)
+        self.optimizer.beside.torn = None
 
 
 def batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BatchShape | None:

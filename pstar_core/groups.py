@@ -162,6 +162,14 @@ class GatheredGroups:
     def _outputs(self, members: list[Chunk], own: Chunk) -> torch.Tensor | list[torch.Tensor]:
         return self._buffers[id(own)] if self.contiguous else [m.payload for m in members]
 
+    def settled(self, c: Chunk) -> bool:
+        """Whether nothing is under way on the group of `c`: not gathered, no gather
+        ahead, no reduction in flight (its own chunk holds its reduced gradients)."""
+        key = self._key(c)
+        if key in self.live or key in self.arriving:
+            return False
+        return all(self._key(f.own) != key for f in self.in_flight)
+
     def is_live(self, c: Chunk) -> bool:
         """Whether the group of `c` is gathered (or its gather issued)."""
         return self._key(c) in self.live

@@ -137,6 +137,8 @@ class ChunkManager:
         # has put them in place (`pstar doctor` samples the allocator there). Empty, they
         # cost Access one test of this list.
         self.on_access: list[Callable[[Sequence[TensorSlot]], None]] = []
+        # called as each backward operator starts (Adam beside backward: see beside.py)
+        self.backward_operator: Callable[[], None] | None = None
 
     # -- layout -------------------------------------------------------------------------
 
@@ -213,6 +215,8 @@ class ChunkManager:
         device.start_compute()  # until its chunks are in place (an operator without any)
         self.residency.tick()
         self.groups.note_operator()
+        if self.phase is TrainingPhase.BACKWARD and self.backward_operator is not None:
+            self.backward_operator()
 
     def end_pass(self) -> bool:
         """The iteration (or evaluation forward) is over: close the tracer's pass; True if

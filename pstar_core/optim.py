@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from pstar_core.beside import AdamBesideBackward
 from pstar_core.chunk import Chunk, ChunkType, TensorSlot, TensorState
 from pstar_core.config import EngineConfig, LossScaleConfig, SchedulerConfig
 from pstar_core.kernels import AdamSegment, adamw_, grad_sq_norm, grad_sq_norm_device
@@ -139,21 +140,43 @@ class ChunkAdamW:
         self.cfg = cfg
         self.groups = groups
         self.lr_scale = lr_factor(cfg.scheduler, 0)
+        self.beside = AdamBesideBackward(manager, self)
+        self._folded: set[int] = set()  # accum chunks this step's gradients were added to
 
     def _grad_source(self, index: int):
         acc = self.manager.grad_accum.get(index)
         return acc if acc is not None else self.manager.lists[ChunkType.PARAM][index]
 
     def fold_grads(self) -> None:
-        """With accumulation, add the grads still in param slots into the accum chunks."""
+        """With accumulation, add the grads still in param slots into the accum chunks
+        (all of them now: the global norm reads them; without a norm each chunk's are
+        added at its Adam moment instead, where the trace then has their use)."""
         for index, acc in self.manager.grad_accum.chunks.items():
             chunk = self.manager.lists[ChunkType.PARAM][index]
             tier = self.manager.grad_accum.tier_for(chunk)
             self.manager.residency.make_resident([chunk, acc], tier)
-            for s in chunk.slots:
-                if s.state is TensorState.HOLD_AFTER_BWD:
-                    acc.flat(s).add_(chunk.flat(s))
-                    s.grad_in_accum = True
+            self._fold(index)
+
+    def to_fold(self, index: int) -> list[TensorSlot]:
+        """The slots of param chunk `index` whose gradients, still in the chunk, are to be
+        added into its accum chunk (none without one, or once added): marked added."""
+        if index in self._folded or self.manager.grad_accum.get(index) is None:
+            return []
+        self._folded.add(index)
+        slots = [
+            s
+            for s in self.manager.lists[ChunkType.PARAM][index].slots
+            if s.state is TensorState.HOLD_AFTER_BWD
+        ]
+        for s in slots:
+            s.grad_in_accum = True
+        return slots
+
+    def _fold(self, index: int) -> None:
+        acc = self.manager.grad_accum.get(index)
+        chunk = self.manager.lists[ChunkType.PARAM][index]
+        for s in self.to_fold(index):
+            acc.flat(s).add_(chunk.flat(s))
 
     @staticmethod
     def _has_grad(slot: TensorSlot) -> bool:
@@ -184,24 +207,37 @@ class ChunkAdamW:
     def step(self, grad_scale: float, hyper: StepHyper | None = None) -> None:
         """Update every slot that has a gradient; `grad_scale` multiplies each gradient;
         `hyper` replaces the config's settings for this step."""
-        base_lr = self.cfg.optimizer.lr
+        beside = self.beside
         for chunk in self.manager.own_chunks([ChunkType.PARAM]):
-            segs = []
-            for s in chunk.slots:
-                if self._has_grad(s):
-                    s.step += 1
-                    lr, wd = self.groups[s.group].at(base_lr, hyper, self.lr_scale)
-                    segs.append(AdamSegment(s.offset, s.numel, s.step, lr, wd))
+            i = chunk.index
+            if beside.started(i):  # its Adam ran beside backward: its moment, its result
+                self.manager.prepare_adam(i)
+                with profiled("pstar::wait adam beside backward"):
+                    beside.finish(i)
+                self.manager.adam_done(i)
+                continue
+            segs = self.segments(chunk, hyper)
             if not segs:
                 continue
-            i = chunk.index
             self.manager.prepare_adam(i)
+            self._fold(i)
             with profiled("pstar::adam"):
-                self._adam(i, chunk, segs, grad_scale, hyper)
+                self.adam(i, chunk, segs, grad_scale, hyper)
             self.manager.adam_done(i)
         self.end_step()
 
-    def _adam(
+    def segments(self, chunk: Chunk, hyper: StepHyper | None) -> list[AdamSegment]:
+        """The regions of `chunk` this step updates (those with a gradient), each with its
+        step count (counted here), learning rate and weight decay."""
+        segs = []
+        for s in chunk.slots:
+            if self._has_grad(s):
+                s.step += 1
+                lr, wd = self.groups[s.group].at(self.cfg.optimizer.lr, hyper, self.lr_scale)
+                segs.append(AdamSegment(s.offset, s.numel, s.step, lr, wd))
+        return segs
+
+    def adam(
         self,
         i: int,
         chunk: Chunk,
@@ -240,4 +276,6 @@ class ChunkAdamW:
         for s in self.manager.slots:
             if s.state is TensorState.HOLD_AFTER_BWD:
                 s.set_state(TensorState.HOLD)
+        self._folded.clear()
+        self.beside.step_done()
         self.manager.free_grad_accum()

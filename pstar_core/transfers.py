@@ -195,6 +195,19 @@ class Transfers:
         """Copies from tier `src` issued on a copy stream and not done yet."""
         return sum(1 for a in self.arriving.values() if a.src == src and not a.done.query())
 
+    def landed_on_host(self, c: Chunk) -> bool:
+        """Whether `c` is on the host with its bytes there: no move under way, or a copy
+        out that is done (then waited for, which costs no stall)."""
+        if c.tier != HOST:
+            return False
+        a = self.arriving.get(id(c))
+        if a is None:
+            return True
+        if a.src != DEVICE or not a.done.query():
+            return False
+        self.arrive(c)
+        return True
+
     def reap_sends(self) -> None:
         """Forget the copies out to the host that are done (their device room is free)."""
         for key in [k for k, a in self.arriving.items() if a.src == DEVICE and a.done.query()]:

@@ -1,0 +1,191 @@
+"""Host Adam beside backward: a chunk's Adam runs on the host while backward goes on.
+
+[Note: Adam beside backward] With some chunks' Adam on the host (a model larger than the
+GPU), a step used to be backward, then those chunks' Adam one after another. Their
+gradients already crossed to the host during backward (`Residency._send_done_for_host_
+adam`), but the host sat idle until backward ended. On an H200 a 1.1B GPT under a budget
+of N + P/2 spent 213 ms of its 337 ms step in host Adam after 117 ms of forward and
+backward (docs/gpu.md): the host's work was serial with the GPU's.
+
+A chunk's gradients are final once backward is done with it: the trace says its next use
+is its Adam moment. If the step follows this backward at once (`Engine.backward_and_step`)
+and nothing needs every gradient before the first update (no fp16 overflow check, no
+clipping by the global norm), that chunk's Adam can run then, on a thread of its own,
+beside backward: the kernel releases the GIL and reads and writes only the chunk's host
+payloads. The main thread keeps all the bookkeeping. It pins the chunk and its optimizer
+states while the thread has them (no move, eviction or spill), and at the step it plays
+the chunk's Adam moment as before (the trace does not change), waiting for the thread's
+result instead of running the kernel.
+
+Exact: the same kernel on the same inputs, so losses are bitwise those of `backward()`
+then `step()`. Not undoable: if backward fails after some chunks were updated, they keep
+their update. The engine then refuses to go on until a checkpoint or a training state is
+loaded (`torn`), rather than train on from a step applied to part of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pstar_core.chunk import TRAINABLE_LISTS, Chunk, ChunkType, TensorSlot
+from pstar_core.eviction import next_use
+from pstar_core.placement import ADAM_MOMENT, adam_tier
+from pstar_core.tiers import HOST
+
+if TYPE_CHECKING:
+    from pstar_core.kernels import AdamSegment
+    from pstar_core.manager import ChunkManager
+    from pstar_core.tracer import Trace
+
+
+class Stepper(Protocol):
+    """What of the optimizer (`optim.ChunkAdamW`) runs a chunk's Adam; `hyper` is its
+    `StepHyper` or None (the config's)."""
+
+    def segments(self, chunk: Chunk, hyper: Any) -> list[AdamSegment]: ...
+
+    def to_fold(self, index: int) -> list[TensorSlot]: ...
+
+    def adam(
+        self, i: int, chunk: Chunk, segs: list[AdamSegment], grad_scale: float, hyper: Any
+    ) -> None: ...
+
+
+class AdamBesideBackward:
+    """The chunks whose Adam runs beside the backward under way (see the note above)."""
+
+    def __init__(self, manager: ChunkManager, optimizer: Stepper) -> None:
+        self.manager = manager
+        self.optimizer = optimizer
+        self._pool: ThreadPoolExecutor | None = None
+        self._armed = False
+        self._hyper: Any = None
+        self._waiting: list[Chunk] = []  # host-Adam param chunks not started yet
+        self._running: dict[int, tuple[Future, list[Chunk]]] = {}  # by chunk index
+        self._started = 0  # chunks started beside the backward of the step under way
+        self.last_step_chunks = 0  # chunks whose Adam ran beside the last step's backward
+        self.torn: str | None = None  # why the engine must load a state before going on
+
+    def arm(self, hyper: Any) -> None:
+        """The backward about to run is its step's last, and the step follows it at once
+        with `hyper`: Adam may start on each host chunk backward is done with."""
+        m = self.manager
+        self._armed, self._hyper, self._started = True, hyper, 0
+        self._waiting = [
+            c
+            for c in m.own_chunks([ChunkType.PARAM])
+            if adam_tier(m.device_adam, c.index) == HOST and any(s.trainable for s in c.slots)
+        ]
+
+    def poll(self) -> None:
+        """A backward operator starts: start Adam on every waiting chunk that is ready."""
+        if not self._armed or not self._waiting:
+            return
+        tracer = self.manager.tracer
+        if tracer.trace is None or not tracer.following:
+            return
+        still, trace = [], tracer.trace
+        for c in self._waiting:
+            if self._ready(c, trace):
+                self._start(c)
+            else:
+                still.append(c)
+        self._waiting = still
+
+    def _ready(self, c: Chunk, trace: Trace) -> bool:
+        """Backward is done with `c` (its next traced use is its own Adam), its group is
+        reduced (ZeRO), and it and its optimizer states are all on the host."""
+        m = self.manager
+        now = m.tracer.moment
+        nu = next_use(m.tracer.uses_of((c.kind.value, c.index)), now, trace.moments)
+        if nu >= trace.moments or trace.names[int(nu)] != f"{ADAM_MOMENT}{c.index}":
+            return False
+        if m.zero.enabled and not m.groups.settled(c):
+            return False
+        return all(self._landed(x) for x in self._chunks(c.index))
+
+    def _chunks(self, index: int) -> list[Chunk]:
+        lists = self.manager.lists
+        chunks = [lists[k][index] for k in TRAINABLE_LISTS]
+        acc = self.manager.grad_accum.get(index)
+        return chunks + ([acc] if acc is not None else [])
+
+    def _landed(self, c: Chunk) -> bool:
+        """`c` is on the host with its bytes there (a copy out done, waited for without a
+        stall), and no collective holds it."""
+        return not c.pins and self.manager.residency.transfers.landed_on_host(c)
+
+    def _start(self, c: Chunk) -> None:
+        """Fold the micro-batch's gradients (with accumulation) and run Adam on `c` on the
+        thread, as `ChunkAdamW.step` would at its moment."""
+        opt, index = self.optimizer, c.index
+        acc = self.manager.grad_accum.get(index)
+        segs = opt.segments(c, self._hyper)
+        if not segs:
+            return  # no gradient: the step passes it by too
+        folded = opt.to_fold(index)
+        chunks = self._chunks(index)
+        for x in chunks:
+            x.pins += 1
+
+        def run() -> None:
+            if acc is not None:
+                for s in folded:
+                    acc.flat(s).add_(c.flat(s))
+            opt.adam(index, c, segs, 1.0, self._hyper)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pstar-adam-beside")
+        self._running[index] = (self._pool.submit(run), chunks)
+        self._started += 1
+
+    def started(self, index: int) -> bool:
+        return index in self._running
+
+    def finish(self, index: int) -> None:
+        """The step reached chunk `index`'s Adam moment: wait for its update (raising the
+        thread's error, if any) and unpin its chunks."""
+        done, chunks = self._running.pop(index)
+        try:
+            done.result()
+        finally:
+            for x in chunks:
+                x.pins -= 1
+        self.last_step_chunks += 1
+
+    def step_begins(self) -> None:
+        """The step starts: no more chunks start beside it."""
+        self._armed, self._waiting = False, []
+        self.last_step_chunks = 0
+
+    def step_done(self) -> None:
+        """The step is over (every chunk updated, or none: an fp16 overflow)."""
+        self._started = 0
+
+    def abandon(self) -> None:
+        """The iteration is given up: wait for the updates under way (nothing is left
+        running on chunks the engine goes on with); if any chunk was updated beside its
+        backward, the model is part-way through a step (`torn`)."""
+        updated = self._started
+        for index in list(self._running):
+            with contextlib.suppress(Exception):  # the iteration's own error is raised
+                self.finish(index)
+        self._armed, self._waiting, self._started = False, [], 0
+        if updated:
+            self.torn = (
+                f"the iteration failed after Adam had updated {updated} chunk(s) beside "
+                "backward (backward_and_step), so the model holds a step applied to part of "
+                "it; load a checkpoint (load_checkpoint) or a training state "
+                "(load_training_state) before training on"
+            )
+
+    def close(self) -> None:
+        self.abandon()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+__all__ = ["AdamBesideBackward"]
