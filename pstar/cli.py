@@ -304,7 +304,7 @@ def _plan_capacity(
             p = result["plan"]
             console.print(
                 f"its step: {p['step_seconds']:.2f} s forecast ({p['compute_seconds']:.2f} s "
-                f"of compute and Adam), {p['tflops_per_gpu']:.0f} TFLOPS per GPU"
+                f"with copies free), {p['tflops_per_gpu']:.0f} TFLOPS per GPU"
             )
         if result["next_model"]:
             console.print(f"{result['next_model']} does not: {result['next_why']}")
@@ -342,7 +342,7 @@ def _plan_capacity(
     )
     console.print(
         f"a step: {p.step_seconds:.2f} s forecast ({p.compute_seconds:.2f} s of compute "
-        f"and Adam, the rest copies and collectives not hidden), "
+        f"and host Adam beside backward, the rest copies and collectives not hidden), "
         f"[bold]{p.tflops_per_gpu:.0f} TFLOPS per GPU[/bold] (model FLOPs, recompute "
         "counted)"
     )

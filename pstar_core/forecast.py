@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pstar_core.eviction import farthest_first
@@ -94,7 +94,8 @@ class Forecast:
     least_device_bytes: int  # the smallest device budget the iteration runs in
     non_model_peak_bytes: int
     # with `Rates` (else 0): the iteration's time, and what it would be with every copy
-    # and collective free (its compute and Adam); its model FLOPs, recompute included
+    # and collective free (its compute and Adam, overlapped as `Rates` says); its model
+    # FLOPs, recompute included
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
     flops: float = 0.0
@@ -119,6 +120,9 @@ class Rates:
     # run, or earlier while fewer than prefetch_chunks are on their way
     prefetch_moments: int = 2
     prefetch_chunks: int = 2
+    # as `Engine.backward_and_step`: a chunk's Adam on the host starts once its gradients
+    # are there, beside backward, on a thread of its own ([Note: Adam beside backward])
+    adam_beside_backward: bool = True
 
 
 @dataclass
@@ -322,6 +326,15 @@ def forecast(
         step_s, compute_s, phases = _timeline(
             record, rates, chunk, plan.chunk_size, device_adam, nproc, others
         )
+        if rates.adam_beside_backward and nproc == 1:  # compute and Adam overlap: links free
+            free = replace(
+                rates,
+                host_to_device_bytes_per_s=math.inf,
+                device_to_host_bytes_per_s=math.inf,
+                collective_bytes_per_s=math.inf,
+                latency_s=0.0,
+            )
+            compute_s = _timeline(record, free, chunk, plan.chunk_size, device_adam, nproc, 0)[0]
     return Forecast(
         device_peak_bytes=dev_peak,
         device_chunk_peak_bytes=chunk_peak,
@@ -375,7 +388,9 @@ def _timeline(
       `prefetch_chunks` such copies on the link (what is left waits for the forward);
       a chunk evicted for room is copied out first;
     - a chunk whose Adam runs on the host leaves when backward is done with it (its last
-      use before Adam), and its Adam waits for it."""
+      use before Adam), and its Adam waits for it; with `adam_beside_backward` that Adam
+      runs then (on one rank: the engine does not yet under ZeRO), on a host thread of its
+      own, one chunk after another, and the chunk's Adam moment only waits for it."""
     h2d = chunk_bytes / rates.host_to_device_bytes_per_s + rates.latency_s
     d2h = chunk_bytes / rates.device_to_host_bytes_per_s + rates.latency_s
     gather = others / rates.collective_bytes_per_s  # one group: the other ranks' chunks
@@ -388,6 +403,11 @@ def _timeline(
     updated: dict[int, float] = {}  # chunk -> when Adam on the host updated it
     out_done: dict[int, float] = {}  # chunk -> when its last copy out is done
     step_end = 0.0  # the end of the latest iteration's last Adam
+    # the engine runs Adam beside backward on one rank only so far (under ZeRO an own
+    # chunk's reduced gradients are settled at the end of backward)
+    beside_on = rates.adam_beside_backward and nproc == 1
+    adam_free = 0.0  # the host Adam thread's (beside backward)
+    beside: dict[int, float] = {}  # chunk -> when its Adam beside backward is done
     compute = 0.0
     gathered_before: set[int] = set()
     lookahead, depth = rates.prefetch_moments, rates.prefetch_chunks
@@ -437,6 +457,11 @@ def _timeline(
                 begin = max(begin, out_done.get(i, 0.0))
             took = host_adam if on_host else device_adam_s
             compute += took
+            if i in beside:  # updated beside backward: its moment waits for that
+                took = max(0.0, beside.pop(i) - begin)
+            elif on_host and beside_on:
+                begin = max(begin, adam_free)  # the thread may still run another's
+                adam_free = begin + took
             start[t], end[t] = begin, begin + took
             if on_host:
                 updated[i] = end[t]
@@ -463,6 +488,9 @@ def _timeline(
         for _, i in send_after.get(t, ()):
             d2h_free = max(d2h_free, clock) + d2h
             out_done[i] = d2h_free
+            if beside_on and i >= device_adam:
+                adam_free = max(adam_free, d2h_free) + host_adam
+                beside[i] = adam_free
     half = n // 2
     phase_of = {"op": "forward", "bwd": "backward", "adam": "optimizer"}
     phases: dict[str, float] = {}

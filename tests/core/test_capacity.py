@@ -4,6 +4,7 @@ arithmetic of placement and overflow, and a plan of the paper's 68B in seconds."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -164,19 +165,26 @@ def test_the_model_flops_are_the_papers_count_with_recompute_as_a_forward():
 
 
 def test_with_a_free_link_the_step_is_its_compute_and_its_adam():
-    """Copies that cost nothing hide nothing: the step is the operators' FLOPs at the
-    compute rate and Adam on the host for each chunk the device has no room for."""
+    """Copies that cost nothing hide nothing: after backward (`step()`), the step is the
+    operators' FLOPs at the compute rate and Adam on the host for each chunk the device
+    has no room for. Beside backward (`backward_and_step`), that Adam overlaps backward:
+    the step is shorter, and no shorter than either part alone."""
     from pstar_core.capacity import zoo_tensors
     from pstar_core.mapping import make_plan
 
     t = zoo_tensors("gpt-2b")
     chunks = make_plan(t.numels, t.trainable, t.names, "fp16", "auto").trainable.num_chunks
-    f, chunk = _forecast("gpt-2b", FAST, device_gib=20)
+    after = dataclasses.replace(FAST, adam_beside_backward=False)
+    f, chunk = _forecast("gpt-2b", after, device_gib=20)
     assert 0 < f.device_adam_chunks < chunks
     assert f.host_to_device_bytes > 0
     on_host = (chunks - f.device_adam_chunks) * chunk / FAST.host_adam_params_per_s
     assert f.compute_seconds == pytest.approx(f.flops / 1e12 + on_host, rel=1e-9)
     assert f.step_seconds == pytest.approx(f.compute_seconds, rel=1e-9)
+    beside, _ = _forecast("gpt-2b", FAST, device_gib=20)
+    assert beside.compute_seconds == pytest.approx(beside.step_seconds, rel=1e-9)  # link free
+    assert max(f.flops / 1e12, on_host) * (1 - 1e-9) <= beside.step_seconds < f.step_seconds
+    assert beside.phase_seconds["optimizer"] < f.phase_seconds["optimizer"]
 
 
 def test_a_slow_link_bounds_the_step_by_the_bytes_it_carries():
