@@ -147,19 +147,24 @@ def timed_steps(
     return out
 
 
-def run_engine(engine, data: list, dev, warmup: int) -> Timed:
+def run_engine(engine, data: list, dev, warmup: int, beside: bool = False) -> Timed:
     """`timed_steps` of the engine (which moves each batch to its device itself), with the
-    moves of the last step's forward and backward."""
+    moves of the last step's forward and backward. With `beside`, each step is
+    `backward_and_step` (host Adam beside backward), all of it in `fwd_bwd_s`."""
     moved: dict[str, int] = {}
 
     def forward_backward(x):
         loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
+        if beside:
+            engine.backward_and_step(loss)
+        else:
+            engine.backward(loss)
         moved.clear()
         moved.update(engine.manager.residency.transfers.iteration_bytes_moved)
         return loss
 
-    out = timed_steps(data, dev, warmup, forward_backward, engine.step)
+    step = (lambda: None) if beside else engine.step  # beside: stepped in forward_backward
+    out = timed_steps(data, dev, warmup, forward_backward, step)
     out.moved_in_fwd_bwd = moved
     return out
 

@@ -66,37 +66,45 @@ def _link_totals(fake) -> tuple[float, float]:
     )
 
 
-def _step(engine, x, fake, dev) -> dict[str, dict[str, float]]:
+def _step(engine, x, fake, dev, beside: bool = False) -> dict[str, dict[str, float]]:
     """One training step, its phases bounded by synchronizations: per phase the wall
-    time, the copy time issued and the copy time exposed."""
-    loss = None
+    time, the copy time issued and the copy time exposed. With `beside` the step is
+    `backward_and_step` (host Adam beside backward); its optimizer phase starts where the
+    engine's `step()` does, so it holds what Adam beside backward did not finish."""
+    marks: list[tuple[float, float, float]] = []
 
-    def forward() -> None:
-        nonlocal loss
-        loss = engine(input_ids=x, labels=x).loss
+    def mark() -> None:
+        fake.synchronize(dev)
+        issued, waited = _link_totals(fake)
+        marks.append((time.perf_counter(), issued, waited))
 
-    phases = {
-        "forward": forward,
-        "backward": lambda: engine.backward(loss),
-        "optimizer": engine.step,
+    mark()
+    loss = engine(input_ids=x, labels=x).loss
+    mark()
+    if beside:
+        step = engine.step
+
+        def marked_step(hyper=None):
+            mark()
+            return step(hyper)
+
+        engine.step = marked_step  # what backward_and_step calls once backward is done
+        try:
+            engine.backward_and_step(loss)
+        finally:
+            del engine.step
+    else:
+        engine.backward(loss)
+        mark()
+        engine.step()
+    mark()
+    return {
+        phase: {"wall_s": t1 - t0, "issued_s": i1 - i0, "exposed_s": w1 - w0}
+        for phase, (t0, i0, w0), (t1, i1, w1) in zip(PHASES, marks[:-1], marks[1:], strict=True)
     }
-    out: dict[str, dict[str, float]] = {}
-    for phase, fn in phases.items():
-        fake.synchronize(dev)
-        issued0, waited0 = _link_totals(fake)
-        t0 = time.perf_counter()
-        fn()
-        fake.synchronize(dev)
-        issued1, waited1 = _link_totals(fake)
-        out[phase] = {
-            "wall_s": time.perf_counter() - t0,
-            "issued_s": issued1 - issued0,
-            "exposed_s": waited1 - waited0,
-        }
-    return out
 
 
-def _free_running(engine, data, fake, dev, gbps, steps) -> tuple[float, float]:
+def _free_running(engine, data, fake, dev, gbps, steps, beside) -> tuple[float, float]:
     """Seconds per step of `steps` steps run back to back, as a training loop runs them
     (one synchronization after the last: a step's copies may run on into the next), in
     blocks with the link and without, two each, alternated; the medians (with, without)."""
@@ -107,14 +115,20 @@ def _free_running(engine, data, fake, dev, gbps, steps) -> tuple[float, float]:
         fake.set_link(gbps if linked else 0.0)
         t0 = time.perf_counter()
         for x in data[:steps]:
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
+            loss = engine(input_ids=x, labels=x).loss
+            if beside:
+                engine.backward_and_step(loss)
+            else:
+                engine.backward(loss)
+                engine.step()
         fake.synchronize(dev)
         per[linked].append((time.perf_counter() - t0) / steps)
     return median(per[True]), median(per[False])
 
 
-def _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype) -> dict[str, Any]:
+def _budget_run(
+    name, cfg, budget, data, fake, gbps, warmup, steps, dtype, beside
+) -> dict[str, Any]:
     import torch
 
     import pstar_core
@@ -126,15 +140,19 @@ def _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype) -> di
         {"dtype": dtype, "device": "fakegpu", "memory": {"device_budget": budget}},
     )
     dev = engine.device
-    with_link, without = [], []
+    with_link, without, beside_chunks = [], [], []
     try:
         for i, x in enumerate(data):
             linked = i < warmup or (i - warmup) % 2 == 0
             fake.set_link(gbps if linked else 0.0)
-            record = _step(engine, x, fake, dev)
+            record = _step(engine, x, fake, dev, beside)
             if i >= warmup:
                 (with_link if linked else without).append(record)
-        free_with, free_without = _free_running(engine, data[warmup:], fake, dev, gbps, steps)
+                if linked:  # (without a link a copy stays queued until waited for)
+                    beside_chunks.append(engine.stats()["adam_beside_backward_chunks"])
+        free_with, free_without = _free_running(
+            engine, data[warmup:], fake, dev, gbps, steps, beside
+        )
         st = engine.stats()
     finally:  # the link is process-wide: off again whatever happened
         fake.set_link(0.0)
@@ -169,6 +187,8 @@ def _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype) -> di
         ),
         "optimizer_over_max": opt["wall_s"] / max(opt["issued_s"], opt["wall_s_without_link"]),
         "device_adam_chunks": st["device_adam_chunks"],
+        # chunks whose Adam ran beside backward, per timed step with the link (median)
+        "adam_beside_backward_chunks": median(beside_chunks),
         "own_chunks": st["chunks"]["param"]["count"],
         "bytes_moved": st["bytes_moved"],
         "name": name,
@@ -214,6 +234,7 @@ def run(
     seq: int = 128,
     gbps: float | None = None,
     dtype: str = "auto",
+    beside: bool = True,
     json_out: bool = False,
 ) -> dict[str, Any]:
     import dataclasses
@@ -254,7 +275,7 @@ def run(
     if gbps is None:
         gbps = chunk_bytes / layer_s / 1e9  # a chunk's copy takes one layer's forward
     runs = {
-        name: _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype)
+        name: _budget_run(name, cfg, budget, data, fake, gbps, warmup, steps, dtype, beside)
         for name, budget in budgets(st, "fakegpu").items()
     }
     for r in runs.values():
@@ -317,6 +338,7 @@ def run(
         "link_GBps": gbps,
         "chunk_bytes": chunk_bytes,
         "layer_forward_s": layer_s,
+        "adam_beside_backward": beside,
         "runs": runs,
         "hidden_fraction_fwd_bwd": worst("hidden_fraction_fwd_bwd", low_is_bad=True),
         "optimizer_over_max": worst("optimizer_over_max", low_is_bad=False),

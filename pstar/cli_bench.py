@@ -117,6 +117,13 @@ def bench_overlap(
         typer.Option(help="link GB/s each way (default: a chunk's copy takes a layer's forward)"),
     ] = None,
     dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
+    beside: Annotated[
+        bool,
+        typer.Option(
+            "--adam-beside/--no-adam-beside",
+            help="train with backward_and_step (host Adam beside backward), or backward then step",
+        ),
+    ] = True,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Copy time issued, exposed and hidden per phase on the fake device with a modeled
@@ -126,7 +133,8 @@ def bench_overlap(
     try:
         run(
             model=model, layers=layers or None, vocab=vocab or None, steps=steps,
-            warmup=warmup, batch=batch, seq=seq, gbps=gbps, dtype=dtype, json_out=json_out,
+            warmup=warmup, batch=batch, seq=seq, gbps=gbps, dtype=dtype, beside=beside,
+            json_out=json_out,
         )  # fmt: skip
     except ValueError as e:
         _fail(str(e))

@@ -27,6 +27,8 @@ def result() -> dict:
 
 def test_copies_are_counted_per_phase_and_the_evicting_budget_moves_params(result):
     evicting = result["runs"]["params_evicted"]
+    assert result["adam_beside_backward"]  # the default: backward_and_step
+    assert evicting["adam_beside_backward_chunks"] > 0  # gradients landed during backward
     phases = evicting["phases"]
     assert phases["forward"]["issued_s"] > 0  # params came back over the link
     for phase in phases.values():
