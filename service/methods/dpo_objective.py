@@ -33,7 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.methods.objectives import Rows, Split, all_sum, all_sum_tensor, eval_rounds
+from service.methods.objectives import (
+    Rows,
+    Split,
+    all_sum,
+    all_sum_tensor,
+    backward,
+    eval_rounds,
+)
 from service.spec.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -156,15 +163,14 @@ class DPO:
         parts = rows.slices(micro_batches)
         total = rows.input_ids.shape[0]
         sums = dict.fromkeys(SUMS, 0.0)
-        for part in parts:
+        for i, part in enumerate(parts):
             n = part.input_ids.shape[0]
             logps = policy_logps(engine, part)
             assert part.reference is not None  # attached by `prepare`
             ref = part.reference.to(logps)
             loss, chosen, rejected = dpo_terms(logps, ref, self.beta)
-            engine.backward(loss.sum() / total)
+            backward(engine, loss.sum() / total, i == len(parts) - 1)
             self._add(sums, loss, chosen, rejected, n)
-        engine.step()
         return sums
 
     @staticmethod

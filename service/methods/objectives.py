@@ -153,6 +153,15 @@ def evaluate(engine: Any, split: Split, rank: int, world: int, batch: int):
     return (loss_sum / count, correct / count) if count else (float("nan"), float("nan"))
 
 
+def backward(engine: Any, loss: Any, last: bool) -> None:
+    """Backward of one micro-batch; the step's last also steps, with host Adam beside
+    its backward where that is exact (`Engine.backward_and_step`)."""
+    if last:
+        engine.backward_and_step(loss)
+    else:
+        engine.backward(loss)
+
+
 class Supervised:
     """Next-token cross-entropy on the labelled tokens (the model's own loss): supervised
     and LoRA fine-tuning, and `pstar train`."""
@@ -178,7 +187,7 @@ class Supervised:
             shares = [int((p.labels[:, 1:] != -100).sum()) for p in parts]
             total = max(1, sum(shares))
         loss_sum = correct = count = 0.0
-        for part, share in zip(parts, shares, strict=True):
+        for i, (part, share) in enumerate(zip(parts, shares, strict=True)):
             out = engine(**part.model_inputs())
             c, k = token_stats(out.logits.detach(), part.labels)
             loss = out.loss
@@ -187,12 +196,11 @@ class Supervised:
                 # in backward (ZeRO's reductions are collective), with a zero gradient
                 weighted = loss * (share / total) if share else out.logits.sum() * 0.0
             del out  # the logits (batch x seq x vocab) are not kept through backward, step
-            engine.backward(loss if len(parts) == 1 else weighted)
+            backward(engine, loss if len(parts) == 1 else weighted, i == len(parts) - 1)
             if k:
                 loss_sum += float(loss.detach()) * k
             correct += c
             count += k
-        engine.step()
         return {"loss_sum": loss_sum, "correct": correct, "count": count}
 
     @staticmethod
