@@ -1,0 +1,125 @@
+"""Host Adam beside backward (`Engine.backward_and_step`, [Note: Adam beside backward] in
+`pstar_core/beside.py`) on the second device with a modeled link: chunks backward is done
+with are updated while it goes on, to the bit as backward then step; where a norm needs
+every gradient first it waits; a failure after it began wants a saved state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import fakedevice
+from tests.core.helpers import batches, run_engine
+from tests.fakedevice.test_engine_on_fakegpu import DEV, half_the_params, make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake():
+    return fakedevice.load()
+
+
+def run_backward_and_step(engine, data, micro_batches: int = 1) -> tuple[list[float], list[int]]:
+    """`run_engine` with each step's last backward `backward_and_step`: the losses, and
+    the chunks whose Adam ran beside backward at each step."""
+    losses, beside = [], []
+    for x in data:
+        parts, total = x.chunk(micro_batches), 0.0
+        for k, mb in enumerate(parts):
+            loss = engine(input_ids=mb, labels=mb).loss / micro_batches
+            total += loss.item()
+            if k == len(parts) - 1:
+                engine.backward_and_step(loss)
+            else:
+                engine.backward(loss)
+        losses.append(total)
+        beside.append(engine.stats()["adam_beside_backward_chunks"])
+    return losses, beside
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_adam_beside_backward_updates_host_chunks_during_it_bitwise_as_after_it(
+    fake, micro_batches
+):
+    """Adam on the host for every chunk (half the parameters fit), over a modeled link:
+    with `backward_and_step`, once the trace is followed, chunks backward is done with are
+    updated while it goes on, and the losses and every weight are those of `backward()`
+    then `step()`, to the bit (accumulation folded beside it too)."""
+    budget = half_the_params()
+    data = batches(4)
+    fake.set_link(2.0, 2.0, 0.0)
+    try:
+        plain = make("gpt", DEV, {"device_budget": budget})
+        expected = run_engine(plain, data, micro_batches=micro_batches)
+        plain_state = {k: v.cpu() for k, v in plain.state_dict().items()}
+        plain.close()
+        engine = make("gpt", DEV, {"device_budget": budget})
+        losses, beside = run_backward_and_step(engine, data, micro_batches)
+        state = {k: v.cpu() for k, v in engine.state_dict().items()}
+        assert engine.stats()["device_adam_chunks"] == 0
+        engine.close()
+    finally:
+        fake.set_link(0.0)
+    assert losses == expected
+    for name, value in plain_state.items():
+        assert torch.equal(state[name], value), name
+    assert beside[0] == 0  # the warm-up records the trace: nothing beside it
+    assert max(beside[1:]) > 0, beside
+
+
+def test_adam_waits_for_backward_where_a_norm_needs_every_gradient_first(fake):
+    """With gradient clipping the global norm needs every gradient before any update:
+    `backward_and_step` is then backward, then step (nothing beside it), with the same
+    losses as those two calls."""
+    budget = half_the_params()
+    data = batches(3)
+    plain = make("gpt", DEV, {"device_budget": budget}, gradient_clipping=0.5)
+    expected = run_engine(plain, data)
+    plain.close()
+    engine = make("gpt", DEV, {"device_budget": budget}, gradient_clipping=0.5)
+    losses, beside = run_backward_and_step(engine, data)
+    engine.close()
+    assert losses == expected
+    assert beside == [0, 0, 0]
+
+
+def test_a_backward_that_fails_once_adam_beside_it_began_wants_a_saved_state(fake, tmp_path):
+    """Backward fails after Adam beside it updated some chunks: the model holds a step
+    applied to part of it, so the engine refuses to train on until a checkpoint is
+    loaded; from the checkpoint it trains as a run that never failed."""
+    budget = half_the_params()
+    data = batches(4)
+    plain = make("gpt", DEV, {"device_budget": budget})
+    expected = run_engine(plain, data)
+    plain.close()
+    fake.set_link(2.0, 2.0, 0.0)  # a device with copy streams: gradients cross in backward
+    try:
+        _fail_once_beside_backward(budget, data, expected, tmp_path)
+    finally:
+        fake.set_link(0.0)
+
+
+def _fail_once_beside_backward(budget, data, expected, tmp_path) -> None:
+    engine = make("gpt", DEV, {"device_budget": budget})
+    losses, _ = run_backward_and_step(engine, data[:2])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    failing = {"on": True}
+
+    def fail_late(_module, _args, out):  # the embedding's output: its gradient comes last
+        def boom(_grad):
+            if failing["on"]:
+                raise RuntimeError("injected failure late in backward")
+
+        out.register_hook(boom)
+
+    hook = engine.module.wte.register_forward_hook(fail_late)
+    loss = engine(input_ids=data[2], labels=data[2]).loss
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.backward_and_step(loss)
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        engine(input_ids=data[2], labels=data[2])
+    failing["on"] = False
+    hook.remove()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    after, _ = run_backward_and_step(engine, data[2:])
+    engine.close()
+    assert losses + after == expected
