@@ -40,8 +40,8 @@ def crash_rank_1_after_step(at: int, marker: Path):
             engine = build(*args, **kwargs)
             step = engine.step
 
-            def step_then_crash():
-                done = step()
+            def step_then_crash(*args, **kwargs):  # (backward_and_step passes its hyper)
+                done = step(*args, **kwargs)
                 if rank == 1 and engine.global_step == at and not marker.exists():
                     marker.write_text(str(os.getpid()))
                     os._exit(1)
