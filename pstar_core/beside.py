@@ -17,6 +17,12 @@ states while the thread has them (no move, eviction or spill), and at the step i
 the chunk's Adam moment as before (the trace does not change), waiting for the thread's
 result instead of running the kernel.
 
+Under ZeRO an own chunk's gradients are final once its group's reduce-scatter is done.
+Such reductions were settled at the end of backward; while Adam may start beside it, one
+found done at a backward operator (`Work.is_completed()`, no wait) is finished there, and
+the own chunk leaves the group's buffer for the host by a copy out, the buffer counted
+as device memory until the copy is done (`GatheredGroups.settle_completed`).
+
 Exact: the same kernel on the same inputs, so losses are bitwise those of `backward()`
 then `step()`. Not undoable: if backward fails after some chunks were updated, they keep
 their update. The engine then refuses to go on until a checkpoint or a training state is
@@ -30,14 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pstar_core.chunk import TRAINABLE_LISTS, Chunk, ChunkType, TensorSlot
-from pstar_core.eviction import next_use
-from pstar_core.placement import ADAM_MOMENT, adam_tier
+from pstar_core.placement import adam_tier
 from pstar_core.tiers import HOST
 
 if TYPE_CHECKING:
     from pstar_core.kernels import AdamSegment
     from pstar_core.manager import ChunkManager
-    from pstar_core.tracer import Trace
 
 
 class Stepper(Protocol):
@@ -73,6 +77,7 @@ class AdamBesideBackward:
         with `hyper`: Adam may start on each host chunk backward is done with."""
         m = self.manager
         self._armed, self._hyper, self._started = True, hyper, 0
+        m.beside_armed = True
         self._waiting = [
             c
             for c in m.own_chunks([ChunkType.PARAM])
@@ -83,24 +88,24 @@ class AdamBesideBackward:
         """A backward operator starts: start Adam on every waiting chunk that is ready."""
         if not self._armed or not self._waiting:
             return
-        tracer = self.manager.tracer
-        if tracer.trace is None or not tracer.following:
+        m = self.manager
+        if m.tracer.trace is None or not m.tracer.following:
             return
-        still, trace = [], tracer.trace
+        if m.zero.enabled:  # reductions done leave for the host now (groups.py)
+            m.groups.settle_completed()
+        still = []
         for c in self._waiting:
-            if self._ready(c, trace):
+            if self._ready(c):
                 self._start(c)
             else:
                 still.append(c)
         self._waiting = still
 
-    def _ready(self, c: Chunk, trace: Trace) -> bool:
-        """Backward is done with `c` (its next traced use is its own Adam), its group is
-        reduced (ZeRO), and it and its optimizer states are all on the host."""
+    def _ready(self, c: Chunk) -> bool:
+        """Backward is done with `c` (its next traced use is its Adam, on the host), its
+        group is reduced (ZeRO), and it and its optimizer states are all on the host."""
         m = self.manager
-        now = m.tracer.moment
-        nu = next_use(m.tracer.uses_of((c.kind.value, c.index)), now, trace.moments)
-        if nu >= trace.moments or trace.names[int(nu)] != f"{ADAM_MOMENT}{c.index}":
+        if not m.residency.bound_for_host_adam(c):
             return False
         if m.zero.enabled and not m.groups.settled(c):
             return False
@@ -158,6 +163,7 @@ class AdamBesideBackward:
     def step_begins(self) -> None:
         """The step starts: no more chunks start beside it."""
         self._armed, self._waiting = False, []
+        self.manager.beside_armed = False
         self.last_step_chunks = 0
 
     def step_done(self) -> None:
@@ -173,6 +179,7 @@ class AdamBesideBackward:
             with contextlib.suppress(Exception):  # the iteration's own error is raised
                 self.finish(index)
         self._armed, self._waiting, self._started = False, [], 0
+        self.manager.beside_armed = False
         if updated:
             self.torn = (
                 f"the iteration failed after Adam had updated {updated} chunk(s) beside "

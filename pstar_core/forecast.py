@@ -326,7 +326,7 @@ def forecast(
         step_s, compute_s, phases = _timeline(
             record, rates, chunk, plan.chunk_size, device_adam, nproc, others
         )
-        if rates.adam_beside_backward and nproc == 1:  # compute and Adam overlap: links free
+        if rates.adam_beside_backward:  # compute and Adam overlap: the step with links free
             free = replace(
                 rates,
                 host_to_device_bytes_per_s=math.inf,
@@ -389,8 +389,8 @@ def _timeline(
       a chunk evicted for room is copied out first;
     - a chunk whose Adam runs on the host leaves when backward is done with it (its last
       use before Adam), and its Adam waits for it; with `adam_beside_backward` that Adam
-      runs then (on one rank: the engine does not yet under ZeRO), on a host thread of its
-      own, one chunk after another, and the chunk's Adam moment only waits for it."""
+      runs then, on a host thread of its own, one chunk after another, and the chunk's
+      Adam moment only waits for it."""
     h2d = chunk_bytes / rates.host_to_device_bytes_per_s + rates.latency_s
     d2h = chunk_bytes / rates.device_to_host_bytes_per_s + rates.latency_s
     gather = others / rates.collective_bytes_per_s  # one group: the other ranks' chunks
@@ -403,9 +403,7 @@ def _timeline(
     updated: dict[int, float] = {}  # chunk -> when Adam on the host updated it
     out_done: dict[int, float] = {}  # chunk -> when its last copy out is done
     step_end = 0.0  # the end of the latest iteration's last Adam
-    # the engine runs Adam beside backward on one rank only so far (under ZeRO an own
-    # chunk's reduced gradients are settled at the end of backward)
-    beside_on = rates.adam_beside_backward and nproc == 1
+    beside_on = rates.adam_beside_backward
     adam_free = 0.0  # the host Adam thread's (beside backward)
     beside: dict[int, float] = {}  # chunk -> when its Adam beside backward is done
     compute = 0.0

@@ -55,8 +55,13 @@ class GatheredGroups:
     points on every rank; only the waits move, so the order every rank sees is unchanged.
     """
 
-    def __init__(self, zero: ZeroGroup, lists, owner, residency, stash, forward_done) -> None:
+    def __init__(
+        self, zero: ZeroGroup, lists, owner, residency, stash, forward_done, for_host_adam=None
+    ) -> None:
         self.zero = zero
+        # own chunk -> its reduced gradients go to the host now, for Adam beside backward
+        # (`beside.py`): they leave the group's buffer by a copy out, not a device copy
+        self.for_host_adam = for_host_adam or (lambda c: False)
         self.lists = lists  # ChunkType -> chunks
         self.owner = owner  # chunk -> rank
         self.residency = residency
@@ -254,13 +259,22 @@ class GatheredGroups:
         else:
             self._drop(members, own)
 
-    def _drop(self, members: list[Chunk], own: Chunk, pressed: bool = False) -> None:
+    def _drop(
+        self, members: list[Chunk], own: Chunk, pressed: bool = False, reduced: bool = False
+    ) -> None:
         """The group leaves: remote chunks are forgotten, the own chunk keeps its bytes
         in a buffer of its own (`pressed`: on the host, see [Note: leaving the group
-        buffer])."""
+        buffer]). Reduced gradients bound for Adam beside backward go to the host by a
+        copy out instead, the group's buffer held on the device until it is done."""
         for m in members:
             m.pins -= 1
-        if self._buffers.pop(id(own), None) is not None:
+        buffer = self._buffers.pop(id(own), None)
+        r = self.residency
+        if reduced and not pressed and self.for_host_adam(own):
+            held = buffer.nbytes if buffer is not None else own.nbytes
+            if r.transfers.send(own, held):
+                buffer = None
+        if buffer is not None:
             self._leave_buffer(own, members, pressed)
         for m in members:
             if m is not own:
@@ -333,7 +347,15 @@ class GatheredGroups:
             if s.state is not TensorState.HOLD_AFTER_BWD:
                 r.in_memory(master)
                 own.flat(s).copy_(master.flat(s))
-        self._drop(members, own, pressed)
+        self._drop(members, own, pressed, reduced=True)
+
+    def settle_completed(self) -> None:
+        """Finish, without waiting, the reductions in flight whose collective is done and
+        whose own chunk's gradients go to the host for Adam beside backward (`beside.py`):
+        they leave for the host now, not at the end of backward."""
+        for f in [f for f in self.in_flight if self.for_host_adam(f.own)]:
+            if f.work.is_completed():
+                self.settle(self._key(f.own))
 
     def settle(self, key: tuple[ChunkType, int] | None = None, pressed: bool = False) -> bool:
         """Wait for the reductions in flight (of the group `key` only, if given) and

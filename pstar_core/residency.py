@@ -312,6 +312,19 @@ class Residency:
         if not trace.names[now].startswith(FORWARD_MOMENT):  # forward is done with none
             self._send_done_for_host_adam(now, movable)
 
+    def bound_for_host_adam(self, c: Chunk) -> bool:
+        """Whether the trace followed says the next use of `c` is Adam on the host:
+        backward is done with it."""
+        trace = self.tracer.trace
+        if trace is None or not self.tracer.following:
+            return False
+        uses = self.tracer.uses_of((c.kind.value, c.index))
+        nu = next_use(uses, self.tracer.moment, trace.moments)
+        if nu >= trace.moments:
+            return False
+        m = int(nu)
+        return is_adam_moment(trace.names[m]) and self._moment_tiers()[m] == HOST
+
     def _send_done_for_host_adam(self, now: int, movable: Callable[[Chunk], bool]) -> None:
         """Device chunks whose next use is Adam on the host leave now: backward is done
         with them, and their gradients cross while it goes on."""

@@ -269,15 +269,17 @@ class Transfers:
         self.account(c, HOST, DEVICE)
         self.prefetched["host->device"] = self.prefetched.get("host->device", 0) + 1
 
-    def send(self, c: Chunk) -> bool:
+    def send(self, c: Chunk, held: int | None = None) -> bool:
         """Start moving `c` from the device to the host on the copy stream, if the host
-        has room; whether it did (a chunk with a current host copy goes back at once)."""
+        has room; whether it did (a chunk with a current host copy goes back at once).
+        `held`: the device bytes its payload keeps until the copy is done (a ZeRO group's
+        whole buffer, when `c` is a slice of it), if not its own."""
         if not self._copier.enabled or c.tier != DEVICE or id(c) in self.arriving:
             return False
         if c.host_copy is not None:
             self._back_to_host_copy(c)
             return True
-        return self._to_host(c)
+        return self._to_host(c, held)
 
     # -- host copies of clean chunks ([Note: clean chunks]) -----------------------------
 
@@ -350,7 +352,7 @@ class Transfers:
         c.tier = HOST
         self.clean_evictions += 1
 
-    def _to_host(self, c: Chunk) -> bool:
+    def _to_host(self, c: Chunk, held: int | None = None) -> bool:
         host = self.tiers[HOST]
         if host.used_bytes + c.nbytes > host.budget_bytes:
             return False
@@ -359,7 +361,7 @@ class Transfers:
         done = self._copier.copy(new, c.payload)  # the device block is kept until it is done
         self.payloads.remove(c)
         self.tiers[DEVICE].release(c.payload)
-        self.arriving[id(c)] = Arrival(DEVICE, done, nbytes=c.nbytes)
+        self.arriving[id(c)] = Arrival(DEVICE, done, nbytes=held or c.nbytes)
         with self.tracer.chunk_memory():
             c.payload = new
         self.payloads.add(c)

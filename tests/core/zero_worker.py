@@ -26,14 +26,22 @@ STEPS = 20
 
 
 def run_steps(engine, data, rank, world):
+    beside = os.environ.get("PSTAR_TEST_BESIDE") == "1"  # backward_and_step
     losses = []
     for x in data:
         part = x.chunk(world)[rank]
         loss = engine(input_ids=part, labels=part).loss
-        engine.backward(loss)
-        engine.step()
+        if beside:
+            engine.backward_and_step(loss)
+            BESIDE.append(engine.stats()["adam_beside_backward_chunks"])
+        else:
+            engine.backward(loss)
+            engine.step()
         losses.append(mean_over_ranks(loss, world))
     return losses
+
+
+BESIDE: list[int] = []  # chunks whose Adam ran beside backward, at each step
 
 
 class HostPayloads:
@@ -352,6 +360,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         }
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
         out["gathered_ahead"] = engine.stats()["comm_gathered_ahead"]
+        out["beside"] = BESIDE
+        out["device_adam_chunks"] = engine.stats()["device_adam_chunks"]
         out["evicted_under_pressure"] = engine.stats()["comm_evicted_under_pressure"]
         out["peak_non_model"] = engine.stats()["tracer"]["peak_non_model_bytes"]
         out["host_pool"] = engine.stats()["host_pool"]

@@ -1359,6 +1359,39 @@ std::string op_name(const c10d::ReduceOp& op) {
   }
 }
 
+// A collective's Work whose isCompleted() asks fakenccl (`poll`): done once its gloo work
+// is, as an NCCL work is once the device has run it (a caller may then wait without a
+// stall). wait() and the future are the Python work's.
+class PolledWork final : public c10d::Work {
+ public:
+  PolledWork(c10::intrusive_ptr<c10d::Work> work, py::object poll)
+      : work_(std::move(work)), poll_(std::move(poll)) {}
+
+  ~PolledWork() override {
+    if (!Py_IsInitialized()) {
+      poll_.release();  // after interpreter shutdown: leak rather than touch Python
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    poll_ = py::object();
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    return work_->wait(timeout);
+  }
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return poll_().cast<bool>();
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return work_->getFuture();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  py::object poll_;
+};
+
 class FakeNcclBackend final : public c10d::Backend {
  public:
   FakeNcclBackend(int rank, int size, py::object impl)
@@ -1416,8 +1449,13 @@ class FakeNcclBackend final : public c10d::Backend {
   template <typename... Args>
   c10::intrusive_ptr<c10d::Work> call(const char* name, Args&&... args) {
     py::gil_scoped_acquire gil;
-    py::object work = impl_.attr(name)(std::forward<Args>(args)...);
-    return work.cast<c10::intrusive_ptr<c10d::Work>>();
+    py::object out = impl_.attr(name)(std::forward<Args>(args)...);
+    if (py::isinstance<py::tuple>(out)) {  // (work, poll): see PolledWork
+      auto pair = out.cast<py::tuple>();
+      auto work = pair[0].cast<c10::intrusive_ptr<c10d::Work>>();
+      return c10::make_intrusive<PolledWork>(work, py::reinterpret_borrow<py::object>(pair[1]));
+    }
+    return out.cast<c10::intrusive_ptr<c10d::Work>>();
   }
 
   py::object impl_;

@@ -18,8 +18,10 @@ collective to the `_Collectives` object below, and the logic stays here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -50,9 +52,24 @@ def _host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.to("cpu") for t in tensors]
 
 
-def _work(inner: c10d.Work, done: Callable[[], None]) -> c10d.Work:
-    """A Work whose wait() waits for the gloo work, then runs `done` (the copy-back) once."""
-    state = {"done": False}
+Polled = tuple[c10d.Work, Callable[[], bool]]  # a work and its poll (see `_work`)
+
+
+def _work(inner: c10d.Work, done: Callable[[], None], watch: bool = False) -> Polled:
+    """A Work whose wait() waits for the gloo work, then runs `done` (the copy-back) once;
+    and its poll, which the C++ shim makes the Work's is_completed(): true once the gloo
+    work is done (its outputs are written at the wait, which then does not stall).
+    `watch`: gloo's own is_completed() stays false until a wait (its `_reduce_scatter_base`
+    in torch 2.13), so a thread waits for it and says when it is done."""
+    state = {"done": False, "landed": False}
+    if watch:
+
+        def landed() -> None:
+            with contextlib.suppress(Exception):  # the caller's wait() raises it
+                inner.wait()
+            state["landed"] = True
+
+        threading.Thread(target=landed, daemon=True, name="fakenccl-watch").start()
 
     def wait(timeout: datetime.timedelta) -> bool:
         if not state["done"]:
@@ -61,7 +78,10 @@ def _work(inner: c10d.Work, done: Callable[[], None]) -> c10d.Work:
             state["done"] = True
         return True
 
-    return c10d.PythonCallbackWork(wait)
+    def poll() -> bool:
+        return state["done"] or state["landed"] or inner.is_completed()
+
+    return c10d.PythonCallbackWork(wait), poll
 
 
 def _copy_back(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Callable[[], None]:
@@ -79,26 +99,26 @@ def _reduce_op(op: str) -> dist.ReduceOp:
 
 
 class _Collectives:
-    """What FakeNcclBackend (C++) calls; each method returns a c10d Work."""
+    """What FakeNcclBackend (C++) calls; each method returns a c10d Work and its poll."""
 
     def __init__(self, gloo: c10d.Backend) -> None:
         self.gloo = gloo
 
-    def allreduce(self, tensors: list[torch.Tensor], op: str) -> c10d.Work:
+    def allreduce(self, tensors: list[torch.Tensor], op: str) -> Polled:
         _check("allreduce", tensors)
         host = _host(tensors)
         opts = c10d.AllreduceOptions()
         opts.reduceOp = _reduce_op(op)
         return _work(self.gloo.allreduce(host, opts), _copy_back(tensors, host))
 
-    def broadcast(self, tensors: list[torch.Tensor], root: int) -> c10d.Work:
+    def broadcast(self, tensors: list[torch.Tensor], root: int) -> Polled:
         _check("broadcast", tensors)
         host = _host(tensors)
         opts = c10d.BroadcastOptions()
         opts.rootRank = root
         return _work(self.gloo.broadcast(host, opts), _copy_back(tensors, host))
 
-    def reduce(self, tensors: list[torch.Tensor], root: int, op: str) -> c10d.Work:
+    def reduce(self, tensors: list[torch.Tensor], root: int, op: str) -> Polled:
         _check("reduce", tensors)
         host = _host(tensors)
         opts = c10d.ReduceOptions()
@@ -106,7 +126,7 @@ class _Collectives:
         opts.reduceOp = _reduce_op(op)
         return _work(self.gloo.reduce(host, opts), _copy_back(tensors, host))
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> c10d.Work:
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> Polled:
         _check("allgather", [*inputs, *(t for out in outputs for t in out)])
         host_out = [_host(out) for out in outputs]
         flat_dst = [t for out in outputs for t in out]
@@ -114,7 +134,7 @@ class _Collectives:
         work = self.gloo.allgather(host_out, _host(inputs), c10d.AllgatherOptions())
         return _work(work, _copy_back(flat_dst, flat_src))
 
-    def allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> c10d.Work:
+    def allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> Polled:
         _check("_allgather_base (all_gather_single)", [output, input])
         host_out = output.to("cpu")
         work = self.gloo._allgather_base(host_out, input.to("cpu"), c10d.AllgatherOptions())
@@ -122,23 +142,23 @@ class _Collectives:
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], op: str
-    ) -> c10d.Work:
+    ) -> Polled:
         _check("reduce_scatter", [*outputs, *(t for inp in inputs for t in inp)])
         host_out = _host(outputs)
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = _reduce_op(op)
         work = self.gloo.reduce_scatter(host_out, [_host(inp) for inp in inputs], opts)
-        return _work(work, _copy_back(outputs, host_out))
+        return _work(work, _copy_back(outputs, host_out), watch=True)
 
-    def reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, op: str) -> c10d.Work:
+    def reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Polled:
         _check("_reduce_scatter_base (reduce_scatter_single)", [output, input])
         host_out = output.to("cpu")
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = _reduce_op(op)
         work = self.gloo._reduce_scatter_base(host_out, input.to("cpu"), opts)
-        return _work(work, _copy_back([output], [host_out]))
+        return _work(work, _copy_back([output], [host_out]), watch=True)
 
-    def barrier(self) -> c10d.Work:
+    def barrier(self) -> Polled:
         return _work(self.gloo.barrier(c10d.BarrierOptions()), lambda: None)
 
 

@@ -123,3 +123,28 @@ def _fail_once_beside_backward(budget, data, expected, tmp_path) -> None:
     after, _ = run_backward_and_step(engine, data[2:])
     engine.close()
     assert losses + after == expected
+
+
+def test_under_zero_a_reduction_done_in_backward_sends_its_chunk_on_to_adam_beside_it(tmp_path):
+    """Chunk ZeRO on two ranks of the second device, over a modeled link, all Adam on the
+    host: a reduce-scatter that is done while backward goes on is finished then, its own
+    chunk's gradients leave the group's buffer for the host by a copy out, and its Adam
+    runs beside backward. Each rank's losses are those of backward, then step."""
+    import json
+
+    from tests.core.helpers import spawn_ranks
+
+    env = {
+        "PSTAR_TEST_DEVICE": DEV,
+        "PSTAR_TEST_CHUNK": "4096",
+        "PSTAR_FAKEGPU_LINK": "2,2,0",
+        "PSTAR_TEST_MEMORY": json.dumps({"device_budget": 800_000}),
+    }
+    beside = spawn_ranks(
+        "tests.core.zero_worker", 2, tmp_path / "beside", "train", PSTAR_TEST_BESIDE="1", **env
+    )
+    plain = spawn_ranks("tests.core.zero_worker", 2, tmp_path / "plain", "train", **env)
+    for b, p in zip(beside, plain, strict=True):
+        assert b["losses"] == p["losses"]
+        assert b["device_adam_chunks"] == 0
+        assert max(b["beside"]) > 0, b["beside"]
