@@ -150,7 +150,8 @@ def timed_steps(
 def run_engine(engine, data: list, dev, warmup: int, beside: bool = False) -> Timed:
     """`timed_steps` of the engine (which moves each batch to its device itself), with the
     moves of the last step's forward and backward. With `beside`, each step is
-    `backward_and_step` (host Adam beside backward), all of it in `fwd_bwd_s`."""
+    `backward_and_step` (host Adam beside backward): all of it is in `fwd_bwd_s`, and the
+    moves are the whole iteration's."""
     moved: dict[str, int] = {}
 
     def forward_backward(x):
@@ -159,8 +160,11 @@ def run_engine(engine, data: list, dev, warmup: int, beside: bool = False) -> Ti
             engine.backward_and_step(loss)
         else:
             engine.backward(loss)
-        moved.clear()
-        moved.update(engine.manager.residency.transfers.iteration_bytes_moved)
+        transfers = engine.manager.residency.transfers
+        moved.clear()  # (a step just ended has closed its iteration's counts)
+        moved.update(
+            transfers.last_iteration_bytes_moved if beside else transfers.iteration_bytes_moved
+        )
         return loss
 
     step = (lambda: None) if beside else engine.step  # beside: stepped in forward_backward
