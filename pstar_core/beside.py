@@ -71,13 +71,18 @@ class AdamBesideBackward:
         self._started = 0  # chunks started beside the backward of the step under way
         self.last_step_chunks = 0  # chunks whose Adam ran beside the last step's backward
         self.torn: str | None = None  # why the engine must load a state before going on
+        manager.groups.for_host_adam = self._for_host_adam
+
+    def _for_host_adam(self, c: Chunk) -> bool:
+        """Whether a reduced own chunk's gradients go to the host now (groups.py): Adam
+        may start beside this backward, and the chunk's next use is Adam on the host."""
+        return self._armed and self.manager.residency.bound_for_host_adam(c)
 
     def arm(self, hyper: Any) -> None:
         """The backward about to run is its step's last, and the step follows it at once
         with `hyper`: Adam may start on each host chunk backward is done with."""
         m = self.manager
         self._armed, self._hyper, self._started = True, hyper, 0
-        m.beside_armed = True
         self._waiting = [
             c
             for c in m.own_chunks([ChunkType.PARAM])
@@ -163,7 +168,6 @@ class AdamBesideBackward:
     def step_begins(self) -> None:
         """The step starts: no more chunks start beside it."""
         self._armed, self._waiting = False, []
-        self.manager.beside_armed = False
         self.last_step_chunks = 0
 
     def step_done(self) -> None:
@@ -179,7 +183,6 @@ class AdamBesideBackward:
             with contextlib.suppress(Exception):  # the iteration's own error is raised
                 self.finish(index)
         self._armed, self._waiting, self._started = False, [], 0
-        self.manager.beside_armed = False
         if updated:
             self.torn = (
                 f"the iteration failed after Adam had updated {updated} chunk(s) beside "

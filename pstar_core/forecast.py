@@ -403,7 +403,7 @@ def _timeline(
     updated: dict[int, float] = {}  # chunk -> when Adam on the host updated it
     out_done: dict[int, float] = {}  # chunk -> when its last copy out is done
     step_end = 0.0  # the end of the latest iteration's last Adam
-    beside_on = rates.adam_beside_backward
+    beside_on = rates.adam_beside_backward  # Adam beside backward: its own host thread
     adam_free = 0.0  # the host Adam thread's (beside backward)
     beside: dict[int, float] = {}  # chunk -> when its Adam beside backward is done
     compute = 0.0

@@ -4,6 +4,7 @@ themselves and [Note: ranks fail together] there for how every rank agrees on ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -55,13 +56,12 @@ class GatheredGroups:
     points on every rank; only the waits move, so the order every rank sees is unchanged.
     """
 
-    def __init__(
-        self, zero: ZeroGroup, lists, owner, residency, stash, forward_done, for_host_adam=None
-    ) -> None:
+    def __init__(self, zero: ZeroGroup, lists, owner, residency, stash, forward_done) -> None:
         self.zero = zero
         # own chunk -> its reduced gradients go to the host now, for Adam beside backward
-        # (`beside.py`): they leave the group's buffer by a copy out, not a device copy
-        self.for_host_adam = for_host_adam or (lambda c: False)
+        # (set by `beside.AdamBesideBackward`): they leave the group's buffer by a copy
+        # out, not a device copy
+        self.for_host_adam: Callable[[Chunk], bool] = lambda c: False
         self.lists = lists  # ChunkType -> chunks
         self.owner = owner  # chunk -> rank
         self.residency = residency

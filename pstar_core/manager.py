@@ -127,9 +127,7 @@ class ChunkManager:
             self.residency,
             self.grad_accum.stash,
             self._forward_done,
-            for_host_adam=lambda c: self.beside_armed and self.residency.bound_for_host_adam(c),
         )
-        self.beside_armed = False  # Adam beside backward may start (`beside.py`)
         self.device_adam: set[int] = set()  # trainable chunks whose Adam runs on the device
         # the placement of the run a checkpoint continues, kept after the first trace while
         # it fits ([Note: a resumed run places as the run it continues] in placement.py)

@@ -198,7 +198,11 @@ class ReinforcementMethod(Method):
                 raise InvalidRequest(
                     f"{e.message} (training_file line {n})", param=GRADER
                 ) from None
-        return {"grader": section.grader, **_sampler(section, unreachable)}
+        sampler, fallback = _sampler(section, unreachable)
+        options: dict[str, Any] = {"grader": section.grader, "sampler": sampler}
+        if fallback:
+            options["sampler_fallback"] = True
+        return options
 
     def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
         out = super().echo(hp, lora)
@@ -215,10 +219,10 @@ class ReinforcementMethod(Method):
 REINFORCEMENT = ReinforcementMethod()
 
 
-def _sampler(section: ReinforcementSection, unreachable: str | None) -> dict[str, Any]:
+def _sampler(section: ReinforcementSection, unreachable: str | None) -> tuple[str, bool]:
     """The stored plan's `sampler`, `server` or `engine`, as the request asks or `auto`
-    decides (see the module docstring), with `sampler_fallback` when `auto` chose the
-    server (it gives way to the engine if it cannot answer: rft_objective); a 400 for a
+    decides (see the module docstring), and whether it may fall back (`auto` chose the
+    server: it gives way to the engine if it cannot answer, rft_objective); a 400 for a
     server the job cannot sample on."""
     asked = section.hyperparameters.sampler if section.hyperparameters else "auto"
     param = "method.reinforcement.hyperparameters.sampler"
@@ -232,7 +236,7 @@ def _sampler(section: ReinforcementSection, unreachable: str | None) -> dict[str
     if asked == "server" and unreachable is not None:
         raise InvalidRequest(f"{param}: 'server': {unreachable}", param=param)
     if asked != "auto":
-        return {"sampler": asked}
+        return asked, False
     if section.lora is not None and unreachable is None:
-        return {"sampler": "server", "sampler_fallback": True}
-    return {"sampler": "engine"}
+        return "server", True
+    return "engine", False
