@@ -1,6 +1,7 @@
 """The acceptance run's opt-in `profile` stage (`scripts/gpu_check.py --stages profile`):
 where an engine step's time goes on this device, for the model and batch of the other
-stages, with no budget and under N + P/2 (params evicted, all Adam on the host).
+stages, under N + P/2 (params evicted, all Adam on the host), with backward then step
+and with `backward_and_step` (host Adam beside backward).
 
 For each: the host's Python by function (cProfile over one step: which of the engine's
 own calls cost the most), and one more step under `torch.profiler` (the device's busy
@@ -33,7 +34,16 @@ TOP = 25
 TABLE = {"row_limit": TOP, "max_name_column_width": 60}
 
 
-def _host_profile(engine, x, dev) -> tuple[float, list[str]]:
+def _train_step(engine, x, beside: bool) -> None:
+    loss = engine(input_ids=x, labels=x).loss
+    if beside:  # host Adam beside backward
+        engine.backward_and_step(loss)
+    else:
+        engine.backward(loss)
+        engine.step()
+
+
+def _host_profile(engine, x, dev, beside: bool) -> tuple[float, list[str]]:
     """One step under cProfile: its wall time and the functions with most time of their
     own, then with most below them (this thread's only: on a GPU, autograd runs backward's
     hooks on a thread of its own, which `top_host` covers)."""
@@ -41,9 +51,7 @@ def _host_profile(engine, x, dev) -> tuple[float, list[str]]:
     sync(dev)
     t0 = time.perf_counter()
     prof.enable()
-    loss = engine(input_ids=x, labels=x).loss
-    engine.backward(loss)
-    engine.step()
+    _train_step(engine, x, beside)
     sync(dev)
     prof.disable()
     wall = time.perf_counter() - t0
@@ -55,9 +63,10 @@ def _host_profile(engine, x, dev) -> tuple[float, list[str]]:
     return wall, lines
 
 
-def _device_profile(engine, x, dev) -> dict[str, Any]:
+def _device_profile(engine, x, dev, beside: bool) -> dict[str, Any]:
     """One step under torch.profiler: wall time, the device's busy time (kernels and
-    copies summed, so a copy under a kernel counts twice), the top device and host events."""
+    copies summed, so a copy under a kernel counts twice), the top device and host events
+    (with Adam beside backward, `fwd_bwd_host_s` holds the part of Adam run beside it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -67,9 +76,13 @@ def _device_profile(engine, x, dev) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        t1 = time.perf_counter()
-        engine.step()
+        if beside:
+            engine.backward_and_step(loss)
+            t1 = time.perf_counter()
+        else:
+            engine.backward(loss)
+            t1 = time.perf_counter()
+            engine.step()
         sync(dev)
         wall = time.perf_counter() - t0
     out: dict[str, Any] = {"wall_s": round(wall, 4), "fwd_bwd_host_s": round(t1 - t0, 4)}
@@ -98,7 +111,9 @@ def _device_profile(engine, x, dev) -> dict[str, Any]:
     return out
 
 
-def _profiled(device: str, dev, cfg, data: list, memory: dict | None) -> dict[str, Any]:
+def _profiled(
+    device: str, dev, cfg, data: list, memory: dict | None, beside: bool = False
+) -> dict[str, Any]:
     import torch
 
     import pstar_core
@@ -108,14 +123,14 @@ def _profiled(device: str, dev, cfg, data: list, memory: dict | None) -> dict[st
     engine = pstar_core.initialize(lambda: build(cfg), engine_config(device, memory))
     try:
         for x in data[:3]:  # warm-up: the tracer's iteration and two steps on its plan
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-        host_wall, host_top = _host_profile(engine, data[3], dev)
-        result = _device_profile(engine, data[4], dev)
+            _train_step(engine, x, beside)
+        host_wall, host_top = _host_profile(engine, data[3], dev, beside)
+        result = _device_profile(engine, data[4], dev, beside)
         result["cprofile_step_s"] = round(host_wall, 4)
         result["cprofile_top"] = host_top
-        result["device_adam_chunks"] = engine.stats()["device_adam_chunks"]
+        stats = engine.stats()
+        result["device_adam_chunks"] = stats["device_adam_chunks"]
+        result["adam_beside_backward_chunks"] = stats["adam_beside_backward_chunks"]
     finally:
         engine.close()
     return result
@@ -126,8 +141,8 @@ def stage_profile(device: str, dev) -> Result:
     cfg = gpt_config(sizes.model, sizes.seq)
     data = batches(cfg, sizes, 5)
     numbers: dict[str, Any] = {"model": sizes.model}
-    numbers["no_budget"] = _profiled(device, dev, cfg, data, None)
     st = probe(cfg, data[:2], device, dev)
-    budget = budgets(st, dev)["params_evicted"]
-    numbers["params_evicted"] = _profiled(device, dev, cfg, data, {"device_budget": budget})
+    memory = {"device_budget": budgets(st, dev)["params_evicted"]}
+    numbers["params_evicted"] = _profiled(device, dev, cfg, data, memory)
+    numbers["params_evicted_beside"] = _profiled(device, dev, cfg, data, memory, beside=True)
     return Result("pass", numbers)
