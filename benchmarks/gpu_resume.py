@@ -31,7 +31,7 @@ from benchmarks.gpu_common import (
 )
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-HALF_SECONDS = 60  # each process of the stage (three, each with its probe run; one may build Adam)
+HALF_SECONDS = 60  # each process of the stage (four, each with its probe run; one may build Adam)
 
 
 # the extra memory settings of every process of the stage (JSON), to investigate a failure
@@ -92,9 +92,11 @@ def _trace_grads(engine, grads: list[dict[str, str]]) -> None:
 def resume_half(device: str, half: str, work: Path) -> None:
     """One process of the resume stage: "a" trains 4 steps and checkpoints after step 2,
     "a2" trains the same 4 steps again (is a straight run repeatable?), "b" loads the
-    checkpoint and trains steps 3-4. Each writes what it saw, with each chunk's states
-    after every step (`_chunk_states`), with RESUME_GRADS_ENV its gradients, and the
-    warnings it raised (torch names there the operations it cannot make deterministic)."""
+    checkpoint and trains steps 3-4, "c" trains the 4 steps with `backward_and_step` (host
+    Adam beside backward: bitwise the same as "a", with deterministic kernels). Each
+    writes what it saw, with each chunk's states after every step (`_chunk_states`), with
+    RESUME_GRADS_ENV its gradients, and the warnings it raised (torch names there the
+    operations it cannot make deterministic)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         result = _half(device, half, work)
@@ -137,13 +139,15 @@ def _half(device: str, half: str, work: Path) -> dict[str, Any]:
     if os.environ.get(RESUME_GRADS_ENV) == "1":
         _trace_grads(engine, grads)
     tiers = {}
+    beside: list[int] = []  # chunks whose Adam ran beside backward, per step ("c")
 
     def run(batch: list, first: int) -> list[float]:
         losses = []
         for k, x in enumerate(batch):
             tiers[first + k] = sorted(engine.manager.device_adam)
             grads.append({})
-            losses += run_engine(engine, [x], dev, warmup=1).losses
+            losses += run_engine(engine, [x], dev, warmup=1, beside=half == "c").losses
+            beside.append(engine.stats()["adam_beside_backward_chunks"])
             steps.append(_chunk_states(engine, tiers[first + k]))
         return losses
 
@@ -174,6 +178,7 @@ def _half(device: str, half: str, work: Path) -> dict[str, Any]:
         "states": steps,
         "grads": grads,
         "budget": budget,
+        "adam_beside_backward_chunks": beside,
     }
     engine.close()
     return result
@@ -216,7 +221,7 @@ def stage_resume(device: str, dev) -> Result:
     }
     results = {}
     with tempfile.TemporaryDirectory(prefix="pstar-resume-") as tmp:
-        for half in ("a", "a2", "b"):
+        for half in ("a", "a2", "b", "c"):
             proc = subprocess.run(
                 [sys.executable, str(SCRIPT), "--device", device, "--resume-half", half, tmp],
                 env=env,
@@ -227,7 +232,7 @@ def stage_resume(device: str, dev) -> Result:
             if proc.returncode != 0:
                 return Result("fail", {}, f"half {half}: {(proc.stdout + proc.stderr)[-1500:]}")
             results[half] = json.loads(Path(tmp, f"{half}.json").read_text())
-    a, a2, b = results["a"], results["a2"], results["b"]
+    a, a2, b, c = results["a"], results["a2"], results["b"], results["c"]
     numbers = {
         "losses_straight": a["last"],
         "losses_resumed": b["last"],
@@ -238,6 +243,9 @@ def stage_resume(device: str, dev) -> Result:
         "warnings": sorted({w for r in (a, a2, b) for w in r["warnings"]}),
         # the chunks whose Adam ran on the device, before each step, in each half
         "device_adam_by_step": {h: r["device_adam_before_step"] for h, r in results.items()},
+        # "c": the straight run with host Adam beside backward (backward_and_step)
+        "beside_repeats": a["state_sha256"] == c["state_sha256"] and a["last"] == c["last"],
+        "beside_chunks_by_step": c["adam_beside_backward_chunks"],
         "same_device_adam": all(
             a["device_adam_before_step"][k] == b["device_adam_before_step"][k] for k in ("3", "4")
         ),
@@ -247,6 +255,10 @@ def stage_resume(device: str, dev) -> Result:
         problems.append(f"two straight runs differ: {first_difference(a, a2)}")
     if a["last"] != b["last"]:
         problems.append("steps 3-4 differ after resuming")
+    if not numbers["beside_repeats"]:
+        problems.append(f"Adam beside backward differs: {first_difference(a, c)}")
+    elif not any(numbers["beside_chunks_by_step"]):
+        problems.append("no chunk's Adam ran beside backward")
     if not numbers["same_state"]:
         problems.append("the chunks or the state dict differ after step 4")
     if a["last"] != b["last"] or not numbers["same_state"]:

@@ -201,6 +201,10 @@ def _sampled_against_trace(engine, dev) -> tuple[dict[int, int], Callable[[], in
     return samples, lambda: sum(1 for i, s in samples.items() if s > allowed[i])
 
 
+# how far the losses of (a) with Adam beside backward may be from (a)'s on a GPU, relative
+BESIDE_REL_DIFF = 1e-4
+
+
 def _budget_run(
     name: str, device: str, dev, sizes: Sizes, budget: int, cfg, beside: bool = False
 ) -> dict[str, Any]:
@@ -289,11 +293,16 @@ def stage_budgets(device: str, dev) -> Result:
         problems.append("a: no chunk left the device during forward and backward")
     if not 0 < b["device_adam_chunks"] < b["own_chunks"]:
         problems.append(f"b: Adam on the device for {b['device_adam_chunks']} chunks")
-    if beside["losses"] != a["losses"]:
-        problems.append("a with Adam beside backward: losses differ from backward, then step")
-    # (on the fake device without a modeled link a copy stays queued until waited for: no
-    # gradient lands during backward)
-    if is_cuda(dev) and not beside["adam_beside_backward_chunks"]:
+    # bitwise where the kernels are deterministic (the fake device; on a GPU the resume
+    # stage's "c" checks it); here the attention torch picks may not be (cuDNN's backward
+    # on an H200, which the resume stage turns off): 9e-6 relative at step 5 of 7 there
+    differs = max(abs(x - y) / abs(y) for x, y in zip(beside["losses"], a["losses"], strict=True))
+    if differs > (BESIDE_REL_DIFF if is_cuda(dev) else 0.0):
+        problems.append(
+            f"a with Adam beside backward: losses differ from backward, then step ({differs:.1e})"
+        )
+    beside["max_rel_loss_diff"] = differs
+    if not beside["adam_beside_backward_chunks"]:
         problems.append("a with Adam beside backward: no chunk's Adam ran beside backward")
     numbers = {
         "model": sizes.model,

@@ -17,6 +17,16 @@ states while the thread has them (no move, eviction or spill), and at the step i
 the chunk's Adam moment as before (the trace does not change), waiting for the thread's
 result instead of running the kernel.
 
+On a GPU the host runs ahead of the device: backward's operators are launched long
+before they run, so at each of them few of the copies out have landed, and on an H200
+the host Adam of that 1.1B GPT still ran after backward, no faster (`beside_speedup`
+0.97). So once backward's host side is over, the engine waits for those copies one at a
+time, in the order they were issued, and starts each chunk's Adam as its gradients land
+(`drain`): the host's Adam runs while the GPU ends backward. Chunks run one at a time, on
+the one thread: each kernel uses every core of the host, and a chunk left to its moment
+in the step waits for those under way before it runs (`quiet`), as two kernels at once
+share the cores and the memory bandwidth and each runs slower.
+
 Under ZeRO an own chunk's gradients are final once its group's reduce-scatter is done.
 Such reductions were settled at the end of backward; while Adam may start beside it, one
 found done at a backward operator (`Work.is_completed()`, no wait) is finished there, and
@@ -32,16 +42,22 @@ loaded (`torn`), rather than train on from a step applied to part of the model.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pstar_core.chunk import TRAINABLE_LISTS, Chunk, ChunkType, TensorSlot
 from pstar_core.placement import adam_tier
-from pstar_core.tiers import HOST
+from pstar_core.tiers import DEVICE, HOST
+from pstar_core.tracer import profiled
 
 if TYPE_CHECKING:
     from pstar_core.kernels import AdamSegment
     from pstar_core.manager import ChunkManager
+
+
+# how long the wait for a chunk's gradients to land sleeps between asking (`drain`)
+LANDING_POLL_S = 1e-4
 
 
 class Stepper(Protocol):
@@ -106,6 +122,46 @@ class AdamBesideBackward:
                 still.append(c)
         self._waiting = still
 
+    def drain(self) -> None:
+        """Backward's host side is over (on a GPU the device is still running it): send to
+        the host what backward was done with last, then start each waiting chunk as its
+        gradients land, waiting for one copy out at a time in the order they were issued
+        (the order backward was done with them). A chunk with no copy under way is left
+        to its moment in the step."""
+        if not self._armed or not self._waiting:
+            return
+        m = self.manager
+        if m.tracer.trace is None or not m.tracer.following:
+            return
+        m.residency.send_done_after_backward()
+        while True:
+            self.poll()
+            c = self._next_landing()
+            if c is None:
+                return
+            with profiled("pstar::wait gradients for adam beside backward"):
+                self._await_landing(c)
+
+    def _await_landing(self, c: Chunk) -> None:
+        """Wait for `c`'s copy out. While an Adam runs, by asking with short sleeps: a
+        CUDA event's own wait spins on a core, which the kernel under way on every core
+        would then share (its slowest thread sets its time). With none running, the
+        plain wait (the fake device's copies land only when waited for)."""
+        transfers = self.manager.residency.transfers
+        while id(c) in transfers.arriving and not transfers.landed_on_host(c):
+            if all(done.done() for done, _ in self._running.values()):
+                transfers.arrive(c)
+                return
+            time.sleep(LANDING_POLL_S)
+
+    def _next_landing(self) -> Chunk | None:
+        """Of the waiting chunks' copies out to the host, the one issued first."""
+        mine = {id(x): x for c in self._waiting for x in self._chunks(c.index)}
+        for key, a in self.manager.residency.transfers.arriving.items():
+            if a.src == DEVICE and key in mine:
+                return mine[key]
+        return None
+
     def _ready(self, c: Chunk) -> bool:
         """Backward is done with `c` (its next traced use is its Adam, on the host), its
         group is reduced (ZeRO), and it and its optimizer states are all on the host."""
@@ -150,6 +206,13 @@ class AdamBesideBackward:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pstar-adam-beside")
         self._running[index] = (self._pool.submit(run), chunks)
         self._started += 1
+
+    def quiet(self) -> None:
+        """Wait for the updates under way: Adam on the main thread beside them would share
+        the host's cores and memory bandwidth, each running slower."""
+        if self._running:
+            with profiled("pstar::wait adam beside backward"):
+                wait([done for done, _ in self._running.values()])
 
     def started(self, index: int) -> bool:
         return index in self._running

@@ -258,6 +258,8 @@ class Engine:
         ):
             self.optimizer.beside.arm(hyper)
         self.backward(loss)
+        with self._guard.on_error():  # Adam on the chunks whose gradients land from now on
+            self.optimizer.beside.drain()
         return self.step(hyper)
 
     def step(self, hyper: StepHyper | None = None) -> bool:

@@ -325,6 +325,14 @@ class Residency:
         m = int(nu)
         return is_adam_moment(trace.names[m]) and self._moment_tiers()[m] == HOST
 
+    def send_done_after_backward(self) -> None:
+        """Backward is over: what its last operators held and Adam on the host reads
+        next leaves now (at an operator the chunks it uses stay)."""
+        if self.tracer.trace is None or not self.tracer.following:
+            return
+        if self.transfers.prefetch_possible:
+            self._send_done_for_host_adam(self.tracer.moment, lambda c: self._evictable(c, set()))
+
     def _send_done_for_host_adam(self, now: int, movable: Callable[[Chunk], bool]) -> None:
         """Device chunks whose next use is Adam on the host leave now: backward is done
         with them, and their gradients cross while it goes on."""

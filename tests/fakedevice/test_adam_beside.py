@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pstar_core.chunk import ChunkType
 from tests import fakedevice
 from tests.core.helpers import batches, run_engine
 from tests.fakedevice.test_engine_on_fakegpu import DEV, half_the_params, make
@@ -148,3 +149,45 @@ def test_under_zero_a_reduction_done_in_backward_sends_its_chunk_on_to_adam_besi
         assert b["losses"] == p["losses"]
         assert b["device_adam_chunks"] == 0
         assert max(b["beside"]) > 0, b["beside"]
+
+
+def test_chunks_whose_gradients_land_after_backward_host_side_start_as_each_lands(fake):
+    """On a GPU the host launches backward ahead of the device, so at its operators few
+    gradients have landed. With no start at backward's operators (as there), every
+    host-Adam chunk still starts before the step, each as its copy out lands
+    (`AdamBesideBackward.drain`), one Adam at a time on the host, and the losses are
+    those of backward then step, to the bit."""
+    budget = half_the_params()
+    data = batches(4)
+    fake.set_link(2.0, 2.0, 0.0)
+    try:
+        plain = make("gpt", DEV, {"device_budget": budget})
+        expected = run_engine(plain, data)
+        plain.close()
+        engine = make("gpt", DEV, {"device_budget": budget})
+        engine.manager.backward_operator = lambda: None  # the host ran ahead of every copy
+        opt, running, most = engine.optimizer, [0], [0]
+        adam = opt.adam
+
+        def counted(*args, **kwargs):
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            try:
+                return adam(*args, **kwargs)
+            finally:
+                running[0] -= 1
+
+        opt.adam = counted
+        losses, beside = run_backward_and_step(engine, data)
+        trainable = sum(
+            1
+            for c in engine.manager.own_chunks([ChunkType.PARAM])
+            if any(s.trainable for s in c.slots)
+        )
+        engine.close()
+    finally:
+        fake.set_link(0.0)
+    assert losses == expected
+    assert beside[0] == 0
+    assert beside[1:] == [trainable] * 3, (beside, trainable)
+    assert most[0] == 1
