@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -205,6 +206,31 @@ def _sampled_against_trace(engine, dev) -> tuple[dict[int, int], Callable[[], in
 BESIDE_REL_DIFF = 1e-4
 
 
+# the beside run's own comparison: blocks of steps each way, alternated in one process
+ALTERNATED_BLOCKS, ALTERNATED_BLOCK_STEPS = 3, 3
+
+
+def _alternated(engine, data: list, dev) -> dict[str, Any]:
+    """Steps of one engine in blocks, backward then step and `backward_and_step` by turns
+    (`ALTERNATED_BLOCKS` of each), the first step of each block untimed (it pays for how
+    the last block left the chunks): the medians of each way and their ratio. Runs in
+    separate processes varied more than the gain on an H200 (docs/gpu.md)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    k = 0
+    for _ in range(ALTERNATED_BLOCKS):
+        for beside in (False, True):
+            batch = [data[(k + j) % len(data)] for j in range(ALTERNATED_BLOCK_STEPS)]
+            k += ALTERNATED_BLOCK_STEPS
+            times[beside] += run_engine(engine, batch, dev, 1, beside).step_s
+    plain, beside_s = statistics.median(times[False]), statistics.median(times[True])
+    return {
+        "plain_step_s": round(plain, 4),
+        "beside_step_s": round(beside_s, 4),
+        "speedup": round(plain / beside_s, 3),
+        "steps_each": len(times[True]),
+    }
+
+
 def _budget_run(
     name: str, device: str, dev, sizes: Sizes, budget: int, cfg, beside: bool = False
 ) -> dict[str, Any]:
@@ -226,6 +252,7 @@ def _budget_run(
         after = vm_hwm()
         samples, above = _sampled_against_trace(engine, dev)
         timed = run_engine(engine, data, dev, sizes.warmup_steps, beside)
+        alternated = _alternated(engine, data, dev) if beside else None
     st = engine.stats()
     m = engine.manager
     host_chunks = [c for c in m.chunks() if c.tier == "host" and c.payload is not None]
@@ -257,6 +284,7 @@ def _budget_run(
         "fwd_bwd_s": round(timed.median(timed.fwd_bwd_s), 4),
         "tflops": gpu_only(dev, round(timed.tflops(per_token, tokens), 1)),
         "prefetched": st["prefetched"],
+        **({"alternated": alternated} if alternated else {}),
         "name": name,
     }
 
@@ -312,6 +340,8 @@ def stage_budgets(device: str, dev) -> Result:
         "chunk_size": st["chunk_size"],
         # (a)'s step with Adam after backward over its step with Adam beside it
         "beside_speedup": round(a["step_s"] / beside["step_s"], 3) if beside["step_s"] else None,
+        # the same within the beside run's process, blocks of each way alternated
+        "beside_speedup_alternated": beside["alternated"]["speedup"],
         **runs,
     }
     return Result("fail" if problems else "pass", numbers, "; ".join(problems))

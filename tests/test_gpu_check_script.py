@@ -87,6 +87,11 @@ def test_figures_only_a_gpu_gives_say_na_and_the_rest_are_measured(fake_run):
     beside = budgets["a_adam_beside"]
     assert beside["losses"] == a["losses"]
     assert beside["adam_beside_backward_chunks"] > 0
+    alternated = beside["alternated"]  # both ways timed in one process, by turns
+    assert alternated["steps_each"] == 6
+    assert alternated["plain_step_s"] > 0
+    assert alternated["beside_step_s"] > 0
+    assert budgets["beside_speedup_alternated"] == alternated["speedup"]
     probes = report["stages"]["nccl"]["numbers"]["probes"]
     assert set(probes.values()) == {"ok"}
     first = report["throughput"][0]
