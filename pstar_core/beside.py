@@ -24,8 +24,9 @@ the host Adam of that 1.1B GPT still ran after backward, no faster (`beside_spee
 time, in the order they were issued, and starts each chunk's Adam as its gradients land
 (`drain`): the host's Adam runs while the GPU ends backward. Chunks run one at a time, on
 the one thread: each kernel uses every core of the host, and a chunk left to its moment
-in the step waits for those under way before it runs (`quiet`), as two kernels at once
-share the cores and the memory bandwidth and each runs slower.
+in the step, its Adam on the host, waits for those under way before it runs (`quiet`), as
+two kernels at once share the cores and the memory bandwidth and each runs slower (a
+chunk whose Adam runs on the device goes on beside them).
 
 Under ZeRO an own chunk's gradients are final once its group's reduce-scatter is done.
 Such reductions were settled at the end of backward; while Adam may start beside it, one
@@ -207,10 +208,11 @@ class AdamBesideBackward:
         self._running[index] = (self._pool.submit(run), chunks)
         self._started += 1
 
-    def quiet(self) -> None:
-        """Wait for the updates under way: Adam on the main thread beside them would share
-        the host's cores and memory bandwidth, each running slower."""
-        if self._running:
+    def quiet(self, index: int) -> None:
+        """Chunk `index`'s Adam runs on the main thread now: if on the host, wait for the
+        updates under way first (beside them it would share the host's cores and memory
+        bandwidth, each running slower); on the device it runs beside them."""
+        if self._running and adam_tier(self.manager.device_adam, index) == HOST:
             with profiled("pstar::wait adam beside backward"):
                 wait([done for done, _ in self._running.values()])
 

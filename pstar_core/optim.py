@@ -220,7 +220,7 @@ class ChunkAdamW:
             if not segs:
                 continue
             self.manager.prepare_adam(i)
-            beside.quiet()  # one Adam at a time on the host's cores
+            beside.quiet(i)  # one Adam at a time on the host's cores
             self._fold(i)
             with profiled("pstar::adam"):
                 self.adam(i, chunk, segs, grad_scale, hyper)

@@ -5,6 +5,8 @@ every gradient first it waits; a failure after it began wants a saved state."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -191,3 +193,37 @@ def test_chunks_whose_gradients_land_after_backward_host_side_start_as_each_land
     assert beside[0] == 0
     assert beside[1:] == [trainable] * 3, (beside, trainable)
     assert most[0] == 1
+
+
+def test_a_chunk_left_to_the_step_waits_for_host_adam_under_way_only_if_its_adam_is_on_the_host(
+    fake,
+):
+    """One Adam at a time on the host's cores: a chunk whose Adam the step runs on the
+    host waits for the updates under way beside backward; one whose Adam runs on the
+    device does not (its kernels do not use the host's cores)."""
+    from concurrent.futures import Future
+
+    engine = make("gpt", DEV, {"device_budget": half_the_params()})
+    try:
+        beside = engine.optimizer.beside
+        engine.manager.device_adam = {0}
+        under_way: Future = Future()
+        beside._running[1] = (under_way, [])
+        waited = []
+
+        def quiet(index: int) -> threading.Thread:
+            t = threading.Thread(target=beside.quiet, args=(index,))
+            t.start()
+            t.join(timeout=0.5)
+            waited.append(t.is_alive())
+            return t
+
+        quiet(0)  # Adam on the device: goes on at once
+        left = quiet(2)  # on the host: waits for chunk 1's update
+        under_way.set_result(None)
+        left.join(timeout=5)
+        assert waited == [False, True]
+        assert not left.is_alive()
+        beside.finish(1)
+    finally:
+        engine.close()
