@@ -17,16 +17,19 @@ states while the thread has them (no move, eviction or spill), and at the step i
 the chunk's Adam moment as before (the trace does not change), waiting for the thread's
 result instead of running the kernel.
 
-On a GPU the host runs ahead of the device: backward's operators are launched long
-before they run, so at each of them few of the copies out have landed, and on an H200
-the host Adam of that 1.1B GPT still ran after backward, no faster (`beside_speedup`
-0.97). So once backward's host side is over, the engine waits for those copies one at a
-time, in the order they were issued, and starts each chunk's Adam as its gradients land
-(`drain`): the host's Adam runs while the GPU ends backward. Chunks run one at a time, on
-the one thread: each kernel uses every core of the host, and a chunk left to its moment
-in the step, its Adam on the host, waits for those under way before it runs (`quiet`), as
-two kernels at once share the cores and the memory bandwidth and each runs slower (a
-chunk whose Adam runs on the device goes on beside them).
+On an H200 the first version of this was no faster (`beside_speedup` 0.97): 9 of the 11
+chunks of that 1.1B GPT started beside backward, but the two whose parameters backward's
+last operators held were left to the step, which copied their gradients out and ran their
+Adam on the main thread while the Adam thread still ran the others: two kernels on the
+same 16 cores, 39 ms a chunk against 19 alone. So once backward's host side is over, what
+its last operators held leaves for the host too, and the engine waits for the copies out
+one at a time, in the order they were issued, starting each chunk's Adam as its gradients
+land (`drain`; on a GPU the device may still be running backward then). Chunks run one at
+a time, on the one thread: each kernel uses every core of the host, and a chunk left to
+its moment in the step, its Adam on the host, waits for those under way before it runs
+(`quiet`), as two kernels at once share the cores and the memory bandwidth and each runs
+slower (a chunk whose Adam runs on the device goes on beside them). While an Adam runs, a
+copy is waited for by asking with short sleeps: a CUDA event's wait spins on a core.
 
 Under ZeRO an own chunk's gradients are final once its group's reduce-scatter is done.
 Such reductions were settled at the end of backward; while Adam may start beside it, one
