@@ -240,7 +240,7 @@ def stage_resume(device: str, dev) -> Result:
         "straight_repeats": a["state_sha256"] == a2["state_sha256"] and a["last"] == a2["last"],
         "device_adam_chunks": len(a["device_adam_before_step"]["3"]),
         "own_chunks": a["own_chunks"],
-        "warnings": sorted({w for r in (a, a2, b) for w in r["warnings"]}),
+        "warnings": sorted({w for r in results.values() for w in r["warnings"]}),
         # the chunks whose Adam ran on the device, before each step, in each half
         "device_adam_by_step": {h: r["device_adam_before_step"] for h, r in results.items()},
         # "c": the straight run with host Adam beside backward (backward_and_step)

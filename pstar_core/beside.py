@@ -127,7 +127,7 @@ class AdamBesideBackward:
         self._waiting = still
 
     def drain(self) -> None:
-        """Backward's host side is over (on a GPU the device is still running it): send to
+        """Backward's host side is over (on a GPU the device may still be running it): send to
         the host what backward was done with last, then start each waiting chunk as its
         gradients land, waiting for one copy out at a time in the order they were issued
         (the order backward was done with them). A chunk with no copy under way is left
@@ -150,7 +150,8 @@ class AdamBesideBackward:
         """Wait for `c`'s copy out. While an Adam runs, by asking with short sleeps: a
         CUDA event's own wait spins on a core, which the kernel under way on every core
         would then share (its slowest thread sets its time). With none running, the
-        plain wait (the fake device's copies land only when waited for)."""
+        plain wait (without a modeled link the fake device's copies land only when waited
+        for)."""
         transfers = self.manager.residency.transfers
         while id(c) in transfers.arriving and not transfers.landed_on_host(c):
             if all(done.done() for done, _ in self._running.values()):
