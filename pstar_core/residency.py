@@ -315,11 +315,17 @@ class Residency:
     def bound_for_host_adam(self, c: Chunk) -> bool:
         """Whether the trace followed says the next use of `c` is Adam on the host:
         backward is done with it."""
-        trace = self.tracer.trace
-        if trace is None or not self.tracer.following:
+        if self.tracer.trace is None or not self.tracer.following:
             return False
-        uses = self.tracer.uses_of((c.kind.value, c.index))
-        nu = next_use(uses, self.tracer.moment, trace.moments)
+        return self._next_is_host_adam(
+            self.tracer.uses_of((c.kind.value, c.index)), self.tracer.moment
+        )
+
+    def _next_is_host_adam(self, uses: Sequence[int], now: int) -> bool:
+        """Whether the first of `uses` (a chunk's traced moments) after `now` is an Adam
+        moment on the host (not again in this iteration: no)."""
+        trace = self.tracer.trace
+        nu = next_use(uses, now, trace.moments)
         if nu >= trace.moments:
             return False
         m = int(nu)
@@ -336,18 +342,13 @@ class Residency:
     def _send_done_for_host_adam(self, now: int, movable: Callable[[Chunk], bool]) -> None:
         """Device chunks whose next use is Adam on the host leave now: backward is done
         with them, and their gradients cross while it goes on."""
-        trace = self.tracer.trace
-        tiers, arriving = self._moment_tiers(), self.transfers.arriving
-        if HOST not in tiers:  # Adam runs on the device for every chunk
+        arriving = self.transfers.arriving
+        if HOST not in self._moment_tiers():  # Adam runs on the device for every chunk
             return
         for c, uses in self._traced_chunks():
             if c.tier != DEVICE or id(c) in arriving or not self._owned(c):
                 continue
-            nu = next_use(uses, now, trace.moments)
-            if nu >= trace.moments:  # not again in this iteration
-                continue
-            m = int(nu)
-            if tiers[m] == HOST and is_adam_moment(trace.names[m]) and movable(c):
+            if self._next_is_host_adam(uses, now) and movable(c):
                 self.transfers.send(c)
 
     def _wanted(self, now: int) -> list[tuple[Chunk, TierName, int]]:

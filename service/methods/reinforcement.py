@@ -199,10 +199,8 @@ class ReinforcementMethod(Method):
                     f"{e.message} (training_file line {n})", param=GRADER
                 ) from None
         sampler, fallback = _sampler(section, unreachable)
-        options: dict[str, Any] = {"grader": section.grader, "sampler": sampler}
-        if fallback:
-            options["sampler_fallback"] = True
-        return options
+        marked = {"sampler_fallback": True} if fallback else {}
+        return {"grader": section.grader, "sampler": sampler, **marked}
 
     def echo(self, hp: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
         out = super().echo(hp, lora)
