@@ -47,12 +47,12 @@ class IterationGuard:
     def abandon(self, error: BaseException) -> None:
         """Give up the iteration because of `error` (told to the other ranks under ZeRO)."""
         m = self.manager
-        if m.zero.enabled:
-            m.zero.report_failure(error)
         self.optimizer.beside.abandon()  # before anything moves the chunks it holds
         m.tracer.abort()
         m.groups.drop_all()
         m.release_all(TensorState.HOLD)
+        if m.zero.enabled:  # its groups' memory is free for stand-ins (see zero.py)
+            m.zero.report_failure(error)
         m.reset_after_forward()
         if any(s.state is TensorState.HOLD_AFTER_BWD for s in m.slots) or m.grad_accum:
             self.optimizer.drop_grads()

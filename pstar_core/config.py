@@ -218,6 +218,13 @@ class ZeroConfig(_Frozen):
         "where every rank has room for it without evicting; 'auto' = on for GPUs, off on "
         "CPU (gloo's copies compete with the compute for the same cores)",
     )
+    agree_per_collective: bool = Field(
+        default=False,
+        description="exchange the ranks' failure flag before every collective; by default "
+        "a training forward or backward that follows the trace, once its collectives were "
+        "agreed on, checks each against them locally and exchanges one flag at its start "
+        "and end (a failing rank issues the rest with stand-in buffers)",
+    )
 
 
 LORA_DEFAULT_TARGETS: Literal["all-linear"] = "all-linear"

@@ -134,6 +134,7 @@ class Engine:
             self.device,
             cfg.zero.overlap_reductions,
             cfg.zero.gather_ahead,
+            per_section=not cfg.zero.agree_per_collective,
         )
         # 'auto' resolved from the hardware, the same on every rank; under ZeRO on a GPU
         # this first collective also creates NCCL's communicator
@@ -217,6 +218,8 @@ class Engine:
                     m.tracer.start_iteration(shape)
             if m.phase is not TrainingPhase.EVALUATION:
                 m.phase = TrainingPhase.FORWARD
+                if not evaluating:  # see [Note: agreed sections] in zero.py
+                    self.zero.point("forward", m.tracer.following)
             with self._saved_tensor_hooks:
                 out = self.module(*args, **kwargs)
             m.finish_forward()
@@ -231,6 +234,7 @@ class Engine:
         self._check_open()
         with self._guard.on_error():
             self.manager.phase = TrainingPhase.BACKWARD
+            self.zero.point("backward", self.manager.tracer.following)
             if self.scaler.enabled:
                 loss = loss.float() * self.scaler.scale
             loss.backward()
@@ -238,6 +242,7 @@ class Engine:
             # path).
             self.manager.release_all(TensorState.HOLD)
             self.manager.finish_backward()
+            self.zero.point(None, False)
 
     def backward_and_step(self, loss: torch.Tensor, hyper: StepHyper | None = None) -> bool:
         """`backward(loss)` then `step(hyper)`, with the same result to the bit; where that
@@ -307,6 +312,7 @@ class Engine:
 
     def _end_iteration(self) -> None:
         self.manager.phase = TrainingPhase.IDLE
+        self.zero.end_step()
         self.manager.end_iteration()
         self.manager.end_pass()
         self._freed.maybe_return()

@@ -113,14 +113,9 @@ class GatheredGroups:
                     for s in m.slots:
                         if s.state is TensorState.HOLD_AFTER_BWD:
                             s.set_state(TensorState.HOLD)
+        self._make_room(members, own, sum(m.nbytes for m in members if m is not own))
         remote = [m for m in members if m is not own]
         r = self.residency
-        r.make_resident([own], TierName.DEVICE)
-        check(
-            own.tier == TierName.DEVICE,
-            f"{_name(own)} goes into an all-gather from the {own.tier} tier",
-        )
-        r.reserve(TierName.DEVICE, sum(m.nbytes for m in remote), {id(m) for m in members})
         serial = self.zero.variant == "serial"
         op = Op("broadcast" if serial else "all_gather", own.kind.value, key[1], own.capacity)
         with r.tracer.chunk_memory(), profiled("pstar::all_gather"):
@@ -132,6 +127,17 @@ class GatheredGroups:
                 self.zero.all_gather(self._outputs(members, own), own.payload, op)
         for m in remote:
             r.tracer.note_use((m.kind.value, m.index))
+
+    def _make_room(self, members: list[Chunk], own: Chunk, need: int) -> None:
+        """Before a group's gather: its own chunk on the device, and `need` bytes free
+        there for the rest (evicting other chunks if it must)."""
+        r = self.residency
+        r.make_resident([own], TierName.DEVICE)
+        check(
+            own.tier == TierName.DEVICE,
+            f"{_name(own)} goes into an all-gather from the {own.tier} tier",
+        )
+        r.reserve(TierName.DEVICE, need, {id(m) for m in members})
 
     def _allocate(self, members: list[Chunk], own: Chunk) -> list[torch.Tensor]:
         """The device memory a gathered group needs: its one buffer, or a chunk for each
@@ -187,7 +193,9 @@ class GatheredGroups:
         is gathered only if every rank has room for it without evicting: each says so in
         the gather's flag (`agree_ahead`), having allocated the memory already, and gives
         it back if some rank could not (that group is gathered at its use, as before).
-        A group with gradients to stash first, or with its reduction in flight, is left
+        In a section on an agreed script the script decides instead, with no exchange,
+        and a rank without room makes it (see [Note: agreed sections] in zero.py). A
+        group with gradients to stash first, or with its reduction in flight, is left
         to its use. Called with `zero.ahead` on (the manager asks). True if the gather
         was issued."""
         key = self._key(c)
@@ -213,13 +221,18 @@ class GatheredGroups:
             if can:
                 r.transfers.arrive(own)  # a copy in may still be writing it
                 got = self._allocate(members, own)
-            if not self.zero.agree_ahead(op, can):
+            if not self.zero.agree_ahead(op, can, own.dtype):
                 for t in got:
                     device.release(t)
                 return False
-            with profiled("pstar::all_gather ahead"):
-                self._open(key, members, own, got)
-                work = self.zero.all_gather(self._outputs(members, own), own.payload, op, True)
+        if not got:  # the agreed script gathers it here: room first, as at a use
+            self._make_room(members, own, need)
+            r.transfers.arrive(own)
+            with r.tracer.chunk_memory():
+                got = self._allocate(members, own)
+        with r.tracer.chunk_memory(), profiled("pstar::all_gather ahead"):
+            self._open(key, members, own, got)
+            work = self.zero.all_gather(self._outputs(members, own), own.payload, op, True)
         self.arriving[key] = work
         self.gathered_ahead += 1
         return True

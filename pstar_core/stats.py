@@ -98,6 +98,10 @@ def engine_stats(
         # in the failure flags' all-reduces ([Note: ranks fail together] in zero.py): their
         # round trip and the wait for the slowest rank to reach the same collective
         "comm_flag_s": zero.flag_s,
+        "comm_flag_exchanges": zero.flag_checks,
+        # sections run with no flags, on the collectives agreed for them ([Note: agreed
+        # sections] in zero.py)
+        "comm_agreed_sections": zero.agreed_sections,
         "comm_bytes_by_list": {k: dict(v) for k, v in zero.by_list.items()},
         "overflow_count": scaler.overflows,
         "loss_scale": scaler.scale,

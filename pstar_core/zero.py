@@ -36,7 +36,9 @@ the engine issues goes through here, clipping norms and exports included.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -48,6 +50,7 @@ from pstar_core.chunk import ChunkType
 from pstar_core.devices import capabilities, check
 
 Work = dist.Work
+log = logging.getLogger(__name__)
 
 
 class RankFailed(RuntimeError):
@@ -72,7 +75,16 @@ def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async
     return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-_OP_KINDS = ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "barrier")
+_OP_KINDS = (
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_reduce",
+    "barrier",
+    "point",  # an agreement point of sections (see [Note: agreed sections])
+)
+_SECTIONS = ("forward", "backward")
 _OP_LISTS = tuple(k.value for k in ChunkType)
 
 
@@ -96,11 +108,47 @@ class Op(NamedTuple):
         return cls(_OP_KINDS[kind - 1], _OP_LISTS[chunks - 1] if chunks else "", group - 1, numel)
 
     def __str__(self) -> str:
+        if self.kind == "point":
+            what = _SECTIONS[self.group] if 0 <= self.group < len(_SECTIONS) else "the end"
+            return f"the agreement point at {what} of micro-batch {self.numel}"
         where = f" of {self.chunks} group {self.group}" if self.chunks else ""
         return f"{self.kind}{where} ({self.numel} elements)"
 
 
 _CODES = len(Op("barrier").codes())
+# a flag: [failing rank + 1, its failure a departure, codes, -codes, -can, digest, -digest]
+_CAN = 2 + 2 * _CODES
+_FLAG = _CAN + 3
+_PLAYABLE = ("all_gather", "reduce_scatter", "broadcast", "reduce")
+_MAX_SCRIPTS = 64  # sections of different micro-batch positions, each with its own
+
+
+class Entry(NamedTuple):
+    """A collective of a section, as the ranks agreed on it (see [Note: agreed sections])."""
+
+    op: Op
+    dtype: torch.dtype | None = None
+    ahead: bool = False  # the question whether to gather a group ahead of its use
+    declined: bool = False  # ... and the ranks' answer was no (no collective)
+
+
+def _digest(script: list[Entry]) -> int:
+    """A 31-bit digest of a script: ranks following different ones must not go fast."""
+    return (
+        zlib.crc32(
+            repr([(e.op.codes(), str(e.dtype), e.ahead, e.declined) for e in script]).encode()
+        )
+        >> 1
+    )
+
+
+_SAME_PARAMS = (
+    "under ZeRO every rank must use the same parameters in the same order in each step, "
+    "as in DDP; a model whose parameter use depends on the data (a branch, or an "
+    "MoE block that skips experts without tokens) is not supported, so make every "
+    "rank touch every parameter (an MoE: run each expert on an empty batch) or "
+    "train it without ZeRO"
+)
 
 
 @dataclass
@@ -139,6 +187,17 @@ class ZeroGroup:
     flag_s: float = 0.0  # wall time in the flag all-reduces (waiting for the slowest rank)
     # the backend takes a list of chunks to reduce-scatter (torch 2.6's gloo does not)
     list_reduce_scatter: bool = True
+    # [Note: agreed sections]: one flag per section (False: one per collective)
+    per_section: bool = True
+    scripts: dict[tuple[str, int], list[Entry]] = field(default_factory=dict)
+    steady: set[tuple[str, int]] = field(default_factory=set)  # recorded the same twice
+    section: tuple[str, int] | None = None  # the section under way
+    recording: list[Entry] | None = None  # its collectives, to agree on once it is over
+    script: list[Entry] | None = None  # the agreed collectives it follows (no flags)
+    at: int = 0  # the next of them
+    counts: dict[str, int] = field(default_factory=dict)  # sections of a kind in the step
+    owed: str | None = None  # this rank left its section's script: not yet told
+    agreed_sections: int = 0  # sections run on an agreed script
 
     @classmethod
     def single(cls) -> ZeroGroup:
@@ -158,6 +217,7 @@ class ZeroGroup:
         device: torch.device,
         overlap: str = "auto",
         ahead: str = "auto",
+        per_section: bool = True,
     ) -> ZeroGroup:
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 0, 1, device=device)
@@ -183,7 +243,9 @@ class ZeroGroup:
                         backend="gloo",
                         use_local_synchronization=True,
                     )
-        return cls(group, rank, nproc, variant, on, early, device, flags=flags)
+        return cls(
+            group, rank, nproc, variant, on, early, device, flags=flags, per_section=per_section
+        )
 
     @property
     def enabled(self) -> bool:
@@ -195,10 +257,14 @@ class ZeroGroup:
 
     # -- failures (see [Note: ranks fail together]) ---------------------------------------
 
-    def _agree(self, op: Op, can: bool = True) -> bool:
+    def _agree(
+        self, op: Op, can: bool = True, dtype: torch.dtype | None = None, ahead: bool = False
+    ) -> bool:
         """Right before collective `op`, its buffers already made: raise `RankFailed` if
         another rank has failed, `CollectiveMismatch` if another is about to issue a
-        different collective (see [Note: ranks fail together]).
+        different collective (see [Note: ranks fail together]). In a section that follows
+        an agreed script, a check against the script instead, with no exchange (see
+        [Note: agreed sections]).
 
         [Note: collective order] The flag all-reduce carries the collective each rank is
         about to issue (kind, chunk list, group, size) and its negation, reduced by MAX: the
@@ -214,8 +280,24 @@ class ZeroGroup:
         ahead]); True when every rank can. A flag field the ranks reduce with the rest."""
         if self.flags is None:
             return False
+        entry = Entry(op, dtype, ahead)
+        if self.script is not None:
+            return self._follow(entry)
         codes = op.codes()
-        flag = torch.tensor([0, *codes, *(-c for c in codes), -int(can)], dtype=torch.int64)
+        flag = self._exchange(codes, can)
+        high, low = flag[2 : 2 + _CODES], -flag[2 + _CODES : _CAN]
+        if not torch.equal(high, low):
+            raise CollectiveMismatch(self._mismatch(codes))
+        agreed = int(flag[_CAN]) == -1
+        if self.recording is not None:
+            self.recording.append(entry._replace(declined=ahead and not agreed))
+        return agreed
+
+    def _exchange(self, codes: list[int], can: bool, digest: int = 0) -> torch.Tensor:
+        """One flag all-reduce (MAX); raise if a rank has failed (every rank then gives up
+        the iteration, and the sections are agreed on again from the next one)."""
+        negated = [-c for c in codes]
+        flag = torch.tensor([0, 0, *codes, *negated, -int(can), digest, -digest], dtype=torch.int64)
         self.flag_checks += 1
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         t0 = time.perf_counter()
@@ -223,37 +305,192 @@ class ZeroGroup:
         self.flag_s += time.perf_counter() - t0
         failed = int(flag[0]) - 1
         if failed >= 0:
-            raise RankFailed(f"rank {failed} failed: {self._message_from(failed, '')}")
-        high, low = flag[1 : 1 + _CODES], -flag[1 + _CODES : 1 + 2 * _CODES]
-        if not torch.equal(high, low):
-            raise CollectiveMismatch(self._mismatch(codes))
-        return int(flag[-1]) == -1
+            self._reset(departed=bool(flag[1]))
+            message = self._message_from(failed, "")
+            if int(flag[1]):  # it left the agreed collectives: the message says how
+                raise CollectiveMismatch(message)
+            raise RankFailed(f"rank {failed} failed: {message}")
+        return flag
 
     def _mismatch(self, codes: list[int]) -> str:
         mine = torch.tensor(codes, dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.nproc)]
         dist.all_gather(every, mine, group=self.flags)
         issued = ", ".join(f"rank {r}: {Op.of(t.tolist())}" for r, t in enumerate(every))
-        return (
-            f"the ranks reached different collectives at the same point ({issued}): under "
-            "ZeRO every rank must use the same parameters in the same order in each step, "
-            "as in DDP; a model whose parameter use depends on the data (a branch, or an "
-            "MoE block that skips experts without tokens) is not supported, so make every "
-            "rank touch every parameter (an MoE: run each expert on an empty batch) or "
-            "train it without ZeRO"
+        return f"the ranks reached different collectives at the same point ({issued}): " + (
+            _SAME_PARAMS
         )
 
     def report_failure(self, error: BaseException) -> None:
-        """This rank's iteration failed: tell the others at their next collective (unless
-        it failed inside one, where the others fail too)."""
-        if self.flags is None or self.in_collective or isinstance(error, RankFailed):
+        """This rank's iteration failed: tell the others at their next flag exchange
+        (unless it failed inside a collective, where the others fail too). In a section
+        that follows an agreed script, the others go on without flags to the section's
+        end: this rank first issues the script's remaining collectives with stand-in
+        buffers (see [Note: agreed sections])."""
+        if self.flags is None or self.in_collective:
             return
-        flag = torch.zeros(2 + 2 * _CODES, dtype=torch.int64)
+        if isinstance(error, RankFailed) and self.owed is None:
+            return  # every rank raised it: the others know
+        departed, self.owed = self.owed, None
+        self._play_rest()
+        flag = torch.zeros(_FLAG, dtype=torch.int64)
         flag[0] = self.rank + 1  # the operation fields say nothing once a rank has failed
+        flag[1] = int(departed is not None)
         self._sent("failure_flag", flag, 2 * (self.nproc - 1) / self.nproc, host=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
         failed = int(flag[0]) - 1  # the highest failing rank speaks for all
-        self._message_from(failed, f"{type(error).__name__}: {error}")
+        self._message_from(failed, departed or f"{type(error).__name__}: {error}")
+        self._reset(departed=bool(flag[1]))
+
+    # -- agreed sections ------------------------------------------------------------------
+
+    # [Note: agreed sections] A flag exchange before every collective holds every rank's
+    # host at every collective, as a barrier would, and costs a round trip each (on 8 GPUs
+    # with 3 collectives per group per micro-batch, hundreds a step). But a training forward
+    # or backward that follows the trace issues the same collectives in the same order in
+    # every iteration. So the engine marks agreement points: a training forward's start, a
+    # backward's start and its end (`point`). Between two of them runs a section, named by
+    # its kind and its micro-batch in the step. While a section runs on the trace without a
+    # script, every collective in it has its flag, as before, and each rank records the
+    # sequence (the script: each collective, and each question whether to gather a group
+    # ahead with the ranks' answer), kept once the section's end point is passed, so every
+    # rank keeps the same one. When two runs recorded the same script (the first run's
+    # gathers ahead can differ from the steady ones), each later run of the section is
+    # agreed at its start point, in one flag exchange: every rank has a script for it, and
+    # the same one (a digest). Then its collectives go with no exchange at all: each is
+    # checked against the script locally, and a gather ahead is issued where the script says
+    # so; a rank without room for it makes room, as a gather at use does. A rank that fails
+    # in such a section, or leaves the script (`CollectiveMismatch` raised on that rank
+    # alone), cannot just stop: the others go on issuing the script's collectives. It gives
+    # up its iteration, then issues the rest of the script with stand-in buffers of the
+    # agreed sizes (zeros; its groups' buffers are freed by then), and joins the others'
+    # next flag exchange (the section's end point at the latest) with its failure. Every
+    # rank then raises there, as before: `RankFailed`, or `CollectiveMismatch` for a
+    # departure. What the others computed between the failure and that point is given up
+    # with the iteration (and after a departure every rank forgets its scripts: the next
+    # runs agree anew), but Adam beside backward may have updated chunks from it (the engine
+    # then refuses to go on until a checkpoint is loaded, as for a failure in backward
+    # today). A rank that cannot issue a stand-in (its process gone, a lost peer) leaves the
+    # others waiting, as a lost peer does. `zero.agree_per_collective: true` turns sections
+    # off.
+
+    def point(self, kind: str | None, following: bool) -> None:
+        """An agreement point: the section under way ends, and a section of `kind`
+        ("forward", "backward"; None: none) begins, on the script agreed for it if every
+        rank has the same one and the iteration `following` the trace."""
+        if self.flags is None or not self.per_section:
+            return
+        if self.script is not None and self.at < len(self.script):
+            self.owed = self._departure(f"ended after {self.at} of its", self.script[self.at])
+            message = self.owed
+            self.report_failure(CollectiveMismatch(message))
+            raise CollectiveMismatch(message)
+        done, recorded = self.section, self.recording
+        self.section, self.recording, self.script, self.at = None, None, None, 0
+        key = None
+        if kind is not None:
+            n = self.counts.get(kind, 0)
+            self.counts[kind] = n + 1
+            key = (kind, n)
+        script = self.scripts.get(key) if key in self.steady and following else None
+        digest = _digest(script) if script is not None else 0
+        here = Op("point", group=_SECTIONS.index(kind) if kind else -1, numel=key[1] if key else 0)
+        codes = here.codes()
+        flag = self._exchange(codes, script is not None, digest)
+        if not torch.equal(flag[2 : 2 + _CODES], -flag[2 + _CODES : _CAN]):
+            raise CollectiveMismatch(self._mismatch(codes))
+        if (
+            done is not None
+            and recorded is not None
+            and all(e.op.kind in _PLAYABLE for e in recorded)
+            and (done in self.scripts or len(self.scripts) < _MAX_SCRIPTS)
+        ):
+            if self.scripts.get(done) == recorded:
+                self.steady.add(done)
+            else:
+                self.scripts[done] = recorded
+        if key is None or not following:
+            return
+        self.section = key
+        if int(flag[_CAN]) == -1 and int(flag[_CAN + 1]) == -int(flag[_CAN + 2]):
+            self.script = script
+            self.agreed_sections += 1
+        else:
+            self.recording = []
+
+    def end_step(self) -> None:
+        """The step is over: the next forward is micro-batch 0 again."""
+        self.counts.clear()
+
+    def _reset(self, departed: bool) -> None:
+        """A failed iteration: every rank is between sections; after a departure each
+        drops its scripts too, and the ranks agree on them anew."""
+        if departed:
+            self.scripts.clear()
+            self.steady.clear()
+        self.counts.clear()
+        self.section, self.recording, self.script, self.at = None, None, None, 0
+
+    def _follow(self, entry: Entry) -> bool:
+        assert self.script is not None
+        expected = self.script[self.at] if self.at < len(self.script) else None
+        if expected is None or expected._replace(declined=False) != entry:
+            self.owed = self._departure(
+                f"was about to issue {entry.op} after {self.at} of", expected
+            )
+            raise CollectiveMismatch(self.owed)
+        self.at += 1
+        return not expected.declined
+
+    def _departure(self, what: str, expected: Entry | None) -> str:
+        agreed = f"{expected.op} next" if expected is not None else "nothing more"
+        kind, n = self.section or ("", 0)
+        return (
+            f"rank {self.rank} left the collectives the ranks agreed on for the {kind} of "
+            f"micro-batch {n}: it {what} the agreed collectives, which have {agreed}; "
+            + _SAME_PARAMS
+        )
+
+    def _play_rest(self) -> None:
+        """The rest of the script, with stand-in buffers (see [Note: agreed sections])."""
+        rest = [e for e in (self.script or [])[self.at :] if not e.declined]
+        self.script = None
+        if rest:
+            log.warning(
+                "rank %d gives up its iteration: %d collectives of the agreed sequence are "
+                "issued with stand-in buffers so the other ranks reach the next flag",
+                self.rank,
+                len(rest),
+            )
+        for e in rest:
+            self._stand_in(e)
+
+    def _stand_in(self, e: Entry) -> None:
+        """The collective of `e`, in the form the other ranks issue it, on zeros."""
+        n, dtype, device = e.op.numel, e.dtype, self.device
+        contiguous = self.variant == "collective" and capabilities(device).accelerator
+
+        def zeros(k: int = n) -> torch.Tensor:
+            return torch.zeros(k, dtype=dtype, device=device)
+
+        with self._calling():
+            if e.op.kind in ("all_gather", "reduce_scatter") and contiguous:
+                buffer = zeros(n * self.nproc)
+                own = buffer.chunk(self.nproc)[self.rank]
+                if e.op.kind == "all_gather":
+                    _gather_into(buffer, own, self.group)
+                else:
+                    _reduce_scatter_into(own, buffer, self.group, async_op=True).wait()
+            elif e.op.kind == "all_gather":
+                dist.all_gather([zeros() for _ in range(self.nproc)], zeros(), group=self.group)
+            elif e.op.kind == "reduce_scatter":
+                self.reduce_scatter_sum(zeros(), [zeros() for _ in range(self.nproc)], None).wait()
+            else:
+                for r in range(self.nproc):
+                    if e.op.kind == "broadcast":
+                        dist.broadcast(zeros(), src=self._global(r), group=self.group)
+                    else:
+                        dist.reduce(zeros(), dst=self._global(r), group=self.group)
 
     def _message_from(self, failed: int, mine: str) -> str:
         data = torch.tensor(list(mine.encode()[:4000]), dtype=torch.uint8)
@@ -288,25 +525,29 @@ class ZeroGroup:
         flag was exchanged already (`agree_ahead`): the gather is asynchronous, and its
         work is returned to be waited on before the outputs are read."""
         if not agreed:
-            self._agree(op)
+            self._agree(op, dtype=own.dtype)
         self._sent("all_gather", own, self.nproc - 1, op.chunks)
         with self._calling():
             if isinstance(outputs, list):
                 return dist.all_gather(outputs, own, group=self.group, async_op=agreed)
             return _gather_into(outputs, own, self.group, async_op=agreed)
 
-    def agree_ahead(self, op: Op, can: bool) -> bool:
-        """The flag of a gather issued ahead: True if every rank can issue it now."""
-        return self._agree(op, can)
+    def agree_ahead(self, op: Op, can: bool, dtype: torch.dtype) -> bool:
+        """The flag of a gather issued ahead: True if every rank can issue it now. In a
+        section on an agreed script: True if the script gathers it here, whether this rank
+        `can` or not (it then makes room first; see [Note: agreed sections])."""
+        return self._agree(op, can, dtype, ahead=True)
 
     def reduce_scatter_sum(
-        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], op: Op
+        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], op: Op | None
     ) -> Work:
         """ "collective" variant, asynchronous: `own` becomes the sum over ranks of this
         rank's part of `inputs` (one buffer, `own` its slice; or a list, `own` its entry).
-        Wait on the returned work before reading `own` or freeing the inputs."""
-        self._agree(op)
-        self._sent("reduce_scatter", own, self.nproc - 1, op.chunks)
+        Wait on the returned work before reading `own` or freeing the inputs. `op` None:
+        a stand-in (see [Note: agreed sections])."""
+        if op is not None:
+            self._agree(op, dtype=own.dtype)
+        self._sent("reduce_scatter", own, self.nproc - 1, op.chunks if op else "")
         with self._calling():
             if isinstance(inputs, list):
                 if self.list_reduce_scatter:
@@ -325,14 +566,14 @@ class ZeroGroup:
 
     def broadcast_each(self, outputs: list[torch.Tensor], op: Op) -> None:
         """ "serial" variant of the gather: outputs[r] receives rank r's chunk."""
-        self._agree(op)
+        self._agree(op, dtype=outputs[0].dtype)
         for r, out in enumerate(outputs):
             self._broadcast(out, r, op.chunks)
 
     def reduce_each_mean(self, inputs: list[torch.Tensor], out: torch.Tensor, op: Op) -> None:
         """ "serial" variant: out = mean over ranks of inputs[self.rank] (inputs[r] is the
         group's chunk r), by one reduction to each owner."""
-        self._agree(op)
+        self._agree(op, dtype=out.dtype)
         for r, t in enumerate(inputs):
             if r != self.rank:
                 self._sent("reduce", t, 1, op.chunks)  # this rank's part goes to owner r

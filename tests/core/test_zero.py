@@ -54,6 +54,26 @@ def test_a_torch_without_the_2_13_collective_names_trains_bitwise_the_same(pair,
     assert ranks[0]["losses"] == pair[0]["losses"]
 
 
+def test_a_rank_leaving_the_agreed_collectives_fails_every_rank_with_what_it_did(tmp_path):
+    """[Note: agreed sections]: once the sections run without flags, rank 1's batch skips
+    two layers in the fifth step: it is about to gather another group than the agreed
+    one. It raises `CollectiveMismatch`, issues the agreed rest with stand-ins, and rank 0
+    raises the same error at the next point; both go on in step, agreeing anew."""
+    ranks = launch("depart", 2, tmp_path)
+    for r in ranks:
+        assert r["agreed"][4] > 0  # the fifth step's sections had agreed collectives
+        [(step, kind, message)] = r["errors"]
+        assert (step, kind) == (4, "CollectiveMismatch")
+        assert "rank 1 left the collectives the ranks agreed on for the forward" in message
+        assert "all_gather of param group 2" in message
+        assert "all_gather of param group 1 (4096 elements) next" in message
+    assert ranks[0]["errors"] == ranks[1]["errors"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert len(ranks[0]["losses"]) == 6
+    # a departure forgets the scripts: the next two steps record them again
+    assert ranks[0]["agreed"][5] == ranks[0]["agreed"][6]
+
+
 def test_ranks_reaching_different_collectives_all_raise_naming_each_ones(tmp_path):
     """A model whose branch depends on the data: rank 0 uses one layer, rank 1 another,
     so their gradient reductions come in different orders on equal-sized groups (which
@@ -129,6 +149,19 @@ def test_groups_gathered_ahead_of_their_use_give_the_same_numbers(pair, tmp_path
     assert ahead[0]["gathered_ahead"] == ahead[1]["gathered_ahead"]
     assert ahead[0]["losses"] == at_use[0]["losses"]
     assert ahead[0]["comm_calls"]["all_gather"] == at_use[0]["comm_calls"]["all_gather"]
+    # [Note: agreed sections]: with a flag before every collective (each gather ahead
+    # agreed in its own), the same numbers and the same gathers ahead; by default the
+    # sections run on their agreed collectives, from the third step on, with a third
+    # fewer flag exchanges or less (3 points a step, against 3 groups' collectives)
+    flagged = launch(
+        "train", 2, tmp_path / "f", PSTAR_TEST_AHEAD="on", PSTAR_TEST_PER_COLLECTIVE="1", **env
+    )
+    assert flagged[0]["losses"] == ahead[0]["losses"]
+    assert flagged[0]["gathered_ahead"] == ahead[0]["gathered_ahead"]
+    assert flagged[0]["agreed_sections"] == 0
+    for r in ahead:
+        assert r["agreed_sections"] >= 2 * (len(r["losses"]) - 4), r["agreed_sections"]
+        assert r["flag_exchanges"] <= 0.6 * flagged[0]["flag_exchanges"], r["flag_exchanges"]
 
 
 def test_each_rank_pools_only_its_own_host_chunks(single, tmp_path):
@@ -168,15 +201,23 @@ def test_save_with_the_disk_tier_streams_chunk_by_chunk_and_resumes_bitwise(tmp_
 
 
 def test_a_rank_that_fails_takes_the_others_out_of_the_same_iteration(tmp_path):
-    """One rank's forward fails (batch 3), and one rank's own code fails between forward
-    and backward (batch 5): every rank raises, the other one `RankFailed` with the failing
-    rank's reason, and all go on in step, as if those batches had been left out."""
+    """One rank's forward fails (batch 3), one rank's own code fails between forward and
+    backward (batch 5), one rank's backward fails (batch 7): every rank raises, the other
+    one `RankFailed` with the failing rank's reason, and all go on in step, as if those
+    batches had been left out. Each failure comes in a section that runs on its agreed
+    collectives, with no flags: the failing rank issues the rest with stand-ins."""
     failed = launch("fail", 2, tmp_path / "f")
     skipped = launch("skip", 2, tmp_path / "s")
     assert failed[0]["losses"] == skipped[0]["losses"]
     assert failed[1]["losses"] == skipped[1]["losses"]
-    assert [e[:2] for e in failed[1]["errors"]] == [[3, "MemoryError"], [5, "RankFailed"]]
-    assert [e[:2] for e in failed[0]["errors"]] == [[3, "RankFailed"], [5, "ValueError"]]
+    errors = [[3, "MemoryError"], [5, "RankFailed"], [7, "RuntimeError"]]
+    assert [e[:2] for e in failed[1]["errors"]] == errors
+    errors = [[3, "RankFailed"], [5, "ValueError"], [7, "RankFailed"]]
+    assert [e[:2] for e in failed[0]["errors"]] == errors
+    assert "rank 1 failed: RuntimeError: a hook failed in backward" in failed[0]["errors"][2][2]
+    # agreed sections ran in batches 3, 4, 5 and 6 (a failure forgets no script)
+    agreed = failed[0]["agreed"]
+    assert agreed[3] < agreed[4] < agreed[5] < agreed[6] < agreed[7], agreed
     assert "rank 1 failed: MemoryError: out of memory in block 1" in failed[0]["errors"][0][2]
     assert (
         "rank 0 failed: RuntimeError: abandon_iteration() was called" in (failed[1]["errors"][1][2])

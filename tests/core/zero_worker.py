@@ -207,6 +207,48 @@ def diverge_scenario(rank: int, world: int) -> dict:
     return out
 
 
+class Skippy(torch.nn.Module):
+    """A batch whose first token is odd skips layers `a` and `b`. With chunks of one layer
+    each, [embed, mid], [a, b] and [head] are the three groups of 2 ranks: a rank that
+    skips gathers the third group where the other gathers the second."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(width, width - 1)
+        self.mid, self.a, self.b = (torch.nn.Linear(width - 1, width - 1) for _ in range(3))
+        self.head = torch.nn.Linear(width - 1, width)
+
+    def forward(self, input_ids, labels):
+        h = self.mid(self.embed(input_ids))
+        if int(input_ids[0, 0]) % 2 == 0:
+            h = self.b(self.a(h))
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return types.SimpleNamespace(loss=loss)
+
+
+def depart_scenario(rank: int, world: int) -> dict:
+    """Both ranks go through every layer for four steps, so their sections are agreed
+    and run without flags; at the fifth, rank 1's data skips two layers (it leaves the
+    agreed collectives in its forward); then both go through every layer again."""
+    from pstar_core.zero import RankFailed
+
+    engine = pstar_core.initialize(Skippy, engine_config(chunk_size=64 * 64))
+    out: dict = {"errors": [], "agreed": []}
+    for i in range(7):
+        odd = i == 4 and rank == 1
+        x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(i)) * 2 + odd
+        out["agreed"].append(engine.stats()["comm_agreed_sections"])
+        try:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            out.setdefault("losses", []).append(mean_over_ranks(loss, world))
+        except RankFailed as e:
+            out["errors"].append([i, type(e).__name__, str(e)])
+    return out
+
+
 def subgroup_scenario(rank: int, world: int) -> dict:
     """ZeRO over ranks 0 and 1 of 3 (`process_group=`): rank 2 never joins the engine's
     groups, and the 2 members train as 1 rank with their global batch would. Afterwards
@@ -243,8 +285,8 @@ def subgroup_scenario(rank: int, world: int) -> dict:
 
 def oom_scenario(rank: int, world: int) -> dict:
     """Rank 1's device runs out of memory while allocating a group's gather buffer in
-    the forward of batch 2: both ranks raise (rank 0 `RankFailed`), each measured from the
-    batch's start, and both go on in step."""
+    the forward of batch 2 (`PSTAR_TEST_FAIL_AT`): both ranks raise (rank 0 `RankFailed`),
+    each measured from the batch's start, and both go on in step."""
     import time
 
     from pstar_core.tiers import TierName
@@ -265,10 +307,12 @@ def oom_scenario(rank: int, world: int) -> dict:
         return allocate(numel, dtype)
 
     tier.allocate = failing
-    out: dict = {"errors": [], "losses": []}
-    for i, x in enumerate(batches(4, batch=8)):
+    out: dict = {"errors": [], "losses": [], "agreed": []}
+    at = int(os.environ.get("PSTAR_TEST_FAIL_AT", "2"))
+    for i, x in enumerate(batches(at + 2, batch=8)):
         part = x.chunk(world)[rank]
-        armed["on"] = i == 2 and rank == 1
+        armed["on"] = i == at and rank == 1
+        out["agreed"].append(engine.stats()["comm_agreed_sections"])
         start = time.monotonic()
         try:
             loss = engine(input_ids=part, labels=part).loss
@@ -315,6 +359,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         return pressed_scenario(rank, world)
     if name == "diverge":
         return diverge_scenario(rank, world)
+    if name == "depart":
+        return depart_scenario(rank, world)
     if name == "subgroup":
         return subgroup_scenario(rank, world)
     if name == "oom_gather":
@@ -335,6 +381,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     overlap = os.environ.get("PSTAR_TEST_OVERLAP", "auto")
     ahead = os.environ.get("PSTAR_TEST_AHEAD", "auto")
     zero = {"variant": variant, "overlap_reductions": overlap, "gather_ahead": ahead}
+    if os.environ.get("PSTAR_TEST_PER_COLLECTIVE") == "1":  # a flag before each collective
+        zero["agree_per_collective"] = True
     device = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
     clip = float(os.environ.get("PSTAR_TEST_CLIP", "0")) or None  # global-norm clipping
     chunk = int(os.environ.get("PSTAR_TEST_CHUNK", "8192"))  # below 4096: tensors span chunks
@@ -360,6 +408,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         }
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
         out["gathered_ahead"] = engine.stats()["comm_gathered_ahead"]
+        out["flag_exchanges"] = engine.stats()["comm_flag_exchanges"]
+        out["agreed_sections"] = engine.stats()["comm_agreed_sections"]
         out["beside"] = BESIDE
         out["device_adam_chunks"] = engine.stats()["device_adam_chunks"]
         out["evicted_under_pressure"] = engine.stats()["comm_evicted_under_pressure"]
@@ -385,10 +435,10 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["resumed"] = run_steps(fresh, data[8:12], rank, world)
         out["straight"] = run_steps(engine, data[8:12], rank, world)
     elif name in ("fail", "skip"):
-        # batch 3 fails: inside rank 1's forward (a layer raises there), and batch 5 in
-        # rank 0's own code between forward and backward (it calls abandon_iteration);
-        # "skip" leaves both batches out on every rank: the runs must agree
-        from pstar_core.zero import RankFailed
+        # batch 3 fails: inside rank 1's forward (a layer raises there), batch 5 in rank
+        # 0's own code between forward and backward (it calls abandon_iteration), batch 7
+        # inside rank 1's backward; "skip" leaves them out on every rank: the runs must
+        # agree. From batch 3 on, the sections run on the collectives agreed for them.
 
         layer = engine.module.transformer.h[1]
         boom = {"on": False}
@@ -397,13 +447,24 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
             if boom["on"]:
                 raise MemoryError("out of memory in block 1 (simulated)")
 
+        def fails_in_backward(_grad):
+            raise RuntimeError("a hook failed in backward (simulated)")
+
+        def then(_mod, _args, output):
+            if name == "fail" and i == 7 and rank == 1:
+                (output[0] if isinstance(output, tuple) else output).register_hook(
+                    fails_in_backward
+                )
+
         layer.register_forward_pre_hook(hook)
+        layer.register_forward_hook(then)
         out["losses"], out["errors"] = [], []
         for i, x in enumerate(data[:8]):
-            if name == "skip" and i in (3, 5):
+            if name == "skip" and i in (3, 5, 7):
                 continue
             part = x.chunk(world)[rank]
             boom["on"] = name == "fail" and i == 3 and rank == 1
+            out.setdefault("agreed", []).append(engine.stats()["comm_agreed_sections"])
             try:
                 loss = engine(input_ids=part, labels=part).loss
                 if name == "fail" and i == 5 and rank == 0:
@@ -412,7 +473,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
                 engine.backward(loss)
                 engine.step()
                 out["losses"].append(mean_over_ranks(loss, world))
-            except (RankFailed, MemoryError, ValueError) as e:
+            except (RuntimeError, MemoryError, ValueError) as e:
                 out["errors"].append([i, type(e).__name__, str(e)])
     elif name == "export":
         run_steps(engine, data[:3], rank, world)

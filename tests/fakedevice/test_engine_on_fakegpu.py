@@ -326,23 +326,34 @@ def test_a_group_settled_at_the_devices_limit_allocates_nothing_there(tmp_path, 
     )
 
 
-def test_an_out_of_memory_in_one_ranks_gather_fails_both_ranks_at_once(tmp_path):
+@pytest.mark.parametrize("at", [2, 3], ids=["flagged", "agreed"])
+def test_an_out_of_memory_in_one_ranks_gather_fails_both_ranks_at_once(tmp_path, at):
     """Rank 1 runs out of device memory allocating a gather's group buffer. It is
     allocated before the collective's flag, so rank 0 learns of it there and raises
     `RankFailed` at once, instead of waiting in an all-gather rank 1 never issues (which
-    hung until the collective timed out). Both go on in step."""
+    hung until the collective timed out). In a section on its agreed collectives (no
+    flags: the fourth step), rank 1 issues the rest of the forward's gathers in stand-in
+    group buffers, and rank 0 raises at backward's start. Both go on in step."""
     from tests.core.helpers import spawn_ranks
 
     ranks = spawn_ranks(
-        "tests.core.zero_worker", 2, tmp_path, "oom_gather", timeout=90, PSTAR_TEST_DEVICE=DEV
+        "tests.core.zero_worker",
+        2,
+        tmp_path,
+        "oom_gather",
+        timeout=90,
+        PSTAR_TEST_DEVICE=DEV,
+        PSTAR_TEST_FAIL_AT=str(at),
     )
     (step0, kind0, message0, seconds0) = ranks[0]["errors"][0]
     (step1, kind1, _message1, seconds1) = ranks[1]["errors"][0]
-    assert (step0, kind0, step1, kind1) == (2, "RankFailed", 2, "OutOfMemoryError")
+    assert (step0, kind0, step1, kind1) == (at, "RankFailed", at, "OutOfMemoryError")
     assert "rank 1 failed: OutOfMemoryError" in message0
     assert max(seconds0, seconds1) < 30
-    assert len(ranks[0]["losses"]) == 3
+    assert len(ranks[0]["losses"]) == at + 1
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    agreed = ranks[0]["agreed"]  # before each step
+    assert (agreed[at + 1] > agreed[at]) == (at == 3), agreed
 
 
 def test_the_pinned_pool_is_memory_the_engine_registers_and_gives_back(fake):
