@@ -172,6 +172,7 @@ def run_zero(
     json_out: bool = False,
     peers: bool | Sequence[str] = True,
     chunk_size: int | None = None,
+    agree_per_collective: bool = False,
 ) -> dict[str, Any]:
     """Time ours (1 and 2 ranks) vs FSDP2 and DeepSpeed ZeRO-3; print a table, return a dict.
 
@@ -181,7 +182,9 @@ def run_zero(
     module docstring. ``peers=False`` skips FSDP2 and DeepSpeed, a tuple of
     names ("fsdp2", "deepspeed") runs only those (for tests);
     ``chunk_size`` overrides the engine's "auto" choice (elements per chunk). ``dtype``
-    is every run's (auto: what the engine picks on this CPU).
+    is every run's (auto: what the engine picks on this CPU). ``agree_per_collective``:
+    our ranks exchange a flag before every collective (`zero.agree_per_collective`), not
+    only at the points of their agreed sections.
     """
     from pstar_core.models import get_config, num_params
 
@@ -196,6 +199,7 @@ def run_zero(
     spec = {
         "model": model, "global_batch": global_batch, "seq": seq, "steps": steps,
         "warmup": warmup, "dtype": dtype, "chunk_size": chunk_size,
+        "agree_per_collective": agree_per_collective,
     }  # fmt: skip
     load_before = load_avg()
     runs: dict[str, list[dict[str, Any]] | str] = {}
@@ -238,6 +242,8 @@ def run_zero(
         "comm_bytes_wire": ours2[0]["comm_bytes_wire"],
         "comm_bytes_flags": ours2[0]["comm_bytes_flags"],
         # a step's time in the flag exchanges, per rank, and its share of the step
+        "agree_per_collective": agree_per_collective,
+        "flag_exchanges": ours2[0]["comm_calls"].get("failure_flag", {}).get("calls", 0),
         "flag_s": [r["flag_s"] for r in ours2],
         "flag_share": max(r["flag_s"] for r in ours2) / secs[OURS_2],
         "wire": [r["wire"] for r in ours2],  # per rank: what torch.distributed was handed
@@ -317,8 +323,10 @@ def run_zero(
         f"handed: {_fmt_bytes(result['comm_bytes_wire'])}, of which "
         f"{result['comm_bytes_flags']:.0f} bytes of failure flags) vs theory 3 x (N-1)/N x "
         f"list = {_fmt_bytes(result['theory_bytes'])} -> x{result['comm_vs_theory']:.3f}; "
-        f"the flag exchanges took {[round(1000 * s, 1) for s in result['flag_s']]} ms a "
-        f"step per rank ({100 * result['flag_share']:.1f}% of the step)"
+        f"{result['flag_exchanges']:.0f} flag exchanges a step "
+        f"({'before every collective' if agree_per_collective else 'agreed sections'}) took "
+        f"{[round(1000 * s, 1) for s in result['flag_s']]} ms a step per rank "
+        f"({100 * result['flag_share']:.1f}% of the step)"
     )
     return finish(console, result, load_before, load_after, json_out)
 

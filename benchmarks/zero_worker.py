@@ -225,7 +225,10 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: WireCounter)
                 "dtype": spec["dtype"],
                 "chunk_size": spec.get("chunk_size") or "auto",
                 "optimizer": {"lr": _LR},
-                "zero": {"variant": spec.get("variant", "collective")},
+                "zero": {
+                    "variant": spec.get("variant", "collective"),
+                    "agree_per_collective": spec.get("agree_per_collective", False),
+                },
             },
         )
     seen = watch_compute_dtype(engine.module)
@@ -262,8 +265,9 @@ def _worker_ours(spec: dict[str, Any], rank: int, world: int, wire: WireCounter)
         "losses": losses,
         "comm_bytes": (stats["comm_bytes_sent"] - marks["engine"]) / spec["steps"],
         "comm_calls": {k: v for k, v in calls.items() if v["calls"]},
-        # of which the failure flags (an 80-byte all-reduce before each collective: the
-        # flag and the collective's codes, [Note: collective order] in pstar_core/zero.py)
+        # of which the failure flags (a 104-byte all-reduce before each collective outside
+        # an agreed section and at each agreement point: the flag and the collective's
+        # codes, [Note: collective order] and [Note: agreed sections] in pstar_core/zero.py)
         "comm_bytes_flags": calls.get("failure_flag", {}).get("bytes", 0),
         "flag_s": (stats["comm_flag_s"] - marks["flag_s"]) / spec["steps"],
         "wire": measured,  # what was handed to torch.distributed, per timed step

@@ -245,6 +245,10 @@ def bench_zero(
         int | None, typer.Option(help="elements per chunk for ours (default: auto)")
     ] = None,
     dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "auto",
+    agree_per_collective: Annotated[
+        bool,
+        typer.Option(help="a flag exchange before every collective, not per agreed section"),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON line last")] = False,
 ) -> None:
     """Chunk ZeRO-DP step time and bytes sent: ours 1/2 ranks vs FSDP2, DeepSpeed (CPU, gloo)."""
@@ -254,6 +258,7 @@ def bench_zero(
         run_zero(
             model=model, global_batch=global_batch, seq=seq, steps=steps, warmup=warmup,
             json_out=json_out, peers=peers, chunk_size=chunk_size, dtype=dtype,
+            agree_per_collective=agree_per_collective,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         _fail(str(e))

@@ -62,24 +62,28 @@ def test_our_counter_and_the_wire_count_agree_and_ranks_send_alike(zero):
     for wire, ours in zip(zero["wire"], zero["comm_calls"], strict=True):
         # every collective the engine counted reached torch.distributed, and no other: the
         # groups' all-gathers and reduce-scatters, each after a failure flag's all-reduce
+        # (the timed step is the first to record its sections' collectives), and one flag
+        # at each of the step's 3 agreement points ([Note: agreed sections] in zero.py)
         assert set(wire) == {"all_gather", "reduce_scatter", "all_reduce"}
         assert set(ours) == {"all_gather", "reduce_scatter", "failure_flag"}
         gather, scatter, flags = wire["all_gather"], wire["reduce_scatter"], wire["all_reduce"]
         assert gather["calls"] == ours["all_gather"]["calls"] > 0
         assert scatter["calls"] == ours["reduce_scatter"]["calls"] > 0
-        assert flags["calls"] == ours["failure_flag"]["calls"] == gather["calls"] + scatter["calls"]
+        assert flags["calls"] == ours["failure_flag"]["calls"]
+        assert flags["calls"] == gather["calls"] + scatter["calls"] + 3
         # a gather gives one chunk and receives the group's n; a reduce-scatter the reverse
         assert gather["received_bytes"] == n * gather["given_bytes"]
         assert scatter["given_bytes"] == n * scatter["received_bytes"]
         # the engine counts the ring algorithms' share of those tensors ([Note: bytes sent]
         # in pstar_core/zero.py): (n-1) x the chunk given, (n-1) x the shard received, and
-        # 2 (n-1)/n x each 80-byte flag (the failure flag, then the collective's 4 codes
-        # and their negations: [Note: collective order], and whether this rank can issue
-        # it now: [Note: gathers ahead])
+        # 2 (n-1)/n x each 104-byte flag (the failing rank and whether it left the agreed
+        # collectives, then the collective's 4 codes and their negations: [Note:
+        # collective order], whether this rank can issue it now: [Note: gathers ahead],
+        # and a script's digest and its negation: [Note: agreed sections])
         assert ours["all_gather"]["bytes"] == (n - 1) * gather["given_bytes"]
         assert ours["reduce_scatter"]["bytes"] == (n - 1) * scatter["received_bytes"]
         assert ours["failure_flag"]["bytes"] == 2 * (n - 1) / n * flags["given_bytes"]
-        assert flags["given_bytes"] == 80 * flags["calls"]
+        assert flags["given_bytes"] == 104 * flags["calls"]
     assert zero["comm_bytes"] == sum(c["bytes"] for c in zero["comm_calls"][0].values())
     assert 0 < zero["comm_bytes_flags"] < 0.01 * zero["comm_bytes"]
 
