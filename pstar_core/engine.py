@@ -218,8 +218,10 @@ class Engine:
                     m.tracer.start_iteration(shape)
             if m.phase is not TrainingPhase.EVALUATION:
                 m.phase = TrainingPhase.FORWARD
-                if not evaluating:  # see [Note: agreed sections] in zero.py
-                    self.zero.point("forward", m.tracer.following)
+                # [Note: agreed sections] in zero.py: a training forward starts a section;
+                # an evaluation inside an iteration ends the one under way (its
+                # collectives are not that section's)
+                self.zero.point(None if evaluating else "forward", m.tracer.following)
             with self._saved_tensor_hooks:
                 out = self.module(*args, **kwargs)
             m.finish_forward()

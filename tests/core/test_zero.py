@@ -58,9 +58,12 @@ def test_a_rank_leaving_the_agreed_collectives_fails_every_rank_with_what_it_did
     """[Note: agreed sections]: once the sections run without flags, rank 1's batch skips
     two layers in the fifth step: it is about to gather another group than the agreed
     one. It raises `CollectiveMismatch`, issues the agreed rest with stand-ins, and rank 0
-    raises the same error at the next point; both go on in step, agreeing anew."""
+    raises the same error at the next point; both go on in step, agreeing anew. An
+    evaluation between a forward and its backward ends the forward's section: its
+    collectives are not a departure."""
     ranks = launch("depart", 2, tmp_path)
     for r in ranks:
+        assert r["evaluated"] > 0
         assert r["agreed"][4] > 0  # the fifth step's sections had agreed collectives
         [(step, kind, message)] = r["errors"]
         assert (step, kind) == (4, "CollectiveMismatch")

@@ -229,8 +229,9 @@ class Skippy(torch.nn.Module):
 
 def depart_scenario(rank: int, world: int) -> dict:
     """Both ranks go through every layer for four steps, so their sections are agreed
-    and run without flags; at the fifth, rank 1's data skips two layers (it leaves the
-    agreed collectives in its forward); then both go through every layer again."""
+    and run without flags (the fourth evaluates between forward and backward); at the
+    fifth, rank 1's data skips two layers (it leaves the agreed collectives in its
+    forward); then both go through every layer again."""
     from pstar_core.zero import RankFailed
 
     engine = pstar_core.initialize(Skippy, engine_config(chunk_size=64 * 64))
@@ -241,6 +242,9 @@ def depart_scenario(rank: int, world: int) -> dict:
         out["agreed"].append(engine.stats()["comm_agreed_sections"])
         try:
             loss = engine(input_ids=x, labels=x).loss
+            if i == 3:  # an evaluation between forward and backward: not a departure
+                with torch.no_grad():
+                    out["evaluated"] = float(engine(input_ids=x, labels=x).loss)
             engine.backward(loss)
             engine.step()
             out.setdefault("losses", []).append(mean_over_ranks(loss, world))
