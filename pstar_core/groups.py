@@ -72,6 +72,7 @@ class GatheredGroups:
         self.in_flight: list[InFlight] = []  # reduce-scatters issued, oldest first
         self.arriving: dict[tuple[ChunkType, int], Work] = {}  # gathers issued ahead
         self.gathered_ahead = 0  # groups gathered ahead of their use, in total
+        self.ahead_made_room = 0  # ... of which an agreed script asked without room here
         self._buffers: dict[int, torch.Tensor] = {}  # own chunk id -> its group's buffer
         self.evicted_under_pressure = 0  # own chunks sent to the host by a pressed settle
 
@@ -226,6 +227,7 @@ class GatheredGroups:
                     device.release(t)
                 return False
         if not got:  # the agreed script gathers it here: room first, as at a use
+            self.ahead_made_room += 1
             self._make_room(members, own, need)
             r.transfers.arrive(own)
             with r.tracer.chunk_memory():

@@ -90,6 +90,9 @@ def engine_stats(
         "comm_bytes_sent": zero.bytes_sent,
         "comm_overlapped_reductions": zero.overlapped,
         "comm_gathered_ahead": m.groups.gathered_ahead,  # [Note: gathers ahead] in groups.py
+        # of which an agreed section's script asked for without room ([Note: agreed
+        # sections] in zero.py): the rank made room as for a gather at use
+        "comm_gathered_ahead_made_room": m.groups.ahead_made_room,
         # own chunks a settle at the device's limit sent to the host ([Note: leaving the
         # group buffer] in groups.py)
         "comm_evicted_under_pressure": m.groups.evicted_under_pressure,

@@ -167,6 +167,19 @@ def test_groups_gathered_ahead_of_their_use_give_the_same_numbers(pair, tmp_path
         assert r["flag_exchanges"] <= 0.6 * flagged[0]["flag_exchanges"], r["flag_exchanges"]
 
 
+def test_a_rank_without_room_for_an_agreed_gather_ahead_makes_room(pair, tmp_path):
+    """[Note: agreed sections]: in a section on its agreed collectives, a gather ahead is
+    issued where the script says, with no flag. From the fifth step, rank 1's own chunk
+    of each group is on the host when it is asked (as if the device were full): it
+    makes room (the chunk back on the device) and gathers with rank 0, the same
+    numbers."""
+    ranks = launch("train", 2, tmp_path, PSTAR_TEST_AHEAD="on", PSTAR_TEST_NO_ROOM_AHEAD="1")
+    assert ranks[0]["losses"] == pair[0]["losses"]
+    assert ranks[0]["ahead_made_room"] == 0
+    assert ranks[1]["ahead_made_room"] > 0
+    assert ranks[0]["gathered_ahead"] == ranks[1]["gathered_ahead"] > 0
+
+
 def test_each_rank_pools_only_its_own_host_chunks(single, tmp_path):
     ranks = launch("train", 2, tmp_path, PSTAR_HOST_ARENA="1")
     torch.testing.assert_close(

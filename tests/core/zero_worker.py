@@ -358,6 +358,24 @@ def pressed_scenario(rank: int, world: int) -> dict:
     }
 
 
+def no_room_ahead(engine, rank: int) -> None:
+    """From the fifth step on, before each gather ahead, this rank's own chunk of the
+    group goes to the host: it cannot gather ahead without making room, whatever the
+    agreed script says."""
+    from pstar_core.tiers import TierName
+
+    groups = engine.manager.groups
+    gather_ahead = groups.gather_ahead
+
+    def without_room(c) -> bool:
+        own = groups._members(c)[rank]
+        if engine.global_step >= 4 and not groups.is_live(c) and own.pins == 0:
+            groups.residency.move(own, TierName.HOST)
+        return gather_ahead(c)
+
+    groups.gather_ahead = without_room
+
+
 def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     if name == "pressed":
         return pressed_scenario(rank, world)
@@ -400,6 +418,8 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
     engine = pstar_core.initialize(model_fn, cfg)
     engine.load_state_dict(ref.state_dict())
     out: dict = {"stats_before": {k: engine.stats()[k] for k in ("model_data_bytes", "chunk_size")}}
+    if os.environ.get("PSTAR_TEST_NO_ROOM_AHEAD") == "1" and rank == 1:
+        no_room_ahead(engine, rank)
     if name == "train":
         out["losses"] = run_steps(engine, data, rank, world)
         out["moved"] = engine.stats()["bytes_moved"]
@@ -413,6 +433,7 @@ def scenario(name: str, rank: int, world: int, tmp: Path) -> dict:
         out["overlapped"] = engine.stats()["comm_overlapped_reductions"]
         out["gathered_ahead"] = engine.stats()["comm_gathered_ahead"]
         out["flag_exchanges"] = engine.stats()["comm_flag_exchanges"]
+        out["ahead_made_room"] = engine.stats()["comm_gathered_ahead_made_room"]
         out["agreed_sections"] = engine.stats()["comm_agreed_sections"]
         out["beside"] = BESIDE
         out["device_adam_chunks"] = engine.stats()["device_adam_chunks"]
