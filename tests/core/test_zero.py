@@ -216,14 +216,16 @@ def test_save_with_the_disk_tier_streams_chunk_by_chunk_and_resumes_bitwise(tmp_
         assert r["save_growth_bytes"] <= r["chunk_bytes_max"], r
 
 
-def test_a_rank_that_fails_takes_the_others_out_of_the_same_iteration(tmp_path):
+@pytest.mark.parametrize("variant", ["collective", "serial"])
+def test_a_rank_that_fails_takes_the_others_out_of_the_same_iteration(tmp_path, variant):
     """One rank's forward fails (batch 3), one rank's own code fails between forward and
     backward (batch 5), one rank's backward fails (batch 7): every rank raises, the other
     one `RankFailed` with the failing rank's reason, and all go on in step, as if those
     batches had been left out. Each failure comes in a section that runs on its agreed
-    collectives, with no flags: the failing rank issues the rest with stand-ins."""
-    failed = launch("fail", 2, tmp_path / "f")
-    skipped = launch("skip", 2, tmp_path / "s")
+    collectives, with no flags: the failing rank issues the rest with stand-ins (the
+    serial variant's: broadcasts and reductions)."""
+    failed = launch("fail", 2, tmp_path / "f", PSTAR_TEST_VARIANT=variant)
+    skipped = launch("skip", 2, tmp_path / "s", PSTAR_TEST_VARIANT=variant)
     assert failed[0]["losses"] == skipped[0]["losses"]
     assert failed[1]["losses"] == skipped[1]["losses"]
     errors = [[3, "MemoryError"], [5, "RankFailed"], [7, "RuntimeError"]]
