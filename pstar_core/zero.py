@@ -317,6 +317,7 @@ class ZeroGroup:
         every = [torch.empty_like(mine) for _ in range(self.nproc)]
         dist.all_gather(every, mine, group=self.flags)
         issued = ", ".join(f"rank {r}: {Op.of(t.tolist())}" for r, t in enumerate(every))
+        self._reset(departed=True)  # every rank raises: none keeps what it recorded
         return f"the ranks reached different collectives at the same point ({issued}): " + (
             _SAME_PARAMS
         )
@@ -381,7 +382,7 @@ class ZeroGroup:
         if self.flags is None or not self.per_section:
             return
         if self.script is not None and self.at < len(self.script):
-            self.owed = self._departure(f"ended after {self.at} of its", self.script[self.at])
+            self.owed = self._departure(f"ended after {self.at} of", self.script[self.at])
             message = self.owed
             self.report_failure(CollectiveMismatch(message))
             raise CollectiveMismatch(message)
@@ -409,6 +410,7 @@ class ZeroGroup:
                 self.steady.add(done)
             else:
                 self.scripts[done] = recorded
+                self.steady.discard(done)
         if key is None or not following:
             return
         self.section = key
