@@ -167,6 +167,27 @@ def test_groups_gathered_ahead_of_their_use_give_the_same_numbers(pair, tmp_path
         assert r["flag_exchanges"] <= 0.6 * flagged[0]["flag_exchanges"], r["flag_exchanges"]
 
 
+def test_micro_batches_on_agreed_collectives_equal_a_flag_before_each(tmp_path):
+    """[Note: agreed sections] with two micro-batches a step, under a budget that evicts,
+    reductions overlapped and groups gathered ahead: each micro-batch's forward and
+    backward are sections of their own (the second stashes gradients first, so its
+    collectives differ), agreed apart; bitwise the same as a flag before every
+    collective, with under half the exchanges."""
+    env = {
+        "PSTAR_TEST_MICRO": "2",
+        "PSTAR_TEST_AHEAD": "on",
+        "PSTAR_TEST_OVERLAP": "on",
+        "PSTAR_TEST_MEMORY": json.dumps({"device_budget": 750_000}),
+    }
+    agreed = launch("train", 2, tmp_path / "a", **env)
+    flagged = launch("train", 2, tmp_path / "f", PSTAR_TEST_PER_COLLECTIVE="1", **env)
+    assert agreed[0]["losses"] == flagged[0]["losses"]
+    assert agreed[0]["gathered_ahead"] == flagged[0]["gathered_ahead"] > 0
+    for r in agreed:  # 4 sections a step, agreed from the third step on
+        assert r["agreed_sections"] >= 4 * (len(r["losses"]) - 4), r["agreed_sections"]
+        assert r["flag_exchanges"] < 0.5 * flagged[0]["flag_exchanges"]
+
+
 def test_a_rank_without_room_for_an_agreed_gather_ahead_makes_room(pair, tmp_path):
     """[Note: agreed sections]: in a section on its agreed collectives, a gather ahead is
     issued where the script says, with no flag. From the fifth step, rank 1's own chunk

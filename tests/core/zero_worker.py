@@ -27,10 +27,14 @@ STEPS = 20
 
 def run_steps(engine, data, rank, world):
     beside = os.environ.get("PSTAR_TEST_BESIDE") == "1"  # backward_and_step
+    micro = int(os.environ.get("PSTAR_TEST_MICRO", "1"))  # micro-batches a step
     losses = []
     for x in data:
         part = x.chunk(world)[rank]
-        loss = engine(input_ids=part, labels=part).loss
+        for mb in part.chunk(micro)[:-1]:  # all but the last: accumulated
+            engine.backward(engine(input_ids=mb, labels=mb).loss / micro)
+        part = part.chunk(micro)[-1]
+        loss = engine(input_ids=part, labels=part).loss / micro
         if beside:
             engine.backward_and_step(loss)
             BESIDE.append(engine.stats()["adam_beside_backward_chunks"])
