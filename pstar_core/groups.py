@@ -196,24 +196,27 @@ class GatheredGroups:
         it back if some rank could not (that group is gathered at its use, as before).
         In a section on an agreed script the script decides instead, with no exchange,
         and a rank without room makes it (see [Note: agreed sections] in zero.py). A
-        group with gradients to stash first, or with its reduction in flight, is left
-        to its use. Called with `zero.ahead` on (the manager asks). True if the gather
-        was issued."""
+        group with gradients to stash first is left to its use (every rank's slots agree
+        on that). One whose reduction is still in flight here counts as no room: whether
+        it is can differ between ranks (a settle at the device's limit, or Adam beside
+        backward finishing the reductions found done), so it is said in the flag, not
+        decided alone. Called with `zero.ahead` on (the manager asks). True if the
+        gather was issued."""
         key = self._key(c)
         if self.zero.variant != "collective" or key in self.live:
             return False
         members = self._members(c)
         if any(s.state is TensorState.HOLD_AFTER_BWD for m in members for s in m.slots):
             return False
-        if any(self._key(f.own) == key for f in self.in_flight):
-            return False
+        reducing = any(self._key(f.own) == key for f in self.in_flight)
         own = members[self.zero.rank]
         r = self.residency
         need = sum(m.nbytes for m in members if m is not own)
         need += own.nbytes if self.contiguous else 0  # its copy into the group's buffer
         device = r.tiers[TierName.DEVICE]
         can = (
-            own.tier == TierName.DEVICE
+            not reducing
+            and own.tier == TierName.DEVICE
             and device.used_bytes + r.transfers.sending_bytes + need <= r.allowed(TierName.DEVICE)
         )
         op = Op("all_gather", own.kind.value, key[1], own.capacity)
@@ -228,6 +231,7 @@ class GatheredGroups:
                 return False
         if not got:  # the agreed script gathers it here: room first, as at a use
             self.ahead_made_room += 1
+            self.settle(key)  # its reduction here, if still in flight
             self._make_room(members, own, need)
             r.transfers.arrive(own)
             with r.tracer.chunk_memory():
