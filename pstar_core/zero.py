@@ -283,11 +283,7 @@ class ZeroGroup:
         entry = Entry(op, dtype, ahead)
         if self.script is not None:
             return self._follow(entry)
-        codes = op.codes()
-        flag = self._exchange(codes, can)
-        high, low = flag[2 : 2 + _CODES], -flag[2 + _CODES : _CAN]
-        if not torch.equal(high, low):
-            raise CollectiveMismatch(self._mismatch(codes))
+        flag = self._exchange(op.codes(), can)
         agreed = int(flag[_CAN]) == -1
         if self.recording is not None:
             self.recording.append(entry._replace(declined=ahead and not agreed))
@@ -295,7 +291,8 @@ class ZeroGroup:
 
     def _exchange(self, codes: list[int], can: bool, digest: int = 0) -> torch.Tensor:
         """One flag all-reduce (MAX); raise if a rank has failed (every rank then gives up
-        the iteration, and the sections are agreed on again from the next one)."""
+        the iteration, and the sections are agreed on again from the next one), or if the
+        ranks are about to issue different collectives (`codes`)."""
         negated = [-c for c in codes]
         flag = torch.tensor([0, 0, *codes, *negated, -int(can), digest, -digest], dtype=torch.int64)
         self.flag_checks += 1
@@ -310,6 +307,8 @@ class ZeroGroup:
             if int(flag[1]):  # it left the agreed collectives: the message says how
                 raise CollectiveMismatch(message)
             raise RankFailed(f"rank {failed} failed: {message}")
+        if not torch.equal(flag[2 : 2 + _CODES], -flag[2 + _CODES : _CAN]):
+            raise CollectiveMismatch(self._mismatch(codes))
         return flag
 
     def _mismatch(self, codes: list[int]) -> str:
@@ -387,7 +386,7 @@ class ZeroGroup:
             self.report_failure(CollectiveMismatch(message))
             raise CollectiveMismatch(message)
         done, recorded = self.section, self.recording
-        self.section, self.recording, self.script, self.at = None, None, None, 0
+        self._leave_section()
         key = None
         if kind is not None:
             n = self.counts.get(kind, 0)
@@ -396,10 +395,7 @@ class ZeroGroup:
         script = self.scripts.get(key) if key in self.steady and following else None
         digest = _digest(script) if script is not None else 0
         here = Op("point", group=_SECTIONS.index(kind) if kind else -1, numel=key[1] if key else 0)
-        codes = here.codes()
-        flag = self._exchange(codes, script is not None, digest)
-        if not torch.equal(flag[2 : 2 + _CODES], -flag[2 + _CODES : _CAN]):
-            raise CollectiveMismatch(self._mismatch(codes))
+        flag = self._exchange(here.codes(), script is not None, digest)
         if (
             done is not None
             and recorded is not None
@@ -431,6 +427,9 @@ class ZeroGroup:
             self.scripts.clear()
             self.steady.clear()
         self.counts.clear()
+        self._leave_section()
+
+    def _leave_section(self) -> None:
         self.section, self.recording, self.script, self.at = None, None, None, 0
 
     def _follow(self, entry: Entry) -> bool:
@@ -475,24 +474,26 @@ class ZeroGroup:
         def zeros(k: int = n) -> torch.Tensor:
             return torch.zeros(k, dtype=dtype, device=device)
 
-        with self._calling():
-            if e.op.kind in ("all_gather", "reduce_scatter") and contiguous:
-                buffer = zeros(n * self.nproc)
-                own = buffer.chunk(self.nproc)[self.rank]
-                if e.op.kind == "all_gather":
-                    _gather_into(buffer, own, self.group)
-                else:
-                    _reduce_scatter_into(own, buffer, self.group, async_op=True).wait()
-            elif e.op.kind == "all_gather":
-                dist.all_gather([zeros() for _ in range(self.nproc)], zeros(), group=self.group)
-            elif e.op.kind == "reduce_scatter":
-                self.reduce_scatter_sum(zeros(), [zeros() for _ in range(self.nproc)], None).wait()
+        if e.op.kind in ("all_gather", "reduce_scatter"):
+            # one buffer (its slice this rank's) or a list (its entry), as `GatheredGroups`
+            whole: torch.Tensor | list[torch.Tensor]
+            if contiguous:
+                whole = zeros(n * self.nproc)
+                own = whole.chunk(self.nproc)[self.rank]
             else:
-                for r in range(self.nproc):
-                    if e.op.kind == "broadcast":
-                        dist.broadcast(zeros(), src=self._global(r), group=self.group)
-                    else:
-                        dist.reduce(zeros(), dst=self._global(r), group=self.group)
+                whole = [zeros() for _ in range(self.nproc)]
+                own = whole[self.rank]
+            if e.op.kind == "all_gather":
+                self._all_gather(whole, own, "", async_op=False)
+            else:
+                self._reduce_scatter(own, whole, "").wait()
+            return
+        for r in range(self.nproc):
+            if e.op.kind == "broadcast":
+                self._broadcast(zeros(), r)
+            else:
+                with self._calling():
+                    dist.reduce(zeros(), dst=self._global(r), group=self.group)
 
     def _message_from(self, failed: int, mine: str) -> str:
         data = torch.tensor(list(mine.encode()[:4000]), dtype=torch.uint8)
@@ -528,11 +529,20 @@ class ZeroGroup:
         work is returned to be waited on before the outputs are read."""
         if not agreed:
             self._agree(op, dtype=own.dtype)
-        self._sent("all_gather", own, self.nproc - 1, op.chunks)
+        return self._all_gather(outputs, own, op.chunks, async_op=agreed)
+
+    def _all_gather(
+        self,
+        outputs: torch.Tensor | list[torch.Tensor],
+        own: torch.Tensor,
+        kind: str,
+        async_op: bool,
+    ) -> Work | None:
+        self._sent("all_gather", own, self.nproc - 1, kind)
         with self._calling():
             if isinstance(outputs, list):
-                return dist.all_gather(outputs, own, group=self.group, async_op=agreed)
-            return _gather_into(outputs, own, self.group, async_op=agreed)
+                return dist.all_gather(outputs, own, group=self.group, async_op=async_op)
+            return _gather_into(outputs, own, self.group, async_op=async_op)
 
     def agree_ahead(self, op: Op, can: bool, dtype: torch.dtype) -> bool:
         """The flag of a gather issued ahead: True if every rank can issue it now. In a
@@ -541,15 +551,18 @@ class ZeroGroup:
         return self._agree(op, can, dtype, ahead=True)
 
     def reduce_scatter_sum(
-        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], op: Op | None
+        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], op: Op
     ) -> Work:
         """ "collective" variant, asynchronous: `own` becomes the sum over ranks of this
         rank's part of `inputs` (one buffer, `own` its slice; or a list, `own` its entry).
-        Wait on the returned work before reading `own` or freeing the inputs. `op` None:
-        a stand-in (see [Note: agreed sections])."""
-        if op is not None:
-            self._agree(op, dtype=own.dtype)
-        self._sent("reduce_scatter", own, self.nproc - 1, op.chunks if op else "")
+        Wait on the returned work before reading `own` or freeing the inputs."""
+        self._agree(op, dtype=own.dtype)
+        return self._reduce_scatter(own, inputs, op.chunks)
+
+    def _reduce_scatter(
+        self, own: torch.Tensor, inputs: torch.Tensor | list[torch.Tensor], kind: str
+    ) -> Work:
+        self._sent("reduce_scatter", own, self.nproc - 1, kind)
         with self._calling():
             if isinstance(inputs, list):
                 if self.list_reduce_scatter:
